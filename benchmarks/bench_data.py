@@ -1,0 +1,167 @@
+"""Data-pipeline speed on this machine: regeneration throughput and cached vs online target features.
+
+For each target: regenerate a few synthetic prompts (fresh temporary cache, so nothing is reused) and report
+generated tokens/s; build the float16 feature cache; then time one training batch's features both ways —
+reading the cache (safetensors, memory-mapped, warm page cache) and padding, versus one target forward. The same
+comparison is repeated at training length (random ids, T = --long-length). Prints a markdown table and writes
+benchmarks/results/data.md with the command that produced it.
+
+    .venv/bin/python benchmarks/bench_data.py                      # tiny + smollm2-135m
+    .venv/bin/python benchmarks/bench_data.py --targets tiny       # seconds
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import shlex
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from dspark.data.datamodule import collate_sequences
+from dspark.data.features import FeatureCache, cache_features, compute_features, pad_right
+from dspark.data.regenerate import SamplingConfig, load_regenerated, read_manifest, regenerate_responses
+from dspark.data.synthetic import generate_synthetic_prompts
+from dspark.targets import load_target
+
+RESULTS = Path(__file__).resolve().parent / "results" / "data.md"
+TARGET_CACHE = Path("/work/main/outputs/cache")
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--targets", nargs="+", default=["tiny", "smollm2-135m"])
+    parser.add_argument("--num-prompts", type=int, default=6, help="prompts regenerated per target (one batch)")
+    parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--batch-size", type=int, default=4, help="sequences per feature batch")
+    parser.add_argument("--long-length", type=int, default=512, help="T of the training-length comparison")
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--cache-dir", type=Path, default=TARGET_CACHE, help="where targets are cached")
+    return parser.parse_args(argv)
+
+
+def median_seconds(fn, *, repeats: int) -> float:
+    fn()  # warm-up (allocations, first mmap faults)
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def bench_regeneration(target, args, work: Path) -> tuple[Path, dict]:
+    prompts = generate_synthetic_prompts(args.num_prompts, seed=0)
+    sampling = SamplingConfig(max_new_tokens=args.max_new_tokens, batch_size=args.num_prompts)
+    regen_dir = regenerate_responses(target, prompts, sampling=sampling, cache_dir=work, seed=0,
+                                     min_loss_tokens=1, show_progress=False)
+    return regen_dir, read_manifest(regen_dir)["stats"]
+
+
+def bench_features_regenerated(target, regen_dir: Path, args, work: Path) -> dict:
+    """Cached vs online features for the first batch of regenerated sequences."""
+    start = time.perf_counter()
+    feature_dir = cache_features(target, regen_dir, cache_dir=work, batch_size=args.batch_size, show_progress=False)
+    build_s = time.perf_counter() - start
+    cache = FeatureCache(feature_dir)
+    data = load_regenerated(regen_dir).with_format("torch", columns=["input_ids", "loss_mask"])
+    indices = list(range(min(args.batch_size, len(data))))
+    rows = [data[i]["input_ids"].long() for i in indices]
+    masks = [data[i]["loss_mask"].bool() for i in indices]
+
+    def read_cached():  # what the DataModule adds per batch when a cache is used: read + pad
+        items = []
+        for i in indices:
+            features, final_hidden = cache[i]
+            items.append({"input_ids": rows[i], "loss_mask": masks[i], "index": i, "features": features,
+                          "anchors": torch.zeros(0, dtype=torch.long), "final_hidden": final_hidden})
+        return collate_sequences(items, pad_token_id=0)
+
+    def compute_online():
+        ids, mask = pad_right(rows, pad_id=0)
+        return compute_features(target, ids, attention_mask=mask)
+
+    tokens = sum(len(r) for r in rows)
+    disk = sum(p.stat().st_size for p in feature_dir.glob("*.safetensors"))
+    return {"tokens": tokens, "cached_s": median_seconds(read_cached, repeats=args.repeats),
+            "online_s": median_seconds(compute_online, repeats=args.repeats), "build_s": build_s,
+            "bytes_per_token": disk / max(1, sum(len(data[i]["input_ids"]) for i in range(len(data))))}
+
+
+def bench_features_long(target, args, work: Path) -> dict:
+    """The same comparison at training length, on random ids (values do not matter for speed)."""
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, target.vocab_size, (args.batch_size, args.long_length), generator=gen)
+    mask = torch.ones_like(ids, dtype=torch.bool)
+    features, final_hidden = compute_features(target, ids, attention_mask=mask)
+    path = work / "long.safetensors"
+    save_file({f"{name}.{b}": t[b].to(torch.float16).contiguous() for name, t in
+               (("features", features), ("final_hidden", final_hidden)) for b in range(len(ids))}, str(path))
+    handle = safe_open(str(path), framework="pt")
+
+    def read_cached():
+        for name in ("features", "final_hidden"):
+            torch.stack([handle.get_tensor(f"{name}.{b}") for b in range(len(ids))]).float()
+
+    return {"tokens": ids.numel(), "cached_s": median_seconds(read_cached, repeats=args.repeats),
+            "online_s": median_seconds(lambda: compute_features(target, ids, attention_mask=mask),
+                                       repeats=args.repeats)}
+
+
+def run_target(name: str, args) -> list[list[str]]:
+    target = load_target(name, cache_dir=args.cache_dir)
+    with tempfile.TemporaryDirectory(prefix="bench_data_") as tmp:
+        work = Path(tmp)
+        regen_dir, stats = bench_regeneration(target, args, work)
+        short = bench_features_regenerated(target, regen_dir, args, work)
+        long = bench_features_long(target, args, work)
+    regen_tok_s = stats["generated_tokens"] / stats["seconds"]
+    rows = [[name, "regeneration (sampling, batch %d)" % args.num_prompts,
+             f"{stats['generated_tokens']:.0f} tokens in {stats['seconds']:.1f} s", f"{regen_tok_s:.1f} tok/s", ""]]
+    for label, r in ((f"features, regenerated batch (B={args.batch_size})", short),
+                     (f"features, B={args.batch_size} × T={args.long_length}", long)):
+        winner = "cached" if r["cached_s"] < r["online_s"] else "online"
+        rows.append([name, label, f"{r['tokens']} tokens",
+                     f"cached {1e3 * r['cached_s']:.1f} ms vs online {1e3 * r['online_s']:.1f} ms",
+                     f"{winner} ({max(r['online_s'], r['cached_s']) / min(r['online_s'], r['cached_s']):.1f}×)"])
+    rows.append([name, "feature cache build + size", "", f"{short['build_s']:.1f} s",
+                 f"{short['bytes_per_token']:.0f} bytes/token (fp16, m={len(target.feature_layer_ids)})"])
+    return rows
+
+
+def markdown(rows: list[list[str]]) -> str:
+    header = ["target", "measurement", "work", "time / rate", "faster / note"]
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    return "\n".join(lines + ["| " + " | ".join(r) + " |" for r in rows])
+
+
+def main(argv: list[str]) -> int:
+    args = parse_args(argv)
+    rows = []
+    for name in args.targets:
+        try:
+            rows += run_target(name, args)
+        except (ValueError, OSError) as err:  # e.g. smollm2 not installed: report, keep the others
+            rows.append([name, "unavailable", "", "", str(err).splitlines()[0][:120]])
+    table = markdown(rows)
+    print(table)
+    command = " ".join([".venv/bin/python benchmarks/bench_data.py", *map(shlex.quote, argv)])
+    load = os.getloadavg()[0]
+    RESULTS.parent.mkdir(parents=True, exist_ok=True)
+    RESULTS.write_text(
+        f"# Data pipeline benchmark\n\nCommand: `{command}`\n\n"
+        f"Machine: {os.cpu_count()} CPUs, torch {torch.__version__}, {torch.get_num_threads()} threads, fp32 "
+        f"targets; 1-minute load average at the end {load:.1f} (other jobs share the machine, so times are "
+        "±50%). Cached reads hit a warm page cache.\n\n" + table + "\n"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

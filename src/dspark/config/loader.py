@@ -1,0 +1,163 @@
+"""Load a `RunConfig` from YAML files and dotted `key=value` overrides, with errors that name the key and the fix.
+
+Values on the command line are parsed as YAML scalars/lists (`model.depth=3`, `model.feature_layers=[1,8,14]`,
+`data.local_dir=null`). Every key is checked against the dataclass schema before anything runs.
+"""
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import types
+import typing
+from pathlib import Path
+from typing import Any, Iterable
+
+import yaml
+
+from dspark.config.schema import RunConfig
+
+
+class ConfigError(ValueError):
+    """A configuration problem; the message names the key and what to do."""
+
+
+def parse_overrides(argv: Iterable[str]) -> dict[str, Any]:
+    """`["a.b=1", "sweep=depth"]` → `{"a.b": 1, "sweep": "depth"}` (values parsed as YAML)."""
+    out: dict[str, Any] = {}
+    for arg in argv:
+        if "=" not in arg or arg.startswith("="):
+            raise ConfigError(f"Cannot parse argument '{arg}': write overrides as key=value, e.g. model.depth=3.")
+        key, raw = arg.split("=", 1)
+        out[key.strip()] = _parse_value(raw)
+    return out
+
+
+def _parse_value(raw: str) -> Any:
+    try:
+        value = yaml.safe_load(raw) if raw != "" else ""
+    except yaml.YAMLError:
+        return raw
+    return raw if isinstance(value, (dict, set)) else value
+
+
+def load_yaml(path: Path) -> dict[str, Any]:
+    """Read a YAML mapping and flatten it to dotted keys."""
+    data = yaml.safe_load(Path(path).read_text()) or {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: expected a mapping of config keys at the top level.")
+    return flatten(data)
+
+
+def flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """Nested dict → dotted keys; lists stay values."""
+    flat: dict[str, Any] = {}
+    for key, value in tree.items():
+        dotted = f"{prefix}{key}"
+        if isinstance(value, dict):
+            flat.update(flatten(value, dotted + "."))
+        else:
+            flat[dotted] = value
+    return flat
+
+
+def valid_keys(cls: type = RunConfig, prefix: str = "") -> list[str]:
+    """Every dotted leaf key of the schema."""
+    keys = []
+    for f in dataclasses.fields(cls):
+        sub = _dataclass_type(cls, f.name)
+        keys.extend(valid_keys(sub, f"{prefix}{f.name}.") if sub else [f"{prefix}{f.name}"])
+    return keys
+
+
+def _dataclass_type(cls: type, name: str) -> type | None:
+    hint = typing.get_type_hints(cls)[name]
+    return hint if dataclasses.is_dataclass(hint) else None
+
+
+def apply_overrides(cfg: RunConfig, overrides: dict[str, Any], *, source: str) -> RunConfig:
+    """Return a copy of `cfg` with dotted overrides applied; all bad keys/values are reported together."""
+    cfg = _deepcopy(cfg)
+    errors = []
+    keys = valid_keys()
+    for key, value in overrides.items():
+        try:
+            _set(cfg, key, value, keys)
+        except ConfigError as err:
+            errors.append(str(err))
+    if errors:
+        raise ConfigError(f"Invalid configuration ({source}):\n  - " + "\n  - ".join(errors))
+    return cfg
+
+
+def _deepcopy(cfg: RunConfig) -> RunConfig:
+    import copy
+
+    return copy.deepcopy(cfg)
+
+
+def _set(cfg: Any, key: str, value: Any, keys: list[str]) -> None:
+    parts = key.split(".")
+    node = cfg
+    for part in parts[:-1]:
+        if not dataclasses.is_dataclass(node) or not hasattr(node, part) or not dataclasses.is_dataclass(getattr(node, part)):
+            raise ConfigError(_unknown_key(key, keys))
+        node = getattr(node, part)
+    leaf = parts[-1]
+    if not dataclasses.is_dataclass(node) or leaf not in {f.name for f in dataclasses.fields(node)}:
+        raise ConfigError(_unknown_key(key, keys))
+    if dataclasses.is_dataclass(getattr(node, leaf)):
+        raise ConfigError(f"'{key}' is a group; set one of its keys, e.g. {key}.{dataclasses.fields(getattr(node, leaf))[0].name}=...")
+    hint = typing.get_type_hints(type(node))[leaf]
+    setattr(node, leaf, coerce(value, hint, key=key))
+
+
+def _unknown_key(key: str, keys: list[str]) -> str:
+    leaf = key.split(".")[-1]
+    close = difflib.get_close_matches(key, keys, n=3, cutoff=0.6)
+    close = close or [k for k in keys if k.split(".")[-1] == leaf or leaf in k][:3]
+    groups = sorted({k.split(".")[0] for k in keys})
+    hint = f" Closest valid keys: {', '.join(close)}." if close else f" Top-level keys and groups: {', '.join(groups)}."
+    return f"Unknown config key '{key}'.{hint} See experiments/default.yaml for all keys."
+
+
+def coerce(value: Any, hint: Any, *, key: str) -> Any:
+    """Convert `value` to the annotated type or raise a ConfigError naming the key and the expected type."""
+    origin = typing.get_origin(hint)
+    if origin in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(hint) if a is not type(None)]
+        if value is None:
+            return None
+        return coerce(value, args[0], key=key)
+    if origin is list:
+        (item,) = typing.get_args(hint) or (Any,)
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"'{key}' expects a list, e.g. {key}=[1,2,3]; got {value!r}.")
+        return [coerce(v, item, key=key) for v in value]
+    if hint is bool:
+        if isinstance(value, bool):
+            return value
+        raise ConfigError(f"'{key}' expects true/false; got {value!r}.")
+    if hint is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+        raise ConfigError(f"'{key}' expects an integer; got {value!r}.")
+    if hint is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        raise ConfigError(f"'{key}' expects a number; got {value!r}.")
+    if hint is str:
+        if value is None or isinstance(value, (dict, list)):
+            raise ConfigError(f"'{key}' expects a string; got {value!r}.")
+        return str(value)
+    return value
+
+
+def to_dict(cfg: Any) -> dict[str, Any]:
+    """Nested plain-dict view (for YAML artifacts and MLflow params)."""
+    return dataclasses.asdict(cfg)
+
+
+def to_yaml(cfg: Any) -> str:
+    return yaml.safe_dump(to_dict(cfg), sort_keys=False)

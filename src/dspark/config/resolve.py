@@ -1,0 +1,145 @@
+"""Resolve a run's configuration: defaults < default.yaml < budget overlay < sweep cell < command line.
+
+Semantic validation (ranges, names, drafter/head compatibility) runs after the final merge and reports every
+problem at once, before any work starts.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from dspark.config.loader import ConfigError, apply_overrides, load_yaml, parse_overrides
+from dspark.config.schema import BUDGETS, DRAFTERS, HEADS, POLICIES, STAGES, RunConfig
+from dspark.registry import unknown_name_message
+
+
+def repo_root() -> Path:
+    """The checkout holding `experiments/` (editable installs), else the working directory."""
+    env = os.environ.get("DSPARK_REPO_ROOT")
+    if env:
+        return Path(env).resolve()
+    here = Path(__file__).resolve()
+    for parent in here.parents:
+        if (parent / "experiments" / "default.yaml").exists():
+            return parent
+    return Path.cwd().resolve()
+
+
+def experiments_dir() -> Path:
+    return repo_root() / "experiments"
+
+
+def sweeps_dir() -> Path:
+    return repo_root() / "sweeps"
+
+
+def available_sweeps() -> list[str]:
+    return sorted(p.stem for p in sweeps_dir().glob("*.yaml"))
+
+
+@dataclass
+class ResolvedConfig:
+    """The final config plus what produced it (for provenance)."""
+
+    cfg: RunConfig
+    explicit_keys: set[str] = field(default_factory=set)  # keys set by a sweep cell or the command line
+    argv: list[str] = field(default_factory=list)
+
+    @property
+    def root(self) -> Path:
+        return Path(self.cfg.paths.root)
+
+    @property
+    def reports_dir(self) -> Path:
+        return Path(self.cfg.paths.reports)
+
+
+def resolve_config(argv: list[str], *, cell_overrides: dict[str, Any] | None = None) -> ResolvedConfig:
+    """Parse argv (`key=value ...`) into a validated config. `cell_overrides` come from a sweep cell."""
+    overrides = parse_overrides(argv)
+    cell = dict(cell_overrides or {})
+    budget = overrides.get("budget", cell.get("budget"))
+    cfg = apply_overrides(RunConfig(), load_yaml(experiments_dir() / "default.yaml"), source="experiments/default.yaml")
+    budget = budget if budget is not None else cfg.budget
+    if budget not in BUDGETS:
+        raise ConfigError(unknown_name_message("budget", str(budget), list(BUDGETS)))
+    cfg = apply_overrides(cfg, load_yaml(experiments_dir() / "budgets" / f"{budget}.yaml"), source=f"budget {budget}")
+    cfg = apply_overrides(cfg, cell, source="sweep cell")
+    cfg = apply_overrides(cfg, overrides, source="command line")
+    explicit = set(cell) | set(overrides)
+    apply_drafter_defaults(cfg, explicit)
+    resolve_paths(cfg)
+    validate_config(cfg, explicit_keys=explicit)
+    return ResolvedConfig(cfg=cfg, explicit_keys=explicit, argv=list(argv))
+
+
+def apply_drafter_defaults(cfg: RunConfig, explicit: set[str]) -> None:
+    """drafter=dflash means head none, no confidence head, CE only (DeepSpec's baseline, METHOD §3)."""
+    if cfg.drafter == "dflash":
+        if "model.head" not in explicit:
+            cfg.model.head = "none"
+        for key, value in (("alpha_ce", 1.0), ("alpha_tv", 0.0), ("alpha_conf", 0.0)):
+            if f"loss.{key}" not in explicit:
+                setattr(cfg.loss, key, value)
+    if cfg.drafter == "eagle3" and "model.head" not in explicit:
+        cfg.model.head = "none"
+
+
+def resolve_paths(cfg: RunConfig) -> None:
+    """Make paths absolute; default root is <repo>/outputs with reports in <repo>/reports."""
+    default_root = not cfg.paths.root
+    root = repo_root() / "outputs" if default_root else Path(cfg.paths.root).expanduser()
+    cfg.paths.root = str(root.resolve())
+    if not cfg.paths.reports:
+        cfg.paths.reports = str((repo_root() / "reports") if default_root else root.resolve() / "reports")
+
+
+def validate_config(cfg: RunConfig, *, explicit_keys: set[str] = frozenset()) -> None:
+    """Range and name checks on the merged config; all problems reported together."""
+    errors = [e for e in _name_errors(cfg) + _range_errors(cfg) + _drafter_errors(cfg, explicit_keys) if e]
+    if errors:
+        raise ConfigError("Invalid configuration:\n  - " + "\n  - ".join(errors))
+
+
+def _name_errors(cfg: RunConfig) -> list[str]:
+    checks = [("drafter", cfg.drafter, DRAFTERS), ("model.head", cfg.model.head, HEADS),
+              ("stage", cfg.stage, STAGES), ("budget", cfg.budget, BUDGETS),
+              ("decode.policy", cfg.decode.policy, POLICIES)]
+    errors = [unknown_name_message(key, value, list(valid)) for key, value, valid in checks if value not in valid]
+    if cfg.sweep and cfg.sweep not in available_sweeps():
+        errors.append(unknown_name_message("sweep", cfg.sweep, available_sweeps()))
+    return errors
+
+
+def _range_errors(cfg: RunConfig) -> list[str]:
+    m, d, loss = cfg.model, cfg.decode, cfg.loss
+    rules = [
+        (m.block_size >= 1, f"model.block_size must be ≥ 1 (got {m.block_size}); the paper uses 7."),
+        (m.depth >= 1, f"model.depth must be ≥ 1 (got {m.depth}); the paper uses 5."),
+        (m.markov_rank >= 0, f"model.markov_rank must be ≥ 0 (got {m.markov_rank}); 0 disables the head."),
+        (m.num_feature_layers >= 1, f"model.num_feature_layers must be ≥ 1 (got {m.num_feature_layers})."),
+        (0.0 <= d.threshold <= 1.0, f"decode.threshold must lie in [0, 1] (got {d.threshold})."),
+        (d.temperature >= 0.0, f"decode.temperature must be ≥ 0 (got {d.temperature}); 0 = greedy."),
+        (loss.decay > 0, f"loss.decay must be > 0 (got {loss.decay}); the paper uses 4."),
+        (min(loss.alpha_ce, loss.alpha_tv, loss.alpha_conf) >= 0, "loss.alpha_* must be ≥ 0."),
+        (loss.alpha_ce + loss.alpha_tv + loss.alpha_conf > 0, "at least one of loss.alpha_ce/alpha_tv/alpha_conf must be > 0."),
+        (0 < cfg.data.val_fraction < 1, f"data.val_fraction must lie in (0, 1) (got {cfg.data.val_fraction})."),
+        (cfg.data.max_anchors >= 1, f"data.max_anchors must be ≥ 1 (got {cfg.data.max_anchors})."),
+        (cfg.data.num_train_prompts >= 2, "data.num_train_prompts must be ≥ 2 (one for validation)."),
+        (cfg.optim.lr > 0, f"optim.lr must be > 0 (got {cfg.optim.lr})."),
+    ]
+    return [msg for ok, msg in rules if not ok]
+
+
+def _drafter_errors(cfg: RunConfig, explicit: set[str]) -> list[str]:
+    if cfg.drafter == "dflash" and cfg.model.head != "none":
+        return [f"drafter=dflash has no sequential head (model.head={cfg.model.head}); use drafter=dspark "
+                f"model.head={cfg.model.head}, or drop model.head."]
+    if cfg.drafter == "eagle3" and cfg.model.head != "none":
+        return [f"drafter=eagle3 is autoregressive and takes no sequential head (model.head={cfg.model.head}); "
+                "drop model.head."]
+    if cfg.drafter == "dflash" and cfg.loss.alpha_conf > 0:
+        return ["drafter=dflash has no confidence head: loss.alpha_conf must be 0."]
+    return []

@@ -1,0 +1,142 @@
+"""Typed configuration schema: every public `key=value` of `experiments/run.py` is a field here.
+
+Precedence (lowest → highest): these defaults < `experiments/default.yaml` < `experiments/budgets/<budget>.yaml`
+< sweep cell overrides < command-line `key=value`. `validate_config` re-runs after all merges.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+DRAFTERS = ("dspark", "dflash", "eagle3")
+HEADS = ("markov", "rnn", "none")
+BUDGETS = ("smoke", "cpu", "paper")
+STAGES = ("prepare", "train", "eval", "all", "report", "profile")
+POLICIES = ("fixed", "threshold", "scheduler")
+
+
+@dataclass
+class PathsConfig:
+    #: every output of a run goes under root (MLflow store, caches, checkpoints, reports); "" = <repo>/outputs
+    root: str = ""
+    #: where markdown reports go; "" = <repo>/reports for the default root, else <root>/reports
+    reports: str = ""
+
+
+@dataclass
+class TargetConfig:
+    trust_remote_code: bool = False  #: off unless you trust the model repository's code
+    mask_token_id: Optional[int] = None  #: override the reserved MASK row (METHOD §2.1); None = automatic
+    dtype: str = "float32"  #: float32 | bfloat16 | float16 (bf16 is slower than fp32 on these CPUs)
+
+
+@dataclass
+class ModelConfig:
+    head: str = "markov"  #: sequential head: markov | rnn | none (METHOD §2.2); drafter=dflash forces none
+    depth: int = 5  #: draft decoder layers (paper 5)
+    block_size: int = 7  #: γ, drafts per round (paper 7)
+    markov_rank: int = 256  #: r of the Markov/RNN head (paper 256); 0 = no head (DFlash logits exactly)
+    num_feature_layers: int = 5  #: m, used when feature_layers is empty
+    feature_layers: list[int] = field(default_factory=list)  #: target layer ids; [] = METHOD §2.1 default
+
+
+@dataclass
+class LossConfig:
+    alpha_ce: float = 0.1
+    alpha_tv: float = 0.9
+    alpha_conf: float = 1.0
+    decay: float = 4.0  #: γ_w of the position weights exp(-(k-1)/γ_w); 4 produced Table 1
+
+
+@dataclass
+class SamplingConfig:
+    """How the target regenerates training responses (METHOD §3; DeepSpec's recommended sampling)."""
+
+    temperature: float = 0.7
+    top_p: float = 0.8
+    top_k: int = 20
+    max_new_tokens: int = 256
+    batch_size: int = 8
+    system_prompt: Optional[str] = None  #: None = whatever the target's chat template does by default
+
+
+@dataclass
+class DataConfig:
+    train_sets: list[str] = field(default_factory=lambda: ["synthetic"])  #: prompt sets to regenerate
+    num_train_prompts: int = 240  #: prompts drawn (round-robin over train_sets)
+    local_dir: Optional[str] = None  #: directory of JSONL prompt files (schema of shared/data); wins over the hub
+    max_length: int = 1024  #: truncate regenerated sequences (tokens)
+    val_fraction: float = 0.05
+    calib_fraction: float = 0.05
+    max_anchors: int = 64  #: K, anchors per sequence per epoch (DeepSpec 512)
+    batch_size: int = 4  #: sequences per micro-batch
+    cache_features: bool = True  #: store target features once instead of recomputing them every epoch
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 6e-4
+    weight_decay: float = 0.0
+    beta1: float = 0.9
+    beta2: float = 0.999
+    warmup_fraction: float = 0.04
+    grad_clip: float = 1.0
+    epochs: int = 10
+    max_steps: int = -1  #: -1 = epochs decide
+    accumulate_grad_batches: int = 1
+
+
+@dataclass
+class TrainerConfig:
+    accelerator: str = "auto"
+    devices: int = 1
+    strategy: str = "auto"  #: ddp | fsdp | auto ...; see README "Scaling out"
+    num_nodes: int = 1
+    precision: str = "32-true"
+    log_every_n_steps: int = 10
+    val_check_interval: float = 1.0
+
+
+@dataclass
+class DecodeConfig:
+    policy: str = "fixed"  #: fixed | threshold | scheduler (METHOD §6)
+    threshold: float = 0.5
+    temperature: float = 1.0  #: 0 = greedy verification
+    max_new_tokens: int = 128
+    eval_sets: list[str] = field(default_factory=lambda: ["gsm8k", "humaneval", "mt-bench"])
+    prompts_per_set: int = 4
+    calibrate: bool = True  #: fit STS on the calibration split before threshold/scheduler decoding
+
+
+@dataclass
+class TrackingConfig:
+    uri: str = ""  #: "" = sqlite under paths.root; or http://HOST:PORT of a running mlflow server
+    experiment: str = "dspark-lab"
+
+
+@dataclass
+class OptunaConfig:
+    storage: str = ""  #: "" = sqlite under paths.root; a journal file path or postgresql:// URL to share a study
+    n_trials: int = 8
+    study: str = ""
+
+
+@dataclass
+class RunConfig:
+    target: str = "smollm2-135m"  #: built-in name (smollm2-135m, tiny), hub id or local path
+    drafter: str = "dspark"  #: dspark | dflash | eagle3
+    seed: int = 0
+    budget: str = "cpu"  #: smoke | cpu | paper (experiments/budgets/*.yaml)
+    stage: str = "all"  #: prepare | train | eval | all | report | profile
+    sweep: str = ""  #: sweeps/<name>.yaml; set on the command line as sweep=NAME
+    paths: PathsConfig = field(default_factory=PathsConfig)
+    target_options: TargetConfig = field(default_factory=TargetConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    loss: LossConfig = field(default_factory=LossConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    decode: DecodeConfig = field(default_factory=DecodeConfig)
+    tracking: TrackingConfig = field(default_factory=TrackingConfig)
+    optuna: OptunaConfig = field(default_factory=OptunaConfig)

@@ -1,0 +1,1 @@
+"""Data: prompt sets (registry, loaders, offline generator), response regeneration, training blocks, DataModule."""

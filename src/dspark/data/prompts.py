@@ -1,0 +1,372 @@
+"""Prompt sets: the paper's nine evaluation sets, training sets, and one loader for local JSONL or the hub.
+
+Local files use the schema of `shared/data/SOURCES.md`: one JSON object per line with `prompt` (the first user
+turn, already in the paper's format for eval sets), optional `id`, `domain`, `turns` (later user turns),
+`reference` and `paper_eval_rank`. A DeepSpec-style row `{"turns": [t1, t2, ...]}` without `prompt` is read as
+prompt = t1, turns = [t2, ...].
+
+The paper's selection (DeepSpec `eval.py`): only the first turn is fed; a set with more rows than the task's cap
+is shuffled with `random.Random(980406)` and the first `cap` rows kept. `Random.shuffle` depends only on the list
+length, so a staged file's `paper_eval_rank` column and a fresh shuffle of the hub rows agree.
+"""
+from __future__ import annotations
+
+import os
+import random
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any, Callable, Mapping
+
+from dspark.registry import Registry
+
+PAPER_SEED = 980406  # DeepSpec eval.py --seed default; fixes which rows the paper evaluates
+SYNTHETIC_DEFAULT_COUNT = 1000  # prompts generated for the `synthetic` set when no limit is given
+REASONING_SUFFIX = "\nPlease reason step by step, and put your final answer within \\boxed{}."
+HUMANEVAL_PREFIX = "Write a solution to the following problem and make sure that it passes the tests:\n```python\n"
+LCB_HEADER = (
+    "You are an expert Python programmer. You will be given a question (problem specification) and will generate "
+    "a correct Python program that matches the specification and passes all tests. You will NOT return anything "
+    "except for the program\n\n"
+)
+SELECTIONS = ("paper", "all")
+SCHEMA_HINT = (
+    "one JSON object per line with a `prompt` string and optional `id`, `domain`, `turns`, `reference`, "
+    "`paper_eval_rank` (see shared/data/SOURCES.md)"
+)
+
+
+@dataclass
+class PromptRecord:
+    """One prompt: `prompt` is the first user turn (the only one the paper feeds), `turns` the later user turns."""
+
+    id: str
+    domain: str  # math | code | chat
+    prompt: str
+    turns: list[str] = field(default_factory=list)
+    reference: str | None = None  # reference answer or solution where the source has one
+
+
+@dataclass(frozen=True)
+class PromptSetSpec:
+    """Where a prompt set lives and how its rows become PromptRecords.
+
+    `local_files` are candidate file names (first present wins) in the shared JSONL schema. `format_hub_row` is
+    a pure function of one hub row that applies the paper's prompt format. `paper_max` is the paper's cap on
+    evaluated rows (None: no cap). `generate(n, seed)` replaces file and hub for generated sets.
+    """
+
+    name: str
+    domain: str  # math | code | chat | mixed (records then carry their own domain)
+    role: str  # eval | train
+    local_files: tuple[str, ...] = ()
+    hub_id: str | None = None
+    hub_config: str | None = None
+    hub_split: str | None = None
+    hub_data_files: tuple[str, ...] = ()  # files in the hub repo, read with the json builder (script-based repos)
+    paper_max: int | None = None
+    format_hub_row: Callable[[Mapping[str, Any]], PromptRecord] | None = None
+    keep_local_row: Callable[[Mapping[str, Any]], bool] | None = None
+    generate: Callable[[int, int], list[PromptRecord]] | None = None
+    note: str = ""
+
+
+PROMPT_SETS: Registry[PromptSetSpec] = Registry("prompt set")
+
+
+# ---- the paper's prompt formats for hub rows (DeepSpec eval_datasets/convert_eval_datasets_to_jsonl.py) ----
+
+def format_gsm8k(row: Mapping[str, Any]) -> PromptRecord:
+    return PromptRecord("", "math", row["question"] + REASONING_SUFFIX, reference=row.get("answer"))
+
+
+def format_math_problem(row: Mapping[str, Any]) -> PromptRecord:
+    """MATH-500 and AIME rows: `problem` + the boxed-answer suffix; reference = worked solution or final answer."""
+    reference = row.get("solution", row.get("answer"))
+    return PromptRecord(
+        str(row.get("unique_id") or ""), "math", row["problem"] + REASONING_SUFFIX,
+        reference=None if reference is None else str(reference),
+    )
+
+
+def format_humaneval(row: Mapping[str, Any]) -> PromptRecord:
+    prompt = HUMANEVAL_PREFIX + row["prompt"] + "\n```"
+    return PromptRecord(row["task_id"], "code", prompt, reference=row.get("canonical_solution"))
+
+
+def format_mbpp(row: Mapping[str, Any]) -> PromptRecord:
+    """Sanitized MBPP: the `prompt` text alone, no tests shown."""
+    return PromptRecord(f"mbpp-{row['task_id']}", "code", row["prompt"], reference=row.get("code"))
+
+
+def format_livecodebench(row: Mapping[str, Any]) -> PromptRecord:
+    """The official LiveCodeBench code-generation template: starter code, or `# YOUR CODE HERE` without one."""
+    starter = row.get("starter_code") or ""
+    label = "Use the following code structure:" if starter else "Write your code in the following format:"
+    prompt = (
+        f"{LCB_HEADER}### Question:\n{row['question_content']}\n\n### Format: {label}\n"
+        f"```python\n{starter or '# YOUR CODE HERE'}\n```\n\n### Answer: (use the provided format with backticks)"
+    )
+    return PromptRecord("", "code", prompt)
+
+
+def format_mt_bench(row: Mapping[str, Any]) -> PromptRecord:
+    turns = list(row["prompt"])
+    references = row.get("reference") or []
+    pid = row.get("prompt_id")
+    return PromptRecord(
+        "" if pid is None else f"mtbench-{pid}", "chat", turns[0], turns=turns[1:],
+        reference=references[0] if references else None,
+    )
+
+
+def format_alpaca(row: Mapping[str, Any]) -> PromptRecord:
+    """`instruction`, or `instruction + "\\n\\nInput:\\n" + input` when the input is non-empty."""
+    text = row["instruction"]
+    if row.get("input"):
+        text = f"{text}\n\nInput:\n{row['input']}"
+    return PromptRecord("", "chat", text, reference=row.get("output"))
+
+
+def format_arena_hard(row: Mapping[str, Any]) -> PromptRecord:
+    uid = row.get("uid")
+    return PromptRecord("" if uid is None else f"arena_hard_v2-{uid}", "chat", row["prompt"])
+
+
+def format_conversation(row: Mapping[str, Any]) -> PromptRecord:
+    """ShareGPT-style `conversations` of {from, value}: first human turn = prompt, later human turns = turns."""
+    human = [t["value"] for t in row["conversations"] if t.get("from") in ("human", "user")]
+    if not human:
+        raise ValueError(f"prompt set 'open-perfectblend': a row has no human turn: {row['conversations']!r:.200}")
+    return PromptRecord("", guess_domain(str(row.get("source") or "")), human[0], turns=human[1:])
+
+
+def guess_domain(source: str) -> str:
+    """Domain of a mixed-set row from its source dataset name (math/code by keyword, else chat)."""
+    lowered = source.lower()
+    if any(key in lowered for key in ("math", "gsm", "aime", "numina")):
+        return "math"
+    if any(key in lowered for key in ("code", "coder", "program", "python")):
+        return "code"
+    return "chat"
+
+
+# ---- registry ----
+
+def _eval_set(name: str, *, domain: str, local: str | tuple[str, ...], cap: int, fmt, **hub) -> None:
+    files = (local,) if isinstance(local, str) else local
+    PROMPT_SETS.add(name, PromptSetSpec(
+        name, domain, "eval", local_files=files, paper_max=cap, format_hub_row=fmt, **hub))
+
+
+def _generate_synthetic(n: int, seed: int) -> list[PromptRecord]:
+    from dspark.data.synthetic import generate_synthetic_prompts  # late: synthetic imports PromptRecord from here
+
+    return generate_synthetic_prompts(n, seed=seed)
+
+
+_eval_set("gsm8k", domain="math", local="gsm8k_test.jsonl", cap=500, fmt=format_gsm8k,
+          hub_id="openai/gsm8k", hub_config="main", hub_split="test")
+_eval_set("math500", domain="math", local="math500.jsonl", cap=500, fmt=format_math_problem,
+          hub_id="HuggingFaceH4/MATH-500", hub_split="test")
+# DeepSpec's converter reads AIME 2025 from MathArena/aime_2025 (split train, 30 problems, `problem` column).
+_eval_set("aime25", domain="math", local="aime25.jsonl", cap=30, fmt=format_math_problem,
+          hub_id="MathArena/aime_2025", hub_split="train")
+_eval_set("humaneval", domain="code", local="humaneval.jsonl", cap=164, fmt=format_humaneval,
+          hub_id="openai/openai_humaneval", hub_split="test")
+_eval_set("mbpp", domain="code", local="mbpp.jsonl", cap=256, fmt=format_mbpp,
+          hub_id="google-research-datasets/mbpp", hub_config="sanitized", hub_split="test")
+# The hub repo ships a loading script that datasets>=4 refuses, so its JSONL files are read directly (as DeepSpec).
+_eval_set("livecodebench", domain="code", local="livecodebench.jsonl", cap=500, fmt=format_livecodebench,
+          hub_id="livecodebench/code_generation_lite", hub_split="test",
+          hub_data_files=("test.jsonl", "test2.jsonl", "test3.jsonl", "test4.jsonl", "test5.jsonl", "test6.jsonl"))
+_eval_set("mt-bench", domain="chat", local="mtbench.jsonl", cap=80, fmt=format_mt_bench,
+          hub_id="HuggingFaceH4/mt_bench_prompts", hub_split="train")
+# `alpaca.jsonl` (the paper's set, e.g. DeepSpec's eval_datasets/alpaca.jsonl) wins over the staged stand-in.
+_eval_set("alpaca", domain="chat", local=("alpaca.jsonl", "alpaca_eval.jsonl"), cap=500, fmt=format_alpaca,
+          hub_id="tatsu-lab/alpaca", hub_split="train",
+          note="The staged alpaca_eval.jsonl (805 AlpacaEval instructions) is a stand-in: the paper draws 500 rows "
+               "of tatsu-lab/alpaca (52k), which is not staged. Hub or a local alpaca.jsonl gives the paper's set.")
+# Arena-Hard v2.0 questions (750; the paper evaluates 500): the lmarena-ai/arena-hard-auto hub dataset holds the
+# same question.jsonl as github lmarena/arena-hard-auto, which the staged file and DeepSpec's copy come from.
+_eval_set("arena-hard", domain="chat", local="arena_hard_v2.jsonl", cap=500, fmt=format_arena_hard,
+          hub_id="lmarena-ai/arena-hard-auto", hub_split="train",
+          hub_data_files=("data/arena-hard-v2.0/question.jsonl",))
+
+PROMPT_SETS.add("open-perfectblend", PromptSetSpec(
+    "open-perfectblend", "mixed", "train", hub_id="mlabonne/open-perfectblend", hub_split="train",
+    format_hub_row=format_conversation, note="Domain per row is guessed from its `source` column."))
+PROMPT_SETS.add("gsm8k-train", PromptSetSpec("gsm8k-train", "math", "train", local_files=("gsm8k_train.jsonl",)))
+PROMPT_SETS.add("math-train", PromptSetSpec("math-train", "math", "train", local_files=("math_train.jsonl",)))
+PROMPT_SETS.add("mbpp-train", PromptSetSpec(
+    "mbpp-train", "code", "train", local_files=("mbpp_full.jsonl",),
+    keep_local_row=lambda row: row.get("split") in ("train", "validation", "prompt"),
+    note="MBPP task ids 1-10 and 511-974; the test ids 11-510 hold the eval set's tasks."))
+PROMPT_SETS.add("alpaca-seed", PromptSetSpec(
+    "alpaca-seed", "chat", "train", local_files=("alpaca_seed_tasks.jsonl",)))
+PROMPT_SETS.add("synthetic", PromptSetSpec(
+    "synthetic", "mixed", "train", generate=_generate_synthetic,
+    note=f"Offline generator (dspark.data.synthetic); limit=None gives {SYNTHETIC_DEFAULT_COUNT} prompts."))
+
+
+def prompt_set_domain(name: str) -> str:
+    """The set's domain (math | code | chat | mixed); raises the registry's error for unknown names."""
+    return PROMPT_SETS.resolve(name).domain
+
+
+def default_data_dir() -> Path | None:
+    """First existing of $DSPARK_DATA_DIR and <repo>/../shared/data (relative to this source tree), else None."""
+    candidates = [Path(os.environ["DSPARK_DATA_DIR"])] if os.environ.get("DSPARK_DATA_DIR") else []
+    candidates.append(Path(__file__).resolve().parents[3].parent / "shared" / "data")
+    return next((path for path in candidates if path.is_dir()), None)
+
+
+# ---- loading ----
+
+def load_prompts(
+    name: str,
+    *,
+    local_dir: str | Path | None = None,
+    limit: int | None = None,
+    seed: int = PAPER_SEED,
+    selection: str = "paper",
+    cache_dir: str | Path | None = None,
+) -> list[PromptRecord]:
+    """Load a prompt set: `local_dir` (if it holds the set's file) > default_data_dir() > the hub.
+
+    selection="paper": eval sets give the paper's rows in the paper's order (`paper_eval_rank` when the file has
+    it and seed is the paper's, else the seeded shuffle capped at `paper_max`); training sets give all rows.
+    selection="all": every row in file order. `limit` then keeps the first `limit` records. `cache_dir` is where
+    `datasets` keeps its Arrow cache (None: its default, HF_DATASETS_CACHE).
+    """
+    spec = PROMPT_SETS.resolve(name)
+    if selection not in SELECTIONS:
+        raise ValueError(f"selection='{selection}' is not one of {', '.join(SELECTIONS)}; use 'paper' or 'all'.")
+    if limit is not None and limit < 0:
+        raise ValueError(f"limit={limit} must be >= 0 (or None for the whole set).")
+    if spec.generate is not None:
+        return spec.generate(SYNTHETIC_DEFAULT_COUNT if limit is None else limit, seed)
+    records, ranks = _load_records(spec, local_dir=local_dir, cache_dir=cache_dir)
+    if selection == "paper":
+        records = _paper_selection(spec, records=records, ranks=ranks, seed=seed)
+    return records if limit is None else records[:limit]
+
+
+def paper_subset(items: list, *, cap: int, seed: int = PAPER_SEED) -> list:
+    """DeepSpec's selection: if len(items) > cap, shuffle (random.Random(seed)) and keep the first cap."""
+    if len(items) <= cap:
+        return list(items)
+    order = list(range(len(items)))
+    random.Random(seed).shuffle(order)
+    return [items[i] for i in order[:cap]]
+
+
+def _paper_selection(
+    spec: PromptSetSpec, *, records: list[PromptRecord], ranks: list | None, seed: int
+) -> list[PromptRecord]:
+    if spec.paper_max is None:
+        return records
+    if ranks is not None and seed == PAPER_SEED and any(rank is not None for rank in ranks):
+        # the staged rank reproduces the paper's order exactly, even where file order and hub order might differ
+        ranked = sorted((rank, i) for i, rank in enumerate(ranks) if rank is not None)
+        return [records[i] for _, i in ranked]
+    return paper_subset(records, cap=spec.paper_max, seed=seed)
+
+
+def _load_records(spec: PromptSetSpec, *, local_dir, cache_dir) -> tuple[list[PromptRecord], list | None]:
+    """Records of the whole set in source order, plus the `paper_eval_rank` column for local files."""
+    searched = []
+    if local_dir is not None:
+        local_dir = Path(local_dir)
+        if not local_dir.is_dir():
+            raise ValueError(
+                f"data.local_dir={local_dir} does not exist; point it at a directory of JSONL prompt files "
+                f"({SCHEMA_HINT}) or leave it unset.")
+        searched.append(f"data.local_dir={local_dir}")
+    default_dir = default_data_dir()
+    searched.append(f"default data dir={default_dir} ($DSPARK_DATA_DIR or <repo>/../shared/data)")
+    for directory in (local_dir, default_dir):
+        path = _find_local_file(spec, directory)
+        if path is not None:
+            return _read_local(spec, path, cache_dir=cache_dir)
+    if spec.hub_id is None:
+        raise ValueError(_not_found_message(spec, searched, hub_error=None))
+    try:
+        return _read_hub(spec, cache_dir=cache_dir), None
+    except Exception as exc:  # datasets raises many types when offline (ConnectionError, httpx, not-found, ...)
+        raise ValueError(_not_found_message(spec, searched, hub_error=exc)) from exc
+
+
+def _find_local_file(spec: PromptSetSpec, directory: Path | None) -> Path | None:
+    if directory is None:
+        return None
+    return next((directory / f for f in spec.local_files if (directory / f).is_file()), None)
+
+
+def _not_found_message(spec: PromptSetSpec, searched: list[str], *, hub_error: Exception | None) -> str:
+    files = " or ".join(spec.local_files) or "(no local file)"
+    where = "; ".join(searched)
+    if hub_error is None:
+        hub = "it has no hub copy"
+        fix = f"set data.local_dir=DIR to a directory holding {files}"
+    else:
+        hub = f"loading hub dataset {spec.hub_id} failed ({type(hub_error).__name__}: {str(hub_error)[:300]})"
+        fix = f"set data.local_dir=DIR to a directory holding {files}, or allow network access to the hub"
+    return f"Prompt set '{spec.name}': no {files} found in {where}, and {hub}. Fix: {fix} ({SCHEMA_HINT})."
+
+
+def _read_local(spec: PromptSetSpec, path: Path, *, cache_dir) -> tuple[list[PromptRecord], list]:
+    rows = _read_jsonl(path, cache_dir=cache_dir)
+    if spec.keep_local_row is not None:
+        rows = [row for row in rows if spec.keep_local_row(row)]
+    records = [_record_from_row(row, spec=spec, path=path, index=i) for i, row in enumerate(rows)]
+    return records, [row.get("paper_eval_rank") for row in rows]
+
+
+def _read_jsonl(path: Path, *, cache_dir) -> list[dict]:
+    """Rows of a JSONL file through `datasets`' json builder (Arrow cache in cache_dir, never beside the data)."""
+    import datasets
+
+    if path.stat().st_size == 0:
+        raise ValueError(f"{path} is empty; a prompt file needs {SCHEMA_HINT}.")
+    try:
+        ds = datasets.load_dataset(
+            "json", data_files=str(path), split="train", cache_dir=None if cache_dir is None else str(cache_dir))
+    except Exception as exc:  # pyarrow / ujson parse errors: report the file and the schema, not a stack of frames
+        raise ValueError(
+            f"Could not read {path} as JSONL ({type(exc).__name__}: {str(exc)[:300]}). It needs {SCHEMA_HINT}, "
+            "with no blank lines.") from exc
+    return ds.to_list()
+
+
+def _record_from_row(row: Mapping[str, Any], *, spec: PromptSetSpec, path: Path, index: int) -> PromptRecord:
+    prompt, turns = row.get("prompt"), [str(t) for t in (row.get("turns") or [])]
+    if prompt is None and turns:  # DeepSpec eval file: {"turns": [first, later...]}
+        prompt, turns = turns[0], turns[1:]
+    if not isinstance(prompt, str) or not prompt:
+        raise ValueError(f"{path} row {index}: no `prompt` string; prompt files need {SCHEMA_HINT}.")
+    reference = row.get("reference")
+    return PromptRecord(
+        id=str(row["id"]) if row.get("id") is not None else f"{path.stem}-{index}",
+        domain=str(row.get("domain") or spec.domain),
+        prompt=prompt,
+        turns=turns,
+        reference=None if reference is None else str(reference),
+    )
+
+
+def _read_hub(spec: PromptSetSpec, *, cache_dir) -> list[PromptRecord]:
+    """All hub rows in source order, formatted; rows without their own id get `<local stem>-<index>`."""
+    import datasets
+
+    cache = None if cache_dir is None else str(cache_dir)
+    if spec.hub_data_files:
+        files = [f"hf://datasets/{spec.hub_id}/{name}" for name in spec.hub_data_files]
+        ds = datasets.load_dataset("json", data_files=files, split="train", cache_dir=cache)
+    else:
+        ds = datasets.load_dataset(spec.hub_id, spec.hub_config, split=spec.hub_split, cache_dir=cache)
+    stem = Path(spec.local_files[0]).stem if spec.local_files else spec.name  # ids match the staged file's
+    records = []
+    for index, row in enumerate(ds):
+        record = spec.format_hub_row(row)
+        records.append(record if record.id else replace(record, id=f"{stem}-{index}"))
+    return records

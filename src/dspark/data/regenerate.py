@@ -1,0 +1,337 @@
+"""Target-regenerated training data (METHOD §3 "Data"): prompts only, responses sampled by the target itself.
+
+Each prompt becomes one sequence `input_ids = chat-template prompt ids + response ids through the end-of-turn
+token`, with `loss_mask = 1` on exactly the assistant's tokens through end-of-turn (never on the template's
+trailing newline), so the drafter learns to predict EOS. Multi-turn prompts are regenerated turn by turn.
+A response that hits `max_new_tokens` gets the end-of-turn id appended and is marked `truncated`. Sequences are
+cut at `max_length` (marked `clipped`) and dropped when fewer than `min_loss_tokens` (14) loss tokens remain.
+
+On disk: `cache_dir/regen/<key>/` with `manifest.json`, one parquet shard per prompt batch (written to a temp file,
+then `os.replace`d, so a crash never leaves a corrupt shard), and a `COMPLETE` marker. `key` is the sha256 of
+everything that determines the output; a rerun skips finished shards, and because batch `i` is sampled with a seed
+derived from `(seed, i)` alone, a resumed run produces the same data as an uninterrupted one.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Sequence
+
+import datasets
+import pyarrow as pa
+import pyarrow.parquet as pq
+import torch
+from tqdm.auto import tqdm
+from transformers import GenerationConfig
+
+FORMAT_VERSION = 1  # bump when the on-disk layout or the sequence construction changes
+COMPLETE = "COMPLETE"
+MANIFEST = "manifest.json"
+STATS_KEY = b"dspark_stats"
+_SENTINEL = "\u2063dspark-assistant\u2063"  # stands in for a finished assistant turn when rendering the next one
+FEATURES = datasets.Features(
+    {
+        "input_ids": datasets.Sequence(datasets.Value("int32")),
+        "loss_mask": datasets.Sequence(datasets.Value("int8")),
+        "prompt_id": datasets.Value("string"),
+        "domain": datasets.Value("string"),
+        "truncated": datasets.Value("bool"),
+        "clipped": datasets.Value("bool"),
+    }
+)
+
+
+@dataclass(frozen=True)
+class SamplingConfig:
+    """How the target samples responses (METHOD §3; DeepSpec's recommended T 0.7, top-p 0.8, top-k 20, min-p 0).
+
+    system_prompt None keeps the chat template's own default (SmolLM2 inserts a system turn; recorded in the
+    manifest as `template_default_system_prompt`). multi_turn regenerates later user turns one at a time.
+    temperature 0 means greedy decoding.
+    """
+
+    temperature: float = 0.7
+    top_p: float = 0.8
+    top_k: int = 20
+    max_new_tokens: int = 4096
+    batch_size: int = 8
+    system_prompt: str | None = None
+    multi_turn: bool = True
+
+    def __post_init__(self) -> None:
+        checks = [
+            (self.temperature >= 0, "temperature", "must be >= 0 (0 = greedy)"),
+            (0 < self.top_p <= 1, "top_p", "must be in (0, 1]"),
+            (self.top_k >= 0, "top_k", "must be >= 0 (0 = off)"),
+            (self.max_new_tokens >= 1, "max_new_tokens", "must be >= 1"),
+            (self.batch_size >= 1, "batch_size", "must be >= 1"),
+        ]
+        for ok, key, fix in checks:
+            if not ok:
+                raise ValueError(f"data.sampling.{key}={getattr(self, key)!r} {fix}")
+
+
+@dataclass
+class RegeneratedSequence:
+    """One training example (METHOD §3)."""
+
+    input_ids: list[int]  # prompt (chat template) + response + end-of-turn, per turn
+    loss_mask: list[int]  # 1 on the assistant's tokens through the end-of-turn token
+    prompt_id: str = ""
+    domain: str = ""
+    truncated: bool = False  # some response hit max_new_tokens (end-of-turn appended)
+    clipped: bool = False  # cut at max_length
+
+
+def derive_seed(*parts: Any) -> int:
+    """A 63-bit seed from any parts (stable across processes and Python versions, unlike hash())."""
+    digest = hashlib.sha256(json.dumps([str(p) for p in parts]).encode()).digest()
+    return int.from_bytes(digest[:8], "little") & (2**63 - 1)
+
+
+def end_of_turn_id(target: Any) -> int:
+    """The id closing an assistant turn: the tokenizer's eos when it is a stop id, else the first stop id."""
+    eos = target.tokenizer.eos_token_id
+    return int(eos) if eos in target.stop_token_ids else int(target.stop_token_ids[0])
+
+
+def user_turns(prompt: Any, *, multi_turn: bool) -> list[str]:
+    """The user turns to regenerate: `[prompt, *turns]` (PromptRecord.turns holds the later user turns)."""
+    later = list(getattr(prompt, "turns", None) or []) if multi_turn else []
+    return [prompt.prompt, *later]
+
+
+def regen_cache_key(
+    target: Any, prompts: Sequence[Any], *, sampling: SamplingConfig, seed: int, max_length: int, min_loss_tokens: int
+) -> str:
+    """sha256 over everything that determines the regenerated data."""
+    payload = {
+        "format": FORMAT_VERSION,
+        "target": target.fingerprint,
+        "generation_config": target.model.generation_config.to_diff_dict(),
+        "prompts": [[p.id, getattr(p, "domain", ""), p.prompt, list(getattr(p, "turns", None) or [])] for p in prompts],
+        "sampling": asdict(sampling),
+        "seed": seed,
+        "max_length": max_length,
+        "min_loss_tokens": min_loss_tokens,
+    }
+    return hashlib.sha256(json.dumps(payload, sort_keys=True, default=str).encode()).hexdigest()
+
+
+def regenerate_responses(
+    target: Any,
+    prompts: Sequence[Any],
+    *,
+    sampling: SamplingConfig,
+    cache_dir: Path,
+    seed: int,
+    max_length: int = 4096,
+    min_loss_tokens: int = 14,
+    show_progress: bool = True,
+) -> Path:
+    """Regenerate every prompt's response(s) with the target; return the cached dataset directory (resumable).
+
+    prompts: objects with `.id`, `.prompt`, optional `.turns` and `.domain` (PromptRecord). Finished shards of an
+    earlier run with the same key are kept; a finished directory is returned without generating anything.
+    """
+    if max_length < 2:
+        raise ValueError(f"data.max_length={max_length} must be >= 2; set the sequence length cap")
+    key = regen_cache_key(
+        target, prompts, sampling=sampling, seed=seed, max_length=max_length, min_loss_tokens=min_loss_tokens
+    )
+    out_dir = Path(cache_dir) / "regen" / key
+    if (out_dir / COMPLETE).exists():
+        return out_dir
+    out_dir.mkdir(parents=True, exist_ok=True)
+    batches = [prompts[i : i + sampling.batch_size] for i in range(0, len(prompts), sampling.batch_size)]
+    manifest = _manifest(target, key=key, sampling=sampling, seed=seed, max_length=max_length,
+                         min_loss_tokens=min_loss_tokens, num_prompts=len(prompts), num_shards=len(batches))
+    _atomic_write_bytes(out_dir / MANIFEST, json.dumps(manifest, indent=2).encode())
+    todo = [i for i in range(len(batches)) if not shard_path(out_dir, i).exists()]
+    bar = tqdm(total=len(batches), initial=len(batches) - len(todo), unit="batch", desc="regenerate",
+               disable=not show_progress)
+    tokens, seconds = 0, 0.0
+    for index in todo:
+        started = time.perf_counter()
+        rows, stats = regenerate_batch(target, batches[index], sampling=sampling, seed=derive_seed(seed, index),
+                                       max_length=max_length, min_loss_tokens=min_loss_tokens)
+        stats["seconds"] = time.perf_counter() - started
+        _write_shard(shard_path(out_dir, index), rows, stats)
+        tokens, seconds = tokens + stats["generated_tokens"], seconds + stats["seconds"]
+        bar.update(1)
+        bar.set_postfix(tok_s=f"{tokens / max(seconds, 1e-9):.1f}")
+    bar.close()
+    manifest["stats"] = _sum_shard_stats(out_dir, len(batches))
+    _atomic_write_bytes(out_dir / MANIFEST, json.dumps(manifest, indent=2).encode())
+    _atomic_write_bytes(out_dir / COMPLETE, b"")
+    return out_dir
+
+
+def _manifest(target: Any, *, key: str, sampling: SamplingConfig, seed: int, max_length: int,
+              min_loss_tokens: int, num_prompts: int, num_shards: int) -> dict[str, Any]:
+    """What the directory holds and how it was made (recorded with runs)."""
+    return {
+        "key": key, "format": FORMAT_VERSION, "target": target.name, "target_fingerprint": target.fingerprint,
+        "sampling": asdict(sampling),
+        "template_default_system_prompt": bool(getattr(target, "default_system_prompt", False)),
+        "seed": seed, "max_length": max_length, "min_loss_tokens": min_loss_tokens,
+        "num_prompts": num_prompts, "num_shards": num_shards,
+        "end_of_turn_id": end_of_turn_id(target), "pad_token_id": _pad_id(target),
+    }
+
+
+def shard_path(out_dir: Path, index: int) -> Path:
+    return out_dir / f"shard-{index:05d}.parquet"
+
+
+def regenerate_batch(
+    target: Any, prompts: Sequence[Any], *, sampling: SamplingConfig, seed: int, max_length: int, min_loss_tokens: int
+) -> tuple[list[RegeneratedSequence], dict[str, int]]:
+    """Sample one batch of prompts turn by turn; returns the kept sequences and counters for the manifest."""
+    eot = end_of_turn_id(target)
+    turns = [user_turns(p, multi_turn=sampling.multi_turn) for p in prompts]
+    seqs = [RegeneratedSequence([], [], p.id, getattr(p, "domain", "")) for p in prompts]
+    histories: list[list[dict[str, str]]] = [[] for _ in prompts]
+    generated = 0
+    with torch.random.fork_rng(devices=_rng_devices(target)):
+        torch.manual_seed(seed)
+        for turn in range(max(len(t) for t in turns)):
+            active = [i for i, t in enumerate(turns) if turn < len(t) and len(seqs[i].input_ids) < max_length]
+            if not active:
+                break
+            for i in active:
+                ids = _next_prompt_ids(target, histories[i], turns[i][turn], sampling=sampling, eot=eot)
+                seqs[i].input_ids += ids
+                seqs[i].loss_mask += [0] * len(ids)
+            responses = sample_responses(target, [seqs[i].input_ids for i in active], sampling=sampling, eot=eot)
+            for i, (response, hit_stop) in zip(active, responses):
+                generated += len(response) - (0 if hit_stop else 1)
+                seqs[i].input_ids += response
+                seqs[i].loss_mask += [1] * len(response)
+                seqs[i].truncated |= not hit_stop
+                content = target.tokenizer.decode(response[:-1], skip_special_tokens=True)
+                histories[i] += [{"role": "user", "content": turns[i][turn]}, {"role": "assistant", "content": content}]
+    kept = [s for s in map(lambda s: _clip(s, max_length), seqs) if sum(s.loss_mask) >= min_loss_tokens]
+    stats = {"sequences": len(kept), "dropped": len(seqs) - len(kept), "generated_tokens": generated,
+             "truncated": sum(s.truncated for s in kept), "clipped": sum(s.clipped for s in kept),
+             "loss_tokens": sum(sum(s.loss_mask) for s in kept)}
+    return kept, stats
+
+
+def _clip(seq: RegeneratedSequence, max_length: int) -> RegeneratedSequence:
+    if len(seq.input_ids) > max_length:
+        seq.input_ids, seq.loss_mask, seq.clipped = seq.input_ids[:max_length], seq.loss_mask[:max_length], True
+    return seq
+
+
+def _next_prompt_ids(target: Any, history: list[dict[str, str]], user_text: str, *, sampling: SamplingConfig,
+                     eot: int) -> list[int]:
+    """Ids to append before the next response: the whole prompt for turn 1, else the text between the previous
+    end-of-turn and the next assistant header (the template's newline, the user turn, the header)."""
+    if not history:
+        return target.chat_prompt_ids(user_text, system_prompt=sampling.system_prompt)
+    messages = [] if sampling.system_prompt is None else [{"role": "system", "content": sampling.system_prompt}]
+    messages += history[:-1] + [{"role": "assistant", "content": _SENTINEL}, {"role": "user", "content": user_text}]
+    text = target.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    eot_text = target.tokenizer.decode([eot])
+    start = text.rfind(_SENTINEL)
+    cut = text.find(eot_text, start) if start >= 0 else -1
+    if cut < 0:
+        raise ValueError(
+            "data.sampling.multi_turn: the chat template does not close an assistant turn with the end-of-turn "
+            f"token {eot_text!r}; set data.sampling.multi_turn=false to regenerate first turns only"
+        )
+    return list(target.tokenizer(text[cut + len(eot_text):], add_special_tokens=False)["input_ids"])
+
+
+def sample_responses(
+    target: Any, prompt_ids: Sequence[list[int]], *, sampling: SamplingConfig, eot: int
+) -> list[tuple[list[int], bool]]:
+    """Batched sampling (left-padded). Returns per prompt (response ids through the first stop id, hit_stop);
+    a response without a stop id has `eot` appended and hit_stop False."""
+    pad = _pad_id(target)
+    width = max(len(ids) for ids in prompt_ids)
+    input_ids = torch.tensor([[pad] * (width - len(ids)) + list(ids) for ids in prompt_ids], device=target.device)
+    attention_mask = torch.tensor([[0] * (width - len(ids)) + [1] * len(ids) for ids in prompt_ids],
+                                  device=target.device)
+    with torch.no_grad():
+        out = target.model.generate(input_ids=input_ids, attention_mask=attention_mask,
+                                    generation_config=_generation_config(target, sampling, pad=pad))
+    stops = set(target.stop_token_ids)
+    results = []
+    for row in out[:, width:].tolist():
+        end = next((j for j, tok in enumerate(row) if tok in stops), None)
+        results.append((row[: end + 1], True) if end is not None else (row + [eot], False))
+    return results
+
+
+def _generation_config(target: Any, sampling: SamplingConfig, *, pad: int) -> GenerationConfig:
+    """Every sampling knob set explicitly so the model's own generation defaults cannot leak in.
+
+    The MASK row is suppressed: the data must never contain it (METHOD §2.1). A real target's MASK is a token it
+    does not emit anyway; a random-weight `tiny` target would.
+    """
+    common = dict(max_new_tokens=sampling.max_new_tokens, pad_token_id=pad, eos_token_id=list(target.stop_token_ids),
+                  repetition_penalty=1.0, suppress_tokens=[int(target.mask_token_id)])
+    if sampling.temperature == 0:
+        return GenerationConfig(do_sample=False, **common)
+    return GenerationConfig(do_sample=True, temperature=sampling.temperature, top_p=sampling.top_p,
+                            top_k=sampling.top_k, min_p=0.0, **common)
+
+
+def _pad_id(target: Any) -> int:
+    pad = target.tokenizer.pad_token_id
+    return int(pad) if pad is not None else end_of_turn_id(target)
+
+
+def _rng_devices(target: Any) -> list[int]:
+    device = target.device
+    return [device.index or 0] if device.type == "cuda" else []
+
+
+def _write_shard(path: Path, rows: list[RegeneratedSequence], stats: dict[str, Any]) -> None:
+    """Write one shard atomically, its counters in the parquet metadata (so shard and stats land together)."""
+    columns = {name: [getattr(r, name) for r in rows] for name in FEATURES}
+    table = datasets.Dataset.from_dict(columns, features=FEATURES).data.table
+    table = table.replace_schema_metadata({**(table.schema.metadata or {}), STATS_KEY: json.dumps(stats).encode()})
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    pq.write_table(table, tmp)
+    os.replace(tmp, path)
+
+
+def _atomic_write_bytes(path: Path, data: bytes) -> None:
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp.write_bytes(data)
+    os.replace(tmp, path)
+
+
+def _sum_shard_stats(out_dir: Path, num_shards: int) -> dict[str, float]:
+    total: dict[str, float] = {}
+    for index in range(num_shards):
+        stats = json.loads(pq.read_schema(shard_path(out_dir, index)).metadata[STATS_KEY])
+        for name, value in stats.items():
+            total[name] = total.get(name, 0) + value
+    return total
+
+
+def load_regenerated(regen_dir: Path) -> datasets.Dataset:
+    """The finished dataset: columns input_ids, loss_mask, prompt_id, domain, truncated, clipped (shard order)."""
+    regen_dir = Path(regen_dir)
+    if not (regen_dir / COMPLETE).exists():
+        raise ValueError(
+            f"data: {regen_dir} is not a complete regenerated dataset (no {COMPLETE} marker); rerun the prepare "
+            "stage (regenerate_responses) to finish it"
+        )
+    num_shards = json.loads((regen_dir / MANIFEST).read_text())["num_shards"]
+    tables = [pq.read_table(shard_path(regen_dir, i)) for i in range(num_shards)]
+    table = pa.concat_tables(tables) if tables else FEATURES.arrow_schema.empty_table()
+    return datasets.Dataset(table.replace_schema_metadata(None), info=datasets.DatasetInfo(features=FEATURES))
+
+
+def read_manifest(regen_dir: Path) -> dict[str, Any]:
+    """The manifest of a regenerated dataset directory."""
+    return json.loads((Path(regen_dir) / MANIFEST).read_text())

@@ -1,0 +1,165 @@
+"""Parallel DSpark/DFlash backbone: fused target context + KV-injected draft layers (METHOD §2.1).
+
+    H_ctx = RMSNorm(W_c [H_l1; …; H_lm])                       one context vector per target token
+    layer ℓ:  q = W_Q^ℓ norm(h)              (block tokens only)
+              k = [W_K^ℓ H_ctx ; W_K^ℓ norm(h)],  v = [W_V^ℓ H_ctx ; W_V^ℓ norm(h)]
+    h_k = RMSNorm(h after `depth` layers)                        the final-norm backbone output
+
+The context is never run through the layers or their input norms: each layer only projects it to keys and
+values (k-norm and RoPE at the context's absolute positions 0..T-1). A block with anchor `a` has RoPE positions
+`a+0..a+γ-1`; a block token attends to its whole block (bidirectional) and to valid context positions `j < a`,
+never to another block, so all N blocks of a sequence run in one attention call.
+
+Shape symbols: B sequences, T context length, N blocks per sequence, γ block size, d hidden size, m feature layers.
+"""
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+from torch.nn import functional as F
+
+from dspark.drafters.layers import DraftLayerSpec, RMSNorm, RotaryEmbedding, SwiGLU, apply_rotary, init_new_weights
+
+
+def create_block_mask(*, anchor_positions: Tensor, context_valid: Tensor, block_size: int) -> Tensor:
+    """Boolean attention mask (True = attend) for N blocks over [context ; blocks] keys.
+
+    anchor_positions [B, N] long, context_valid [B, T] bool → [B, 1, N·γ, T + N·γ]. Query (n, i) sees context key
+    j iff `j < anchor_positions[b, n]` and `context_valid[b, j]`, and block key (n', i') iff `n' == n`. Every row
+    sees at least its own block, so no row is fully masked (no NaN from the softmax).
+    """
+    batch, num_blocks = anchor_positions.shape
+    ctx_len = context_valid.shape[1]
+    device = anchor_positions.device
+    before_anchor = torch.arange(ctx_len, device=device) < anchor_positions.unsqueeze(-1)  # [B, N, T]
+    ctx_mask = (before_anchor & context_valid.unsqueeze(1)).repeat_interleave(block_size, dim=1)  # [B, Nγ, T]
+    block_id = torch.arange(num_blocks, device=device).repeat_interleave(block_size)  # [Nγ]
+    same_block = (block_id.unsqueeze(1) == block_id.unsqueeze(0)).expand(batch, -1, -1)  # [B, Nγ, Nγ]
+    return torch.cat([ctx_mask, same_block], dim=-1).unsqueeze(1)
+
+
+class KVInjectionAttention(nn.Module):
+    """GQA attention whose queries are the block tokens and whose keys/values are [context ; block]."""
+
+    def __init__(self, spec: DraftLayerSpec) -> None:
+        super().__init__()
+        if spec.num_attention_heads % spec.num_key_value_heads:
+            raise ValueError(
+                "target: num_attention_heads must be a multiple of num_key_value_heads for grouped-query attention"
+            )
+        self.num_heads, self.num_kv_heads, self.head_dim = (
+            spec.num_attention_heads, spec.num_key_value_heads, spec.head_dim
+        )
+        d = spec.hidden_size
+        self.q_proj = nn.Linear(d, self.num_heads * self.head_dim, bias=False)
+        self.k_proj = nn.Linear(d, self.num_kv_heads * self.head_dim, bias=False)
+        self.v_proj = nn.Linear(d, self.num_kv_heads * self.head_dim, bias=False)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, d, bias=False)
+        # Qwen3-style per-head norms; absent (identity) for Llama-like targets.
+        self.q_norm = RMSNorm(self.head_dim, spec.rms_norm_eps) if spec.qk_norm else nn.Identity()
+        self.k_norm = RMSNorm(self.head_dim, spec.rms_norm_eps) if spec.qk_norm else nn.Identity()
+
+    def _heads(self, x: Tensor, proj: nn.Linear, num_heads: int, norm: nn.Module | None = None) -> Tensor:
+        """[B, L, d] → per-head projection [B, H, L, hd], then the per-head norm if given."""
+        x = proj(x).unflatten(-1, (num_heads, self.head_dim))
+        return (x if norm is None else norm(x)).transpose(1, 2)
+
+    def forward(self, block: Tensor, context: Tensor, *, rope: tuple[Tensor, Tensor], mask: Tensor) -> Tensor:
+        """block [B, L, d] (already input-normed), context [B, T, d] (H_ctx), rope = (cos, sin) [B, T+L, hd] for
+        the keys (the last L rows are the queries'), mask [B, 1, L, T+L] → [B, L, d]."""
+        cos, sin = rope
+        length = block.shape[1]
+        kv_input = torch.cat([context, block], dim=1)  # one projection for context and block keys/values
+        q = self._heads(block, self.q_proj, self.num_heads, self.q_norm)
+        k = self._heads(kv_input, self.k_proj, self.num_kv_heads, self.k_norm)
+        v = self._heads(kv_input, self.v_proj, self.num_kv_heads)
+        q = apply_rotary(q, cos[:, -length:], sin[:, -length:])
+        k = apply_rotary(k, cos, sin)
+        groups = self.num_heads // self.num_kv_heads
+        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # [B, H, L, hd]
+        return self.o_proj(out.transpose(1, 2).flatten(-2))
+
+
+class DraftDecoderLayer(nn.Module):
+    """Pre-norm decoder layer of the target's family with KV injection; the context skips its norms."""
+
+    def __init__(self, spec: DraftLayerSpec) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+        self.self_attn = KVInjectionAttention(spec)
+        self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+        self.mlp = SwiGLU(spec.hidden_size, spec.intermediate_size)
+
+    def forward(self, hidden: Tensor, context: Tensor, *, rope: tuple[Tensor, Tensor], mask: Tensor) -> Tensor:
+        """hidden [B, L, d] block stream, context [B, T, d] → new block stream [B, L, d]."""
+        hidden = hidden + self.self_attn(self.input_layernorm(hidden), context, rope=rope, mask=mask)
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+
+class DSparkBackbone(nn.Module):
+    """Fusion + `depth` KV-injected draft layers + final norm; returns h_k for every slot of every block.
+
+    `embed_tokens` is the target's frozen embedding, kept out of `parameters()` and `state_dict()`; the MASK id
+    uses the trained `mask_embedding` instead. Callable on one block with a precomputed context (decoding):
+    `backbone(features [1, S, m·d], block_input_ids=[1, 1, γ], anchor_positions=[[S]])`.
+    """
+
+    def __init__(self, *, spec: DraftLayerSpec, num_feature_layers: int, depth: int, embed_tokens: nn.Module,
+                 mask_token_id: int) -> None:
+        super().__init__()
+        d = spec.hidden_size
+        self.spec = spec
+        self.mask_token_id = mask_token_id
+        self._frozen = (embed_tokens,)  # a tuple: not a submodule, so not in parameters() or state_dict()
+        self.fc = nn.Linear(num_feature_layers * d, d, bias=False)
+        self.context_norm = RMSNorm(d, spec.rms_norm_eps)
+        self.layers = nn.ModuleList(DraftDecoderLayer(spec) for _ in range(depth))
+        self.norm = RMSNorm(d, spec.rms_norm_eps)
+        self.rotary = RotaryEmbedding(spec.head_dim, spec.rope_theta)
+        self.mask_embedding = nn.Parameter(torch.empty(d))
+        init_new_weights(self)
+        nn.init.normal_(self.mask_embedding, mean=0.0, std=0.02)
+
+    @property
+    def embed_tokens(self) -> nn.Module:
+        return self._frozen[0]
+
+    def fuse_context(self, context_features: Tensor) -> Tensor:
+        """[B, T, m·d] raw target features → H_ctx [B, T, d]. Per token, so it can be cached incrementally."""
+        return self.context_norm(self.fc(context_features.to(self.fc.weight.dtype)))
+
+    def embed_block(self, block_input_ids: Tensor) -> Tensor:
+        """[B, N, γ] ids → [B, N, γ, d]: target embedding, except the MASK id → `mask_embedding`."""
+        emb = self.embed_tokens(block_input_ids).to(self.mask_embedding.dtype)
+        is_mask = (block_input_ids == self.mask_token_id).unsqueeze(-1)
+        return torch.where(is_mask, self.mask_embedding, emb)
+
+    def forward(self, context_features: Tensor, *, block_input_ids: Tensor, anchor_positions: Tensor,
+                context_valid: Tensor | None = None) -> Tensor:
+        """context_features [B, T, m·d], block_input_ids [B, N, γ], anchor_positions [B, N] (position of x_0),
+        context_valid [B, T] bool (default all True) → h [B, N, γ, d] (final-norm)."""
+        return self.attend(self.fuse_context(context_features), block_input_ids=block_input_ids,
+                           anchor_positions=anchor_positions, context_valid=context_valid)
+
+    def attend(self, context_hidden: Tensor, *, block_input_ids: Tensor, anchor_positions: Tensor,
+               context_valid: Tensor | None = None) -> Tensor:
+        """Like `forward`, from an already fused context H_ctx [B, T, d] (lets a decoder cache the fusion)."""
+        batch, num_blocks, block_size = block_input_ids.shape
+        ctx_len = context_hidden.shape[1]
+        if context_valid is None:
+            context_valid = torch.ones(batch, ctx_len, dtype=torch.bool, device=context_hidden.device)
+        mask = create_block_mask(anchor_positions=anchor_positions, context_valid=context_valid,
+                                 block_size=block_size)
+        rope = self._rope(anchor_positions, ctx_len=ctx_len, block_size=block_size)
+        hidden = self.embed_block(block_input_ids).flatten(1, 2)  # [B, Nγ, d]
+        for layer in self.layers:
+            hidden = layer(hidden, context_hidden, rope=rope, mask=mask)
+        return self.norm(hidden).view(batch, num_blocks, block_size, -1)
+
+    def _rope(self, anchor_positions: Tensor, *, ctx_len: int, block_size: int) -> tuple[Tensor, Tensor]:
+        """cos/sin [B, T + N·γ, hd] for keys: context at 0..T-1, block n at anchor_n + 0..γ-1."""
+        device = anchor_positions.device
+        ctx_pos = torch.arange(ctx_len, device=device).expand(anchor_positions.shape[0], -1)
+        block_pos = (anchor_positions.unsqueeze(-1) + torch.arange(block_size, device=device)).flatten(1)
+        return self.rotary(torch.cat([ctx_pos, block_pos], dim=1))

@@ -1,0 +1,93 @@
+"""Build drafters from config names (`drafter=dspark|dflash|eagle3`) and rebuild them from checkpoints.
+
+DFlash is DSpark with `head=none` and no confidence head — a component choice, not a subclass (METHOD §3).
+The rebuild record (`DrafterSpec`) names the target it was trained for, so a checkpoint cannot silently be used
+with another target or block size.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any, Callable
+
+from torch import nn
+
+from dspark.registry import Registry
+
+
+@dataclass(frozen=True)
+class DrafterSpec:
+    """Everything needed to rebuild a drafter around a loaded target (stored in checkpoints and MLflow)."""
+
+    kind: str  # dspark | dflash | eagle3
+    head: str
+    depth: int
+    block_size: int
+    markov_rank: int
+    feature_layers: tuple[int, ...]
+    mask_token_id: int
+    target_fingerprint: str
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self) | {"feature_layers": list(self.feature_layers)}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "DrafterSpec":
+        return cls(**{**data, "feature_layers": tuple(data["feature_layers"])})
+
+
+DRAFTER_BUILDERS: Registry[Callable[[DrafterSpec, Any], nn.Module]] = Registry("drafter")
+
+
+@DRAFTER_BUILDERS.register("dspark")
+def build_dspark(spec: DrafterSpec, target: Any) -> nn.Module:
+    from dspark.drafters.dspark import DSparkDrafter
+
+    return DSparkDrafter(spec=target.layer_spec, num_feature_layers=len(spec.feature_layers), depth=spec.depth,
+                         block_size=spec.block_size, head=spec.head, markov_rank=spec.markov_rank, confidence=True,
+                         embed_tokens=target.embed_tokens, lm_head=target.lm_head, mask_token_id=spec.mask_token_id)
+
+
+@DRAFTER_BUILDERS.register("dflash")
+def build_dflash(spec: DrafterSpec, target: Any) -> nn.Module:
+    from dspark.drafters.dspark import DSparkDrafter
+
+    return DSparkDrafter(spec=target.layer_spec, num_feature_layers=len(spec.feature_layers), depth=spec.depth,
+                         block_size=spec.block_size, head="none", markov_rank=0, confidence=False,
+                         embed_tokens=target.embed_tokens, lm_head=target.lm_head, mask_token_id=spec.mask_token_id)
+
+
+@DRAFTER_BUILDERS.register("eagle3")
+def build_eagle3(spec: DrafterSpec, target: Any) -> nn.Module:
+    from dspark.drafters.eagle3 import Eagle3Drafter
+
+    return Eagle3Drafter(spec=target.layer_spec, num_feature_layers=len(spec.feature_layers),
+                         block_size=spec.block_size, embed_tokens=target.embed_tokens, lm_head=target.lm_head)
+
+
+def drafter_spec_for(*, kind: str, model_cfg: Any, target: Any) -> DrafterSpec:
+    """The spec of a new drafter for `target` from the `model.*` config."""
+    head = "none" if kind in ("dflash", "eagle3") else model_cfg.head
+    return DrafterSpec(kind=kind, head=head, depth=model_cfg.depth, block_size=model_cfg.block_size,
+                       markov_rank=model_cfg.markov_rank if head != "none" else 0,
+                       feature_layers=tuple(target.feature_layer_ids), mask_token_id=target.mask_token_id,
+                       target_fingerprint=target.fingerprint)
+
+
+def build_drafter(spec: DrafterSpec, target: Any) -> nn.Module:
+    """Instantiate the drafter of `spec` around `target`; refuses a target other than the one it was made for."""
+    check_spec_matches(spec, target)
+    return DRAFTER_BUILDERS.resolve(spec.kind)(spec, target)
+
+
+def check_spec_matches(spec: DrafterSpec, target: Any, *, block_size: int | None = None) -> None:
+    """Clear errors for a drafter trained for another target, feature layers or block size."""
+    if spec.target_fingerprint != target.fingerprint:
+        raise ValueError(f"This drafter was trained for another target (fingerprint {spec.target_fingerprint[:12]}, "
+                         f"loaded target '{target.name}' is {target.fingerprint[:12]}). Use the same `target=` as "
+                         "in training, or train a drafter for this target.")
+    if list(spec.feature_layers) != list(target.feature_layer_ids):
+        raise ValueError(f"The drafter reads target layers {list(spec.feature_layers)} but the target was loaded "
+                         f"with {target.feature_layer_ids}; set model.feature_layers={list(spec.feature_layers)}.")
+    if block_size is not None and block_size != spec.block_size:
+        raise ValueError(f"The drafter was trained with model.block_size={spec.block_size}, not {block_size}; "
+                         f"set model.block_size={spec.block_size} or train a new drafter.")

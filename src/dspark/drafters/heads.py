@@ -1,0 +1,150 @@
+"""Sequential heads B_k (METHOD §2.2) and the confidence head c_k (METHOD §2.3).
+
+    p_k(v | x_0, x_<k) = softmax(U_k + B_k(x_0, x_<k))(v)
+    none:    B_k = 0                                                  (DFlash)
+    markov:  B_k = W_2 W_1[x_{k-1}]                                   W_1 ∈ R^{V×r}, W_2: r → V
+    rnn:     z_k = [s_{k-1}; W_1[x_{k-1}]; h_k],  (g, c, o) = A z_k + b,  s_0 = 0
+             s_k = σ(g)⊙s_{k-1} + (1-σ(g))⊙tanh(c),  B_k = W_2 tanh(o)
+    confidence: c_k = σ(w·[h_k ; W_1[x_{k-1}]] + b)   (h_k alone for `none`)
+
+`x_{k-1}` is the previous token of slot k (`x_0`, the anchor, for k = 1): ground truth in training
+(teacher-forced, all slots in parallel, the RNN unrolled over the block), the drafted token at inference, where
+`step` runs slot by slot. Neither B_k nor c_k ever sees x_k (non-anticipation, METHOD §2.3).
+`markov_rank = 0` turns `markov`/`rnn` into `none` (as DeepSpec's `markov_rank=0`): exactly the DFlash logits.
+
+Shape symbols: B sequences, N blocks, γ block size, d hidden size, V vocabulary, r rank; `...` any batch shape.
+"""
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+from torch.nn import functional as F
+
+from dspark.drafters.layers import init_new_weights
+from dspark.registry import Registry
+
+SEQUENTIAL_HEADS: Registry[type["SequentialHead"]] = Registry("model.head")
+
+
+class SequentialHead(nn.Module):
+    """Interface of the sequential stage. `rank` is the width r of the previous-token embedding (0: none).
+
+    `None` as a bias means B_k ≡ 0 and as a state means "stateless"; callers add the bias only when present.
+    """
+
+    rank: int = 0
+
+    def teacher_forced_bias(self, hidden: Tensor, prev_tokens: Tensor) -> Tensor | None:
+        """hidden [B, N, γ, d] (final-norm h_k), prev_tokens [B, N, γ] (x_{k-1}) → B_k [B, N, γ, V] or None."""
+        return None
+
+    def init_state(self, batch_shape: tuple[int, ...]) -> Tensor | None:
+        """State before slot 1 (s_0) for a batch of `batch_shape` blocks."""
+        return None
+
+    def step(self, hidden_k: Tensor, prev_token: Tensor, state: Tensor | None) -> tuple[Tensor | None, Tensor | None]:
+        """One slot: hidden_k [..., d], prev_token [...] (x_{k-1}), state → (B_k [..., V] or None, new state)."""
+        return None, state
+
+    def prev_token_embedding(self, prev_tokens: Tensor) -> Tensor | None:
+        """W_1 rows of the previous tokens: [...] → [..., r], or None without a W_1 table."""
+        return None
+
+
+@SEQUENTIAL_HEADS.register("none")
+class NoneHead(SequentialHead):
+    """B_k = 0: the parallel logits are the draft logits (DFlash)."""
+
+    def __init__(self, *, hidden_size: int, vocab_size: int, rank: int) -> None:
+        super().__init__()
+
+
+@SEQUENTIAL_HEADS.register("markov")
+class MarkovHead(SequentialHead):
+    """First-order Markov bias B_k = W_2 W_1[x_{k-1}] of rank r (paper r = 256)."""
+
+    def __init__(self, *, hidden_size: int, vocab_size: int, rank: int) -> None:
+        super().__init__()
+        self.rank = rank
+        self.w1 = nn.Embedding(vocab_size, rank)
+        self.w2 = nn.Linear(rank, vocab_size, bias=False)
+        init_new_weights(self)
+
+    def teacher_forced_bias(self, hidden: Tensor, prev_tokens: Tensor) -> Tensor:
+        return self.w2(self.w1(prev_tokens))
+
+    def step(self, hidden_k: Tensor, prev_token: Tensor, state: Tensor | None) -> tuple[Tensor, None]:
+        return self.w2(self.w1(prev_token)), None
+
+    def prev_token_embedding(self, prev_tokens: Tensor) -> Tensor:
+        return self.w1(prev_tokens)
+
+
+@SEQUENTIAL_HEADS.register("rnn")
+class RNNHead(SequentialHead):
+    """Gated recurrent bias over the block: one Linear(2r + d → 3r, bias) on [s_{k-1}; W_1[x_{k-1}]; h_k]."""
+
+    def __init__(self, *, hidden_size: int, vocab_size: int, rank: int) -> None:
+        super().__init__()
+        self.rank = rank
+        self.w1 = nn.Embedding(vocab_size, rank)
+        self.cell = nn.Linear(2 * rank + hidden_size, 3 * rank)  # input columns [s | W_1[x] | h]
+        self.w2 = nn.Linear(rank, vocab_size, bias=False)
+        init_new_weights(self)
+
+    def teacher_forced_bias(self, hidden: Tensor, prev_tokens: Tensor) -> Tensor:
+        # The token and hidden parts of the cell do not depend on the state: project all slots at once and
+        # keep only the state part inside the loop over γ.
+        inputs = self._input_part(hidden, prev_tokens)  # [B, N, γ, 3r]
+        state = self.init_state(inputs.shape[:-2])
+        outputs = []
+        for k in range(inputs.shape[-2]):
+            state, out = self._recur(inputs[..., k, :], state)
+            outputs.append(out)
+        return self.w2(torch.stack(outputs, dim=-2))
+
+    def init_state(self, batch_shape: tuple[int, ...]) -> Tensor:
+        return self.w2.weight.new_zeros(*batch_shape, self.rank)
+
+    def step(self, hidden_k: Tensor, prev_token: Tensor, state: Tensor | None) -> tuple[Tensor, Tensor]:
+        if state is None:
+            state = self.init_state(prev_token.shape)
+        state, out = self._recur(self._input_part(hidden_k, prev_token), state)
+        return self.w2(out), state
+
+    def prev_token_embedding(self, prev_tokens: Tensor) -> Tensor:
+        return self.w1(prev_tokens)
+
+    def _input_part(self, hidden: Tensor, prev_tokens: Tensor) -> Tensor:
+        """A_x W_1[x_{k-1}] + A_h h_k + b: [..., 3r]."""
+        r, weight = self.rank, self.cell.weight
+        return F.linear(self.w1(prev_tokens), weight[:, r:2 * r]) + F.linear(hidden, weight[:, 2 * r:], self.cell.bias)
+
+    def _recur(self, input_part: Tensor, state: Tensor) -> tuple[Tensor, Tensor]:
+        """(s_{k-1}, precomputed input part) → (s_k, tanh(o_k))."""
+        gate, candidate, output = (input_part + F.linear(state, self.cell.weight[:, :self.rank])).chunk(3, dim=-1)
+        gate = torch.sigmoid(gate)
+        return gate * state + (1 - gate) * torch.tanh(candidate), torch.tanh(output)
+
+
+def build_sequential_head(name: str, *, hidden_size: int, vocab_size: int, rank: int) -> SequentialHead:
+    """Resolve `model.head`; rank 0 means no W_1/W_2 at all, so any head degrades to `none` (DFlash)."""
+    head_cls = SEQUENTIAL_HEADS.resolve(name)
+    if rank == 0:
+        head_cls = NoneHead
+    return head_cls(hidden_size=hidden_size, vocab_size=vocab_size, rank=rank)
+
+
+class ConfidenceHead(nn.Module):
+    """c_k logit = w·[h_k ; W_1[x_{k-1}]] + b; input h_k alone when the head has no W_1 (rank 0)."""
+
+    def __init__(self, *, hidden_size: int, rank: int) -> None:
+        super().__init__()
+        self.rank = rank
+        self.proj = nn.Linear(hidden_size + rank, 1)
+        init_new_weights(self)
+
+    def forward(self, hidden: Tensor, prev_embedding: Tensor | None) -> Tensor:
+        """hidden [..., d], prev_embedding [..., r] or None → pre-sigmoid confidence [...]."""
+        features = hidden if prev_embedding is None else torch.cat([hidden, prev_embedding.to(hidden.dtype)], -1)
+        return self.proj(features).squeeze(-1)

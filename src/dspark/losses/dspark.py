@@ -1,0 +1,107 @@
+"""DSpark training loss (METHOD §3), a pure function of the drafter's teacher-forced output.
+
+    L = α_ce·L_ce + α_tv·L_tv + α_conf·L_conf,     w_k = exp(-(k-1)/γ_w)  (k = 1..γ, `loss.decay` = γ_w)
+    L_ce   = Σ w_k · (-log p_d_k(x*_k))      / Σ w_k
+    L_tv   = Σ w_k · ‖p_d_k − p_t_k‖₁        / Σ w_k      (full vocabulary, fp32 softmax, unhalved L1)
+    L_conf = Σ w_k · BCE(c_k logit, c*_k)    / Σ w_k,     c*_k = clamp(1 − ½‖p_d_k − p_t_k‖₁, 0, 1)
+
+Sums run over the supervised (block, slot) pairs of the whole batch (DeepSpec's pooled normalisation, not per
+block); `p_d_k` is the sequentially corrected (teacher-forced) draft distribution softmax(U_k + B_k). Only c* is
+detached: the confidence loss also trains the backbone and W_1. Terms with α = 0 are not computed.
+
+Shape symbols: B sequences, N blocks, γ block size, V vocabulary.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+from torch.nn import functional as F
+
+from dspark.drafters.dspark import DSparkOutput
+
+
+@dataclass
+class DSparkLoss:
+    """Scalar loss terms (zero tensors for terms with α = 0) and the per-slot acceptance target."""
+
+    total: Tensor  # [] α-weighted sum, the quantity to backpropagate
+    ce: Tensor  # [] weighted-mean cross-entropy against the labels
+    tv: Tensor  # [] weighted-mean unhalved L1 distance to p_t
+    conf: Tensor  # [] weighted-mean BCE of the confidence logits against c*
+    c_star: Tensor | None  # [B, N, γ] detached c*_k (0 on unsupervised slots); None without a target distribution
+
+
+def position_weights(block_size: int, decay: float) -> Tensor:
+    """w_k = exp(-(k-1)/decay) for k = 1..block_size: [γ] fp32 (METHOD §3, default decay γ_w = 4)."""
+    if not (decay > 0 and math.isfinite(decay)):
+        raise ValueError(f"loss.decay must be a positive finite number (got {decay}); the paper's default is 4")
+    return torch.exp(-torch.arange(block_size, dtype=torch.float32) / decay)
+
+
+def compute_dspark_loss(output: DSparkOutput, *, labels: Tensor, label_valid: Tensor,
+                        target_probs: Tensor | None = None, target_logits: Tensor | None = None,
+                        alpha_ce: float, alpha_tv: float, alpha_conf: float, decay: float) -> DSparkLoss:
+    """Weighted DSpark loss over the supervised slots.
+
+    labels [B, N, γ] long (x*_k); label_valid [B, N, γ] bool (a contiguous prefix per block); exactly one of
+    target_probs / target_logits [B, N, γ, V] (p_t at temperature 1), needed when α_tv or α_conf > 0 and used
+    for `c_star` whenever given. With no supervised slot every term is 0, still attached to the graph (the
+    selections are empty), so a rank without labels still takes part in a data-parallel backward.
+    """
+    _validate(output, target_probs=target_probs, target_logits=target_logits,
+              alphas={"alpha_ce": alpha_ce, "alpha_tv": alpha_tv, "alpha_conf": alpha_conf})
+    weights = position_weights(labels.shape[-1], decay).to(output.logits.device).expand(labels.shape)[label_valid]
+    weight_sum = weights.sum().clamp_min(torch.finfo(torch.float32).tiny)  # avoid 0/0 on an empty batch
+    log_p_d = F.log_softmax(output.logits[label_valid].float(), dim=-1)  # [M, V] supervised slots only
+    zero = log_p_d.new_zeros(())
+
+    ce = tv = conf = zero
+    if alpha_ce > 0:
+        nll = -log_p_d.gather(-1, labels[label_valid].unsqueeze(-1)).squeeze(-1)
+        ce = (weights * nll).sum() / weight_sum
+    c_star = None
+    if target_probs is not None or target_logits is not None:
+        p_t = _selected_target_probs(target_probs, target_logits, label_valid)
+        # No graph for the [M, V] difference unless L_tv needs it (c* is detached anyway).
+        with torch.set_grad_enabled(torch.is_grad_enabled() and alpha_tv > 0):
+            l1 = (log_p_d.exp() - p_t).abs().sum(-1)  # [M] ‖p_d − p_t‖₁ = 2·TV
+        if alpha_tv > 0:
+            tv = (weights * l1).sum() / weight_sum
+        c_star = (1 - 0.5 * l1.detach()).clamp(0.0, 1.0)  # [M]
+    if alpha_conf > 0:
+        bce = F.binary_cross_entropy_with_logits(output.confidence_logits[label_valid].float(), c_star,
+                                                 reduction="none")
+        conf = (weights * bce).sum() / weight_sum
+    total = alpha_ce * ce + alpha_tv * tv + alpha_conf * conf
+    c_star_full = None if c_star is None else c_star.new_zeros(labels.shape).masked_scatter(label_valid, c_star)
+    return DSparkLoss(total=total, ce=ce, tv=tv, conf=conf, c_star=c_star_full)
+
+
+def _selected_target_probs(target_probs: Tensor | None, target_logits: Tensor | None, label_valid: Tensor) -> Tensor:
+    """p_t on the supervised slots, fp32: [M, V]."""
+    if target_probs is not None:
+        return target_probs[label_valid].float()
+    return F.softmax(target_logits[label_valid].float(), dim=-1)
+
+
+def _validate(output: DSparkOutput, *, target_probs: Tensor | None, target_logits: Tensor | None,
+              alphas: dict[str, float]) -> None:
+    """Raise ValueError naming the `loss.*` key whose value cannot be used with these inputs."""
+    for key, value in alphas.items():
+        if not value >= 0:
+            raise ValueError(f"loss.{key} must be >= 0 (got {value})")
+    if not any(value > 0 for value in alphas.values()):
+        raise ValueError("loss.alpha_ce, loss.alpha_tv and loss.alpha_conf are all 0: nothing would train; "
+                         "use e.g. (0.1, 0.9, 1.0) for DSpark or (1, 0, 0) for DFlash")
+    if target_probs is not None and target_logits is not None:
+        raise ValueError("compute_dspark_loss: pass target_probs or target_logits, not both")
+    needs_target = alphas["alpha_tv"] > 0 or alphas["alpha_conf"] > 0
+    if needs_target and target_probs is None and target_logits is None:
+        raise ValueError("loss.alpha_tv / loss.alpha_conf > 0 need the target distribution: pass target_probs "
+                         "or target_logits, or set both alphas to 0")
+    if alphas["alpha_conf"] > 0 and output.confidence_logits is None:
+        raise ValueError("loss.alpha_conf > 0 but the drafter has no confidence head: set model.confidence=true "
+                         "or loss.alpha_conf=0")

@@ -1,0 +1,143 @@
+"""Hardware-aware prefix scheduler: how many drafts each request verifies (paper Algorithm 1, METHOD §6).
+
+For R requests with calibrated per-slot confidences `c̃_{r,j}` the survival of slot j is
+`a_{r,j} = Π_{i≤j} c̃_{r,i}`. Candidates `(r, j)` with `a_{r,j} > 0` are sorted by `a` descending, ties by smaller
+`j` then smaller `r`; since `a_{r,j+1} ≤ a_{r,j}`, every prefix of that order admits a prefix of each request's
+drafts. Starting from `B = R` tokens (the anchors), `τ* = R`, `Θ_0 = R·SPS(R)`, candidate n of the order gives
+
+    B_n = R + n,    τ*_n = R + Σ_{m≤n} a_(m),    Θ_n = τ*_n · SPS(B_n)      (expected tokens per second, §7)
+
+and the scheduler admits candidates while `Θ_n > Θ_{n-1}`, stopping at the first non-improvement.
+
+Why the early stop (paper Appendix A): `a_{r,k+1}` depends on the sampled `x_{r,k}`. Whether `(r, k)` is admitted
+under the early stop depends only on the candidates ranked before it — never on `(r, j > k)` — so the decision
+to verify `x_{r,k}` is made from information available before it was sampled, and verification stays lossless.
+The full search (argmax of Θ over all prefixes) lets `x_{r,k}` influence its own verification and biases the
+output; it exists only behind an explicit flag for reproducing that appendix.
+
+`async_capacity_schedule` is the paper's production variant (§5.2): a token budget from stale confidences, filled
+with the best current candidates.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from dspark.scheduling.sps import SPSTable
+
+UNSAFE_SEARCH_MESSAGE = (
+    "schedule_verification(early_stop=False) runs the full search over all prefixes, which lets a sampled draft "
+    "x_k decide whether x_k itself is verified (a_(k+1) depends on x_k) and biases the output distribution away "
+    "from the target's (METHOD §6, paper Appendix A: P(A) = 0.85 instead of 0.7). Keep early_stop=True; pass "
+    "allow_unsafe_full_search=True only to reproduce that bias."
+)
+
+
+@dataclass
+class SchedulePlan:
+    """A scheduling decision with its trace (N candidates with a > 0, in admission order)."""
+
+    lengths: Tensor      # [R] long, ℓ_r
+    requests: Tensor     # [N] long, r of each sorted candidate
+    slots: Tensor        # [N] long, j of each sorted candidate (1-based)
+    survival: Tensor     # [N] float64, a_{r,j} of each sorted candidate
+    throughput: Tensor   # [N+1] float64, Θ_0..Θ_N (Θ_n after admitting the first n candidates)
+    num_admitted: int    # n*, the admitted prefix of the order
+
+
+def _check_confidences(confidences: Tensor) -> Tensor:
+    if confidences.dim() != 2:
+        raise ValueError(f"scheduler: confidences must be [R, γ], got shape {tuple(confidences.shape)}")
+    values = confidences.detach().to(device="cpu", dtype=torch.float64)
+    if not bool(torch.isfinite(values).all()) or bool((values < 0).any()) or bool((values > 1).any()):
+        raise ValueError("scheduler: confidences must be calibrated per-slot probabilities in [0, 1]; apply the "
+                         "drafter's STS calibration (dspark.calibration.sts) to the confidence head's sigmoid output")
+    return values
+
+
+def sorted_candidates(confidences: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """Candidates with a > 0 in admission order → (requests [N], slots [N] 1-based, survival [N] float64).
+
+    confidences [R, γ] per-slot c̃ in [0, 1]. Order: a descending, ties by smaller j, then smaller r.
+    """
+    values = _check_confidences(confidences)
+    num_requests, block = values.shape
+    survival = values.cumprod(dim=1)
+    # Flatten slot-major (index j·R + r) so a stable descending sort breaks ties by j, then r.
+    flat = survival.t().reshape(-1)
+    index = torch.nonzero(flat > 0).squeeze(-1)
+    order = torch.sort(flat[index], descending=True, stable=True).indices
+    index = index[order]
+    return index % num_requests, index // num_requests + 1, flat[index]
+
+
+def _lengths_from_prefix(requests: Tensor, num_admitted: int, num_requests: int) -> Tensor:
+    # Admitted sets are prefixes, so ℓ_r is the number of request r's admitted candidates.
+    lengths = torch.zeros(num_requests, dtype=torch.long)
+    return lengths.scatter_add_(0, requests[:num_admitted], torch.ones(num_admitted, dtype=torch.long))
+
+
+def plan_verification(confidences: Tensor, *, sps: SPSTable, early_stop: bool = True,
+                      allow_unsafe_full_search: bool = False) -> SchedulePlan:
+    """Algorithm 1 with its trace; see `schedule_verification`."""
+    if not early_stop and not allow_unsafe_full_search:
+        raise ValueError(UNSAFE_SEARCH_MESSAGE)
+    num_requests = confidences.shape[0] if confidences.dim() == 2 else -1
+    requests, slots, survival = sorted_candidates(confidences)
+    count = survival.shape[0]
+    batch = num_requests + torch.arange(count + 1, dtype=torch.float64)
+    expected = num_requests + torch.cat([torch.zeros(1, dtype=torch.float64), survival.cumsum(0)])
+    throughput = expected * sps(batch)
+    if early_stop:
+        # Leading run of strict improvements Θ_n > Θ_{n-1}.
+        improved = throughput[1:] > throughput[:-1]
+        num_admitted = int(improved.to(torch.long).cumprod(0).sum())
+    else:
+        num_admitted = int(torch.argmax(throughput))  # first maximum: a tie keeps the shorter plan
+    lengths = _lengths_from_prefix(requests, num_admitted, num_requests)
+    return SchedulePlan(lengths, requests, slots, survival, throughput, num_admitted)
+
+
+def schedule_verification(confidences: Tensor, *, sps: SPSTable, early_stop: bool = True,
+                          allow_unsafe_full_search: bool = False) -> Tensor:
+    """Verification lengths ℓ_r ([R] long, CPU) for R requests (paper Algorithm 1, METHOD §6).
+
+    confidences [R, γ]: calibrated per-slot c̃_{r,j} in [0, 1] (slot j 1-based → column j-1). `sps` is the
+    target's profiled steps-per-second table. `early_stop=False` (the biased full search) raises unless
+    `allow_unsafe_full_search=True`.
+    """
+    return plan_verification(confidences, sps=sps, early_stop=early_stop,
+                             allow_unsafe_full_search=allow_unsafe_full_search).lengths
+
+
+def expected_throughput(confidences: Tensor, lengths: Tensor, *, sps: SPSTable) -> float:
+    """Θ = τ·SPS(B) of a plan (METHOD §7): τ = Σ_r (1 + Σ_{j≤ℓ_r} a_{r,j}), B = Σ_r (1 + ℓ_r)."""
+    values = _check_confidences(confidences)
+    survival = values.cumprod(dim=1)
+    lengths = lengths.to(device="cpu", dtype=torch.long)
+    admitted = torch.arange(values.shape[1]).unsqueeze(0) < lengths.unsqueeze(1)
+    expected = values.shape[0] + float((survival * admitted).sum())
+    return expected * sps(int(values.shape[0] + lengths.sum()))
+
+
+def admit_top_k(confidences: Tensor, *, capacity: int) -> Tensor:
+    """ℓ_r ([R] long) admitting the `capacity` best candidates (a > 0) in the scheduler's order; prefix-closed."""
+    if capacity < 0:
+        raise ValueError(f"admit_top_k: capacity must be >= 0, got {capacity}")
+    requests, _, _ = sorted_candidates(confidences)
+    return _lengths_from_prefix(requests, min(capacity, requests.shape[0]), confidences.shape[0])
+
+
+def async_capacity_schedule(stale_confidences: Tensor, current_confidences: Tensor, *, sps: SPSTable) -> Tensor:
+    """Production variant (paper §5.2, METHOD §6): ℓ_r ([R] long) under a capacity fixed two steps ahead.
+
+    stale_confidences [R', γ']: calibrated c̃ from two scheduling steps ago (any request set). The full search
+    (no early stop) on them gives the token budget K = Σ ℓ; this is causal because those confidences were fixed
+    before the current drafts were sampled. current_confidences [R, γ]: the K best current candidates are admitted
+    (`admit_top_k`). Whether (r, k) is admitted depends only on candidates ranked before it, never on a_{r,j>k},
+    so the current drafts cannot influence their own verification.
+    """
+    stale = plan_verification(stale_confidences, sps=sps, early_stop=False, allow_unsafe_full_search=True)
+    return admit_top_k(current_confidences, capacity=int(stale.lengths.sum()))

@@ -1,0 +1,1 @@
+"""Run stages: prepare (regenerate data) → train (drafter) → eval (lossless decoding) → report."""

@@ -1,0 +1,100 @@
+"""What every stage shares: the resolved config, output paths, the tracking run and the loaded target."""
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from dspark.config import ResolvedConfig, RunConfig, repo_root, to_dict
+from dspark.tracking import TrackingStore, git_provenance
+
+log = logging.getLogger("dspark")
+
+# Keys that change what a trained drafter is; everything else (decode.*, stage, tracking, paths) does not.
+TRAINING_GROUPS = ("target", "drafter", "seed", "model", "loss", "data", "optim", "target_options")
+
+
+@dataclass
+class RunPaths:
+    root: Path
+    cache: Path  # targets, regenerated data, feature caches, SPS tables
+    runs: Path  # one directory per trained drafter (config.yaml, checkpoints/, drafter.pt)
+    reports: Path
+
+    @classmethod
+    def from_config(cls, cfg: RunConfig) -> "RunPaths":
+        root = Path(cfg.paths.root)
+        return cls(root=root, cache=root / "cache", runs=root / "runs", reports=Path(cfg.paths.reports))
+
+    def make(self) -> None:
+        for path in (self.root, self.cache, self.runs):
+            path.mkdir(parents=True, exist_ok=True)
+
+
+def training_key(cfg: RunConfig) -> str:
+    """Hash of everything that determines a trained drafter: equal keys share one run directory and checkpoint."""
+    tree = to_dict(cfg)
+    payload = {k: tree[k] for k in TRAINING_GROUPS}
+    payload["trainer"] = {k: tree["trainer"][k] for k in ("precision",)}
+    return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:12]
+
+
+def run_name(cfg: RunConfig) -> str:
+    m = cfg.model
+    head = f"-{m.head}" if cfg.drafter == "dspark" else ""
+    return f"{cfg.drafter}{head}-d{m.depth}-g{m.block_size}-s{cfg.seed}"
+
+
+@dataclass
+class StageContext:
+    """Shared state of one invocation (one MLflow run)."""
+
+    rc: ResolvedConfig
+    paths: RunPaths
+    store: TrackingStore | None = None
+    run_id: str | None = None
+    target: Any = None
+    results: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def cfg(self) -> RunConfig:
+        return self.rc.cfg
+
+    @property
+    def run_dir(self) -> Path:
+        return self.paths.runs / f"{run_name(self.cfg)}-{training_key(self.cfg)}"
+
+    def load_target(self) -> Any:
+        """Load (once) the frozen target named by `target=`."""
+        if self.target is None:
+            from dspark.targets import load_target
+
+            cfg = self.cfg
+            self.target = load_target(
+                cfg.target, cache_dir=self.paths.cache, feature_layers=cfg.model.feature_layers or None,
+                trust_remote_code=cfg.target_options.trust_remote_code, dtype=cfg.target_options.dtype,
+                seed=cfg.seed, mask_token_id=cfg.target_options.mask_token_id,
+                num_feature_layers=cfg.model.num_feature_layers)
+            log.info("target %s: %d layers, d=%d, V=%d, feature layers %s, MASK id %d", self.target.name,
+                     self.target.num_layers, self.target.hidden_size, self.target.vocab_size,
+                     self.target.feature_layer_ids, self.target.mask_token_id)
+        return self.target
+
+    def run_tags(self) -> dict[str, str]:
+        cfg = self.cfg
+        tags = {"drafter": cfg.drafter, "model.head": cfg.model.head, "target": cfg.target, "budget": cfg.budget,
+                "seed": str(cfg.seed), "stage": cfg.stage, "training.key": training_key(cfg),
+                "command": "python experiments/run.py " + " ".join(self.rc.argv)}
+        return tags | git_provenance(repo_root())
+
+
+def seed_everything(seed: int) -> None:
+    import lightning as L
+
+    L.seed_everything(seed, workers=True, verbose=False)
+    torch.use_deterministic_algorithms(False)

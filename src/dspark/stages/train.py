@@ -1,0 +1,110 @@
+"""Stage `train`: build the drafter, the DataModule and the Lightning Trainer; fit; export `drafter.pt`.
+
+A run directory is keyed by everything that determines the drafter (`training_key`), so an identical config reuses
+a finished drafter, and an interrupted one resumes from `checkpoints/last.ckpt`.
+"""
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from dspark.config import to_dict
+from dspark.drafters.factory import DrafterSpec, build_drafter, drafter_spec_for
+from dspark.stages.context import StageContext
+from dspark.stages.prepare import PreparedData
+from dspark.training.module import DrafterModule
+from dspark.training.optim import count_parameters
+
+log = logging.getLogger("dspark")
+DRAFTER_FILE = "drafter.pt"
+
+
+def build_datamodule(ctx: StageContext, data: PreparedData):
+    from dspark.data.datamodule import DrafterDataModule
+
+    d = ctx.cfg.data
+    return DrafterDataModule(data.regen_dir, batch_size=d.batch_size, max_anchors=d.max_anchors,
+                             block_size=ctx.cfg.model.block_size, val_fraction=d.val_fraction,
+                             calibration_fraction=d.calib_fraction, seed=ctx.cfg.seed, feature_dir=data.feature_dir)
+
+
+def build_module(ctx: StageContext, spec: DrafterSpec) -> DrafterModule:
+    target = ctx.load_target()
+    drafter = build_drafter(spec, target)
+    loss = ctx.cfg.loss
+    weights = {"alpha_ce": loss.alpha_ce, "alpha_tv": loss.alpha_tv, "alpha_conf": loss.alpha_conf,
+               "decay": loss.decay}
+    return DrafterModule(drafter=drafter, target=target, drafter_kind=spec.kind, block_size=spec.block_size,
+                         loss_weights=weights, optim=to_dict(ctx.cfg.optim), drafter_config=spec.to_dict())
+
+
+def build_trainer(ctx: StageContext, run_dir: Path):
+    import lightning as L
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    cfg = ctx.cfg
+    loggers: Any = False
+    if ctx.store is not None:
+        from lightning.pytorch.loggers import MLFlowLogger
+
+        loggers = MLFlowLogger(experiment_name=cfg.tracking.experiment, tracking_uri=ctx.store.uri,
+                               run_id=ctx.run_id, log_model=False)
+    checkpoint = ModelCheckpoint(dirpath=run_dir / "checkpoints", save_last=True, save_top_k=0,
+                                 every_n_epochs=1, save_on_train_epoch_end=True)
+    t, o = cfg.trainer, cfg.optim
+    return L.Trainer(accelerator=t.accelerator, devices=t.devices, strategy=t.strategy, num_nodes=t.num_nodes,
+                     precision=t.precision, max_epochs=o.epochs, max_steps=o.max_steps,
+                     accumulate_grad_batches=o.accumulate_grad_batches, gradient_clip_val=o.grad_clip,
+                     log_every_n_steps=t.log_every_n_steps, val_check_interval=t.val_check_interval,
+                     logger=loggers, callbacks=[checkpoint], default_root_dir=str(run_dir),
+                     enable_model_summary=False, num_sanity_val_steps=0, deterministic=False)
+
+
+def run_train(ctx: StageContext, data: PreparedData) -> Path:
+    """Train (or reuse / resume) the drafter of this config; returns the path of the exported `drafter.pt`."""
+    run_dir = ctx.run_dir
+    exported = run_dir / DRAFTER_FILE
+    if exported.exists():
+        log.info("reusing the trained drafter %s (same training config)", exported)
+        return exported
+    target = ctx.load_target()
+    spec = drafter_spec_for(kind=ctx.cfg.drafter, model_cfg=ctx.cfg.model, target=target)
+    module = build_module(ctx, spec)
+    log.info("training %s: %.2fM trainable parameters", spec.kind, count_parameters(module.drafter) / 1e6)
+    datamodule = build_datamodule(ctx, data)
+    trainer = build_trainer(ctx, run_dir)
+    last = run_dir / "checkpoints" / "last.ckpt"
+    trainer.fit(module, datamodule=datamodule, ckpt_path=str(last) if last.exists() else None)
+    if trainer.global_rank == 0:
+        save_drafter(exported, spec=spec, state_dict=module.drafter.state_dict(),
+                     metrics={k: float(v) for k, v in trainer.callback_metrics.items() if v.numel() == 1})
+    return exported
+
+
+def save_drafter(path: Path, *, spec: DrafterSpec, state_dict: dict, metrics: dict[str, float],
+                 calibration: dict | None = None) -> None:
+    """Atomically write the exported drafter (spec + weights [+ STS temperatures])."""
+    payload = {"spec": spec.to_dict(), "state_dict": {k: v.cpu() for k, v in state_dict.items()},
+               "metrics": metrics, "calibration": calibration}
+    tmp = path.with_suffix(".tmp")
+    torch.save(payload, tmp)
+    os.replace(tmp, path)
+
+
+def load_drafter(path: Path, target: Any, *, block_size: int | None = None):
+    """Rebuild a drafter from `drafter.pt` around `target`; errors if it was trained for another target/γ."""
+    from dspark.drafters.factory import check_spec_matches
+
+    if not Path(path).exists():
+        raise ValueError(f"No trained drafter at {path}; run stage=train first (or pass the run's drafter.pt).")
+    payload = torch.load(path, map_location="cpu", weights_only=False)
+    spec = DrafterSpec.from_dict(payload["spec"])
+    check_spec_matches(spec, target, block_size=block_size)
+    drafter = build_drafter(spec, target)
+    drafter.load_state_dict(payload["state_dict"])
+    drafter.eval()
+    return drafter, spec, payload

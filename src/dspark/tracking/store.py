@@ -1,0 +1,122 @@
+"""MLflow store access (PLATFORM_NOTES "MLflow"): explicit absolute sqlite URI, explicit artifact root, runs created
+with `MlflowClient` so Lightning's `MLFlowLogger(run_id=...)` attaches to them, flat tags, the resolved config as an
+artifact, `summary/*` metrics for reports.
+"""
+from __future__ import annotations
+
+import os
+import platform
+import socket
+import subprocess
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from dspark.config import ConfigError, RunConfig, to_yaml
+
+
+def tracking_uri_for(cfg: RunConfig) -> str:
+    """`tracking.uri` if set, else `sqlite:///<paths.root>/mlflow.db` (absolute)."""
+    if cfg.tracking.uri:
+        return cfg.tracking.uri
+    return f"sqlite:///{Path(cfg.paths.root).resolve() / 'mlflow.db'}"
+
+
+def check_reachable(uri: str, *, timeout: float = 5.0) -> None:
+    """Fail before any work when an http(s) tracking server does not answer /health."""
+    if not uri.startswith(("http://", "https://")):
+        return
+    try:
+        with urllib.request.urlopen(uri.rstrip("/") + "/health", timeout=timeout) as resp:
+            if resp.status == 200:
+                return
+    except (urllib.error.URLError, socket.timeout, ConnectionError) as err:
+        raise ConfigError(f"tracking.uri={uri} is unreachable ({err}). Start it with `mlflow server --host 127.0.0.1 "
+                          "--port 5000 --backend-store-uri sqlite:///$PWD/outputs/mlflow.db`, or drop tracking.uri "
+                          "to use the local sqlite store.") from err
+    raise ConfigError(f"tracking.uri={uri}: /health did not answer 200.")
+
+
+@dataclass
+class TrackingStore:
+    """A thin handle on one MLflow store and experiment."""
+
+    uri: str
+    experiment_id: str
+    client: Any  # mlflow.tracking.MlflowClient
+
+    def create_run(self, *, run_name: str, tags: dict[str, str], parent_run_id: str | None = None) -> str:
+        """Create a RUNNING run (child of `parent_run_id` if given) and return its id."""
+        tags = {k: str(v) for k, v in tags.items()}
+        if parent_run_id:
+            tags["mlflow.parentRunId"] = parent_run_id
+        run = self.client.create_run(self.experiment_id, run_name=run_name, tags=tags)
+        return run.info.run_id
+
+    def log_config(self, run_id: str, cfg: RunConfig, *, run_dir: Path) -> None:
+        """Write the resolved config next to the run's results and attach it as an artifact; flat params too."""
+        run_dir.mkdir(parents=True, exist_ok=True)
+        path = run_dir / "config.yaml"
+        path.write_text(to_yaml(cfg))
+        self.client.log_artifact(run_id, str(path))
+        params = _flat_params(cfg)
+        from mlflow.entities import Param
+
+        self.client.log_batch(run_id, params=[Param(k, v[:250]) for k, v in params.items()])
+
+    def log_metrics(self, run_id: str, metrics: dict[str, float], *, step: int = 0) -> None:
+        from mlflow.entities import Metric
+        import time
+
+        now = int(time.time() * 1000)
+        items = [Metric(k, float(v), now, step) for k, v in metrics.items()]
+        for i in range(0, len(items), 500):
+            self.client.log_batch(run_id, metrics=items[i:i + 500])
+
+    def finish(self, run_id: str, *, status: str = "FINISHED") -> None:
+        self.client.set_terminated(run_id, status=status)
+
+
+def _flat_params(cfg: RunConfig) -> dict[str, str]:
+    from dspark.config.loader import flatten, to_dict
+
+    return {k: str(v) for k, v in flatten(to_dict(cfg)).items()}
+
+
+def open_store(cfg: RunConfig) -> TrackingStore:
+    """Open (creating if needed) the store and experiment for this config."""
+    uri = tracking_uri_for(cfg)
+    check_reachable(uri)
+    os.environ["MLFLOW_TRACKING_URI"] = uri  # Lightning reads it at import; keep them in agreement
+    from mlflow.tracking import MlflowClient
+
+    if uri.startswith("sqlite:"):
+        Path(cfg.paths.root).mkdir(parents=True, exist_ok=True)
+    client = MlflowClient(tracking_uri=uri)
+    exp = client.get_experiment_by_name(cfg.tracking.experiment)
+    if exp is None:
+        artifacts = None
+        if uri.startswith("sqlite:"):
+            artifacts = (Path(cfg.paths.root).resolve() / "mlartifacts").as_uri()
+        exp_id = client.create_experiment(cfg.tracking.experiment, artifact_location=artifacts)
+    else:
+        exp_id = exp.experiment_id
+    return TrackingStore(uri=uri, experiment_id=exp_id, client=client)
+
+
+def git_provenance(repo: Path) -> dict[str, str]:
+    """Commit, dirty flag and machine, for run tags and report headers."""
+
+    def git(*args: str) -> str:
+        try:
+            return subprocess.run(["git", *args], cwd=repo, capture_output=True, text=True, timeout=10).stdout.strip()
+        except (OSError, subprocess.SubprocessError):
+            return ""
+
+    return {
+        "git.commit": git("rev-parse", "HEAD") or "unknown",
+        "git.dirty": str(bool(git("status", "--porcelain", "--untracked-files=no"))),
+        "machine": f"{platform.node()} {platform.machine()} {os.cpu_count()} cpus",
+    }

@@ -1,0 +1,1 @@
+"""Training: the LightningModule that orchestrates drafter, loss and metrics; optimiser and schedule."""

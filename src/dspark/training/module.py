@@ -1,0 +1,106 @@
+"""`DrafterModule`: one LightningModule for every drafter (dspark, dflash, eagle3). It only orchestrates: the drafter
+is a plain nn.Module, the batch→loss glue is a registered step function (`dspark.training.steps`), the metrics are
+torchmetrics objects (one per split). The frozen target lives outside the module's registered submodules, so
+checkpoints hold only the drafter's weights.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import lightning as L
+import torch
+from torch import nn
+
+from dspark.metrics import CumulativeCalibration, PositionCrossEntropy, TeacherForcedAcceptance
+from dspark.training.optim import build_optimizer
+from dspark.training.steps import TRAINING_STEPS, StepResult
+
+
+class NonFiniteLossError(FloatingPointError):
+    """Raised when the loss is NaN/inf; the run is marked FAILED and the last good checkpoint is kept."""
+
+
+class DrafterModule(L.LightningModule):
+    """Train `drafter` against the frozen `target` with the loss of METHOD §3 (or §4 for EAGLE-3)."""
+
+    def __init__(self, *, drafter: nn.Module, target: Any, drafter_kind: str, block_size: int,
+                 loss_weights: dict[str, float], optim: dict[str, Any], drafter_config: dict[str, Any]) -> None:
+        super().__init__()
+        self.drafter = drafter
+        self.__dict__["target"] = target  # plain attribute: never in state_dict, never trained
+        self.step_fn = TRAINING_STEPS.resolve(drafter_kind)
+        self.block_size = block_size
+        self.loss_weights = dict(loss_weights)
+        self.optim_cfg = dict(optim)
+        self.save_hyperparameters({"drafter_kind": drafter_kind, "block_size": block_size,
+                                   "loss_weights": self.loss_weights, "optim": self.optim_cfg,
+                                   "drafter_config": drafter_config, "target_fingerprint": target.fingerprint})
+        # keys are "<split>_metrics": a bare "train" would shadow nn.Module.train
+        self.split_metrics = nn.ModuleDict({f"{s}_metrics": self._split_metrics() for s in ("train", "val")})
+
+    def _split_metrics(self) -> nn.ModuleDict:
+        g = self.block_size
+        return nn.ModuleDict({"accept": TeacherForcedAcceptance(g), "ce": PositionCrossEntropy(g),
+                              "calib": CumulativeCalibration(g)})
+
+    def on_fit_start(self) -> None:
+        self.target.model.to(self.device)  # the target follows the drafter's device (GPU runs)
+
+    def on_train_start(self) -> None:
+        for metric in self.split_metrics["val_metrics"].values():
+            metric.reset()
+
+    def _run(self, batch: dict[str, torch.Tensor], split: str) -> torch.Tensor:
+        result: StepResult = self.step_fn(drafter=self.drafter, target=self.target, batch=batch,
+                                          block_size=self.block_size, **self.loss_weights)
+        if not torch.isfinite(result.loss.total):
+            raise NonFiniteLossError(
+                f"{split} loss is {result.loss.total.item()} at step {self.global_step}: lower optim.lr, check the "
+                "data cache (stage=prepare), or set trainer.precision=32-true. The last good checkpoint is kept.")
+        self._update_metrics(result, split)
+        parts = {f"{split}/loss": result.loss.total, f"{split}/loss_ce": result.loss.ce,
+                 f"{split}/loss_tv": result.loss.tv, f"{split}/loss_conf": result.loss.conf}
+        self.log_dict({k: v.detach() for k, v in parts.items()}, prog_bar=(split == "train"),
+                      on_step=(split == "train"), on_epoch=(split == "val"), batch_size=result.num_blocks,
+                      sync_dist=(split == "val"))
+        return result.loss.total
+
+    def _update_metrics(self, result: StepResult, split: str) -> None:
+        metrics = self.split_metrics[f"{split}_metrics"]
+        metrics["accept"].update(result.c_star, result.label_valid)
+        metrics["ce"].update(result.nll, result.label_valid)
+        if result.confidence is not None:
+            soft_event = torch.cumprod(result.c_star.clamp(0, 1), dim=-1)
+            metrics["calib"].update(result.confidence, soft_event, result.label_valid)
+
+    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        return self._run(batch, "train")
+
+    def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
+        self._run(batch, "val")
+
+    def on_train_epoch_end(self) -> None:
+        self._log_split("train")
+
+    def on_validation_epoch_end(self) -> None:
+        self._log_split("val")
+
+    def _log_split(self, split: str) -> None:
+        values: dict[str, torch.Tensor] = {}
+        for name, metric in self.split_metrics[f"{split}_metrics"].items():
+            if name == "calib" and not metric.update_called:
+                continue
+            if metric.update_called:
+                values.update({f"{split}/{k}": v for k, v in metric.compute().items()})
+            metric.reset()
+        finite = {k: v.float() for k, v in values.items() if torch.isfinite(v).all()}
+        if finite:
+            self.log_dict(finite, sync_dist=False)  # metric states are already reduced across ranks
+
+    def configure_optimizers(self):
+        total = max(1, int(self.trainer.estimated_stepping_batches))
+        optimizer, schedule = build_optimizer(
+            self.drafter.parameters(), lr=self.optim_cfg["lr"], betas=(self.optim_cfg["beta1"], self.optim_cfg["beta2"]),
+            weight_decay=self.optim_cfg["weight_decay"], total_steps=total,
+            warmup_fraction=self.optim_cfg["warmup_fraction"])
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}

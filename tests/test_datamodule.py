@@ -1,0 +1,186 @@
+"""DrafterDataModule (METHOD §3 anchors, held-out splits) and the optional target-feature cache."""
+from __future__ import annotations
+
+import lightning as L
+import pytest
+import torch
+
+from dspark.data.datamodule import DrafterDataModule, split_indices
+from dspark.data.features import FeatureCache, cache_features, compute_features
+from dspark.data.prompts import PromptRecord
+from dspark.data.regenerate import SamplingConfig, load_regenerated, regenerate_responses
+from dspark.targets import load_target
+
+NUM_PROMPTS = 12
+MAX_ANCHORS = 6
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny ops: a second thread only adds synchronisation cost
+    yield load_target("tiny", cache_dir=tmp_path_factory.mktemp("targets"))
+    torch.set_num_threads(threads)
+
+
+def random_generate(eot: int):
+    """Fast stand-in for `model.generate`: random non-special tokens (from the seeded global RNG), lengths
+    varying with an early end-of-turn in some rows, so sequences and anchor counts differ."""
+
+    def generate(*, input_ids, attention_mask, generation_config):
+        n = generation_config.max_new_tokens
+        new = torch.randint(10, 300, (len(input_ids), n))
+        for row in range(len(input_ids)):
+            stop = int(torch.randint(n // 2, n + 4, ()))
+            if stop < n:
+                new[row, stop] = eot
+                new[row, stop + 1 :] = generation_config.pad_token_id
+        return torch.cat([input_ids, new], dim=1)
+
+    return generate
+
+
+@pytest.fixture(scope="module")
+def regen_dir(tiny, tmp_path_factory):
+    prompts = [PromptRecord(f"p{i}", "chat", f"Question number {i}?") for i in range(NUM_PROMPTS)]
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(tiny.model, "generate", random_generate(tiny.tokenizer.eos_token_id))
+        return regenerate_responses(tiny, prompts, sampling=SamplingConfig(max_new_tokens=40, batch_size=4),
+                                    cache_dir=tmp_path_factory.mktemp("cache"), seed=0, show_progress=False)
+
+
+def make_dm(regen_dir, **overrides) -> DrafterDataModule:
+    kwargs = dict(batch_size=4, max_anchors=MAX_ANCHORS, block_size=3, val_fraction=0.2, calibration_fraction=0.1)
+    dm = DrafterDataModule(regen_dir, **{**kwargs, **overrides})
+    dm.setup("fit")
+    return dm
+
+
+def epoch_anchors(dm: DrafterDataModule, epoch: int) -> dict[int, list[int]]:
+    dm.set_epoch(epoch)
+    return _anchors_by_sequence(dm.train_dataloader())
+
+
+def _anchors_by_sequence(loader) -> dict[int, list[int]]:
+    out = {}
+    for batch in loader:
+        for b, index in enumerate(batch["sequence_index"].tolist()):
+            out[index] = batch["anchors"][b][batch["anchor_valid"][b]].tolist()
+    return out
+
+
+def test_batch_shapes_dtypes_and_anchor_eligibility(regen_dir) -> None:
+    dm = make_dm(regen_dir)
+    batch = next(iter(dm.train_dataloader()))
+    B, T = batch["input_ids"].shape
+    assert B == 4 and batch["input_ids"].dtype == torch.long
+    for name in ("attention_mask", "loss_mask"):
+        assert batch[name].shape == (B, T) and batch[name].dtype == torch.bool
+    N = batch["anchors"].shape[1]
+    assert 1 <= N <= MAX_ANCHORS and batch["anchors"].dtype == torch.long
+    assert batch["anchor_valid"].shape == (B, N) and batch["anchor_valid"].dtype == torch.bool
+    assert (batch["input_ids"][~batch["attention_mask"]] == dm.pad_token_id).all()
+    assert not batch["loss_mask"][~batch["attention_mask"]].any()
+    assert (batch["anchors"][~batch["anchor_valid"]] == 0).all()
+    for b in range(B):
+        anchors = batch["anchors"][b][batch["anchor_valid"][b]]
+        assert batch["loss_mask"][b, anchors].all() and batch["loss_mask"][b, anchors + 1].all()
+
+
+def test_splits_disjoint_and_deterministic(regen_dir) -> None:
+    dm = make_dm(regen_dir)
+    parts = [set(dm.split_index[name]) for name in ("train", "val", "calibration")]
+    assert all(parts) and sum(map(len, parts)) == NUM_PROMPTS and len(set.union(*parts)) == NUM_PROMPTS
+    assert dm.split_index == make_dm(regen_dir).split_index
+    assert dm.split_index != make_dm(regen_dir, seed=1).split_index
+    ids = [f"q{i}" for i in range(30)]
+    tiny_val = split_indices(ids, val_fraction=0.001, calibration_fraction=0.0, seed=0)
+    assert len(tiny_val["val"]) == 1 and tiny_val["calibration"] == []
+    with pytest.raises(ValueError, match="data.val_fraction"):
+        split_indices(ids, val_fraction=0.0, calibration_fraction=0.0, seed=0)
+
+
+def test_train_anchors_change_across_epochs_val_anchors_do_not(regen_dir) -> None:
+    dm = make_dm(regen_dir)
+    first, again, second = epoch_anchors(dm, 0), epoch_anchors(dm, 0), epoch_anchors(dm, 1)
+    assert first == again  # a given epoch is reproducible (resume)
+    assert first != second
+    val_before = _anchors_by_sequence(dm.val_dataloader())
+    dm.set_epoch(5)
+    assert _anchors_by_sequence(dm.val_dataloader()) == val_before
+    assert set(val_before) == set(dm.split_index["val"])
+
+
+def test_workers_give_the_same_batches(regen_dir) -> None:
+    plain, workers = make_dm(regen_dir), make_dm(regen_dir, num_workers=1)
+    assert epoch_anchors(plain, 2) == epoch_anchors(workers, 2)
+
+
+def test_prompt_ids_are_the_templated_prompts(tiny, regen_dir) -> None:
+    dm = make_dm(regen_dir)
+    data = load_regenerated(regen_dir)
+    for index, ids in zip(dm.split_index["calibration"], dm.prompt_ids("calibration")):
+        assert ids == tiny.chat_prompt_ids(f"Question number {data[index]['prompt_id'][1:]}?")
+
+
+class AnchorRecorder(L.LightningModule):
+    """Minimal module recording each epoch's anchors (checks that the Trainer drives `set_epoch`)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.zeros(1))
+        self.seen: list[dict[int, list[int]]] = []
+
+    def on_train_epoch_start(self) -> None:
+        self.seen.append({})
+
+    def training_step(self, batch, batch_idx):
+        for b, index in enumerate(batch["sequence_index"].tolist()):
+            self.seen[-1][index] = batch["anchors"][b][batch["anchor_valid"][b]].tolist()
+        return (self.weight * batch["anchor_valid"].sum()).sum()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.0)
+
+
+def test_trainer_resamples_anchors_each_epoch(regen_dir) -> None:
+    dm = DrafterDataModule(regen_dir, batch_size=4, max_anchors=MAX_ANCHORS, block_size=3, val_fraction=0.2)
+    module = AnchorRecorder()
+    trainer = L.Trainer(max_epochs=2, accelerator="cpu", logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0)
+    trainer.fit(module, datamodule=dm)
+    assert len(module.seen) == 2 and module.seen[0].keys() == module.seen[1].keys()
+    assert module.seen[0] != module.seen[1]
+    assert module.seen[1] == epoch_anchors(make_dm(regen_dir, calibration_fraction=0.0), 1)
+
+
+def test_feature_cache_matches_online_and_feeds_batches(tiny, regen_dir, tmp_path, monkeypatch) -> None:
+    feature_dir = cache_features(tiny, regen_dir, cache_dir=tmp_path, batch_size=3, shard_size=5,
+                                 show_progress=False)
+    cache = FeatureCache(feature_dir)
+    data = load_regenerated(regen_dir)
+    assert len(cache) == len(data) == NUM_PROMPTS
+    m, d = len(tiny.feature_layer_ids), tiny.hidden_size
+    for index in (0, 6, 11):
+        ids = torch.tensor([data[index]["input_ids"]])
+        features, final_hidden = compute_features(tiny, ids, attention_mask=torch.ones_like(ids, dtype=torch.bool))
+        cached_f, cached_h = cache[index]
+        assert cached_f.dtype == torch.float16 and cached_f.shape == (ids.shape[1], m * d)
+        torch.testing.assert_close(cached_f.float(), features[0], atol=1e-2, rtol=1e-2)
+        torch.testing.assert_close(cached_h.float(), final_hidden[0], atol=1e-2, rtol=1e-2)
+    monkeypatch.setattr(tiny, "forward", lambda *a, **k: pytest.fail("a finished cache must not recompute"))
+    assert cache_features(tiny, regen_dir, cache_dir=tmp_path, show_progress=False) == feature_dir
+    batch = next(iter(make_dm(regen_dir, feature_dir=feature_dir).train_dataloader()))
+    B, T = batch["input_ids"].shape
+    assert batch["features"].shape == (B, T, m * d) and batch["final_hidden"].shape == (B, T, d)
+    assert batch["features"].dtype == torch.float32
+    assert (batch["features"][~batch["attention_mask"]] == 0).all()
+    index, length = int(batch["sequence_index"][0]), int(batch["attention_mask"][0].sum())
+    torch.testing.assert_close(batch["final_hidden"][0, :length], cache[index][1].float())
+
+
+def test_datamodule_rejects_bad_arguments(regen_dir) -> None:
+    with pytest.raises(ValueError, match="data.max_anchors"):
+        DrafterDataModule(regen_dir, batch_size=2, max_anchors=0, block_size=3)
+    with pytest.raises(ValueError, match="setup"):
+        DrafterDataModule(regen_dir, batch_size=2, max_anchors=2, block_size=3).train_dataloader()

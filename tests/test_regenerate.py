@@ -1,0 +1,193 @@
+"""Response regeneration (METHOD §3) on the random-weight `tiny` target: masks, caching, resume, cache keys."""
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+import torch
+
+from dspark.data.prompts import PromptRecord
+from dspark.data.regenerate import (
+    COMPLETE,
+    SamplingConfig,
+    load_regenerated,
+    read_manifest,
+    regen_cache_key,
+    regenerate_batch,
+    regenerate_responses,
+    sample_responses,
+)
+from dspark.targets import load_target
+
+SAMPLING = SamplingConfig(max_new_tokens=6, batch_size=2)
+PROMPTS = [
+    PromptRecord("a", "math", "What is 3 + 4?"),
+    PromptRecord("b", "chat", "Say hello.", turns=["Now say it in French."]),
+    PromptRecord("c", "code", "def add(a, b):"),
+    PromptRecord("d", "chat", "Give three tips."),
+    PromptRecord("e", "math", "Solve 3x + 5 = 20."),
+]
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    # one thread: the tiny model's ops are too small to gain from more, and on a busy 2-core machine the
+    # extra thread's synchronisation makes generation ~10x slower
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield load_target("tiny", cache_dir=tmp_path_factory.mktemp("targets"))
+    torch.set_num_threads(threads)
+
+
+class GenerateCounter:
+    """Wraps `model.generate`, counting calls; optionally raising once a shard exists (a simulated crash)."""
+
+    def __init__(self, generate, *, crash_when_shard_in: Path | None = None):
+        self.generate, self.calls, self.crash_dir = generate, 0, crash_when_shard_in
+
+    def __call__(self, *args, **kwargs):
+        if self.crash_dir is not None and any(self.crash_dir.glob("regen/*/shard-*.parquet")):
+            raise RuntimeError("simulated crash")
+        self.calls += 1
+        return self.generate(*args, **kwargs)
+
+
+def run(tiny, cache_dir: Path, **overrides) -> Path:
+    kwargs = dict(sampling=SAMPLING, cache_dir=cache_dir, seed=0, min_loss_tokens=1, show_progress=False)
+    return regenerate_responses(tiny, PROMPTS, **{**kwargs, **overrides})
+
+
+@pytest.fixture(scope="module")
+def finished(tiny, tmp_path_factory) -> Path:
+    return run(tiny, tmp_path_factory.mktemp("full"))
+
+
+def test_complete_and_cached_rerun(tiny, finished, monkeypatch) -> None:
+    assert (finished / COMPLETE).exists()
+    assert sorted(p.name for p in finished.glob("shard-*.parquet")) == [f"shard-0000{i}.parquet" for i in range(3)]
+    counter = GenerateCounter(tiny.model.generate)
+    monkeypatch.setattr(tiny.model, "generate", counter)
+    assert run(tiny, finished.parent.parent) == finished
+    assert counter.calls == 0
+    manifest = read_manifest(finished)
+    assert manifest["sampling"]["temperature"] == 0.7 and manifest["end_of_turn_id"] == tiny.tokenizer.eos_token_id
+    assert manifest["stats"]["sequences"] == len(PROMPTS)
+
+
+def test_loss_mask_is_response_through_end_of_turn(tiny, finished) -> None:
+    """Catches a mask that includes the template's newline or the prompt, or misses the end-of-turn token."""
+    data = load_regenerated(finished)
+    assert data.column_names[:4] == ["input_ids", "loss_mask", "prompt_id", "domain"]
+    eot, tok = tiny.tokenizer.eos_token_id, tiny.tokenizer
+    for row, prompt in zip(data, PROMPTS):
+        ids, mask = row["input_ids"], row["loss_mask"]
+        assert row["prompt_id"] == prompt.id and row["domain"] == prompt.domain
+        assert tiny.mask_token_id not in ids  # MASK never enters the data
+        spans = _masked_spans(mask)
+        assert len(spans) == 1 + len(prompt.turns)
+        first = tiny.chat_prompt_ids(prompt.prompt)
+        assert ids[: spans[0][0]] == first
+        for start, end in spans:
+            response = ids[start:end]
+            assert response[-1] == eot and eot not in response[:-1]
+            assert len(response) <= SAMPLING.max_new_tokens + 1
+        assert spans[-1][1] == len(ids)  # nothing after the last end-of-turn
+        if prompt.turns:
+            between = tok.decode(ids[spans[0][1] : spans[1][0]])
+            assert between == f"\n<|im_start|>user\n{prompt.turns[0]}<|im_end|>\n<|im_start|>assistant\n"
+
+
+def _masked_spans(mask: list[int]) -> list[tuple[int, int]]:
+    spans, start = [], None
+    for i, bit in enumerate([*mask, 0]):
+        if bit and start is None:
+            start = i
+        elif not bit and start is not None:
+            spans.append((start, i))
+            start = None
+    return spans
+
+
+def test_crash_then_resume_equals_uninterrupted(tiny, finished, tmp_path, monkeypatch) -> None:
+    crashing = GenerateCounter(tiny.model.generate, crash_when_shard_in=tmp_path)
+    monkeypatch.setattr(tiny.model, "generate", crashing)
+    with pytest.raises(RuntimeError, match="simulated crash"):
+        run(tiny, tmp_path)
+    (partial,) = list((tmp_path / "regen").iterdir())
+    assert not (partial / COMPLETE).exists()
+    assert [p.name for p in partial.iterdir() if p.suffix == ".parquet"] == ["shard-00000.parquet"]
+    resumed = GenerateCounter(crashing.generate)
+    monkeypatch.setattr(tiny.model, "generate", resumed)
+    assert run(tiny, tmp_path) == partial
+    assert resumed.calls == 2  # batches 1 and 2 are single-turn: one generate call each
+    assert load_regenerated(partial).to_dict() == load_regenerated(finished).to_dict()
+
+
+def test_cache_key_changes_with_what_determines_output(tiny) -> None:
+    base = dict(sampling=SAMPLING, seed=0, max_length=4096, min_loss_tokens=14)
+    key = regen_cache_key(tiny, PROMPTS, **base)
+    assert key == regen_cache_key(tiny, list(PROMPTS), **base)
+    variants = [
+        {**base, "seed": 1},
+        {**base, "sampling": dataclasses.replace(SAMPLING, temperature=1.0)},
+        {**base, "sampling": dataclasses.replace(SAMPLING, system_prompt="You are helpful.")},
+        {**base, "max_length": 512},
+    ]
+    for variant in variants:
+        assert regen_cache_key(tiny, PROMPTS, **variant) != key
+    edited = [dataclasses.replace(PROMPTS[0], prompt="What is 3 + 5?"), *PROMPTS[1:]]
+    assert regen_cache_key(tiny, edited, **base) != key
+
+
+def test_different_seed_gives_different_responses(tiny, tmp_path) -> None:
+    prompts = [PROMPTS[0], PROMPTS[2]]
+    a = load_regenerated(regenerate_responses(tiny, prompts, sampling=SAMPLING, cache_dir=tmp_path, seed=0,
+                                              min_loss_tokens=1, show_progress=False))
+    b = load_regenerated(regenerate_responses(tiny, prompts, sampling=SAMPLING, cache_dir=tmp_path, seed=1,
+                                              min_loss_tokens=1, show_progress=False))
+    assert a["input_ids"] != b["input_ids"]
+
+
+def fake_generate(rows: list[list[int]]):
+    """A stand-in for `model.generate` that appends fixed new tokens to the (left-padded) input."""
+
+    def generate(*, input_ids, attention_mask, generation_config):
+        return torch.cat([input_ids, torch.tensor(rows)[: len(input_ids)]], dim=1)
+
+    return generate
+
+
+def test_sample_responses_stops_and_appends_end_of_turn(tiny, monkeypatch) -> None:
+    eot, pad = tiny.tokenizer.eos_token_id, tiny.tokenizer.pad_token_id
+    monkeypatch.setattr(tiny.model, "generate", fake_generate([[40, 41, eot, pad, pad], [40, 41, 42, 43, 44]]))
+    out = sample_responses(tiny, [[7, 8, 9], [7]], sampling=SAMPLING, eot=eot)
+    assert out == [([40, 41, eot], True), ([40, 41, 42, 43, 44, eot], False)]
+
+
+def test_regenerate_batch_truncation_clipping_and_dropping(tiny, monkeypatch) -> None:
+    eot, pad = tiny.tokenizer.eos_token_id, tiny.tokenizer.pad_token_id
+    monkeypatch.setattr(tiny.model, "generate", fake_generate([[40] * 3 + [eot, pad], [41] * 5]))
+    sampling = dataclasses.replace(SAMPLING, multi_turn=False)
+    prompts = PROMPTS[:2]
+    rows, stats = regenerate_batch(tiny, prompts, sampling=sampling, seed=0, max_length=4096, min_loss_tokens=1)
+    assert [r.truncated for r in rows] == [False, True]
+    assert [sum(r.loss_mask) for r in rows] == [4, 6]  # 3 tokens + eot; 5 tokens + appended eot
+    assert stats["generated_tokens"] == 4 + 5
+    prompt_len = len(tiny.chat_prompt_ids(prompts[1].prompt))
+    rows, _ = regenerate_batch(tiny, prompts, sampling=sampling, seed=0, max_length=prompt_len + 2, min_loss_tokens=1)
+    assert all(len(r.input_ids) <= prompt_len + 2 for r in rows) and rows[1].clipped
+    rows, stats = regenerate_batch(tiny, prompts, sampling=sampling, seed=0, max_length=4096, min_loss_tokens=5)
+    assert [r.prompt_id for r in rows] == ["b"] and stats["dropped"] == 1  # 4 loss tokens < 5
+
+
+def test_sampling_config_validation() -> None:
+    with pytest.raises(ValueError, match="data.sampling.top_p"):
+        SamplingConfig(top_p=0.0)
+    with pytest.raises(ValueError, match="data.sampling.batch_size"):
+        SamplingConfig(batch_size=0)
+
+
+def test_load_incomplete_dir_fails(tmp_path) -> None:
+    with pytest.raises(ValueError, match="COMPLETE"):
+        load_regenerated(tmp_path)
