@@ -143,6 +143,7 @@ class AnchorRecorder(L.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.0)
 
 
+@pytest.mark.filterwarnings("ignore:You passed in a `val_dataloader`")
 def test_trainer_resamples_anchors_each_epoch(regen_dir) -> None:
     dm = DrafterDataModule(regen_dir, batch_size=4, max_anchors=MAX_ANCHORS, block_size=3, val_fraction=0.2)
     module = AnchorRecorder()

@@ -10,6 +10,7 @@ import sys
 import time
 
 from dspark.config import ConfigError, ResolvedConfig, resolve_config
+from dspark.registry import unknown_name_message
 
 log = logging.getLogger("dspark")
 RUN_ID_ENV = "DSPARK_MLFLOW_RUN_ID"  # hands the run to Lightning's DDP worker processes (they re-run this script)
@@ -21,6 +22,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
         rc = resolve_config(argv)
+        preflight(rc)
     except ConfigError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
@@ -29,6 +31,29 @@ def main(argv: list[str] | None = None) -> int:
 
         return run_sweep(rc)
     return run_experiment(rc)
+
+
+def preflight(rc: ResolvedConfig) -> None:
+    """Cheap checks of names and paths that would otherwise fail after minutes of work."""
+    from pathlib import Path
+
+    from dspark.data.prompts import PROMPT_SETS
+    from dspark.targets import TARGETS
+
+    cfg, errors = rc.cfg, []
+    for key, names in (("data.train_sets", cfg.data.train_sets), ("decode.eval_sets", cfg.decode.eval_sets)):
+        for name in names:
+            if name not in PROMPT_SETS:
+                errors.append(f"{key}: " + unknown_name_message("prompt set", name, PROMPT_SETS.names()))
+    if cfg.data.local_dir and not Path(cfg.data.local_dir).expanduser().is_dir():
+        errors.append(f"data.local_dir={cfg.data.local_dir} does not exist; point it at a directory of JSONL prompt "
+                      "files (schema: id, domain, prompt, ...).")
+    looks_local = cfg.target.startswith(("/", ".", "~")) or cfg.target.endswith(".gguf")
+    if cfg.target not in TARGETS and looks_local and not Path(cfg.target).expanduser().exists():
+        errors.append(f"target={cfg.target}: no such file or directory; give a local model directory, a .gguf "
+                      f"file, a hub id, or a built-in name ({', '.join(TARGETS.names())}).")
+    if errors:
+        raise ConfigError("Invalid configuration:\n  - " + "\n  - ".join(errors))
 
 
 def run_experiment(rc: ResolvedConfig, *, parent_run_id: str | None = None, extra_tags: dict | None = None) -> int:

@@ -112,7 +112,9 @@ def regen_cache_key(
     payload = {
         "format": FORMAT_VERSION,
         "target": target.fingerprint,
-        "generation_config": target.model.generation_config.to_diff_dict(),
+        # knobs we do not set explicitly could still come from the model's generation config
+        "generation_config": {k: v for k, v in target.model.generation_config.to_diff_dict().items()
+                              if k != "transformers_version"},
         "prompts": [[p.id, getattr(p, "domain", ""), p.prompt, list(getattr(p, "turns", None) or [])] for p in prompts],
         "sampling": asdict(sampling),
         "seed": seed,

@@ -1,0 +1,65 @@
+"""The command line in-process: exit codes, messages, prepare/train stages on the tiny target with MLflow on."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from mlflow.tracking import MlflowClient
+
+from dspark.cli import main
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["no_such_key=1"], "no_such_key"),
+    (["sweep=no_such_sweep"], "no_such_sweep"),
+    (["data.train_sets=[gsm8kk]"], "gsm8k"),
+    (["decode.eval_sets=[nope]"], "prompt set"),
+    (["target=/no/such/model"], "/no/such/model"),
+    (["data.local_dir=/no/such/dir"], "data.local_dir"),
+])
+def test_bad_input_exits_2_with_message(argv, needle, capsys, tmp_path):
+    assert main(argv + [f"paths.root={tmp_path}"]) == 2
+    assert needle in capsys.readouterr().err
+    assert not (tmp_path / "mlflow.db").exists()  # nothing ran
+
+
+def _runs(root: str):
+    client = MlflowClient(f"sqlite:///{Path(root) / 'mlflow.db'}")
+    exp = client.get_experiment_by_name("dspark-lab")
+    return client, client.search_runs([exp.experiment_id])
+
+
+def test_prepare_stage_caches_regenerated_data(shared_root):
+    assert main(["stage=prepare", "budget=smoke", f"paths.root={shared_root}"]) == 0
+    regen = list((Path(shared_root) / "cache" / "regen").glob("*/COMPLETE"))
+    assert regen, "no finished regeneration cache"
+    client, runs = _runs(shared_root)
+    run = [r for r in runs if r.data.tags.get("stage") == "prepare"][0]
+    assert run.info.status == "FINISHED" and run.data.metrics["data/sequences"] > 0
+    artifacts = [a.path for a in client.list_artifacts(run.info.run_id)]
+    assert "config.yaml" in artifacts
+
+
+@pytest.mark.parametrize("argv", [
+    ["drafter=dspark", "model.head=markov"], ["drafter=dspark", "model.head=rnn"],
+    ["drafter=dspark", "model.head=none"], ["drafter=dflash"], ["drafter=eagle3"],
+], ids=["markov", "rnn", "none", "dflash", "eagle3"])
+def test_train_stage_each_drafter(argv, shared_root):
+    assert main(["stage=train", "budget=smoke", f"paths.root={shared_root}", *argv]) == 0
+    client, runs = _runs(shared_root)
+    run = next(r for r in runs if r.data.tags.get("stage") == "train"
+               and r.data.tags["drafter"] == argv[0].split("=")[1]
+               and r.data.tags["model.head"] == client.get_run(r.info.run_id).data.params["model.head"])
+    assert run.info.status == "FINISHED"
+    metrics = run.data.metrics
+    assert "train/loss" in metrics and "val/accept/pos1" in metrics and "val/tau_prob" in metrics
+    run_dirs = list((Path(shared_root) / "runs").glob("*/drafter.pt"))
+    assert run_dirs
+
+
+def test_rerun_reuses_trained_drafter(shared_root, caplog):
+    argv = ["stage=train", "budget=smoke", f"paths.root={shared_root}", "drafter=dflash"]
+    assert main(argv) == 0
+    with caplog.at_level("INFO", logger="dspark"):
+        assert main(argv) == 0
+    assert "reusing the trained drafter" in caplog.text
