@@ -95,7 +95,7 @@ class DrafterModule(L.LightningModule):
             metric.reset()
         finite = {k: v.float() for k, v in values.items() if torch.isfinite(v).all()}
         if finite:
-            self.log_dict(finite, sync_dist=False)  # metric states are already reduced across ranks
+            self.log_dict(finite, rank_zero_only=True)  # metric states are already reduced across ranks
 
     def configure_optimizers(self):
         total = max(1, int(self.trainer.estimated_stepping_batches))

@@ -1,0 +1,237 @@
+"""Evaluation metrics from decoding rollouts, per dataset, per domain and overall (METHOD §8, §9).
+
+Per dataset (all rounds of its prompts):
+    tau                 = Σ τ / #rounds                 pooled over rounds (DeepSpec's convention, the headline)
+    tau_prompt_mean     = mean over prompts of (Σ τ / #rounds of the prompt), with tau_prompt_ci95 its 95%
+                          Student-t half-width over prompts (z-lab's convention, reported beside, never instead)
+    survival/pos{k}, cond/pos{k}, verify_rate, draft_accept_rate, rounds      `RolloutAcceptance`
+    tokens_per_second / target_tokens_per_second = Σ new tokens / Σ seconds (prefill included) of speculative /
+                          target-only decoding of the same prompts; speedup = their ratio; speedup_prompt_mean
+                          (± speedup_prompt_ci95) the mean of per-prompt ratios
+    time/{verify,draft_parallel,draft_sequential,other}_ms  mean wall time per round
+
+A "benchmark" is a dataset restricted to one domain (a single-domain set is one benchmark). Domain and overall
+(`all`) values are unweighted means of the per-benchmark values (paper Fig. 2 averages per-benchmark rates; Table 1's
+macro numbers average per-set τ), except counts (`rounds`, `prompts`: sums), the per-prompt statistics (computed over
+the pooled prompts) and `tau_rounds_pooled` (Σ τ / #rounds over all rounds of the group).
+"""
+from __future__ import annotations
+
+import math
+import re
+import statistics
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Sequence
+
+import polars as pl
+import torch
+
+from dspark.metrics.rollout import RolloutAcceptance
+
+ROUND_TIMES = {"seconds_verify": "verify_ms", "seconds_draft_parallel": "draft_parallel_ms",
+               "seconds_draft_sequential": "draft_sequential_ms", "seconds_other": "other_ms"}
+SUMMED = ("rounds", "prompts")
+PER_PROMPT = ("tau_prompt_mean", "tau_prompt_ci95", "speedup_prompt_mean", "speedup_prompt_ci95")
+_UNSAFE = re.compile(r"[^A-Za-z0-9_/. -]")
+_ROUND_SCHEMA = {"dataset": pl.String, "domain": pl.String, "prompt_id": pl.String, "num_verified": pl.Int64,
+                 "num_accepted": pl.Int64, "committed": pl.Int64, **{k: pl.Float64 for k in ROUND_TIMES}}
+_PROMPT_SCHEMA = {"dataset": pl.String, "domain": pl.String, "prompt_id": pl.String, "mode": pl.String,
+                  "new_tokens": pl.Int64, "seconds": pl.Float64}
+
+
+def mean_ci(values: Iterable[float], *, confidence: float = 0.95) -> tuple[float, float]:
+    """(mean, Student-t half-width) over the finite values; NaN half-width with fewer than two values."""
+    from scipy import stats
+
+    finite = [float(v) for v in values if v is not None and math.isfinite(v)]
+    if not finite:
+        return float("nan"), float("nan")
+    mean = sum(finite) / len(finite)
+    if len(finite) < 2:
+        return mean, float("nan")
+    quantile = float(stats.t.ppf(0.5 + confidence / 2.0, len(finite) - 1))
+    return mean, quantile * statistics.stdev(finite) / math.sqrt(len(finite))
+
+
+def rounds_frame(rollouts: Sequence[Any]) -> pl.DataFrame:
+    """One row per round of the speculative rollouts: ids, ℓ_eff, A, τ and the four timings."""
+    rows = [{"dataset": r.dataset, "domain": r.domain, "prompt_id": r.prompt_id,
+             "num_verified": int(rd["num_verified"]), "num_accepted": int(rd["num_accepted"]),
+             "committed": int(rd["committed"]), **{k: float(rd.get(k) or 0.0) for k in ROUND_TIMES}}
+            for r in rollouts if r.mode == "speculative" for rd in r.rounds]
+    return pl.DataFrame(rows, schema=_ROUND_SCHEMA)
+
+
+def prompts_frame(rollouts: Sequence[Any]) -> pl.DataFrame:
+    """One row per prompt: per-mode tokens and seconds, rounds, Σ τ, per-prompt τ and speed-up."""
+    runs = pl.DataFrame([{"dataset": r.dataset, "domain": r.domain, "prompt_id": r.prompt_id, "mode": r.mode,
+                          "new_tokens": len(r.new_tokens), "seconds": float(r.total_seconds)} for r in rollouts],
+                        schema=_PROMPT_SCHEMA)
+    keys = ["dataset", "domain", "prompt_id"]
+    frames = [runs.filter(pl.col("mode") == mode).select(
+        *keys, pl.col("new_tokens").alias(f"{mode}_tokens"), pl.col("seconds").alias(f"{mode}_seconds"))
+        for mode in ("speculative", "target")]
+    per_prompt = frames[0].join(frames[1], on=keys, how="full", coalesce=True)
+    counts = rounds_frame(rollouts).group_by(keys).agg(pl.len().alias("rounds"), pl.col("committed").sum())
+    per_prompt = per_prompt.join(counts, on=keys, how="left").with_columns(
+        (pl.col("committed") / pl.col("rounds")).alias("tau"),
+        ((pl.col("speculative_tokens") / pl.col("speculative_seconds"))
+         / (pl.col("target_tokens") / pl.col("target_seconds"))).alias("speedup"))
+    return per_prompt.sort(keys)
+
+
+def acceptance_metrics(rounds: pl.DataFrame, *, block_size: int) -> dict[str, float]:
+    """`RolloutAcceptance` over the rows of a rounds frame (NaN ratios when it has none)."""
+    metric = RolloutAcceptance(block_size)
+    metric.update(**{name: torch.tensor(rounds[name].to_list(), dtype=torch.long)
+                     for name in ("num_verified", "num_accepted", "committed")})
+    return {name: float(value) for name, value in metric.compute().items()}
+
+
+def _ratio(numerator: float, denominator: float) -> float:
+    return numerator / denominator if denominator and math.isfinite(denominator) else float("nan")
+
+
+def _speed_metrics(prompts: pl.DataFrame) -> dict[str, float]:
+    sums = {c: float(prompts[c].fill_null(0).sum()) if c in prompts.columns else 0.0
+            for c in ("speculative_tokens", "speculative_seconds", "target_tokens", "target_seconds")}
+    speculative = _ratio(sums["speculative_tokens"], sums["speculative_seconds"])
+    target = _ratio(sums["target_tokens"], sums["target_seconds"])
+    return {"tokens_per_second": speculative, "target_tokens_per_second": target,
+            "speedup": _ratio(speculative, target)}
+
+
+def _per_prompt_metrics(prompts: pl.DataFrame) -> dict[str, float]:
+    tau_mean, tau_ci = mean_ci(prompts["tau"].drop_nulls().to_list())
+    speedup_mean, speedup_ci = mean_ci(prompts["speedup"].drop_nulls().to_list())
+    return {"prompts": float(prompts.height), "tau_prompt_mean": tau_mean, "tau_prompt_ci95": tau_ci,
+            "speedup_prompt_mean": speedup_mean, "speedup_prompt_ci95": speedup_ci}
+
+
+def group_metrics(rounds: pl.DataFrame, prompts: pl.DataFrame, *, block_size: int) -> dict[str, float]:
+    """Every metric of the module docstring for one group of rounds and its prompts."""
+    out = acceptance_metrics(rounds, block_size=block_size)
+    out.update(_per_prompt_metrics(prompts))
+    out.update(_speed_metrics(prompts))
+    for column, name in ROUND_TIMES.items():
+        out[f"time/{name}"] = 1000.0 * float(rounds[column].mean()) if rounds.height else float("nan")
+    return out
+
+
+def aggregate(benchmarks: list[dict[str, float]], rounds: pl.DataFrame, prompts: pl.DataFrame) -> dict[str, float]:
+    """Domain / overall values: unweighted means over benchmarks, with the exceptions of the module docstring."""
+    names = [name for name in benchmarks[0] if name not in PER_PROMPT]
+    out = {}
+    for name in names:
+        values = [b[name] for b in benchmarks if math.isfinite(b[name])]
+        if name in SUMMED:
+            out[name] = float(sum(values))
+        else:
+            out[name] = sum(values) / len(values) if values else float("nan")
+    out.update({k: v for k, v in _per_prompt_metrics(prompts).items() if k != "prompts"})
+    out["tau_rounds_pooled"] = _ratio(float(rounds["committed"].sum()), float(rounds.height))
+    out["benchmarks"] = float(len(benchmarks))
+    return out
+
+
+@dataclass
+class EvalSummary:
+    """Metrics of one evaluation: per dataset, per benchmark (dataset, domain), per domain and overall."""
+
+    block_size: int
+    datasets: dict[str, dict[str, float]] = field(default_factory=dict)
+    benchmarks: dict[tuple[str, str], dict[str, float]] = field(default_factory=dict)
+    domains: dict[str, dict[str, float]] = field(default_factory=dict)
+    overall: dict[str, float] = field(default_factory=dict)
+
+    def domain_benchmarks(self, domain: str) -> list[str]:
+        """Datasets contributing to a domain's mean."""
+        return [dataset for dataset, dom in self.benchmarks if dom == domain]
+
+
+def summarize(rollouts: Sequence[Any], *, block_size: int) -> EvalSummary:
+    """Compute the `EvalSummary` of speculative + target-only rollouts of the same prompts."""
+    if not rollouts:
+        raise ValueError("No rollouts to summarise: decode.eval_sets selected no prompts (decode.prompts_per_set=0?)")
+    rounds, prompts = rounds_frame(rollouts), prompts_frame(rollouts)
+    summary = EvalSummary(block_size=block_size)
+    for (dataset,) in sorted(prompts.select("dataset").unique().rows()):
+        select = pl.col("dataset") == dataset
+        summary.datasets[dataset] = group_metrics(rounds.filter(select), prompts.filter(select),
+                                                  block_size=block_size)
+    for dataset, domain in sorted(prompts.select("dataset", "domain").unique().rows()):
+        select = (pl.col("dataset") == dataset) & (pl.col("domain") == domain)
+        summary.benchmarks[(dataset, domain)] = group_metrics(rounds.filter(select), prompts.filter(select),
+                                                              block_size=block_size)
+    for (domain,) in sorted(prompts.select("domain").unique().rows()):
+        select = pl.col("domain") == domain
+        parts = [m for (_, dom), m in summary.benchmarks.items() if dom == domain]
+        summary.domains[domain] = aggregate(parts, rounds.filter(select), prompts.filter(select))
+    summary.overall = aggregate(list(summary.benchmarks.values()), rounds, prompts)
+    return summary
+
+
+def metric_name(*parts: str) -> str:
+    """An MLflow-safe metric name: characters outside [A-Za-z0-9_/. -] become '_'."""
+    return _UNSAFE.sub("_", "/".join(parts))
+
+
+def flatten_metrics(summary: EvalSummary) -> dict[str, float]:
+    """`eval/<dataset>/…`, `eval/domain/<domain>/…`, `eval/all/…`, `summary/tau`, `summary/speedup`."""
+    flat = {}
+    for dataset, metrics in summary.datasets.items():
+        flat.update({metric_name("eval", dataset, k): v for k, v in metrics.items()})
+    for domain, metrics in summary.domains.items():
+        flat.update({metric_name("eval", "domain", domain, k): v for k, v in metrics.items()})
+    flat.update({metric_name("eval", "all", k): v for k, v in summary.overall.items()})
+    flat["summary/tau"] = summary.overall["tau"]
+    flat["summary/speedup"] = summary.overall["speedup"]
+    return flat
+
+
+def fmt(value: float | None, digits: int = 2) -> str:
+    """A number for a markdown cell; '–' for missing or non-finite values."""
+    if value is None or not math.isfinite(value):
+        return "–"
+    return f"{value:.{digits}f}"
+
+
+def _ci(metrics: dict[str, float], mean: str, half: str) -> str:
+    return f"{fmt(metrics[mean])} ± {fmt(metrics[half])}"
+
+
+def _table(header: list[str], rows: list[list[str]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    return "\n".join(lines + ["| " + " | ".join(row) + " |" for row in rows])
+
+
+def main_table(summary: EvalSummary) -> str:
+    """Per dataset, per domain and overall: τ pooled, τ per-prompt ± CI, rates, speed."""
+    header = ["group", "prompts", "rounds", "τ pooled", "τ per-prompt ± 95% CI", "verify rate", "draft accept",
+              "tok/s spec", "tok/s target", "speed-up", "speed-up per-prompt ± CI"]
+    groups = [(name, m) for name, m in summary.datasets.items()]
+    groups += [(f"**{domain}** (mean of {len(summary.domain_benchmarks(domain))})", m)
+               for domain, m in summary.domains.items()]
+    groups.append(("**all**", summary.overall))
+    rows = [[name, fmt(m["prompts"], 0), fmt(m["rounds"], 0), fmt(m["tau"], 3),
+             _ci(m, "tau_prompt_mean", "tau_prompt_ci95"), fmt(m["verify_rate"], 3), fmt(m["draft_accept_rate"], 3),
+             fmt(m["tokens_per_second"], 1), fmt(m["target_tokens_per_second"], 1), fmt(m["speedup"], 2),
+             _ci(m, "speedup_prompt_mean", "speedup_prompt_ci95")] for name, m in groups]
+    return _table(header, rows)
+
+
+def position_table(summary: EvalSummary, *, kind: str) -> str:
+    """cond@k or survival@k (kind = 'cond' | 'survival') per dataset and per domain."""
+    positions = range(1, summary.block_size + 1)
+    header = ["group", *[f"{kind}@{k}" for k in positions]]
+    groups = list(summary.datasets.items()) + [(f"**{d}**", m) for d, m in summary.domains.items()]
+    rows = [[name, *[fmt(m[f"{kind}/pos{k}"], 3) for k in positions]] for name, m in groups]
+    return _table(header, rows)
+
+
+def timing_table(summary: EvalSummary) -> str:
+    """Mean wall time per round split into verification, parallel draft, sequential loop and the rest."""
+    header = ["group", "verify ms", "draft parallel ms", "draft sequential ms", "other ms"]
+    groups = list(summary.datasets.items()) + [("**all**", summary.overall)]
+    rows = [[name, *[fmt(m[f"time/{key}"], 1) for key in ROUND_TIMES.values()]] for name, m in groups]
+    return _table(header, rows)
