@@ -235,3 +235,39 @@ def timing_table(summary: EvalSummary) -> str:
     groups = list(summary.datasets.items()) + [("**all**", summary.overall)]
     rows = [[name, *[fmt(m[f"time/{key}"], 1) for key in ROUND_TIMES.values()]] for name, m in groups]
     return _table(header, rows)
+
+
+def report_markdown(meta: dict, summary: EvalSummary, *, cond_plot: str, calibration_md: str | None = None,
+                    reliability_plot: str | None = None) -> str:
+    """The evaluation report: what ran, the command, the tables and the figures (relative file names)."""
+    decode = meta["decode"]
+    policy = decode["policy"] + (f" (θ = {decode['threshold']:g})" if decode["policy"] == "threshold" else "")
+    lines = [
+        f"# Evaluation — {meta['run_name']}", "",
+        f"- command: `{meta['command']}`",
+        f"- target: {meta['target']} (fingerprint {meta['target_fingerprint'][:12]}); drafter: {meta['drafter_kind']}"
+        f" head={meta['spec']['head']} depth={meta['spec']['depth']} γ={summary.block_size} ({meta['drafter_path']})",
+        f"- decoding: policy {policy}, temperature {decode['temperature']:g}, max_new_tokens "
+        f"{decode['max_new_tokens']}, {decode['prompts_per_set']} prompts per set from {', '.join(decode['eval_sets'])}"
+        f"; first user turn under the chat template, no system prompt of ours; seed {meta['seed']}",
+        f"- speed-up baseline: target-only decoding of the same prompts with the same engine and seeds",
+        f"- MLflow run {meta.get('mlflow_run_id') or '–'}; git {meta.get('git_commit', '–')[:12]}; "
+        f"round records {meta['rounds_file']}; finished {meta.get('finished', '–')}",
+    ]
+    if meta.get("sps_table"):
+        lines.append(f"- scheduler SPS table: {meta['sps_table']}")
+    lines += ["", "τ pooled = Σ τ / #rounds over all rounds of a dataset (DeepSpec's convention, METHOD §1); τ "
+              "per-prompt = the mean over prompts of each prompt's pooled τ, ± the 95% Student-t half-width over "
+              "prompts. Domain and `all` rows average the per-dataset values (paper Fig. 2 / Table 1 macro means). "
+              "verify rate = Σ τ / Σ (ℓ_eff + 1); draft accept = Σ A / Σ ℓ_eff (METHOD §8). tok/s include prefill.",
+              "", main_table(summary), "",
+              "## Conditional acceptance per position (cond@k, paper Fig. 2)", "", f"![cond@k]({cond_plot})", "",
+              position_table(summary, kind="cond"), "",
+              "## Survival per position (survival@k = DeepSpec's eval accept_rate@k-1)", "",
+              position_table(summary, kind="survival"), "",
+              "## Time per round", "", timing_table(summary), ""]
+    if calibration_md:
+        lines += ["## Confidence calibration (STS, METHOD §6)", "", calibration_md, ""]
+        if reliability_plot:
+            lines += [f"![reliability]({reliability_plot})", ""]
+    return "\n".join(lines)

@@ -53,7 +53,8 @@ def build_trainer(ctx: StageContext, run_dir: Path):
 
         loggers = MLFlowLogger(experiment_name=cfg.tracking.experiment, tracking_uri=ctx.store.uri,
                                run_id=ctx.run_id, log_model=False)
-    checkpoint = ModelCheckpoint(dirpath=run_dir / "checkpoints", save_last=True, save_top_k=0,
+    # save_top_k=1 without a monitor keeps the latest epoch; last.ckpt links to it (no second copy on disk)
+    checkpoint = ModelCheckpoint(dirpath=run_dir / "checkpoints", save_last="link", save_top_k=1,
                                  every_n_epochs=1, save_on_train_epoch_end=True)
     t, o = cfg.trainer, cfg.optim
     return L.Trainer(accelerator=t.accelerator, devices=t.devices, strategy=t.strategy, num_nodes=t.num_nodes,

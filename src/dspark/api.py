@@ -1,0 +1,54 @@
+"""Python API for researchers: load a target and a trained drafter, decode one prompt, inspect every round.
+
+    from dspark.api import load_target, load_trained_drafter, speculative_generate
+    target = load_target("smollm2-135m", cache_dir=Path("outputs/cache"))
+    drafter = load_trained_drafter("outputs/runs/dspark-markov-d5-g7-s0-<key>", target)
+    result = speculative_generate(target, drafter, "Write a haiku about rain.", policy="threshold", threshold=0.6)
+    result.tau, [(r.drafts, r.num_verified, r.num_accepted, r.confidences) for r in result.rounds]
+
+`schedule_verification` (Algorithm 1) is the pure scheduling function; its biased no-early-stop search is only
+reachable with the explicit `allow_unsafe_full_search=True` flag (METHOD §6).
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from dspark.calibration.sts import STSCalibration
+from dspark.decoding.engine import SpeculativeEngine
+from dspark.decoding.policies import build_policy
+from dspark.decoding.proposers import build_proposer
+from dspark.decoding.records import GenerationResult
+from dspark.scheduling import SPSTable, schedule_verification
+from dspark.targets import load_target
+
+__all__ = ["load_target", "load_trained_drafter", "schedule_verification", "speculative_generate"]
+
+
+def load_trained_drafter(run_dir_or_path: str | Path, target) -> nn.Module:
+    """The trained drafter of a run directory (its `drafter.pt`) or of a `drafter.pt` file, around `target`."""
+    from dspark.stages.train import DRAFTER_FILE, load_drafter
+
+    path = Path(run_dir_or_path)
+    drafter, _, _ = load_drafter(path / DRAFTER_FILE if path.is_dir() else path, target)
+    return drafter
+
+
+def speculative_generate(target, drafter: nn.Module | None, prompt: str | list[int], *, policy: str = "fixed",
+                         threshold: float = 0.5, temperature: float = 1.0, max_new_tokens: int = 128,
+                         seed: int = 0, sps: SPSTable | None = None, calibration: STSCalibration | None = None,
+                         chat_template: bool = True) -> GenerationResult:
+    """Decode one prompt (text, chat-templated unless `chat_template=False`, or token ids) with `drafter`
+    (None: target-only). The result holds per-round drafts, confidences, ℓ_eff, A and τ (`GenerationResult`)."""
+    if isinstance(prompt, str):
+        prompt_ids = (target.chat_prompt_ids(prompt) if chat_template
+                      else list(target.tokenizer(prompt, add_special_tokens=False)["input_ids"]))
+    else:
+        prompt_ids = [int(t) for t in prompt]
+    engine = SpeculativeEngine(target=target, proposer=build_proposer(drafter),
+                               policy=build_policy(policy, threshold=threshold, sps=sps, calibration=calibration),
+                               temperature=temperature, max_new_tokens=max_new_tokens, calibration=calibration)
+    generator = torch.Generator(device=target.device).manual_seed(seed)
+    return engine.generate(prompt_ids, generator=generator)

@@ -1,0 +1,289 @@
+"""Drafters only propose: the narrow interface between a drafter and the one verifier (METHOD §2, §4, §5).
+
+A proposer keeps the drafter's context — the target features of every committed position before the anchor
+(`kv < anchor`, METHOD §2.1) — and turns an anchor into a `Proposal`: drafted tokens, the exact distribution each
+was sampled from (`p_d`, needed by the verifier) and, for DSpark, the confidences c_k. The engine owns everything
+else (verification, commits, caches of the target).
+
+`DSparkProposer` (also DFlash = head none) caches the fused context H_ctx once per committed token and, per draft
+layer, the context keys (k-norm and RoPE applied) and values, so a round costs one block forward over γ queries
+— no re-projection of the context — then the sequential loop (METHOD §2.2–§2.3):
+
+    logits_k = U_k + B_k(x_{k-1}),  c_k = σ(w·[h_k; W_1[x_{k-1}]] + b),  x_k ~ softmax(logits_k / T)  (T = 0: argmax)
+
+`Eagle3Proposer` drafts a chain with `Eagle3Drafter.draft_chain` (which re-reads the whole prefix every round).
+"""
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Collection
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+from torch import Tensor, nn
+from torch.nn import functional as F
+
+from dspark.decoding.verify import probs_from_logits, sample_from_probs
+from dspark.drafters.dspark import DSparkDrafter
+from dspark.drafters.eagle3 import Eagle3Drafter
+from dspark.drafters.layers import apply_rotary
+
+PolicyHook = Callable[[Tensor], bool]  # c_1..c_k [k] → True: slot k will not be verified, stop before sampling x_k
+
+
+@dataclass
+class Proposal:
+    """One round's drafts (γ' ≤ γ; fewer after a drafted stop id or a policy stop)."""
+
+    tokens: Tensor               # [γ'] long, x_1..x_γ'
+    draft_probs: Tensor          # [γ', V] float32, the distribution x_k was sampled from (one-hot when T = 0)
+    confidences: Tensor | None   # [γ'] float32 raw c_k = σ(confidence logit); None without a confidence head
+    seconds_parallel: float = 0.0
+    seconds_sequential: float = 0.0
+
+
+class Proposer(Protocol):
+    """What the engine calls. Positions are absolute; features are the target's raw feature layers [1, n, m·d]."""
+
+    block_size: int       # γ
+    has_confidence: bool  # whether proposals carry confidences
+
+    def start(self, *, features: Tensor, token_ids: list[int]) -> None:
+        """Reset to the prompt: features and tokens of positions 0..S-1 (everything before the first anchor)."""
+
+    def extend(self, *, features: Tensor, token_ids: list[int]) -> None:
+        """Append newly committed positions (the anchor and accepted drafts; never rejected drafts)."""
+
+    def propose(self, *, anchor_token: int, anchor_position: int, temperature: float,
+                generator: torch.Generator | None, stop_ids: Collection[int],
+                policy_hook: PolicyHook | None = None) -> Proposal:
+        """Draft after `anchor_token` at `anchor_position` (== the number of context positions)."""
+
+
+def _sync(device: torch.device) -> None:
+    # Host timers see queued CUDA work only after a sync.
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _sample(logits: Tensor, temperature: float, generator: torch.Generator | None) -> tuple[Tensor, Tensor]:
+    """logits [1, V] → (token [1] long, the distribution it was drawn from [1, V] float32)."""
+    probs = probs_from_logits(logits, temperature)
+    token = probs.argmax(-1) if temperature == 0 else sample_from_probs(probs, generator)
+    return token, probs
+
+
+def _stack_proposal(tokens: list[Tensor], probs: list[Tensor], confidences: list[Tensor] | None,
+                    vocab_size: int, device: torch.device) -> tuple[Tensor, Tensor, Tensor | None]:
+    """Lists of per-slot [1] / [1, V] tensors → [γ'], [γ', V], [γ'] (γ' may be 0)."""
+    if not tokens:
+        empty = torch.zeros(0, dtype=torch.float32, device=device)
+        return (torch.zeros(0, dtype=torch.long, device=device), empty.new_zeros(0, vocab_size),
+                None if confidences is None else empty)
+    conf = None if confidences is None else torch.cat(confidences[:len(tokens)])
+    return torch.cat(tokens), torch.cat(probs), conf
+
+
+class GrowingBuffer:
+    """Append-only tensor along `dim` with doubling capacity; `spare(n)` exposes room past the end."""
+
+    def __init__(self, dim: int) -> None:
+        self.dim, self.length, self._data = dim, 0, None
+
+    def reserve(self, extra: int, like: Tensor) -> None:
+        """Make room for `extra` more entries shaped like `like` (except along `dim`)."""
+        need = self.length + extra
+        if self._data is not None and self._data.shape[self.dim] >= need:
+            return
+        shape = list(like.shape)
+        shape[self.dim] = max(need, 2 * (0 if self._data is None else self._data.shape[self.dim]), 64)
+        data = like.new_empty(shape)
+        if self._data is not None:
+            data.narrow(self.dim, 0, self.length).copy_(self.view())
+        self._data = data
+
+    def append(self, x: Tensor) -> None:
+        self.reserve(x.shape[self.dim], x)
+        self._data.narrow(self.dim, self.length, x.shape[self.dim]).copy_(x)
+        self.length += x.shape[self.dim]
+
+    def view(self, extra: int = 0) -> Tensor:
+        """The stored entries plus `extra` reserved slots after them (written by the caller)."""
+        return self._data.narrow(self.dim, 0, self.length + extra)
+
+
+class DSparkProposer:
+    """DSpark/DFlash proposer with cached H_ctx and per-layer context keys/values (see module docstring)."""
+
+    def __init__(self, drafter: DSparkDrafter) -> None:
+        self.drafter = drafter.eval()
+        self.block_size = drafter.block_size
+        self.has_confidence = drafter.confidence_head is not None
+        self._reset()
+
+    def _reset(self) -> None:
+        layers = len(self.drafter.backbone.layers)
+        self._context = GrowingBuffer(dim=1)  # H_ctx [1, S, d]
+        self._keys = [GrowingBuffer(dim=2) for _ in range(layers)]    # [1, H_kv, S, hd], RoPE applied
+        self._values = [GrowingBuffer(dim=2) for _ in range(layers)]  # [1, H_kv, S, hd]
+
+    @property
+    def context_length(self) -> int:
+        return self._context.length
+
+    @property
+    def context(self) -> Tensor:
+        """The cached fused context H_ctx [1, S, d] of positions 0..S-1."""
+        return self._context.view()
+
+    @torch.no_grad()
+    def start(self, *, features: Tensor, token_ids: list[int] | None = None) -> None:
+        self._reset()
+        self.extend(features=features, token_ids=token_ids)
+
+    @torch.no_grad()
+    def extend(self, *, features: Tensor, token_ids: list[int] | None = None) -> None:
+        """Fuse the new positions once and project them to every layer's keys/values (token ids unused)."""
+        backbone = self.drafter.backbone
+        fused = backbone.fuse_context(features)  # [1, n, d]
+        start = self.context_length
+        positions = torch.arange(start, start + fused.shape[1], device=fused.device)
+        cos, sin = backbone.rotary(positions.unsqueeze(0))
+        for layer, keys, values in zip(backbone.layers, self._keys, self._values):
+            attn = layer.self_attn
+            keys.append(apply_rotary(attn._heads(fused, attn.k_proj, attn.num_kv_heads, attn.k_norm), cos, sin))
+            values.append(attn._heads(fused, attn.v_proj, attn.num_kv_heads))
+        self._context.append(fused)
+
+    @torch.no_grad()
+    def propose(self, *, anchor_token: int, anchor_position: int, temperature: float,
+                generator: torch.Generator | None, stop_ids: Collection[int],
+                policy_hook: PolicyHook | None = None) -> Proposal:
+        if anchor_position != self.context_length:
+            raise ValueError(f"DSparkProposer: anchor at position {anchor_position} but the context holds "
+                             f"{self.context_length} positions; it must hold exactly the positions before the anchor")
+        device = self.drafter.backbone.mask_embedding.device
+        start = time.perf_counter()
+        hidden = self.block_hidden(anchor_token, anchor_position)  # [γ, d]
+        parallel_logits = self.drafter.project(hidden)  # [γ, V]
+        _sync(device)
+        middle = time.perf_counter()
+        tokens, probs, confidences = self._sequential(hidden, parallel_logits, anchor_token=anchor_token,
+                                                      temperature=temperature, generator=generator,
+                                                      stop_ids=stop_ids, policy_hook=policy_hook)
+        _sync(device)
+        return Proposal(tokens, probs, confidences, seconds_parallel=middle - start,
+                        seconds_sequential=time.perf_counter() - middle)
+
+    def block_hidden(self, anchor_token: int, anchor_position: int) -> Tensor:
+        """h_k [γ, d] of the block [x_0, MASK×(γ−1)] at positions anchor..anchor+γ−1 over the cached context."""
+        backbone, gamma = self.drafter.backbone, self.block_size
+        device = backbone.mask_embedding.device
+        ids = torch.full((1, 1, gamma), self.drafter.mask_token_id, dtype=torch.long, device=device)
+        ids[0, 0, 0] = anchor_token
+        hidden = backbone.embed_block(ids).flatten(1, 2)  # [1, γ, d]
+        positions = torch.arange(anchor_position, anchor_position + gamma, device=device)
+        cos, sin = backbone.rotary(positions.unsqueeze(0))
+        for layer, keys, values in zip(backbone.layers, self._keys, self._values):
+            hidden = self._layer(layer, hidden, keys, values, rope=(cos, sin))
+        return backbone.norm(hidden)[0]
+
+    @staticmethod
+    def _layer(layer: nn.Module, hidden: Tensor, keys: GrowingBuffer, values: GrowingBuffer, *,
+               rope: tuple[Tensor, Tensor]) -> Tensor:
+        """One draft layer for the block: queries from the block, keys/values = [cached context ; block].
+
+        The block's keys/values are written into the buffers' spare room (not committed), so the context is
+        never copied; every context position is before the anchor, so no mask is needed.
+        """
+        attn, (cos, sin) = layer.self_attn, rope
+        x = layer.input_layernorm(hidden)
+        q = apply_rotary(attn._heads(x, attn.q_proj, attn.num_heads, attn.q_norm), cos, sin)
+        k = apply_rotary(attn._heads(x, attn.k_proj, attn.num_kv_heads, attn.k_norm), cos, sin)
+        v = attn._heads(x, attn.v_proj, attn.num_kv_heads)
+        length = k.shape[2]
+        for buffer, block in ((keys, k), (values, v)):
+            buffer.reserve(length, block)
+            buffer.view(length).narrow(2, buffer.length, length).copy_(block)
+        out = F.scaled_dot_product_attention(q, keys.view(length), values.view(length),
+                                             enable_gqa=attn.num_heads != attn.num_kv_heads)
+        hidden = hidden + attn.o_proj(out.transpose(1, 2).flatten(-2))
+        return hidden + layer.mlp(layer.post_attention_layernorm(hidden))
+
+    def _sequential(self, hidden: Tensor, parallel_logits: Tensor, *, anchor_token: int, temperature: float,
+                    generator: torch.Generator | None, stop_ids: Collection[int],
+                    policy_hook: PolicyHook | None) -> tuple[Tensor, Tensor, Tensor | None]:
+        """Left-to-right sampling: x_k from U_k + B_k(x_{k-1}); c_k before x_k (so a hook may stop first)."""
+        prev = torch.tensor([anchor_token], device=hidden.device)
+        state, tokens, probs = None, [], []
+        confidences: list[Tensor] | None = [] if self.has_confidence else None
+        for k in range(self.block_size):
+            logits, conf_logit, state = self.drafter.sequential_step(
+                hidden_k=hidden[k:k + 1], parallel_logits_k=parallel_logits[k:k + 1], prev_token=prev, state=state)
+            if confidences is not None:
+                confidences.append(torch.sigmoid(conf_logit.float()))
+                if policy_hook is not None and policy_hook(torch.cat(confidences)):
+                    break
+            prev, p = _sample(logits, temperature, generator)
+            tokens.append(prev)
+            probs.append(p)
+            if int(prev) in stop_ids:
+                break
+        return _stack_proposal(tokens, probs, confidences, parallel_logits.shape[-1], hidden.device)
+
+
+class Eagle3Proposer:
+    """EAGLE-3 chain drafting (METHOD §4); keeps the committed tokens and features it re-reads every round."""
+
+    has_confidence = False
+
+    def __init__(self, drafter: Eagle3Drafter) -> None:
+        self.drafter = drafter.eval()
+        self.block_size = drafter.block_size
+        self._features = GrowingBuffer(dim=1)
+        self._tokens: list[int] = []
+
+    @property
+    def context_length(self) -> int:
+        return self._features.length
+
+    def start(self, *, features: Tensor, token_ids: list[int]) -> None:
+        self._features, self._tokens = GrowingBuffer(dim=1), []
+        self.extend(features=features, token_ids=token_ids)
+
+    def extend(self, *, features: Tensor, token_ids: list[int]) -> None:
+        if features.shape[1] != len(token_ids):
+            raise ValueError(f"Eagle3Proposer.extend: {features.shape[1]} feature rows for {len(token_ids)} tokens")
+        self._features.append(features)
+        self._tokens.extend(int(t) for t in token_ids)
+
+    @torch.no_grad()
+    def propose(self, *, anchor_token: int, anchor_position: int, temperature: float,
+                generator: torch.Generator | None, stop_ids: Collection[int],
+                policy_hook: PolicyHook | None = None) -> Proposal:
+        """`policy_hook` is unused: EAGLE-3 has no confidences. All drafting time counts as sequential."""
+        if anchor_position != self.context_length:
+            raise ValueError(f"Eagle3Proposer: anchor at position {anchor_position} but the context holds "
+                             f"{self.context_length} positions; it must hold exactly the positions before the anchor")
+        features = self._features.view()
+        start = time.perf_counter()
+        ids = torch.tensor([[*self._tokens, anchor_token]], device=features.device)
+        draft = self.drafter.draft_chain(context_features=features, context_ids=ids, num_tokens=self.block_size,
+                                         sample_fn=lambda logits: _sample(logits, temperature, generator),
+                                         stop_ids=stop_ids)
+        _sync(features.device)
+        return Proposal(draft.tokens[0], draft.probs[0].float(), None,
+                        seconds_sequential=time.perf_counter() - start)
+
+
+def build_proposer(drafter: nn.Module | None) -> DSparkProposer | Eagle3Proposer | None:
+    """The proposer of a drafter module (None → None: target-only decoding)."""
+    if drafter is None:
+        return None
+    if isinstance(drafter, DSparkDrafter):
+        return DSparkProposer(drafter)
+    if isinstance(drafter, Eagle3Drafter):
+        return Eagle3Proposer(drafter)
+    raise ValueError(f"no proposer for a {type(drafter).__name__}; expected a DSparkDrafter (dspark, dflash) or an "
+                     "Eagle3Drafter (eagle3), e.g. from dspark.api.load_trained_drafter")
