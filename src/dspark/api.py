@@ -28,12 +28,13 @@ __all__ = ["load_target", "load_trained_drafter", "schedule_verification", "spec
 
 
 def load_trained_drafter(run_dir_or_path: str | Path, target) -> nn.Module:
-    """The trained drafter of a run directory (its `drafter.pt`) or of a `drafter.pt` file, around `target`."""
+    """The trained drafter of a run directory (its `drafter.pt`) or of a `drafter.pt` file, around `target`
+    (on the target's device, eval mode); errors if it was trained for another target."""
     from dspark.stages.train import DRAFTER_FILE, load_drafter
 
     path = Path(run_dir_or_path)
     drafter, _, _ = load_drafter(path / DRAFTER_FILE if path.is_dir() else path, target)
-    return drafter
+    return drafter.to(target.device).eval()
 
 
 def speculative_generate(target, drafter: nn.Module | None, prompt: str | list[int], *, policy: str = "fixed",

@@ -9,8 +9,9 @@ needs the decision "verify slot k" to depend only on what was known before x_k w
     scheduler   Algorithm 1 for R = 1 request with the early stop, on calibrated c̃_k (raw c_k without a
                 calibration): admit slot j while Θ_j = (1 + Σ_{i≤j} a_i)·SPS(1 + j) improves, a_j = Π_{i≤j} c̃_i
 
-For the last two, `stop_drafting(c_1..c_k)` tells the proposer that slot k will not be verified whatever comes
-later, so it may stop drafting before sampling x_k (a prefix rule gives the same ℓ on the shorter proposal).
+The threshold policy also offers `stop_drafting(c_1..c_k)`: slot k will not be verified whatever comes later,
+so the proposer stops before sampling x_k (the rule gives the same ℓ on the shorter proposal). The scheduler
+has none on purpose: re-running Algorithm 1 per slot costs more than the sampling it would save.
 """
 from __future__ import annotations
 
@@ -58,15 +59,6 @@ def calibrate_confidences(calibration: STSCalibration, confidences: Tensor) -> T
     return calibration.apply(padded)[:count]
 
 
-class _PrefixRule:
-    """Shared `stop_drafting` of prefix rules: slot k is excluded iff ℓ(c_1..c_k) < k."""
-
-    def stop_drafting(self, confidences: Tensor) -> bool:
-        """confidences [k] = c_1..c_k (known before x_k is sampled) → True when slot k will not be verified."""
-        count = int(confidences.shape[-1])
-        return self.choose(confidences=confidences, num_drafts=count) < count
-
-
 @dataclass
 class FixedPolicy:
     """ℓ = γ': verify every draft (the paper's offline evaluation)."""
@@ -79,7 +71,7 @@ class FixedPolicy:
 
 
 @dataclass
-class ThresholdPolicy(_PrefixRule):
+class ThresholdPolicy:
     """Verify the prefix before the first raw c_k < θ (diagnostic; METHOD §6)."""
 
     threshold: float
@@ -96,9 +88,13 @@ class ThresholdPolicy(_PrefixRule):
         below = torch.nonzero(confidences < self.threshold)
         return int(below[0, 0]) if below.numel() else num_drafts
 
+    def stop_drafting(self, confidences: Tensor) -> bool:
+        """confidences [k] = c_1..c_k (known before x_k is sampled) → True when slot k will not be verified."""
+        return bool((confidences < self.threshold).any())
+
 
 @dataclass
-class SchedulerPolicy(_PrefixRule):
+class SchedulerPolicy:
     """Algorithm 1 for one request with the early stop (lossless); `calibration` None uses raw c_k."""
 
     sps: SPSTable | None

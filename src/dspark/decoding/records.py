@@ -18,8 +18,8 @@ class RoundRecord:
     """One decoding round (draft → choose ℓ → verify → commit)."""
 
     anchor_position: int              # p, position of the anchor x_0
-    drafts: list[int]                 # x_1..x_γ'; γ' < γ when drafting stopped at a drafted stop id, or early
-                                      # because the policy had already excluded slot k (c_k < θ, or Θ stopped)
+    drafts: list[int]                 # x_1..x_γ'; γ' < γ when drafting stopped at a drafted stop id, or when
+                                      # the policy had already excluded slot k (threshold: c_k < θ)
     confidences: list[float] | None   # raw c_k per drafted slot; None without a confidence head
     calibrated: list[float] | None    # STS-calibrated c̃_k when the engine has a calibration
     num_verified: int                 # ℓ_eff: drafts sent to the target (after the policy, EOS truncation)

@@ -1,0 +1,192 @@
+"""Lossless decoding end to end (METHOD §5): whatever the drafter and policy, the engine's tokens are distributed
+exactly as the target's own samples, and at temperature 0 they are the target's greedy tokens.
+
+Distribution test. The tiny target's final norm is scaled up so that p_t is peaked (top-10 mass ≈ 0.4), and the
+drafters' weights are scaled so that p_d is peaked elsewhere: about a quarter of the drafts are accepted, so
+acceptances, rejections with residual sampling, bonus tokens, cache rollbacks and context updates all happen.
+For every generated token x_k the exact conditional p_t(· | prompt, x_<k) comes from one batched cache-free
+forward; the randomised probability integral transform u = F(x_k⁻) + V·p_t(x_k) (tokens ordered by p_t,
+V ~ U(0, 1)) is then exactly U(0, 1) under losslessness, independently across samples. Each position's u's
+go through a 10-bin chi-square test. `test_the_test_can_fail` shows the same test catching a verifier whose
+correction ignores the residual.
+"""
+from __future__ import annotations
+
+import copy
+
+import numpy as np
+import pytest
+import torch
+from scipy import stats
+
+from dspark.decoding import SpeculativeEngine, build_policy, build_proposer
+from dspark.decoding import engine as engine_module
+from dspark.decoding.verify import VerifyResult, draw_uniforms, sample_from_probs
+from dspark.drafters.factory import DrafterSpec, build_drafter
+from dspark.scheduling import SPSTable
+from dspark.targets import load_target
+
+GAMMA = 3
+NEW_TOKENS = 4          # token 1 comes from the prefill; 2..4 from rounds
+NUM_GENERATIONS = 300   # ≈ 4 s per drafter/policy pair on one core
+P_MIN = 1e-3
+# Slot j is admitted while Θ improves; for slot 1 that is a_1 > 0.5 (see tests/test_policies.py).
+SPS = SPSTable(batch_tokens=list(range(1, 10)), steps_per_second=[1 / (1 + (b - 1) / 2) for b in range(1, 10)])
+DRAFTERS = {"dspark-markov": ("dspark", "markov"), "dspark-rnn": ("dspark", "rnn"), "dflash": ("dflash", "none"),
+            "eagle3": ("eagle3", "none")}
+POLICIES = ("fixed", "threshold", "scheduler")
+CASES = [(d, p) for d in DRAFTERS for p in POLICIES]
+
+
+@pytest.fixture(autouse=True)
+def _single_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def target(tmp_path_factory):
+    """The tiny target (seed 1: a varied greedy path) with a peaked p_t; argmax is unchanged by the scaling."""
+    target = load_target("tiny", cache_dir=tmp_path_factory.mktemp("cache"), seed=1)
+    with torch.no_grad():
+        target.model.get_decoder().norm.weight.mul_(12.0)
+    return target
+
+
+@pytest.fixture(scope="module")
+def prompt(target):
+    return target.chat_prompt_ids("What is 2+2?")
+
+
+def make_drafter(target, name):
+    """A fresh drafter with weights ×5 (p_d far from uniform) and a ×6 LM-head input (peaked p_d). Its confidence
+    head reads only W_1[x_{k-1}] (logit std ≈ 2, bias 0.5): c_k then varies from round to round with the
+    previous token — the very dependence on x_{k-1} that makes a look-ahead policy biased (METHOD §6) — and the
+    threshold and scheduler choose every ℓ in 0..γ."""
+    kind, head = DRAFTERS[name]
+    spec = DrafterSpec(kind=kind, head=head, depth=1, block_size=GAMMA, markov_rank=8 if head != "none" else 0,
+                       feature_layers=tuple(target.feature_layer_ids), mask_token_id=target.mask_token_id,
+                       target_fingerprint=target.fingerprint)
+    torch.manual_seed(0)
+    drafter = build_drafter(spec, target)
+    with torch.no_grad():
+        for param_name, param in drafter.named_parameters():
+            if "norm" not in param_name and "confidence" not in param_name:
+                param.mul_(5.0)
+        (drafter.norm if kind == "eagle3" else drafter.backbone.norm).weight.mul_(6.0)
+        if getattr(drafter, "confidence_head", None) is not None:
+            proj, w1 = drafter.confidence_head.proj, drafter.head.w1.weight
+            proj.weight.zero_()
+            proj.weight[0, drafter.spec.hidden_size:] = torch.randn(w1.shape[1]) * 2.0 / w1.norm(dim=1).mean()
+            proj.bias.fill_(0.5)
+    return drafter.eval()
+
+
+def make_engine(target, drafter_name, policy, *, temperature=1.0, max_new_tokens=NEW_TOKENS):
+    proposer = build_proposer(make_drafter(target, drafter_name))
+    return SpeculativeEngine(target=target, proposer=proposer,
+                             policy=build_policy(policy, threshold=0.5, sps=SPS, calibration=None),
+                             temperature=temperature, max_new_tokens=max_new_tokens)
+
+
+def sample_generations(engine, prompt, num, seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    return [engine.generate(prompt, generator=generator) for _ in range(num)]
+
+
+def pit_values(target, prompt, sequences, seed=0) -> list[np.ndarray]:
+    """Randomised PIT of every generated token under the exact target conditionals; one array per position."""
+    length = max(len(s) for s in sequences)
+    ids = torch.tensor([[*prompt, *s, *[0] * (length - len(s))] for s in sequences])  # right padding: causal
+    with torch.no_grad():
+        logits = target.forward(ids, return_logits=True).logits[:, len(prompt) - 1:len(prompt) - 1 + length]
+    probs = torch.softmax(logits.double(), dim=-1)  # [N, L, V]
+    order = probs.argsort(dim=-1, descending=True, stable=True)
+    rank = order.argsort(dim=-1)
+    cumulative = probs.gather(-1, order).cumsum(-1)
+    rng = np.random.default_rng(seed)
+    per_position = []
+    for k in range(length):
+        rows = [i for i, s in enumerate(sequences) if len(s) > k]
+        tokens = torch.tensor([sequences[i][k] for i in rows])
+        p = probs[rows, k, tokens]
+        upper = cumulative[rows, k].gather(-1, rank[rows, k, tokens].unsqueeze(-1)).squeeze(-1)
+        per_position.append((upper - p).numpy() + rng.random(len(rows)) * p.numpy())
+    return per_position
+
+
+def chi_square_p_values(target, prompt, results) -> dict[str, float]:
+    """10-bin chi-square p-values of the PIT values at each position from 2 on, and of positions 2.. pooled
+    (the PITs of successive tokens are independent uniforms too). Token 1 comes from the prefill alone."""
+    u_values = pit_values(target, prompt, [r.new_tokens for r in results])[1:]
+    groups = {f"position {k + 2}": u for k, u in enumerate(u_values)} | {"pooled": np.concatenate(u_values)}
+    return {name: stats.chisquare(np.histogram(u, bins=10, range=(0.0, 1.0))[0]).pvalue
+            for name, u in groups.items()}
+
+
+@pytest.mark.parametrize(("drafter_name", "policy"), CASES)
+def test_sampling_matches_the_target_distribution(target, prompt, drafter_name, policy):
+    kind = DRAFTERS[drafter_name][0]
+    if kind != "dspark" and policy != "fixed":  # DFlash and EAGLE-3 have no confidence head
+        with pytest.raises(ValueError, match="confidence head"):
+            make_engine(target, drafter_name, policy)
+        return
+    results = sample_generations(make_engine(target, drafter_name, policy), prompt, NUM_GENERATIONS)
+    rounds = [r for result in results for r in result.rounds]
+    assert any(r.num_accepted > 0 for r in rounds) and any(r.num_accepted < r.num_verified for r in rounds)
+    if policy != "fixed":
+        assert {0, 1, 2} <= {r.num_verified for r in rounds}  # the policy really truncates, differently per round
+    p_values = chi_square_p_values(target, prompt, results)
+    assert len(p_values) == NEW_TOKENS and min(p_values.values()) > P_MIN, p_values
+
+
+def residual_ignoring_verifier(*, draft_tokens, draft_probs, target_probs, generator, greedy=False):
+    """A plausible bug: the correction after a rejection is drawn from p_t instead of norm(max(0, p_t − p_d))."""
+    length = draft_tokens.shape[0]
+    uniforms = draw_uniforms((length + 1,), generator, target_probs.device)
+    accepted = 0
+    while accepted < length:
+        token = int(draft_tokens[accepted])
+        if not uniforms[accepted] * draft_probs[accepted, token] < target_probs[accepted, token]:
+            break
+        accepted += 1
+    token = sample_from_probs(target_probs[accepted], uniforms=uniforms[length])
+    return VerifyResult(accepted, int(token), draft_tokens[:accepted])
+
+
+def test_the_test_can_fail(target, prompt, monkeypatch):
+    monkeypatch.setattr(engine_module, "verify_drafts", residual_ignoring_verifier)
+    results = sample_generations(make_engine(target, "dspark-markov", "fixed"), prompt, NUM_GENERATIONS)
+    assert chi_square_p_values(target, prompt, results)["pooled"] < P_MIN
+
+
+def hf_greedy(target, prompt, *, max_new_tokens, stop_ids):
+    out = target.model.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=max_new_tokens,
+                                eos_token_id=list(stop_ids), pad_token_id=target.tokenizer.pad_token_id)
+    return out[0, len(prompt):].tolist()
+
+
+@pytest.fixture(scope="module")
+def greedy_cases(target, prompt):
+    """(stop ids, expected stop reason, HF's greedy tokens): one run to max_new_tokens, one ending at a stop id
+    that the greedy path emits as its 6th token."""
+    free = hf_greedy(target, prompt, max_new_tokens=20, stop_ids=target.stop_token_ids)
+    assert len(free) == 20 and not set(free) & set(target.stop_token_ids)
+    stop = free[5]
+    assert stop not in free[:5]
+    stopped = hf_greedy(target, prompt, max_new_tokens=20, stop_ids=[stop])
+    assert stopped == free[:6]
+    return [(list(target.stop_token_ids), "max_new_tokens", free), ([stop], "eos", stopped)]
+
+
+@pytest.mark.parametrize(("drafter_name", "policy"), [c for c in CASES if DRAFTERS[c[0]][0] == "dspark"
+                                                      or c[1] == "fixed"])
+def test_greedy_equals_hf_generate(target, prompt, greedy_cases, drafter_name, policy):
+    for stop_ids, reason, expected in greedy_cases:
+        stopped = copy.copy(target)
+        stopped.stop_token_ids = stop_ids
+        result = make_engine(stopped, drafter_name, policy, temperature=0.0, max_new_tokens=20).generate(
+            prompt, generator=torch.Generator().manual_seed(0))
+        assert result.new_tokens == expected and result.stop_reason == reason
