@@ -117,9 +117,13 @@ class TrackingConfig:
 
 @dataclass
 class OptunaConfig:
+    """Optuna searches (`sweep=loss_weights`, `sweep=rank`); see dspark.sweeps.optuna_search."""
+
     storage: str = ""  #: "" = sqlite under paths.root; a journal file path or postgresql:// URL to share a study
-    n_trials: int = 8
-    study: str = ""
+    n_trials: int = 8  #: total trials of the study, counted across every worker sharing it
+    study: str = ""  #: "" = <sweep name>-<hash of the fixed config>
+    startup_trials: int = 4  #: random trials before TPE models the history (TPE's own default, 10, exceeds small budgets)
+    prune: bool = True  #: stop unpromising trials early on the sweep's validation metric (median rule)
 
 
 @dataclass

@@ -1,0 +1,96 @@
+"""Read a sweep's runs from the MLflow store into a polars frame (one row per completed child run).
+
+Columns: `run_id`, `run_name`, `status`, `cell`, `cell_index`, the flat tags the reports group by (`drafter`,
+`model.head`, `seed`, `optuna.trial`, `optuna.state`, ...), one `axis.<key>` column per sweep axis (numeric when every
+value parses as a number), and one column per metric (`summary/tau`, `eval/gsm8k/tau`, `val/tau_prob`, ...).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import polars as pl
+
+from dspark.sweeps.runs import COMPLETE_TAG, children, find_parent
+
+TAG_COLUMNS = ("cell", "cell.index", "drafter", "model.head", "seed", "target", "budget", "training.key",
+               "optuna.trial", "optuna.state", "optuna.defaults", "git.commit")
+
+
+@dataclass
+class SweepRuns:
+    """The parent run of a sweep and its completed children."""
+
+    sweep: str
+    parent: Any | None
+    frame: pl.DataFrame
+    status_counts: dict[str, int] = field(default_factory=dict)  # every child by status, incomplete ones included
+    note: str = ""  # how the parent was chosen
+    every_child: pl.DataFrame | None = None  # all children whatever their status (Optuna reports show pruned trials)
+
+    @property
+    def empty(self) -> bool:
+        return self.frame.height == 0
+
+    def axis_columns(self) -> list[str]:
+        return [c for c in self.frame.columns if c.startswith("axis.")]
+
+    def parent_tag(self, name: str, default: str = "–") -> str:
+        return self.parent.data.tags.get(name, default) if self.parent is not None else default
+
+    def parent_metric(self, name: str) -> float | None:
+        return self.parent.data.metrics.get(name) if self.parent is not None else None
+
+
+def run_row(run: Any) -> dict[str, Any]:
+    """One child run → a flat dict of ids, tags and metrics."""
+    tags = run.data.tags
+    row: dict[str, Any] = {"run_id": run.info.run_id, "run_name": run.info.run_name or tags.get("mlflow.runName", ""),
+                           "status": run.info.status, "complete": tags.get(COMPLETE_TAG) == "true"}
+    row.update({name: tags.get(name) for name in TAG_COLUMNS})
+    row.update({k: v for k, v in tags.items() if k.startswith("axis.")})
+    row.update({k: float(v) for k, v in run.data.metrics.items()})
+    return row
+
+
+def _typed(frame: pl.DataFrame, column: str) -> pl.DataFrame:
+    """Cast a string column of numbers to Int64 (or Float64) so that sorting and plotting are numeric."""
+    for dtype in (pl.Int64, pl.Float64):
+        try:
+            return frame.with_columns(pl.col(column).cast(dtype, strict=True))
+        except (pl.exceptions.InvalidOperationError, pl.exceptions.ComputeError):
+            continue
+    return frame
+
+
+def runs_frame(runs: list[Any]) -> pl.DataFrame:
+    """Rows of `run_row`, with numeric axis / seed / index columns typed and sorted by cell index."""
+    if not runs:
+        return pl.DataFrame(schema={"run_id": pl.String, "status": pl.String, "cell": pl.String})
+    frame = pl.DataFrame([run_row(r) for r in runs], infer_schema_length=None)
+    for column in [c for c in frame.columns if c.startswith("axis.")] + ["seed", "cell.index", "optuna.trial"]:
+        if column in frame.columns and frame[column].dtype == pl.String:
+            frame = _typed(frame, column)
+    order = [c for c in ("cell.index", "optuna.trial") if c in frame.columns]
+    return frame.sort(order, nulls_last=True) if order else frame
+
+
+def collect_sweep_runs(store: Any, *, sweep: str, sweep_hash: str | None = None) -> SweepRuns:
+    """The parent with this hash (else the newest parent of the sweep) and its completed children."""
+    parent = find_parent(store, sweep=sweep, sweep_hash=sweep_hash) if sweep_hash else None
+    note = f"parent run with sweep.hash={sweep_hash}" if parent is not None else ""
+    if parent is None:
+        parent = find_parent(store, sweep=sweep)
+        if parent is not None:
+            note = (f"newest parent run of sweep {sweep} (its sweep.hash {parent.data.tags.get('sweep.hash')} differs "
+                    "from this command's: the sweep file or the command-line overrides changed)"
+                    if sweep_hash else f"newest parent run of sweep {sweep}")
+    if parent is None:
+        return SweepRuns(sweep=sweep, parent=None, frame=runs_frame([]), note="no parent run of this sweep")
+    kids = children(store, parent.info.run_id)
+    counts: dict[str, int] = {}
+    for run in kids:
+        counts[run.info.status] = counts.get(run.info.status, 0) + 1
+    completed = [r for r in kids if r.info.status == "FINISHED" and r.data.tags.get(COMPLETE_TAG) == "true"]
+    return SweepRuns(sweep=sweep, parent=parent, frame=runs_frame(completed), status_counts=counts, note=note,
+                     every_child=runs_frame(kids))

@@ -1,0 +1,123 @@
+"""What every report builder receives, the builder registry, and shared lookups over the runs frame.
+
+Metric names read here (written by the stages): `eval/<set>/tau`, `eval/domain/<math|code|chat>/tau`,
+`eval/all/tau`, `eval/domain/<d>/cond/pos{k}`, `eval/domain/<d>/verify_rate`, `summary/tau`, `summary/speedup`,
+`val/tau_prob` (teacher-forced proxy, present whenever training ran), `calibration/*`, `latency/*`.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import polars as pl
+
+from dspark.registry import Registry
+from dspark.reports.collect import SweepRuns
+from dspark.reports.paper import DATASETS, DRAFTER_LABELS
+from dspark.reports.stats import Estimate, group_estimates
+from dspark.reports.writer import Section
+
+DOMAIN_ORDER = ("math", "code", "chat")
+TAU = "summary/tau"
+TAU_PROB = "val/tau_prob"
+_DATASET_TAU = re.compile(r"^eval/([^/]+)/tau$")
+
+
+@dataclass
+class ReportContext:
+    """A sweep's completed runs plus where the report's figures go."""
+
+    name: str
+    runs: SweepRuns
+    out_dir: Path
+    paper_ref: str = ""
+    description: str = ""
+    store: Any = None  # for artifact downloads (reliability diagrams)
+    spec: Any = None   # the SweepSpec (Optuna reports read the objective and the search space)
+    _rows: dict = field(default_factory=dict, repr=False)
+
+    @property
+    def frame(self) -> pl.DataFrame:
+        return self.runs.frame
+
+    def png(self, suffix: str) -> Path:
+        return self.out_dir / f"{self.name}-{suffix}.png"
+
+    def has(self, column: str) -> bool:
+        return column in self.frame.columns and self.frame[column].drop_nulls().len() > 0
+
+    def group_axes(self) -> list[str]:
+        """Axis columns that define a configuration (seeds are replicates)."""
+        return [c for c in self.runs.axis_columns() if c != "axis.seed"]
+
+    def groups(self, metrics: list[str]) -> dict[tuple, dict[str, Estimate]]:
+        return group_estimates(self.frame, by=self.group_axes(), metrics=metrics)
+
+    def group_dicts(self) -> list[dict[str, Any]]:
+        """One dict of axis values (plus the run tags drafter / model.head of the first run) per configuration."""
+        axes = self.group_axes()
+        if not axes:
+            return [{}] if self.frame.height else []
+        out = []
+        for row in self.frame.unique(subset=axes, maintain_order=True).iter_rows(named=True):
+            tags = {"drafter": row.get("drafter"), "model.head": row.get("model.head")}
+            out.append({**{a: row[a] for a in axes}, **tags})
+        return out
+
+    def rows_of(self, group: dict[str, Any]) -> pl.DataFrame:
+        """The runs of one configuration (memoised: builders ask for the same group many times)."""
+        key = tuple(sorted((k, v) for k, v in group.items() if k.startswith("axis.")))
+        if key not in self._rows:
+            frame = self.frame
+            for column, value in key:
+                frame = frame.filter(pl.col(column) == value)
+            self._rows[key] = frame
+        return self._rows[key]
+
+
+ReportBuilder = Callable[[ReportContext], list[Section]]
+REPORT_BUILDERS: Registry[ReportBuilder] = Registry("sweep report")
+
+
+def eval_datasets(frame: pl.DataFrame) -> list[str]:
+    """Prompt sets with a τ column, Table 1's order first."""
+    found = [m.group(1) for c in frame.columns if (m := _DATASET_TAU.match(c)) and m.group(1) not in ("domain", "all")]
+    return [d for d in DATASETS if d in found] + sorted(d for d in found if d not in DATASETS)
+
+
+def eval_domains(frame: pl.DataFrame) -> list[str]:
+    found = {c.split("/")[2] for c in frame.columns if c.startswith("eval/domain/") and c.endswith("/tau")}
+    return [d for d in DOMAIN_ORDER if d in found] + sorted(found - set(DOMAIN_ORDER))
+
+
+def domain_tau(domain: str) -> str:
+    return f"eval/domain/{domain}/tau"
+
+
+def variant_label(group: dict[str, Any]) -> str:
+    """'DSpark (markov)', 'DFlash', 'EAGLE-3', from the axis values or the run tags."""
+    drafter = group.get("axis.drafter") or group.get("drafter") or "?"
+    head = group.get("axis.model.head") or group.get("model.head")
+    label = DRAFTER_LABELS.get(str(drafter), str(drafter))
+    return f"{label} ({head})" if drafter == "dspark" and head else label
+
+
+def axis_text(group: dict[str, Any], *, skip: tuple[str, ...] = ()) -> str:
+    parts = [f"{k[5:]}={v}" for k, v in group.items() if k.startswith("axis.") and k not in skip]
+    return ", ".join(parts) or "(single configuration)"
+
+
+def tau_note(ctx: ReportContext) -> str:
+    """Which τ the figures show: the rollout τ when any run evaluated, else the teacher-forced proxy."""
+    if ctx.has(TAU):
+        return ("τ = tokens committed per round from lossless speculative decoding, pooled over rounds per prompt "
+                "set (METHOD §1); domain values are 3-set means, `all` the mean over sets.")
+    return ("No run of this sweep evaluated (stage=train?): figures show the teacher-forced proxy τ_prob = 1 + "
+            "Σ_k Π_{i≤k} c*_i on the validation split (METHOD §8), not rollout τ.")
+
+
+def headline_metric(ctx: ReportContext) -> tuple[str, str]:
+    """(column, label) of the τ the plots use."""
+    return (TAU, "τ (rollout)") if ctx.has(TAU) else (TAU_PROB, "τ_prob (val, teacher-forced)")

@@ -1,0 +1,91 @@
+"""Replicate statistics for report tables: mean ± 95% Student-t half-width over runs, with n.
+
+Replicates are the runs of one group (the cells that differ only in `seed`). With one run the half-width is
+undefined and the cell shows the value with n = 1; the per-prompt spread of a single evaluation is reported
+separately by the evaluation (eval/<set>/tau_prompt_ci95), never mixed into these intervals.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Iterable, Sequence
+
+import polars as pl
+
+MISSING = "–"
+
+
+@dataclass(frozen=True)
+class Estimate:
+    mean: float
+    half_width: float  # NaN when n < 2
+    n: int
+
+    @property
+    def ok(self) -> bool:
+        return self.n > 0 and math.isfinite(self.mean)
+
+    def text(self, digits: int = 2, *, show_n: bool = True) -> str:
+        """'2.31 ± 0.12 (n=3)', '2.31 (n=1)', or '–'."""
+        if not self.ok:
+            return MISSING
+        body = f"{self.mean:.{digits}f}"
+        if self.n >= 2 and math.isfinite(self.half_width):
+            body += f" ± {self.half_width:.{digits}f}"
+        return f"{body} (n={self.n})" if show_n else body
+
+
+def t_quantile(n: int, confidence: float = 0.95) -> float:
+    """Student-t quantile with n − 1 degrees of freedom (scipy.special: a fraction of scipy.stats' import time)."""
+    from scipy.special import stdtrit
+
+    return float(stdtrit(n - 1, 0.5 + confidence / 2.0))
+
+
+def estimate(values: Iterable[float | None]) -> Estimate:
+    """Mean and 95% half-width of the finite values."""
+    finite = [float(v) for v in values if v is not None and math.isfinite(float(v))]
+    n = len(finite)
+    if n == 0:
+        return Estimate(float("nan"), float("nan"), 0)
+    mean = sum(finite) / n
+    if n < 2:
+        return Estimate(mean, float("nan"), 1)
+    sd = math.sqrt(sum((v - mean) ** 2 for v in finite) / (n - 1))
+    return Estimate(mean, t_quantile(n) * sd / math.sqrt(n), n)
+
+
+def column_values(frame: pl.DataFrame, column: str) -> list[float | None]:
+    return frame[column].to_list() if column in frame.columns else []
+
+
+def group_estimates(frame: pl.DataFrame, *, by: Sequence[str], metrics: Sequence[str]
+                    ) -> dict[tuple, dict[str, Estimate]]:
+    """{group key tuple: {metric: Estimate}} over the rows of each group, groups in first-seen order."""
+    out: dict[tuple, dict[str, Estimate]] = {}
+    if frame.height == 0:
+        return out
+    keys = [c for c in by if c in frame.columns]
+    for key, part in frame.group_by(keys, maintain_order=True):
+        key = key if isinstance(key, tuple) else (key,)
+        out[key] = {m: estimate(column_values(part, m)) for m in metrics}
+    return out
+
+
+def ratio_gain(numerator: Estimate, denominator: Estimate) -> float:
+    """Relative gain of two means, numerator / denominator − 1 (NaN when either is missing)."""
+    if not (numerator.ok and denominator.ok) or denominator.mean == 0:
+        return float("nan")
+    return numerator.mean / denominator.mean - 1.0
+
+
+def pct(value: float | None, digits: int = 1, *, signed: bool = True) -> str:
+    if value is None or not math.isfinite(value):
+        return MISSING
+    return f"{100 * value:+.{digits}f}%" if signed else f"{100 * value:.{digits}f}%"
+
+
+def num(value: float | None, digits: int = 2) -> str:
+    if value is None or not math.isfinite(value):
+        return MISSING
+    return f"{value:.{digits}f}"

@@ -1,0 +1,105 @@
+"""Markdown report writer: a provenance header, then the builder's sections (tables, figures, notes)."""
+from __future__ import annotations
+
+import datetime
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass
+class Section:
+    title: str
+    body: str
+
+
+@dataclass
+class Provenance:
+    """Where the numbers of a report come from (every field is shown in the header)."""
+
+    git_commit: str = "–"        # of the runs (parent tag), with '(dirty)' when the tree had local changes
+    date: str = "–"              # when the report was generated
+    machine: str = "–"
+    target: str = "–"
+    budget: str = "–"
+    command: str = "–"           # the command that ran the sweep
+    tracking_uri: str = "–"
+    experiment: str = "–"
+    parent_run_id: str = "–"
+    sweep_hash: str = "–"
+    extra: dict[str, str] = field(default_factory=dict)
+
+    @classmethod
+    def from_runs(cls, runs: Any, *, store: Any, experiment: str, now: datetime.datetime | None = None,
+                  fallback: dict[str, str] | None = None) -> "Provenance":
+        """Read the parent run's tags (`fallback` tags when there is no parent); `now` = generation time."""
+        fallback = fallback or {}
+
+        def tag(name: str, default: str = "–") -> str:
+            return runs.parent_tag(name, fallback.get(name, default))
+
+        commit = tag("git.commit")
+        if tag("git.dirty", "False") == "True":
+            commit += " (dirty)"
+        stamp = (now or datetime.datetime.now()).strftime("%Y-%m-%d %H:%M")
+        return cls(git_commit=commit, date=stamp, machine=tag("machine"), target=tag("target"),
+                   budget=tag("budget"), command=tag("command"), tracking_uri=_safe_uri(store.uri),
+                   experiment=f"{experiment} (id {store.experiment_id})",
+                   parent_run_id=runs.parent.info.run_id if runs.parent is not None else "–",
+                   sweep_hash=tag("sweep.hash"))
+
+    def lines(self) -> list[str]:
+        rows = [("git commit", self.git_commit), ("generated", self.date), ("machine", self.machine),
+                ("target", self.target), ("budget", self.budget), ("command", f"`{self.command}`"),
+                ("MLflow", f"{self.tracking_uri}, experiment {self.experiment}"),
+                ("parent run", f"{self.parent_run_id} (sweep.hash {self.sweep_hash})")]
+        rows += list(self.extra.items())
+        return [f"- {name}: {value}" for name, value in rows]
+
+
+def _safe_uri(uri: str) -> str:
+    """Drop credentials from a URI before printing it."""
+    if "@" in uri and "://" in uri:
+        scheme, rest = uri.split("://", 1)
+        return f"{scheme}://***@{rest.split('@', 1)[1]}"
+    return uri
+
+
+def render_report(*, name: str, description: str, paper_ref: str, provenance: Provenance, sections: list[Section],
+                  note: str = "") -> str:
+    """The whole markdown document."""
+    title = f"# Sweep `{name}`" + (f" — {description}" if description else "")
+    lines = [title, ""]
+    if paper_ref:
+        lines += [f"Reproduces: {paper_ref}.", ""]
+    lines += provenance.lines()
+    regenerate = report_command(provenance.command, name=name)
+    lines += [f"- regenerate: `{regenerate}` (reads the tracking store only)", ""]
+    if note:
+        lines += [f"> {note}", ""]
+    for section in sections:
+        lines += [f"## {section.title}", "", section.body.rstrip(), ""]
+    return "\n".join(lines).rstrip() + "\n"
+
+
+def report_command(command: str, *, name: str) -> str:
+    """The sweep's own command with `stage=report` (so paths.root / tracking.uri / budget stay the same)."""
+    if not command.startswith("python "):
+        return f"python experiments/run.py sweep={name} stage=report"
+    words = [w for w in command.split() if not w.startswith("stage=")]
+    return " ".join(words + ["stage=report"])
+
+
+def markdown_table(header: list[str], rows: list[list[str]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    return "\n".join(lines + ["| " + " | ".join(str(c) for c in row) + " |" for row in rows])
+
+
+def no_runs_section(runs: Any, *, name: str) -> Section:
+    """What a report says when its sweep has no completed cell yet."""
+    counts = ", ".join(f"{k} {v}" for k, v in sorted(runs.status_counts.items())) or "none"
+    where = (f"parent run {runs.parent.info.run_id}" if runs.parent is not None
+             else "no parent run of this sweep in this store")
+    body = (f"No finished runs of sweep `{name}` yet ({where}; child runs by status: {counts}), so there is "
+            f"nothing to tabulate. Run `python experiments/run.py sweep={name}` (same paths.root / tracking.uri) "
+            "first; rerunning it resumes any unfinished cells.")
+    return Section("No finished runs", body)

@@ -1,0 +1,300 @@
+"""The sweep driver: `python experiments/run.py sweep=NAME [key=value ...]`.
+
+1. Load and validate `sweeps/NAME.yaml` (`dspark.sweeps.spec`); resolve every cell's full config (defaults <
+   default.yaml < budget < sweep cell < command line) before anything runs. Bad keys or values → exit code 2.
+2. A command-line key that is also an axis of the sweep selects the cells with that value
+   (`sweep=block_size drafter=dflash` runs the DFlash cells only); any other key applies to every cell.
+3. Find this sweep's parent run by its tags (sweep name + a hash of every cell's resolved config, output paths and
+   tracking excluded) and reuse it, or create it; attach the sweep file and every resolved cell config to it.
+4. Run the cells one after another in this process (one device; no DDP inside a sweep), each in its own child
+   run; cells whose child already completed are skipped (resume), cells that fail are marked FAILED and the
+   sweep goes on. Cells that differ only in decode.* share one trained drafter (`training_key`).
+5. Write `<paths.reports>/NAME.md` from the tracking store and attach it to the parent.
+
+Exit code: 0 every cell passed, 1 some cell failed, 2 bad configuration, 130 interrupted (rerun to resume).
+`stage=report` only regenerates the report. `max_cells=` (or the environment variable DSPARK_SWEEP_MAX_CELLS)
+runs only the first cells: a debugging aid, kept out of the config schema.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import sys
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+from dspark.config import ConfigError, ResolvedConfig, parse_overrides, repo_root, resolve_config, to_dict
+from dspark.sweeps import runs as sweep_runs
+from dspark.sweeps.spec import Cell, SweepSpec, coerce_value, load_sweep
+
+log = logging.getLogger("dspark")
+MAX_CELLS_ENV = "DSPARK_SWEEP_MAX_CELLS"
+HASH_EXCLUDED = ("paths", "tracking", "optuna", "sweep")  # where results go, not what they are
+
+
+@dataclass
+class PlannedCell:
+    cell: Cell
+    rc: ResolvedConfig
+
+
+@dataclass
+class SweepPlan:
+    spec: SweepSpec
+    cells: list[PlannedCell]  # the cells this invocation runs (after command-line selection), in order
+    sweep_hash: str           # hash of every cell of the sweep (selection excluded, so a subset shares the parent)
+    total: int                # cells in the whole sweep
+
+
+def run_sweep(rc: ResolvedConfig, *, max_cells: int | None = None) -> int:
+    """Run (or resume, or report) the sweep named by `rc.cfg.sweep`; returns the exit code."""
+    try:
+        limit = _max_cells(max_cells)
+        spec = load_sweep(rc.cfg.sweep)
+        if rc.cfg.stage == "report":
+            from dspark.reports import report_sweep
+
+            return report_sweep(rc, spec)
+        if spec.kind == "optuna":
+            from dspark.sweeps.optuna_search import run_search
+
+            return run_search(rc, spec, max_trials=limit)
+        plan = plan_grid(rc, spec)
+        from dspark.tracking import open_store
+
+        store = open_store(rc.cfg)
+    except ConfigError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    return execute_grid(plan, rc=rc, store=store, max_cells=limit)
+
+
+def _max_cells(value: int | None) -> int | None:
+    raw = value if value is not None else os.environ.get(MAX_CELLS_ENV)
+    if raw in (None, ""):
+        return None
+    try:
+        limit = int(raw)
+    except ValueError:
+        raise ConfigError(f"{MAX_CELLS_ENV}={raw!r}: expected a positive integer (cells to run).") from None
+    return max(1, limit)
+
+
+def arg_key(arg: str) -> str:
+    return arg.split("=", 1)[0].strip()
+
+
+def plan_grid(rc: ResolvedConfig, spec: SweepSpec, *, ignore: tuple[str, ...] = (), check: bool = True
+              ) -> SweepPlan:
+    """Resolve every cell; select by command-line axis values; hash the whole sweep (keys in `ignore` dropped).
+
+    `check` runs the CLI's name/path checks on every cell (skipped when only the hash is wanted, for reports)."""
+    axis_keys = set(spec.axis_keys())
+    argv = [a for a in rc.argv if arg_key(a) not in axis_keys and arg_key(a) not in ignore]
+    planned = [PlannedCell(cell, _resolve_cell(spec, cell, argv, check=check)) for cell in spec.cells(rc.cfg.budget)]
+    for pc in planned:
+        check_one_device(spec, pc)
+    sweep_hash = config_hash(spec, planned)
+    selected = select_cells(spec, planned, parse_overrides(a for a in rc.argv if arg_key(a) not in ignore))
+    return SweepPlan(spec=spec, cells=selected, sweep_hash=sweep_hash, total=len(planned))
+
+
+def _resolve_cell(spec: SweepSpec, cell: Cell, argv: list[str], *, check: bool) -> ResolvedConfig:
+    """The cell's full config, with the CLI's name and path checks (e.g. a misspelt prompt set in the cell)."""
+    try:
+        rc = resolve_config(argv, cell_overrides=cell.overrides)
+        if check:
+            from dspark.cli import preflight
+
+            preflight(rc)
+        return rc
+    except ConfigError as err:
+        raise ConfigError(f"sweeps/{spec.name}.yaml cell '{cell.key}': {err}") from None
+
+
+def check_one_device(spec: SweepSpec, pc: PlannedCell) -> None:
+    """Cells run one by one in the sweep process: DDP would relaunch the whole sweep in every worker."""
+    t = pc.rc.cfg.trainer
+    if t.devices != 1 or t.num_nodes != 1 or "ddp" in t.strategy or "fsdp" in t.strategy:
+        raise ConfigError(f"sweep={spec.name}: cells run one at a time on one device, but trainer.devices="
+                          f"{t.devices}, trainer.num_nodes={t.num_nodes}, trainer.strategy={t.strategy}. Drop "
+                          "those keys, or run a multi-device experiment without sweep=.")
+
+
+def select_cells(spec: SweepSpec, planned: list[PlannedCell], cli: dict[str, Any]) -> list[PlannedCell]:
+    """Keep the cells whose axis values agree with command-line values of axis keys."""
+    kept = planned
+    for key in [k for k in spec.axis_keys() if k in cli]:
+        value = coerce_value(key, cli[key], where="command line")
+        kept = [pc for pc in kept if key not in pc.cell.axes or pc.cell.axes[key] == value]
+        if not kept:
+            values = sorted({str(pc.cell.axes[key]) for pc in planned if key in pc.cell.axes})
+            raise ConfigError(f"{key}={value} selects no cell of sweep {spec.name}: its {key} values are "
+                              f"{', '.join(values)}.")
+    return kept
+
+
+def hashable_config(rc: ResolvedConfig) -> dict[str, Any]:
+    tree = to_dict(rc.cfg)
+    return {k: v for k, v in tree.items() if k not in HASH_EXCLUDED}
+
+
+def config_hash(spec: SweepSpec, planned: list[PlannedCell]) -> str:
+    """Stable hash of what the sweep computes: every cell's key and resolved config, plus the runner options."""
+    payload = {"runner": spec.runner, "latency": spec.latency,
+               "cells": [[pc.cell.key, hashable_config(pc.rc)] for pc in planned]}
+    return hashlib.sha256(json.dumps(payload, sort_keys=True, default=str).encode()).hexdigest()[:12]
+
+
+def parent_tags(rc: ResolvedConfig, spec: SweepSpec, *, total: int) -> dict[str, str]:
+    """Provenance of the parent run (the report header reads these)."""
+    from dspark.tracking import git_provenance
+
+    cfg = rc.cfg
+    return {"sweep.kind": spec.kind, "paper.ref": spec.paper_ref, "sweep.description": spec.description,
+            "sweep.cells": str(total), "budget": cfg.budget, "target": cfg.target,
+            "command": "python experiments/run.py " + " ".join(rc.argv)} | git_provenance(repo_root())
+
+
+def sweep_dir(rc: ResolvedConfig, spec: SweepSpec, sweep_hash: str) -> Path:
+    return Path(rc.cfg.paths.root) / "sweeps" / f"{spec.name}-{sweep_hash}"
+
+
+def cell_record(pc: PlannedCell) -> dict[str, Any]:
+    from dspark.stages.context import run_name, training_key
+
+    return {"index": pc.cell.index, "cell": pc.cell.key, "axes": pc.cell.axes, "run_name": run_name(pc.rc.cfg),
+            "training_key": training_key(pc.rc.cfg), "config": to_dict(pc.rc.cfg)}
+
+
+def execute_grid(plan: SweepPlan, *, rc: ResolvedConfig, store: Any, max_cells: int | None = None) -> int:
+    """Run the plan's cells under one parent run (resuming it); write the report; return the exit code."""
+    spec = plan.spec
+    parent_id, reused = sweep_runs.open_parent(store, sweep=spec.name, sweep_hash=plan.sweep_hash,
+                                               tags=parent_tags(rc, spec, total=plan.total))
+    out_dir = sweep_dir(rc, spec, plan.sweep_hash)
+    sweep_runs.log_parent_record(store, parent_id, spec_text=spec.text, out_dir=out_dir,
+                                 cells=[cell_record(pc) for pc in plan.cells])
+    existing = sweep_runs.children(store, parent_id)
+    done = sweep_runs.done_cells(existing)
+    todo = plan.cells[:max_cells] if max_cells else plan.cells
+    log.info("sweep %s: %d of %d cells selected, %d already done; parent run %s (%s)", spec.name, len(todo),
+             plan.total, sum(pc.cell.key in done for pc in todo), parent_id, "resumed" if reused else "new")
+    outcomes: list[sweep_runs.CellOutcome] = []
+    attempt = [""]
+    try:
+        for pc in todo:
+            if pc.cell.key in done:
+                outcomes.append(sweep_runs.CellOutcome(key=pc.cell.key, status="SKIPPED", run_id=done[pc.cell.key]))
+                continue
+            sweep_runs.close_stale(store, existing, cell=pc.cell.key)
+            attempt[0] = uuid.uuid4().hex
+            outcomes.append(run_cell(pc, plan=plan, store=store, parent_id=parent_id, attempt=attempt[0]))
+    except (KeyboardInterrupt, SystemExit):  # Lightning turns Ctrl-C during fit into sys.exit(1)
+        return interrupted(store, parent_id, attempt=attempt[0], name=spec.name)
+    return finish_sweep(rc, plan, store=store, parent_id=parent_id, outcomes=outcomes, out_dir=out_dir)
+
+
+def run_cell(pc: PlannedCell, *, plan: SweepPlan, store: Any, parent_id: str, attempt: str
+             ) -> sweep_runs.CellOutcome:
+    """One cell in its own child run; exceptions become a FAILED cell, never the end of the sweep."""
+    spec, cell = plan.spec, pc.cell
+    started = time.perf_counter()
+    tags = sweep_runs.cell_tags(sweep=spec.name, sweep_hash=plan.sweep_hash, paper_ref=spec.paper_ref,
+                                index=cell.index, key=cell.key, axes=cell.axes, attempt=attempt)
+    runner = cell_runner(spec)
+    log.info("sweep %s: cell %d/%d %s", spec.name, cell.index + 1, plan.total, cell.key)
+    work_start = time.perf_counter()
+    try:
+        code = runner(pc.rc, parent_run_id=parent_id, extra_tags=tags)
+    except Exception as err:  # the cell fails, the sweep goes on; the traceback goes to the log
+        log.exception("sweep %s: cell %s raised", spec.name, cell.key)
+        print(f"error: cell {cell.key}: {type(err).__name__}: {err}", file=sys.stderr)
+        code = 1
+    work = time.perf_counter() - work_start
+    run_id = sweep_runs.settle_attempt(store, attempt, ok=code == 0, label=cell.key)
+    if code == 0 and run_id and spec.runner == "experiment":
+        backfill_training_metrics(store, run_id, pc.rc)
+    status = "FINISHED" if code == 0 else "FAILED"
+    return sweep_runs.CellOutcome(key=cell.key, status=status, run_id=run_id,
+                                  seconds=time.perf_counter() - started, work_seconds=work)
+
+
+def recorded_training_metrics(rc: ResolvedConfig) -> dict[str, float]:
+    """The metrics stored in the config's exported drafter.pt at the end of its training ({} if none)."""
+    import torch
+
+    from dspark.stages.context import RunPaths, StageContext
+
+    path = StageContext(rc=rc, paths=RunPaths.from_config(rc.cfg)).run_dir / "drafter.pt"
+    if not path.exists():
+        return {}
+    payload = torch.load(path, map_location="cpu", weights_only=False)
+    return {k: float(v) for k, v in (payload.get("metrics") or {}).items()}
+
+
+def backfill_training_metrics(store: Any, run_id: str, rc: ResolvedConfig) -> None:
+    """A cell that reused a drafter trained earlier logs no train/ val/ metrics: copy the recorded ones."""
+    if rc.cfg.stage == "prepare":
+        return
+    metrics = store.client.get_run(run_id).data.metrics
+    if any(k.startswith("val/") for k in metrics):
+        return
+    recorded = {k: v for k, v in recorded_training_metrics(rc).items() if k.startswith(("val/", "train/"))}
+    if recorded:
+        store.log_metrics(run_id, recorded)
+        store.client.set_tag(run_id, "training.reused", "true")
+
+
+def cell_runner(spec: SweepSpec) -> Callable[..., int]:
+    """The function that runs one cell: the normal stages, or the latency runner."""
+    if spec.runner == "latency":
+        from dspark.sweeps.latency import run_latency_cell
+
+        def latency(rc: ResolvedConfig, *, parent_run_id: str, extra_tags: dict) -> int:
+            return run_latency_cell(rc, parent_run_id=parent_run_id, extra_tags=extra_tags,
+                                    options=spec.latency_options(rc.cfg.budget))
+
+        return latency
+    from dspark.cli import run_experiment
+
+    return run_experiment
+
+
+def interrupted(store: Any, parent_id: str, *, attempt: str, name: str) -> int:
+    """Ctrl-C: the running cell and the parent become KILLED; the next run resumes."""
+    if attempt:
+        run = sweep_runs.find_attempt(store, attempt)
+        if run is not None and run.info.status in sweep_runs.ACTIVE + ("FINISHED",):
+            store.finish(run.info.run_id, status="KILLED")
+    store.finish(parent_id, status="KILLED")
+    print(f"sweep {name} interrupted; rerun the same command to resume (finished cells are skipped).",
+          file=sys.stderr)
+    return 130
+
+
+def finish_sweep(rc: ResolvedConfig, plan: SweepPlan, *, store: Any, parent_id: str,
+                 outcomes: list[sweep_runs.CellOutcome], out_dir: Path) -> int:
+    """Log outcomes, write the report, close the parent; 0 when every cell passed."""
+    failed = [o.key for o in outcomes if o.status == "FAILED"]
+    sweep_runs.log_outcomes(store, parent_id, outcomes, out_dir=out_dir)
+    code = 1 if failed else 0
+    try:
+        from dspark.reports import write_sweep_report
+
+        path = write_sweep_report(rc, plan.spec, store=store, parent_id=parent_id)
+        print(f"report: {path}")
+    except Exception as err:  # a broken report must not hide the cells' results, but it fails the command
+        log.exception("sweep %s: report failed", plan.spec.name)
+        print(f"error: report for sweep {plan.spec.name}: {type(err).__name__}: {err}", file=sys.stderr)
+        code = 1
+    store.finish(parent_id, status="FAILED" if failed else "FINISHED")
+    if failed:
+        print(f"sweep {plan.spec.name}: {len(failed)} of {len(outcomes)} cells failed: {'; '.join(failed)}",
+              file=sys.stderr)
+    return code

@@ -1,0 +1,124 @@
+"""Report generation from a seeded tracking store: golden markdown files, statistics, paper reference numbers.
+
+The store is built here with fixed metric values (two seeds per configuration, so the 95% intervals are real);
+provenance fields are injected, so the rendered markdown is byte-stable. Set DSPARK_UPDATE_GOLDEN=1 to rewrite the
+golden files after an intended change (and review the diff)."""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from dspark.config import resolve_config
+from dspark.reports import Provenance, build_report, collect_sweep_runs, write_sweep_report
+from dspark.reports.paper import DATASETS, DOMAINS, TABLE1_TAU, macro_gain
+from dspark.reports.stats import estimate
+from dspark.sweeps import load_sweep
+from dspark.sweeps.runs import COMPLETE_TAG
+from dspark.tracking import open_store
+
+GOLDEN = Path(__file__).parent / "golden"
+PROVENANCE = Provenance(git_commit="0123456789abcdef (dirty)", date="2026-01-02 03:04", machine="test-machine 2 cpus",
+                        target="tiny", budget="smoke", command="python experiments/run.py sweep=NAME budget=smoke",
+                        tracking_uri="sqlite:///<store>", experiment="dspark-lab (id 1)", parent_run_id="<parent>",
+                        sweep_hash="abcdef123456")
+
+
+@pytest.fixture(scope="module")
+def store_root(tmp_path_factory) -> Path:
+    """One sqlite store for the module (creating one costs seconds); each test uses its own experiment."""
+    return tmp_path_factory.mktemp("report-store")
+
+
+def _store(root: Path, experiment: str):
+    return open_store(resolve_config(["budget=smoke", f"paths.root={root}", f"tracking.experiment={experiment}"]).cfg)
+
+
+def _seed_sweep(store, *, sweep: str, cells: list[tuple[dict, dict[str, float]]]) -> str:
+    """A parent run and one FINISHED, complete child per (axes, metrics); returns the parent id."""
+    parent = store.create_run(run_name=f"sweep-{sweep}", tags={"sweep.name": sweep, "sweep.role": "parent",
+                                                               "sweep.hash": "abcdef123456"})
+    for index, (axes, metrics) in enumerate(cells):
+        key = " ".join(f"{k}={v}" for k, v in axes.items())
+        tags = {"sweep.name": sweep, "sweep.role": "cell", "cell": key, "cell.index": str(index),
+                "seed": str(axes["seed"]), "drafter": str(axes.get("drafter", "dspark")), "model.head": "markov",
+                COMPLETE_TAG: "true", **{f"axis.{k}": str(v) for k, v in axes.items()}}
+        run = store.create_run(run_name=key, tags=tags, parent_run_id=parent)
+        store.log_metrics(run, metrics)
+        store.finish(run)
+    store.create_run(run_name="killed", tags={"sweep.name": sweep, "sweep.role": "cell", "cell": "x"},
+                     parent_run_id=parent)  # an interrupted attempt: left out of the tables
+    store.finish(parent)
+    return parent
+
+
+def _depth_metrics(depth: int, drafter: str, seed: int) -> dict[str, float]:
+    base = 2.0 + 0.25 * depth + (0.4 if drafter == "dspark" else 0.0) + 0.05 * seed
+    out = {f"eval/domain/{d}/tau": base + shift for d, shift in (("math", 0.3), ("code", 0.1), ("chat", -0.4))}
+    out |= {"eval/all/tau": base, "summary/tau": base, "summary/speedup": 1.0 + base / 10,
+            "val/tau_prob": 1.5 + 0.1 * depth + 0.01 * seed}
+    return out
+
+
+def _main_metrics(drafter: str, seed: int) -> dict[str, float]:
+    scale = {"eagle3": 0.6, "dflash": 0.7, "dspark": 0.8}[drafter] + 0.01 * seed
+    out = {f"eval/{d}/tau": round(TABLE1_TAU[drafter][d] * scale, 4) for d in DATASETS}
+    for domain, sets in DOMAINS.items():
+        out[f"eval/domain/{domain}/tau"] = sum(out[f"eval/{d}/tau"] for d in sets) / 3
+        out |= {f"eval/domain/{domain}/cond/pos{k}": scale - 0.02 * k for k in range(1, 8)}
+    out |= {"eval/all/tau": sum(out[f"eval/{d}/tau"] for d in DATASETS) / 9, "summary/speedup": 1 + scale,
+            "val/tau_prob": 2 * scale}
+    return out | {"summary/tau": out["eval/all/tau"]}
+
+
+SEEDED = {
+    "depth": [({"drafter": dr, "model.depth": d, "seed": s}, _depth_metrics(d, dr, s))
+              for s in (0, 1) for dr, depths in (("dspark", (1, 2, 3, 4, 5)), ("dflash", (5,))) for d in depths],
+    "main": [({"drafter": dr, "seed": s}, _main_metrics(dr, s))
+             for s in (0, 1) for dr in ("dspark", "dflash", "eagle3")],
+}
+
+
+@pytest.mark.parametrize("sweep", sorted(SEEDED))
+def test_report_matches_golden(sweep, tmp_path, store_root):
+    store = _store(store_root, f"golden-{sweep}")
+    _seed_sweep(store, sweep=sweep, cells=SEEDED[sweep])
+    runs = collect_sweep_runs(store, sweep=sweep)
+    assert runs.frame.height == len(SEEDED[sweep]) and runs.status_counts == {"FINISHED": len(SEEDED[sweep]),
+                                                                             "RUNNING": 1}
+    text, figures = build_report(runs, spec=load_sweep(sweep), out_dir=tmp_path / "reports", provenance=PROVENANCE)
+    assert figures and all(f.exists() and f.stat().st_size > 1000 for f in figures)
+    golden = GOLDEN / f"{sweep}.md"
+    if os.environ.get("DSPARK_UPDATE_GOLDEN"):
+        golden.write_text(text)
+    assert text == golden.read_text(), f"report differs from {golden} (DSPARK_UPDATE_GOLDEN=1 to rewrite)"
+
+
+def test_golden_depth_has_a_row_per_depth_and_the_dflash_row():
+    text = (GOLDEN / "depth.md").read_text()
+    for depth in range(1, 6):
+        assert f"| DSpark (markov) depth {depth} |" in text
+    assert "| DFlash depth 5 |" in text and "(n=2)" in text and " ± " in text
+
+
+def test_write_report_attaches_it_to_the_parent(tmp_path, store_root):
+    store = _store(store_root, "attach")
+    parent = _seed_sweep(store, sweep="depth", cells=SEEDED["depth"][:4])
+    rc = resolve_config(["budget=smoke", f"paths.root={tmp_path}", "sweep=depth", "tracking.experiment=attach"])
+    path = write_sweep_report(rc, load_sweep("depth"), store=store, parent_id=parent)
+    assert path == tmp_path / "reports" / "depth.md" and (tmp_path / "reports" / "depth-depth.png").exists()
+    attached = {a.path for a in store.client.list_artifacts(parent, "report")}
+    assert attached == {"report/depth.md", "report/depth-depth.png"}
+
+
+def test_estimate_is_the_student_t_interval():
+    e = estimate([1.0, 2.0, 3.0, None, float("nan")])
+    assert e.n == 3 and e.mean == pytest.approx(2.0)
+    assert e.half_width == pytest.approx(4.302652729911275 / 3 ** 0.5)
+    assert e.text() == "2.00 ± 2.48 (n=3)" and estimate([4.0]).text() == "4.00 (n=1)" and estimate([]).text() == "–"
+
+
+def test_paper_macro_gains_reproduce_method_section_9():
+    assert macro_gain(TABLE1_TAU["dspark"], TABLE1_TAU["dflash"]) == pytest.approx(0.163, abs=5e-4)
+    assert macro_gain(TABLE1_TAU["dspark"], TABLE1_TAU["eagle3"]) == pytest.approx(0.309, abs=5e-4)
