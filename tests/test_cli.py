@@ -9,6 +9,13 @@ from mlflow.tracking import MlflowClient
 from dspark.cli import main
 
 
+@pytest.fixture(scope="module")
+def shared_root(tmp_path_factory) -> str:
+    """This module's own root: its training tests assert fresh training metrics, so no other file may have trained
+    the same configs there first."""
+    return str(tmp_path_factory.mktemp("cli-root"))
+
+
 @pytest.mark.parametrize("argv, needle", [
     (["no_such_key=1"], "no_such_key"),
     (["sweep=no_such_sweep"], "no_such_sweep"),

@@ -37,10 +37,12 @@ def preflight(rc: ResolvedConfig) -> None:
     """Cheap checks of names and paths that would otherwise fail after minutes of work."""
     from pathlib import Path
 
+    cfg, errors = rc.cfg, []
+    if cfg.stage == "report":  # reports read the tracking store only; skip imports of torch/transformers
+        return
     from dspark.data.prompts import PROMPT_SETS
     from dspark.targets import TARGETS
 
-    cfg, errors = rc.cfg, []
     for key, names in (("data.train_sets", cfg.data.train_sets), ("decode.eval_sets", cfg.decode.eval_sets)):
         for name in names:
             if name not in PROMPT_SETS:
@@ -56,12 +58,14 @@ def preflight(rc: ResolvedConfig) -> None:
         raise ConfigError("Invalid configuration:\n  - " + "\n  - ".join(errors))
 
 
-def run_experiment(rc: ResolvedConfig, *, parent_run_id: str | None = None, extra_tags: dict | None = None) -> int:
-    """Run the stages of one config inside one MLflow run; returns an exit code."""
+def run_experiment(rc: ResolvedConfig, *, parent_run_id: str | None = None, extra_tags: dict | None = None,
+                   trainer_callbacks: list | None = None) -> int:
+    """Run the stages of one config inside one MLflow run; returns an exit code. `trainer_callbacks` are added to
+    the training stage's Lightning Trainer (the sweep driver's Optuna pruning uses it)."""
     from dspark.stages.context import RunPaths, StageContext, run_name, seed_everything
     from dspark.tracking import open_store
 
-    ctx = StageContext(rc=rc, paths=RunPaths.from_config(rc.cfg))
+    ctx = StageContext(rc=rc, paths=RunPaths.from_config(rc.cfg), trainer_callbacks=list(trainer_callbacks or []))
     ctx.paths.make()
     seed_everything(rc.cfg.seed)
     try:

@@ -60,6 +60,7 @@ class StageContext:
     run_id: str | None = None
     target: Any = None
     results: dict[str, Any] = field(default_factory=dict)
+    trainer_callbacks: list = field(default_factory=list)  # extra Lightning callbacks (e.g. Optuna pruning)
 
     @property
     def cfg(self) -> RunConfig:

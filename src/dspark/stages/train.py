@@ -61,7 +61,7 @@ def build_trainer(ctx: StageContext, run_dir: Path):
                      precision=t.precision, max_epochs=o.epochs, max_steps=o.max_steps,
                      accumulate_grad_batches=o.accumulate_grad_batches, gradient_clip_val=o.grad_clip,
                      log_every_n_steps=t.log_every_n_steps, val_check_interval=t.val_check_interval,
-                     logger=loggers, callbacks=[checkpoint], default_root_dir=str(run_dir),
+                     logger=loggers, callbacks=[checkpoint, *ctx.trainer_callbacks], default_root_dir=str(run_dir),
                      enable_model_summary=False, num_sanity_val_steps=0, deterministic=False)
 
 

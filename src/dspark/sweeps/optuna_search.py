@@ -14,14 +14,13 @@ pointing at one `optuna.storage`) does:
 """
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
 import logging
 import sys
 import uuid
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import lightning as L
 
@@ -56,25 +55,6 @@ class PruningCallback(L.Callback):
             self.pruned = True
             raise optuna.TrialPruned(f"trial {self.trial.number} pruned at epoch {trainer.current_epoch} "
                                      f"({self.monitor}={float(value):.4f})")
-
-
-@contextlib.contextmanager
-def extra_trainer_callbacks(callbacks: list[L.Callback]) -> Iterator[None]:
-    """Add callbacks to the Trainer the train stage builds (the stage has no hook for it)."""
-    from dspark.stages import train as train_stage
-
-    original = train_stage.build_trainer
-
-    def build_trainer(ctx: Any, run_dir: Path) -> L.Trainer:
-        trainer = original(ctx, run_dir)
-        trainer.callbacks.extend(callbacks)
-        return trainer
-
-    train_stage.build_trainer = build_trainer
-    try:
-        yield
-    finally:
-        train_stage.build_trainer = original
 
 
 def searched_keys(spec: SweepSpec) -> list[str]:
@@ -184,8 +164,7 @@ def evaluate_trial(trial: Any, *, rc: ResolvedConfig, spec: SweepSpec, params: d
         print(f"error: trial {trial.number} {params}: {err}", file=sys.stderr)
         return "FAIL", None
     callbacks = [PruningCallback(trial, spec.optuna.prune_on)] if rc.cfg.optuna.prune and spec.optuna.prune_on else []
-    with extra_trainer_callbacks(callbacks):
-        code = run_experiment(cell, parent_run_id=parent_id, extra_tags=tags)
+    code = run_experiment(cell, parent_run_id=parent_id, extra_tags=tags, trainer_callbacks=callbacks)
     if callbacks and callbacks[0].pruned:
         sweep_runs.settle_attempt(store, attempt, ok=False, label=tags["cell"])
         return "PRUNED", None
