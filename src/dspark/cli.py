@@ -114,6 +114,7 @@ def run_stages(ctx) -> None:
         run_profile(ctx)
         return
     data = run_prepare(ctx)
+    ctx.results["prepared"] = data
     ctx.store.log_metrics(ctx.run_id, {"data/sequences": data.num_sequences} | {
         f"data/{k}": float(v) for k, v in data.stats.items() if isinstance(v, (int, float))})
     if stage == "prepare":

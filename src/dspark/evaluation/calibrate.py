@@ -2,10 +2,11 @@
 
 Protocol (METHOD §6): rounds are decoded with the fixed policy (ℓ = γ, so no prefix event is censored) at the serving
 temperature on held-out prompts — the calibration split of the regenerated training data (`split_indices`, the
-prompts the drafter never trained on) when that data is in the cache, else synthetic prompts from a different seed,
-minus any training prompt. Per round: raw confidences `c_1..c_γ`, accepted drafts `A`, and slot k valid iff
-`k ≤ ℓ_eff` (slots after a drafted EOS are dropped). The fit (`fit_sts`) and the ECE / AUROC / Brier of the
-cumulative product `a_k` before and after come from `dspark.calibration`.
+prompts the drafter never trained on) when that data is in the cache, topped up to the wanted count (or replaced)
+by synthetic prompts from a different seed, minus any training prompt. Per round: raw confidences `c_1..c_γ`,
+accepted drafts `A`, and slot k valid iff `k ≤ ℓ_eff` (slots after a drafted EOS are dropped). The fit
+(`fit_sts`) and the ECE / AUROC / Brier of the cumulative product `a_k` before and after come from
+`dspark.calibration`.
 
 Storage: `drafter.pt["calibration"]` is a dict keyed by temperature (`calibration_key`, e.g. "T=1") — greedy and
 sampled acceptance are different events — each entry being `STSCalibration.to_dict()` plus the fit's metrics and the
@@ -13,7 +14,6 @@ raw rounds (so a report can redraw the reliability diagram without decoding agai
 """
 from __future__ import annotations
 
-import inspect
 import logging
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -209,33 +209,30 @@ def calibrate_drafter(*, target: Any, proposer: Any, drafter_path: str | Path, p
 
 
 def calibration_prompt_ids(ctx: Any, target: Any, *, limit: int) -> tuple[list[list[int]], str]:
-    """Held-out prompt ids for STS (chat template, no system prompt) and a line saying where they came from."""
-    records = _regenerated_calibration_split(ctx, target)
-    source = "the calibration split of the regenerated training data"
-    if not records:
-        records = _held_out_synthetic(ctx, limit=limit)
-        source = f"synthetic prompts (seed {ctx.cfg.seed + SYNTHETIC_SEED_OFFSET}) not in the training set"
-    records = records[:limit]
-    return [target.chat_prompt_ids(r.prompt) for r in records], f"{len(records)} {source}"
+    """`limit` held-out prompt ids for STS (chat template, no system prompt) and a line saying where they came
+    from: the regenerated data's calibration split first, topped up with unseen synthetic prompts."""
+    records = _regenerated_calibration_split(ctx, target)[:limit]
+    sources = [f"{len(records)} prompts of the regenerated training data's calibration split"] if records else []
+    if len(records) < limit:  # a small split (or none) is topped up with unseen synthetic prompts
+        extra = _held_out_synthetic(ctx, limit=limit - len(records))
+        records += extra
+        sources.append(f"{len(extra)} synthetic prompts (seed {ctx.cfg.seed + SYNTHETIC_SEED_OFFSET}) absent from "
+                       "the training set")
+    return [target.chat_prompt_ids(r.prompt) for r in records], " + ".join(sources)
 
 
 def _regenerated_calibration_split(ctx: Any, target: Any) -> list[Any]:
     """The training prompts whose regenerated sequences form the `calibration` split, if that data is cached."""
     from dspark.data.datamodule import split_indices
-    from dspark.data.regenerate import COMPLETE, load_regenerated, regen_cache_key, regenerate_responses
-    from dspark.stages.prepare import collect_train_prompts, sampling_config
+    from dspark.data.regenerate import load_regenerated
+    from dspark.stages.prepare import collect_train_prompts
 
     cfg = ctx.cfg
-    if cfg.data.calib_fraction <= 0:
+    prepared = ctx.results.get("prepared")  # set by the prepare stage of this invocation
+    if cfg.data.calib_fraction <= 0 or prepared is None:
         return []
     prompts = collect_train_prompts(ctx)
-    # the prepare stage keys its cache with regenerate_responses' default min_loss_tokens
-    min_loss = inspect.signature(regenerate_responses).parameters["min_loss_tokens"].default
-    key = regen_cache_key(target, prompts, sampling=sampling_config(ctx), seed=cfg.seed,
-                          max_length=cfg.data.max_length, min_loss_tokens=min_loss)
-    regen_dir = ctx.paths.cache / "regen" / key
-    if not (regen_dir / COMPLETE).exists():
-        return []
+    regen_dir = prepared.regen_dir
     ids = load_regenerated(regen_dir)["prompt_id"]
     try:
         split = split_indices(ids, val_fraction=cfg.data.val_fraction, calibration_fraction=cfg.data.calib_fraction,

@@ -10,12 +10,13 @@ per-round latency breakdown (paper Fig. 4 right).
   the verify rate Σ τ / Σ (ℓ_eff + 1).
 - Latency breakdown: untrained DSpark drafters (timing does not depend on the weights) with heads none / markov / rnn
   at several block sizes, fixed ℓ = γ, on a context of random tokens of a given length; the engine's per-round
-  timings (verification, parallel draft, sequential loop, the rest) are averaged over a few rounds.
+  timings (verification, parallel draft, sequential loop, the rest) are medians over a few rounds.
 """
 from __future__ import annotations
 
 import hashlib
 import logging
+import statistics
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -99,7 +100,7 @@ def threshold_sweep(*, target: Any, proposer: Any, prompts: Sequence[EvalPrompt]
         policy = build_policy("threshold", threshold=float(threshold), sps=None, calibration=calibration)
         engine = SpeculativeEngine(target=target, proposer=proposer, policy=policy, temperature=temperature,
                                    max_new_tokens=max_new_tokens, calibration=calibration)
-        rollouts = run_rollouts(engine, prompts, mode="speculative", seed=seed, desc=f"threshold {threshold:g}",
+        rollouts = run_rollouts({"speculative": engine}, prompts, seed=seed, desc=f"threshold {threshold:g}",
                                 show_progress=show_progress)
         rows.extend(sweep_rows(rollouts, threshold=float(threshold)))
     return rows
@@ -162,18 +163,27 @@ def random_context(target: Any, *, length: int, seed: int) -> list[int]:
 
 
 def time_rounds(*, target: Any, drafter: Any, context: list[int], rounds: int, seed: int) -> dict[str, float]:
-    """Mean ms per round of each phase over ~`rounds` rounds with the fixed policy (after one warm-up call)."""
+    """Median ms per round of each phase over `rounds` rounds with the fixed policy (after one warm-up call).
+
+    Generations of `rounds` new tokens are repeated (fresh seeds) until `rounds` rounds are collected, so a drafter
+    that happens to be accepted (few rounds per call) is timed over as many rounds as one that is not. Medians,
+    not means: on a shared machine a single preempted round would dominate a mean.
+    """
     from dspark.decoding.engine import SpeculativeEngine
     from dspark.decoding.policies import build_policy
-    from dspark.decoding.proposers import DSparkProposer
+    from dspark.decoding.proposers import build_proposer
 
-    engine = SpeculativeEngine(target=target, proposer=DSparkProposer(drafter),
-                               policy=build_policy("fixed", threshold=0.0, sps=None, calibration=None),
-                               temperature=1.0, max_new_tokens=rounds)
+    engine = SpeculativeEngine(target=target, proposer=build_proposer(drafter), policy=build_policy("fixed"),
+                               temperature=1.0, max_new_tokens=max(2, rounds))
     engine.generate(context, generator=torch.Generator(device=target.device).manual_seed(seed), max_new_tokens=2)
-    result = engine.generate(context, generator=torch.Generator(device=target.device).manual_seed(seed))
-    records = result.rounds or []
-    out = {name: 1000.0 * sum(getattr(r, key) for r in records) / max(1, len(records))
+    records: list[Any] = []
+    for attempt in range(rounds):
+        generator = torch.Generator(device=target.device).manual_seed(seed + 1 + attempt)
+        records += engine.generate(context, generator=generator).rounds
+        if len(records) >= rounds:
+            break
+    records = records[:rounds]
+    out = {name: 1000.0 * statistics.median(getattr(r, key) for r in records) if records else float("nan")
            for key, name in TIMES.items()}
     out["round_ms"] = sum(out[name] for name in TIMES.values())
     out["rounds"] = len(records)
@@ -200,7 +210,7 @@ def latency_breakdown(*, target: Any, heads: Sequence[str] = ("none", "markov", 
 
 def latency_markdown(rows: Sequence[dict]) -> str:
     header = ("| context | head | γ | rounds | verify ms | draft parallel ms | draft sequential ms | other ms | "
-              "round ms | sequential share |")
+              "round ms (Σ medians) | sequential share |")
     lines = [header, "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r['context_length']} | {r['head']} | {r['block_size']} | {r['rounds']} | "

@@ -65,10 +65,12 @@ def plot_threshold_sweep(rows: Sequence[dict], path: str | Path) -> Path:
         rejected = [r["rejected_per_round"] for r in part]
         axis.bar(labels, accepted, color="tab:green", label="accepted drafts / round")
         axis.bar(labels, rejected, bottom=accepted, color="tab:red", alpha=0.7, label="rejected drafts / round")
-        axis.set(title=domain, xlabel="confidence threshold θ", ylabel="drafts per round")
+        # head-room above the bars and the rate line keeps the legend off the data
+        top = max([a + b for a, b in zip(accepted, rejected)] + [1e-9])
+        axis.set(title=domain, xlabel="confidence threshold θ", ylabel="drafts per round", ylim=(0, 1.45 * top))
         rate = axis.twinx()
         rate.plot(labels, [r["verify_rate"] for r in part], color="black", marker="o", label="verify rate")
-        rate.set(ylim=(0, 1.02), ylabel="verify rate Σ τ / Σ(ℓ+1)")
+        rate.set(ylim=(0, 1.45), yticks=[0, 0.25, 0.5, 0.75, 1.0], ylabel="verify rate Σ τ / Σ(ℓ+1)")
         handles = axis.get_legend_handles_labels()[0] + rate.get_legend_handles_labels()[0]
         axis.legend(handles, [h.get_label() for h in handles], fontsize=7, loc="upper right")
     return _save(fig, path)

@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Sequence
+from typing import Any, Iterable, Mapping, Sequence
 
 import torch
 from tqdm.auto import tqdm
@@ -96,22 +96,36 @@ def rollout_from_result(prompt: EvalPrompt, result: Any, *, mode: str, keep_roun
         total_seconds=float(result.total_seconds), rounds=rounds)
 
 
-def run_rollouts(engine: Any, prompts: Sequence[EvalPrompt], *, mode: str, seed: int, desc: str | None = None,
-                 show_progress: bool = True) -> list[PromptRollout]:
-    """Decode every prompt once with `engine` (a tqdm bar over prompts shows τ and tokens/s so far)."""
-    device = getattr(getattr(engine, "target", None), "device", "cpu")
+def run_rollouts(engines: Mapping[str, Any], prompts: Sequence[EvalPrompt], *, seed: int, desc: str = "decode",
+                 warmup: bool = True, show_progress: bool = True) -> list[PromptRollout]:
+    """Decode every prompt once with each engine (mode → engine), the modes interleaved prompt by prompt.
+
+    Interleaving keeps a speed-up fair when the machine's load drifts; `warmup` first runs each engine on a
+    few tokens of the first prompt (discarded) so one-time costs do not land on the first measured prompt.
+    A tqdm bar over prompts shows the speculative τ and tokens/s so far.
+    """
+    unknown = set(engines) - set(MODES)
+    if unknown:
+        raise ValueError(f"rollout modes must be among {MODES}, got {sorted(unknown)}")
+    if warmup and prompts:
+        for engine in engines.values():
+            generator = prompt_generator(seed=seed, prompt=prompts[0], device=engine.target.device)
+            engine.generate(prompts[0].input_ids, generator=generator, max_new_tokens=min(4, engine.max_new_tokens))
     rollouts: list[PromptRollout] = []
-    bar = tqdm(prompts, desc=desc or mode, unit="prompt", disable=not show_progress)
-    tokens, seconds, committed, rounds = 0, 0.0, 0, 0
+    totals = {mode: [0, 0.0] for mode in engines}
+    committed = rounds = 0
+    bar = tqdm(prompts, desc=desc, unit="prompt", disable=not show_progress)
     for prompt in bar:
-        result = engine.generate(prompt.input_ids, generator=prompt_generator(seed=seed, prompt=prompt,
-                                                                              device=device))
-        rollout = rollout_from_result(prompt, result, mode=mode, keep_rounds=mode == "speculative")
-        rollouts.append(rollout)
-        tokens, seconds = tokens + len(rollout.new_tokens), seconds + rollout.total_seconds
-        committed += sum(int(r["committed"]) for r in rollout.rounds)
-        rounds += len(rollout.rounds)
-        postfix = {"tok_s": f"{tokens / max(seconds, 1e-9):.1f}"}
+        for mode, engine in engines.items():
+            generator = prompt_generator(seed=seed, prompt=prompt, device=engine.target.device)
+            result = engine.generate(prompt.input_ids, generator=generator)
+            rollout = rollout_from_result(prompt, result, mode=mode, keep_rounds=mode == "speculative")
+            rollouts.append(rollout)
+            totals[mode][0] += len(rollout.new_tokens)
+            totals[mode][1] += rollout.total_seconds
+            committed += sum(int(r["committed"]) for r in rollout.rounds)
+            rounds += len(rollout.rounds)
+        postfix = {f"{mode}_tok_s": f"{n / max(s, 1e-9):.1f}" for mode, (n, s) in totals.items()}
         if rounds:
             postfix["tau"] = f"{committed / rounds:.2f}"
         bar.set_postfix(postfix)

@@ -42,13 +42,6 @@ def check_decode_config(decode: Any) -> None:
         raise ValueError("decode.eval_sets must name at least one prompt set and decode.prompts_per_set be >= 1")
 
 
-def build_proposer(kind: str, drafter: Any) -> Any:
-    """The engine's proposer for a drafter kind (EAGLE-3 drafts a chain; DSpark/DFlash a block)."""
-    from dspark.decoding.proposers import DSparkProposer, Eagle3Proposer
-
-    return Eagle3Proposer(drafter) if kind == "eagle3" else DSparkProposer(drafter)
-
-
 def report_paths(ctx: StageContext) -> dict[str, Path]:
     """Where the report and its figures go: `<reports>/eval-<run name>{.md,-cond.png,-reliability.png}`."""
     stem = f"eval-{run_name(ctx.cfg)}"
@@ -101,6 +94,7 @@ def run_eval(ctx: StageContext, drafter_path: str | Path) -> Path:
     """Evaluate the drafter at `drafter_path` with the decode.* config; returns the report's path."""
     from dspark.decoding.engine import SpeculativeEngine
     from dspark.decoding.policies import build_policy
+    from dspark.decoding.proposers import build_proposer
 
     cfg, decode = ctx.cfg, ctx.cfg.decode
     check_decode_config(decode)
@@ -108,7 +102,7 @@ def run_eval(ctx: StageContext, drafter_path: str | Path) -> Path:
     target = ctx.load_target()
     drafter, spec, payload = load_drafter(drafter_path, target, block_size=cfg.model.block_size)
     drafter = drafter.to(target.device)
-    proposer = build_proposer(spec.kind, drafter)
+    proposer = build_proposer(drafter)
     calibration, calibration_source = maybe_calibrate(ctx, target=target, drafter=drafter, proposer=proposer,
                                                       drafter_path=drafter_path, payload=payload,
                                                       block_size=spec.block_size)
@@ -125,8 +119,7 @@ def run_eval(ctx: StageContext, drafter_path: str | Path) -> Path:
                                                 calibration=sts),
                "target": SpeculativeEngine(target=target, proposer=None, policy=build_policy("fixed"),
                                            temperature=decode.temperature, max_new_tokens=decode.max_new_tokens)}
-    rollouts = [r for mode, engine in engines.items()
-                for r in run_rollouts(engine, prompts, mode=mode, seed=cfg.seed, desc=f"eval {mode}")]
+    rollouts = run_rollouts(engines, prompts, seed=cfg.seed, desc="eval (speculative + target-only)")
     out_dir = new_eval_dir(ctx)
     write_rollouts_jsonl(out_dir / ROUNDS_FILE, rollouts)
     meta = eval_meta(ctx, spec=spec, drafter_path=drafter_path, out_dir=out_dir, sps_path=sps_path,

@@ -1,0 +1,117 @@
+"""`python experiments/run.py budget=smoke …` in-process through `dspark.cli.main`: the eval stage with each decoding
+policy and greedy verification, then `stage=report` and `stage=profile`. All invocations share one paths.root, so
+prepare/train run once and later runs reuse the cached data and the trained drafter."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from dspark.cli import RUN_ID_ENV, main
+
+DATASETS = ("gsm8k", "humaneval", "mt-bench")
+DOMAINS = ("math", "code", "chat")
+BLOCK = 7  # budget=smoke keeps the default model.block_size
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory):
+    return tmp_path_factory.mktemp("cli-eval")
+
+
+@pytest.fixture(autouse=True)
+def isolated(monkeypatch):
+    """One thread; the CLI's environment variables (run id, MLflow URI) do not leak into other tests."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    for name in (RUN_ID_ENV, "MLFLOW_TRACKING_URI"):
+        monkeypatch.delenv(name, raising=False)
+    yield
+    torch.set_num_threads(previous)
+
+
+def _latest_run(root):
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri=f"sqlite:///{root}/mlflow.db")
+    experiment = client.get_experiment_by_name("dspark-lab")
+    return client.search_runs([experiment.experiment_id], order_by=["attributes.start_time DESC"],
+                              max_results=1)[0]
+
+
+def _eval_dirs(root):
+    return sorted(root.glob("runs/*/evals/*"), key=lambda p: (p / "meta.json").stat().st_mtime)
+
+
+CASES = {
+    "fixed": [],
+    "threshold": ["decode.policy=threshold", "decode.threshold=0.5"],
+    "scheduler": ["decode.policy=scheduler"],
+    "greedy": ["decode.temperature=0"],
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_eval_stage_logs_metrics(root, case):
+    assert main(["budget=smoke", f"paths.root={root}", *CASES[case]]) == 0
+    run = _latest_run(root)
+    assert run.info.status == "FINISHED"
+    metrics = run.data.metrics
+    for dataset in DATASETS:
+        assert 1.0 <= metrics[f"eval/{dataset}/tau"] <= BLOCK + 1
+        assert {f"eval/{dataset}/cond/pos{k}" for k in range(1, BLOCK + 1)} <= set(metrics)
+        assert f"eval/{dataset}/speedup" in metrics and f"eval/{dataset}/tau_prompt_mean" in metrics
+    for domain in DOMAINS:
+        assert 1.0 <= metrics[f"eval/domain/{domain}/tau"] <= BLOCK + 1
+        assert {f"eval/domain/{domain}/cond/pos{k}" for k in range(1, BLOCK + 1)} <= set(metrics)
+    assert metrics["summary/tau"] == pytest.approx(metrics["eval/all/tau"])
+    assert metrics["summary/speedup"] > 0 and metrics["eval/all/prompts"] == 2 * len(DATASETS)
+
+    latest = _eval_dirs(root)[-1]
+    meta = json.loads((latest / "meta.json").read_text())
+    assert meta["decode"]["policy"] == ("fixed" if case in ("fixed", "greedy") else case)
+    assert meta["mlflow_run_id"] == run.info.run_id
+    rows = [json.loads(line) for line in (latest / "rounds.jsonl").read_text().splitlines()]
+    assert {r["mode"] for r in rows} == {"speculative", "target"} and len(rows) == 4 * len(DATASETS)
+    report = root / "reports" / "eval-dspark-markov-d2-g7-s0.md"
+    assert "τ pooled" in report.read_text() and (root / "reports" / "eval-dspark-markov-d2-g7-s0-cond.png").exists()
+    artifacts = {a.path for a in _client(root).list_artifacts(run.info.run_id, "eval")}
+    assert {"eval/eval-dspark-markov-d2-g7-s0.md", "eval/eval-dspark-markov-d2-g7-s0-cond.png"} <= artifacts
+
+    if case == "threshold":  # STS fitted on held-out prompts and cached in drafter.pt under the temperature
+        payload = torch.load(next(root.glob("runs/*/drafter.pt")), map_location="cpu", weights_only=False)
+        assert len(payload["calibration"]["T=1"]["temperatures"]) == BLOCK
+        assert "calibration/ece_before/pos1" in metrics and "Confidence calibration" in report.read_text()
+    if case == "scheduler":
+        assert len(list((root / "cache" / "sps").glob("*.json"))) == 1
+    if case == "greedy":
+        assert meta["decode"]["temperature"] == 0 and latest.name.endswith("-fixed-T0")
+
+
+def _client(root):
+    from mlflow.tracking import MlflowClient
+
+    return MlflowClient(tracking_uri=f"sqlite:///{root}/mlflow.db")
+
+
+def test_report_stage_rebuilds_from_saved_rounds(root, capsys):
+    if not _eval_dirs(root):
+        assert main(["budget=smoke", f"paths.root={root}"]) == 0
+    report = root / "reports" / "eval-dspark-markov-d2-g7-s0.md"
+    report.unlink()
+    assert main(["budget=smoke", f"paths.root={root}", "stage=report"]) == 0
+    assert "τ pooled" in report.read_text() and str(_eval_dirs(root)[-1]) in capsys.readouterr().out
+    assert "summary/tau" in _latest_run(root).data.metrics
+
+
+def test_report_stage_without_eval_says_so(tmp_path, capsys):
+    assert main(["budget=smoke", f"paths.root={tmp_path}", "stage=report"]) == 1
+    assert "No saved evaluation of this config" in capsys.readouterr().err
+
+
+def test_profile_stage_prints_sps_table(root, capsys):
+    assert main(["budget=smoke", f"paths.root={root}", "stage=profile"]) == 0
+    out = capsys.readouterr().out
+    assert "| B tokens | SPS" in out and f"| {BLOCK + 1} |" in out
+    assert "profile/sps/B1" in _latest_run(root).data.metrics
