@@ -1,18 +1,13 @@
-"""Training throughput of every drafter on this machine: blocks/s, seconds per step, peak RSS, and the share of the
-step spent in the frozen LM head and in the Markov projection.
+"""Training throughput of every drafter: blocks/s, s/step, peak RSS, and the share of the step spent in the frozen
+LM head and in the Markov projection (method: the METHOD text below, copied into the results file).
 
-The timed step is the real one: `DrafterModule.training_step` (the registered step function of `training/steps.py`
-— block construction, drafter forward, target logits from the cached final hidden, loss, metric updates), then
-backward, gradient clipping (`optim.grad_clip`) and the AdamW + warm-up/cosine step of `training/optim.py`. The batch
-is synthetic: B sequences of T random token ids, loss mask 1 on the second half, N anchors per sequence drawn with
-`sample_anchors`, and target features computed once and passed as float16 `features` / `final_hidden`, exactly as the
-feature cache delivers them (so the target forward is not in the step; its cost is reported on its own line).
-
-Every configuration runs in a fresh subprocess, so `ru_maxrss` is that configuration's own peak. Prints a markdown
-table and writes benchmarks/results/training.md with the command, date, machine and load average.
+The timed step is the real one (`DrafterModule.training_step` + backward + clip + AdamW) on a synthetic batch whose
+target features are precomputed (the feature-cache path); the online target forward is timed on its own. Every
+configuration runs in a fresh subprocess, so `ru_maxrss` is its own peak. Prints a markdown table and writes
+benchmarks/results/training.md with the command, date, machine and load average.
 
     .venv/bin/python benchmarks/bench_training.py                                  # tiny + smollm2-135m, ~10 min
-    .venv/bin/python benchmarks/bench_training.py --targets tiny --steps 3         # seconds
+    .venv/bin/python benchmarks/bench_training.py --targets tiny --steps 3         # about a minute
 """
 from __future__ import annotations
 
@@ -52,7 +47,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--feature-repeats", type=int, default=2, help="timed online target forwards")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--max-step-seconds", type=float, default=20.0,
-                        help="a warm-up step slower than this switches smollm2-135m to B=2, N=16")
+                        help="a drafter whose forward alone is slower switches smollm2-135m to B=2, N=16")
     parser.add_argument("--cache-dir", type=Path, default=TARGET_CACHE, help="where targets are cached")
     parser.add_argument("--output", type=Path, default=RESULTS)
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)  # JSON job for a worker subprocess
@@ -65,14 +60,16 @@ def peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
 
 
-def median_time(fn, *, repeats: int) -> float:
-    fn()  # warm-up: allocator, first-touch pages
+def time_calls(fn, *, repeats: int, warmup: bool = True) -> tuple[float, float]:
+    """(median, min) seconds of `repeats` calls, after one warm-up call (allocator, first-touch pages)."""
+    if warmup:
+        fn()
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
         fn()
         times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    return statistics.median(times), min(times)
 
 
 def load(job: dict):
@@ -95,13 +92,16 @@ def run_features_job(job: dict) -> dict:
     attention_mask = torch.ones(b, t, dtype=torch.bool)
     loss_mask = torch.zeros(b, t, dtype=torch.bool)
     loss_mask[:, t // 2:] = True
-    out = target.forward(input_ids, attention_mask=attention_mask)
-    seconds = median_time(lambda: target.forward(input_ids, attention_mask=attention_mask),
-                          repeats=job["feature_repeats"])
+    out = target.forward(input_ids, attention_mask=attention_mask)  # the saved features, and the warm-up
+    result = {"peak_rss_mb": 0.0, "online": {}}
+    for rows in sorted({b, *job["fallback_batches"]}, reverse=True):
+        result["online"][str(rows)] = time_calls(
+            lambda: target.forward(input_ids[:rows], attention_mask=attention_mask[:rows]),
+            repeats=job["feature_repeats"], warmup=rows != b)
     save_file({"input_ids": input_ids, "attention_mask": attention_mask, "loss_mask": loss_mask,
                "features": out.features.half().contiguous(), "final_hidden": out.final_hidden.half().contiguous()},
               job["batch_file"])
-    return {"online_s": seconds, "peak_rss_mb": peak_rss_mb(), "feature_width": out.features.shape[-1]}
+    return {**result, "peak_rss_mb": peak_rss_mb()}
 
 
 def make_batch(job: dict) -> dict[str, torch.Tensor]:
@@ -181,10 +181,16 @@ def run_step_job(job: dict) -> dict:
         optimizer.zero_grad(set_to_none=True)
         return forward - start, backward - forward, time.perf_counter() - backward
 
-    for i in range(job["warmup"]):
-        warm = sum(step())
-        if i == 0 and job["max_step_s"] and warm > job["max_step_s"]:
-            return {"too_slow": warm}
+    # Too slow to time when the forward alone exceeds the limit (then so does the step). Judged on the forward,
+    # not the whole step, so that other jobs slowing a fast drafter down rarely switch it to the smaller shape.
+    if job["max_step_s"]:
+        start = time.perf_counter()
+        module.training_step(batch, 0)
+        forward_s = time.perf_counter() - start
+        if forward_s > job["max_step_s"]:
+            return {"too_slow": forward_s}
+    for _ in range(job["warmup"]):
+        step()
     parts, start = [], time.perf_counter()
     # at least `steps`; fast configurations keep going for `min_seconds` (≤ 50 steps) so the median is stable
     while len(parts) < job["steps"] or (time.perf_counter() - start < job["min_seconds"] and len(parts) < 50):
@@ -198,6 +204,7 @@ def run_step_job(job: dict) -> dict:
     result["blocks"], result["slots"] = supervised_counts(kind, batch, block_size=module.block_size,
                                                           mask_token_id=target.mask_token_id)
     result.update(time_components(job, module, target, batch))
+    result["load_1min"] = os.getloadavg()[0]
     return result
 
 
@@ -221,7 +228,8 @@ def time_components(job: dict, module, target, batch: dict) -> dict:
         with torch.no_grad():
             target.lm_head(hidden.detach()).float()
 
-    out = {"lm_head_s": calls * median_time(draft_head, repeats=repeats) + median_time(target_head, repeats=repeats)}
+    draft, target_only = time_calls(draft_head, repeats=repeats), time_calls(target_head, repeats=repeats)
+    out = {"lm_head_s": calls * draft[0] + target_only[0], "lm_head_min_s": calls * draft[1] + target_only[1]}
     head = getattr(module.drafter, "head", None)
     if head is not None and getattr(head, "rank", 0) > 0:
         prev = torch.randint(0, v, rows)
@@ -230,7 +238,7 @@ def time_components(job: dict, module, target, batch: dict) -> dict:
             head.w2(head.w1(prev)).backward(grad)
             head.w1.weight.grad = head.w2.weight.grad = None
 
-        out["markov_s"] = median_time(markov, repeats=repeats)
+        out["markov_s"], out["markov_min_s"] = time_calls(markov, repeats=repeats)
     return out
 
 
@@ -260,67 +268,69 @@ def bench_target(name: str, args: argparse.Namespace, work: Path) -> dict:
             "steps": args.steps, "warmup": args.warmup, "min_seconds": args.min_seconds,
             "component_repeats": args.component_repeats}
     b, t, n = SHAPES.get(name, SHAPES["tiny"])
-    features = spawn({**base, "kind": "features", "batch": b, "length": t})
+    fallback = FALLBACK.get(name)
+    features = spawn({**base, "kind": "features", "batch": b, "length": t,
+                      "fallback_batches": [fallback[0]] if fallback else []})
     print(f"[{name}] features: {features}", file=sys.stderr, flush=True)
-    rows, fallback_features = [], None
+    rows: list[dict] = []
     if "error" in features:
         return {"features": features, "rows": rows, "shape": (b, t, n)}
     for drafter in args.drafters.split(","):
         shape = (b, t, n)
         job = {**base, "kind": "step", "drafter": drafter, "batch": b, "anchors": n,
-               "max_step_s": args.max_step_seconds if name in FALLBACK else 0}
+               "max_step_s": args.max_step_seconds if fallback else 0}
         result = spawn(job)
         if "too_slow" in result:
-            shape = FALLBACK[name]
+            shape = fallback
             result = {**spawn({**job, "batch": shape[0], "anchors": shape[2], "max_step_s": 0}),
                       "fallback_from": result["too_slow"]}
-            if fallback_features is None:  # online features for the smaller batch, timed once
-                fallback_features = spawn({**base, "kind": "features", "batch": shape[0], "length": t,
-                                           "batch_file": str(work / f"{name}-small.safetensors")})
-        result["online_s"] = (fallback_features if shape != (b, t, n) else features).get("online_s")
+        result["online_s"] = features["online"][str(shape[0])][0]
         print(f"[{name}] {drafter} {shape}: {result}", file=sys.stderr, flush=True)
         rows.append({"drafter": drafter, "shape": shape, **result})
-    return {"features": features, "fallback_features": fallback_features, "rows": rows, "shape": (b, t, n)}
+    return {"features": features, "rows": rows, "shape": (b, t, n)}
 
 
 def table(results: dict[str, dict]) -> str:
-    head = ("| target | drafter | B×T, N | trainable params | s/step (median; min) | fwd / bwd / opt | blocks/s "
-            "| supervised slots/s | peak RSS (setup) | LM head share | Markov share | blocks/s with online features |")
-    lines = [head, "|" + "---|" * 12]
+    head = ("| target | drafter | B×T, N | trainable params | s/step median (min) | fwd / bwd / opt | blocks/s median "
+            "(best) | supervised slots/s | peak RSS (after set-up) | LM head share | Markov share "
+            "| blocks/s, online features | load 1 min |")
+    lines = [head, "|" + "---|" * 13]
     for name, res in results.items():
         for r in res["rows"]:
             b, t, n = r["shape"]
             shape = f"{b}×{t}, " + ("— (all positions)" if r["drafter"] == "eagle3" else f"N={n}")
             if "error" in r:
-                lines.append(f"| {name} | {r['drafter']} | {shape} | error: {r['error']} |" + " |" * 8)
+                lines.append(f"| {name} | {r['drafter']} | {shape} | error: {r['error']} |" + " |" * 9)
                 continue
-            s = r["step_s"]
-            split = " / ".join(f"{100 * x / sum(r['split']):.0f}%" for x in r["split"])
-            unit = "positions" if r["drafter"] == "eagle3" else "blocks"
-            markov = f"{100 * r['markov_s'] / s:.1f}%" if "markov_s" in r else "—"
-            online = f"{r['blocks'] / (s + r['online_s']):.1f}" if r.get("online_s") else "—"
-            lines.append(
-                f"| {name} | {r['drafter']} | {shape} | {r['params_m']:.2f} M | {s:.3f} ({r['step_min_s']:.3f}) "
-                f"| {split} | {r['blocks'] / s:.1f} {unit}/s | {r['slots'] / s:.1f} | "
-                f"{r['peak_rss_mb'] / 1024:.2f} GB ({r['setup_rss_mb'] / 1024:.2f}) | "
-                f"{100 * r['lm_head_s'] / s:.1f}% | {markov} | {online} |")
+            lines.append(f"| {name} | {r['drafter']} | {shape} | " + " | ".join(row_cells(r)) + " |")
     return "\n".join(lines)
+
+
+def row_cells(r: dict) -> list[str]:
+    s, best = r["step_s"], r["step_min_s"]
+    unit = "positions/s" if r["drafter"] == "eagle3" else "blocks/s"
+    # shares: best isolated op time / best step time (both least disturbed by other jobs; see Method)
+    markov = f"{100 * r['markov_min_s'] / best:.1f}%" if "markov_min_s" in r else "—"
+    online = f"{r['blocks'] / (s + r['online_s']):.1f}" if r.get("online_s") else "—"
+    return [f"{r['params_m']:.2f} M", f"{s:.3f} ({best:.3f})",
+            " / ".join(f"{100 * x / sum(r['split']):.0f}%" for x in r["split"]),
+            f"{r['blocks'] / s:.1f} ({r['blocks'] / best:.1f}) {unit}", f"{r['slots'] / s:.1f}",
+            f"{r['peak_rss_mb'] / 1024:.2f} GB ({r['setup_rss_mb'] / 1024:.2f})",
+            f"{100 * r['lm_head_min_s'] / best:.1f}%", markov, online, f"{r['load_1min']:.1f}"]
 
 
 def feature_lines(results: dict[str, dict]) -> list[str]:
     lines = []
     for name, res in results.items():
-        b, t, _ = res["shape"]
-        for feats, bb in ((res["features"], b), (res.get("fallback_features"), FALLBACK.get(name, (0,))[0])):
-            if not feats:
-                continue
-            if "error" in feats:
-                lines.append(f"- {name}, B={bb}: feature computation failed: {feats['error']}")
-                continue
-            lines.append(f"- {name}: one target forward over B×T = {bb}×{t} (no grad, fp32, all feature layers + "
-                         f"final norm) takes **{feats['online_s']:.3f} s** per batch, peak RSS "
-                         f"{feats['peak_rss_mb'] / 1024:.2f} GB. Without the feature cache it is added to every step "
-                         "(last column of the table).")
+        feats, t = res["features"], res["shape"][1]
+        if "error" in feats:
+            lines.append(f"- {name}: feature computation failed: {feats['error']}")
+            continue
+        for rows, (median, best) in feats["online"].items():
+            lines.append(f"- {name}: one target forward over B×T = {rows}×{t} (no grad, fp32, all feature layers + "
+                         f"final norm) takes **{median:.3f} s** (min {best:.3f} s) per batch. Without the feature "
+                         "cache it is added to every step (column *blocks/s, online features*).")
+        lines.append(f"- {name}: peak RSS of the process running these forwards: {feats['peak_rss_mb'] / 1024:.2f} GB.")
     return lines
 
 
@@ -340,23 +350,28 @@ METHOD = """\
   logits from the cached `final_hidden`, loss, teacher-forced metric updates) + `backward` + `clip_grad_norm_`
   (`optim.grad_clip`) + AdamW/warm-up-cosine step + `zero_grad`. Config from `resolve_config([..., "budget=cpu"])`,
   so the loss weights are the real ones (dflash: CE only; dspark: 0.1 CE + 0.9 TV + 1.0 BCE). Lightning's own
-  loop overhead is not included. Median of `--steps` timed steps after `--warmup` warm-up steps; min in brackets.
+  loop overhead is not included. s/step is the median of the timed steps (min in brackets); `fwd / bwd / opt`
+  splits it into forward + loss + metrics / backward / clip + AdamW (medians of each part).
 - **Batch**: random token ids (never the MASK id), `attention_mask` all ones, `loss_mask` 1 on the second half,
   N anchors per sequence from `sample_anchors` (all valid). `features` / `final_hidden` are precomputed once and
   passed as float16, as the feature cache delivers them, so the target forward is not in the step.
-- **blocks/s** = valid anchors per step / median step time for DSpark/DFlash. For EAGLE-3 the unit is
-  **positions/s**: sequence positions whose TTT step 0 is supervised (its StepResult `num_blocks`), per second.
-  **supervised slots/s** counts supervised (block, slot) pairs — (position, TTT step) pairs for EAGLE-3 — the
-  like-for-like number of training targets.
-- **Peak RSS** = `ru_maxrss` of a fresh subprocess per configuration after the timed steps (target weights, batch
-  and optimiser state included); in brackets the peak after set-up, before the first step.
-- **Shares**: the ops are timed in isolation in the same process with the same shapes and thread count, median of
-  `--component-repeats` after one warm-up, divided by the median step time. *LM head* = draft logits
-  `lm_head(h)` forward + backward (input gradient only — the head is frozen) for B·N·γ rows (EAGLE-3: γ calls on
-  B·T rows) + target logits forward without grad on the same rows (EAGLE-3: B·T rows). *Markov* = `W_2(W_1[x])`,
-  embedding look-up and the r→V projection, forward + backward into both tables, B·N·γ rows (for `rnn` the same
-  two ops, which its head also runs). Softmax/loss over V and the AdamW update of W_1/W_2 are not in these
-  shares; the `fwd / bwd / opt` column splits the whole step into forward+loss+metrics / backward / clip+AdamW.
+- **blocks/s** = valid anchors per step / step time (median; best = min step in brackets) for DSpark/DFlash. For
+  EAGLE-3 the unit is **positions/s**: sequence positions whose TTT step 0 is supervised (StepResult
+  `num_blocks`). **supervised slots/s** (median) counts supervised (block, slot) pairs — (position, TTT step)
+  pairs for EAGLE-3 — the like-for-like number of training targets. *blocks/s, online features* = blocks / (median
+  step + median online target forward of the same batch): the throughput without the feature cache.
+- **Peak RSS** = `ru_maxrss` of a fresh subprocess per configuration, read after the timed steps (target weights,
+  batch, activations and optimiser state included); in brackets the peak after set-up, before the first step.
+- **Shares** (method: isolated timing, not a profiler): after the steps, in the same process, with the same shapes,
+  weights and thread count, each op is run `--component-repeats` times after one warm-up; share = its min time /
+  the min step time. Mins, because other jobs on the machine inflate medians unevenly and the min of each is the
+  least disturbed estimate. *LM head* = draft logits `lm_head(h)` forward + backward (input gradient only — the
+  head is frozen) on B·N·γ rows (EAGLE-3: γ calls on B·T rows) + target logits forward without grad on the same
+  rows (EAGLE-3: B·T rows). *Markov* = `W_2(W_1[x])`, embedding look-up and the r→V projection, forward +
+  backward into both tables, B·N·γ rows (for `rnn` the same two ops, which its head also runs, excluding its
+  recurrent cell). Not in these shares: the softmax / loss over V, the bias add, and the AdamW update of W_1/W_2.
+- **load 1 min** = `os.getloadavg()[0]` when the configuration finished; above 2 (the core count) other jobs
+  were competing for the CPUs during that row.
 """
 
 
@@ -366,10 +381,10 @@ def write_results(results: dict, args: argparse.Namespace, argv: list[str], load
     for name, res in results.items():
         for r in res["rows"]:
             if "fallback_from" in r:
-                notes.append(f"- {name} / {r['drafter']}: the warm-up step at B×T, N = "
-                             f"{'×'.join(map(str, res['shape'][:2]))}, {res['shape'][2]} took "
-                             f"{r['fallback_from']:.1f} s (> {args.max_step_seconds:.0f} s), so it was timed at "
-                             f"B={r['shape'][0]}, N={r['shape'][2]} instead.")
+                notes.append(f"- {name} / {r['drafter']}: at B×T, N = {'×'.join(map(str, res['shape'][:2]))}, "
+                             f"{res['shape'][2]} the forward alone took {r['fallback_from']:.1f} s "
+                             f"(> --max-step-seconds {args.max_step_seconds:g}), too slow to time {args.steps}+ "
+                             f"steps, so it was timed at B={r['shape'][0]}, N={r['shape'][2]} instead.")
     text = "\n\n".join([
         "# Training throughput benchmark",
         f"Command: `{command.strip()}`",
