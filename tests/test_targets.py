@@ -177,10 +177,10 @@ def test_mask_token_rules_for_other_models(tiny, cache_dir):
     exact = _small_llama(tok, vocab_size=512)
     assert choose_mask_token_id(exact, tok, explicit=None, token=None) == tok.pad_token_id  # pad != eos
     tok.pad_token = None
-    with pytest.raises(ValueError, match="target_mask_token_id"):
+    with pytest.raises(ValueError, match="target_options.mask_token_id"):
         choose_mask_token_id(exact, tok, explicit=None, token=None)
     assert choose_mask_token_id(exact, tok, explicit=11, token=None) == 11
-    with pytest.raises(ValueError, match="target_mask_token_id"):
+    with pytest.raises(ValueError, match="target_options.mask_token_id"):
         choose_mask_token_id(exact, tok, explicit=512, token=None)
 
 
