@@ -1,0 +1,83 @@
+"""The real training path on `target=tiny`: every drafter's loss goes down over a few optimiser steps on a fixed batch,
+and the frozen target (embeddings and LM head included) is bit-identical afterwards."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dspark.config import RunConfig
+from dspark.data.blocks import sample_anchors
+from dspark.drafters.factory import build_drafter, drafter_spec_for
+from dspark.targets import load_target
+from dspark.training.module import DrafterModule
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return load_target("tiny", cache_dir=tmp_path_factory.mktemp("targets"), seed=1)
+
+
+def _batch(target, *, batch=2, length=96, anchors=8) -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(10, target.vocab_size - 10, (batch, length), generator=gen)
+    ids[ids == target.mask_token_id] = 11
+    loss_mask = torch.zeros(batch, length, dtype=torch.bool)
+    loss_mask[:, length // 3:] = True
+    picked = torch.stack([sample_anchors(loss_mask[b], max_anchors=anchors, generator=gen) for b in range(batch)])
+    return {"input_ids": ids, "attention_mask": torch.ones_like(loss_mask), "loss_mask": loss_mask,
+            "anchors": picked, "anchor_valid": torch.ones_like(picked, dtype=torch.bool)}
+
+
+@pytest.mark.parametrize("kind, head", [("dspark", "markov"), ("dspark", "rnn"), ("dspark", "none"),
+                                        ("dflash", "none"), ("eagle3", "none")])
+def test_loss_goes_down_and_target_stays_frozen(tiny, kind, head, one_thread):
+    torch.manual_seed(0)
+    cfg = RunConfig()
+    cfg.model.head, cfg.model.depth, cfg.model.markov_rank = head, 1, 32
+    spec = drafter_spec_for(kind=kind, model_cfg=cfg.model, target=tiny)
+    weights = {"alpha_ce": 0.1, "alpha_tv": 0.9, "alpha_conf": 1.0 if kind == "dspark" else 0.0, "decay": 4.0}
+    if kind == "dflash":
+        weights.update(alpha_ce=1.0, alpha_tv=0.0)
+    module = DrafterModule(drafter=build_drafter(spec, tiny), target=tiny, drafter_kind=kind,
+                           block_size=spec.block_size, loss_weights=weights,
+                           optim={"lr": 3e-3, "beta1": 0.9, "beta2": 0.999, "weight_decay": 0.0,
+                                  "warmup_fraction": 0.0}, drafter_config=spec.to_dict())
+    frozen_before = {k: v.clone() for k, v in tiny.model.state_dict().items()}
+    assert not any(p is q for p in module.parameters() for q in tiny.model.parameters())
+    optimizer = torch.optim.AdamW(module.drafter.parameters(), lr=3e-3)
+    batch = _batch(tiny)
+    losses = []
+    for _ in range(12):
+        loss = module._run(batch, "train")
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    # Soft targets from a near-uniform random target put a high floor under CE/KL-type losses (EAGLE-3 sits close
+    # to the target entropy), so require a clear, steady decrease rather than a fixed ratio.
+    assert losses[-1] < losses[0] and max(losses[-3:]) < min(losses[:3]), losses
+    if kind == "dspark":
+        assert losses[-1] < 0.9 * losses[0], losses
+    for name, value in tiny.model.state_dict().items():
+        assert torch.equal(value, frozen_before[name]), f"target parameter {name} changed"
+    assert all(p.grad is None for p in tiny.model.parameters())
+
+
+def test_checkpoint_for_another_target_or_block_size_is_refused(tiny, tmp_path):
+    """A drafter.pt trained for one target / γ cannot be loaded for another (clear error, not wrong numbers)."""
+    from dspark.stages.train import load_drafter, save_drafter
+
+    cfg = RunConfig()
+    cfg.model.depth, cfg.model.markov_rank = 1, 16
+    spec = drafter_spec_for(kind="dspark", model_cfg=cfg.model, target=tiny)
+    path = tmp_path / "drafter.pt"
+    save_drafter(path, spec=spec, state_dict=build_drafter(spec, tiny).state_dict(), metrics={})
+    drafter, loaded, _ = load_drafter(path, tiny, block_size=spec.block_size)
+    assert loaded == spec
+    with pytest.raises(ValueError, match="model.block_size"):
+        load_drafter(path, tiny, block_size=spec.block_size + 4)
+    other = load_target("tiny", cache_dir=tmp_path / "targets", seed=7)
+    with pytest.raises(ValueError, match="another target"):
+        load_drafter(path, other)
+    with pytest.raises(ValueError, match="stage=train"):
+        load_drafter(tmp_path / "missing.pt", tiny)
