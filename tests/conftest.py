@@ -18,7 +18,7 @@ def shared_root(tmp_path_factory) -> str:
 
 @pytest.fixture()
 def one_thread():
-    """Tiny models run faster single-threaded on a loaded 2-core machine."""
+    """Tiny models run faster single-threaded on a loaded 2-core machine; restored afterwards."""
     before = torch.get_num_threads()
     torch.set_num_threads(1)
     yield

@@ -18,13 +18,7 @@ ANCHORS = torch.tensor([[3, 7, 10], [5, 1, 9]])  # [B, N]
 T = 12
 
 
-@pytest.fixture(autouse=True)
-def _single_thread():
-    """Tiny tensors: one thread is faster and immune to a loaded machine; restored afterwards."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny tensors: one thread (tests/conftest.py)
 
 
 def tiny_spec(qk_norm: bool = False) -> DraftLayerSpec:

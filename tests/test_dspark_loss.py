@@ -16,13 +16,7 @@ VOCAB, D, M, GAMMA, MASK_ID = 97, 32, 2, 4, 96
 ALPHAS = dict(alpha_ce=0.1, alpha_tv=0.9, alpha_conf=1.0)
 
 
-@pytest.fixture(autouse=True)
-def _single_thread():
-    """Tiny tensors: one thread is faster and immune to a loaded machine; restored afterwards."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny tensors: one thread (tests/conftest.py)
 
 
 def random_output(seed: int = 0, *, batch: int = 2, blocks: int = 3, vocab: int = 11) -> tuple[DSparkOutput, dict]:

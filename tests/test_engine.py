@@ -24,12 +24,7 @@ from dspark.targets import load_target
 GAMMA = 3
 
 
-@pytest.fixture(autouse=True)
-def _single_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny tensors: one thread (tests/conftest.py)
 
 
 @pytest.fixture(scope="module")

@@ -40,12 +40,7 @@ PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 BLOCK = 3
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny tensors: one thread (tests/conftest.py)
 
 
 def _round(verified: int, accepted: int, *, eos: bool = False, conf=None) -> dict:

@@ -38,12 +38,7 @@ POLICIES = ("fixed", "threshold", "scheduler")
 CASES = [(d, p) for d in DRAFTERS for p in POLICIES]
 
 
-@pytest.fixture(autouse=True)
-def _single_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny tensors: one thread (tests/conftest.py)
 
 
 @pytest.fixture(scope="module")
