@@ -12,21 +12,13 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Sequence
 
-from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
+
+from dspark.plotting import save_figure
 
 DOMAIN_COLOURS = {"math": "tab:blue", "code": "tab:green", "chat": "tab:orange"}
 PHASES = (("verify_ms", "target verification", "tab:blue"), ("draft_parallel_ms", "parallel draft", "tab:orange"),
           ("draft_sequential_ms", "sequential loop", "tab:red"), ("other_ms", "other (Python)", "tab:grey"))
-
-
-def _save(fig: Figure, path: str | Path) -> Path:
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    FigureCanvasAgg(fig)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    return path
 
 
 def _colour(domain: str, index: int) -> str:
@@ -50,7 +42,7 @@ def plot_conditional_acceptance(summary: Any, path: str | Path, *, title: str = 
              title=title or "Per-position conditional acceptance (mean of benchmarks)")
     axis.grid(alpha=0.3)
     axis.legend(fontsize=8)
-    return _save(fig, path)
+    return save_figure(fig, path)
 
 
 def plot_threshold_sweep(rows: Sequence[dict], path: str | Path) -> Path:
@@ -73,7 +65,7 @@ def plot_threshold_sweep(rows: Sequence[dict], path: str | Path) -> Path:
         rate.set(ylim=(0, 1.45), yticks=[0, 0.25, 0.5, 0.75, 1.0], ylabel="verify rate Σ τ / Σ(ℓ+1)")
         handles = axis.get_legend_handles_labels()[0] + rate.get_legend_handles_labels()[0]
         axis.legend(handles, [h.get_label() for h in handles], fontsize=7, loc="upper right")
-    return _save(fig, path)
+    return save_figure(fig, path)
 
 
 def plot_latency_breakdown(rows: Sequence[dict], path: str | Path) -> Path:
@@ -100,4 +92,4 @@ def plot_latency_breakdown(rows: Sequence[dict], path: str | Path) -> Path:
         axis.set(title=f"context {context} tokens", xlabel="block size γ", ylabel="ms per round",
                  xticks=range(len(blocks)), xticklabels=[str(b) for b in blocks])
         axis.legend(fontsize=7, loc="upper left")
-    return _save(fig, path)
+    return save_figure(fig, path)

@@ -11,21 +11,16 @@ import math
 from pathlib import Path
 from typing import Sequence
 
-from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
+from dspark.plotting import save_figure
 from dspark.reports.stats import Estimate
 
 Series = list[tuple[float, Estimate]]
 
 
 def _save(fig: Figure, path: Path) -> Path:
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    FigureCanvasAgg(fig)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    return path
+    return save_figure(fig, path, dpi=110)
 
 
 def _err(values: Sequence[Estimate]) -> list[float]:
