@@ -375,3 +375,54 @@ def test_bad_shapes_raise_value_errors():
     mask = torch.ones(1, 5, dtype=torch.bool)
     with pytest.raises(ValueError, match="exactly one"):
         compute_eagle3_loss(output, loss_mask=mask, attention_mask=mask)
+
+
+def test_sampled_positions_equal_the_full_loss_when_every_position_is_sampled():
+    """logit_positions = all positions, all valid → same logits, loss, accuracy and proxy as the full TTT."""
+    from dspark.losses.eagle3 import (compute_eagle3_sampled_acceptance, compute_eagle3_sampled_loss,
+                                      sampled_step_targets)
+
+    drafter = make_drafter(block_size=3)
+    features, input_ids = make_batch(2, 8, seed=4)
+    attention_mask = torch.ones(2, 8, dtype=torch.bool)
+    attention_mask[1, 6:] = False
+    loss_mask = attention_mask.clone()
+    loss_mask[:, :2] = False
+    target_logits = torch.randn(2, 8, VOCAB, generator=torch.Generator().manual_seed(9)) * 2
+    full = drafter(features=features, input_ids=input_ids, attention_mask=attention_mask)
+    positions = torch.arange(8).expand(2, 8)
+    sampled = drafter(features=features, input_ids=input_ids, attention_mask=attention_mask,
+                      logit_positions=positions)
+    for a, b in zip(full.logits, sampled.logits):
+        torch.testing.assert_close(a, b)
+    index, supervised = sampled_step_targets(positions, torch.ones(2, 8, dtype=torch.bool), loss_mask=loss_mask,
+                                             attention_mask=attention_mask, num_steps=3)
+    gathered = target_logits.gather(1, index.flatten(1).unsqueeze(-1).expand(-1, -1, VOCAB)).view(2, 8, 3, VOCAB)
+    want = compute_eagle3_loss(full, target_logits=target_logits, loss_mask=loss_mask, attention_mask=attention_mask)
+    got = compute_eagle3_sampled_loss(sampled.logits, target_logits=gathered, supervised=supervised)
+    torch.testing.assert_close(got.total, want.total)
+    torch.testing.assert_close(got.accuracy, want.accuracy)
+    assert got.num_supervised.tolist() == want.num_supervised.tolist()
+    proxy_full = compute_eagle3_acceptance_proxy(full, target_logits=target_logits, loss_mask=loss_mask,
+                                                 attention_mask=attention_mask)
+    proxy = compute_eagle3_sampled_acceptance(sampled.logits, target_logits=gathered, supervised=supervised)
+    assert torch.equal(proxy.valid, proxy_full.valid)
+    torch.testing.assert_close(proxy.c_star, proxy_full.c_star)
+
+
+def test_sampled_positions_pick_the_right_rows_and_mask_invalid_ones():
+    drafter = make_drafter(block_size=2)
+    features, input_ids = make_batch(1, 9, seed=2)
+    mask = torch.ones(1, 9, dtype=torch.bool)
+    full = drafter(features=features, input_ids=input_ids, attention_mask=mask)
+    positions = torch.tensor([[5, 1, 7]])
+    sampled = drafter(features=features, input_ids=input_ids, attention_mask=mask, logit_positions=positions)
+    for a, b in zip(full.logits, sampled.logits):
+        torch.testing.assert_close(b[0], a[0, [5, 1, 7]])
+    from dspark.losses.eagle3 import sampled_step_targets
+
+    index, supervised = sampled_step_targets(positions, torch.tensor([[True, True, False]]), loss_mask=mask,
+                                             attention_mask=mask, num_steps=2)
+    assert index[0].tolist() == [[6, 7], [2, 3], [8, 8]]  # i+k+1, clamped to T-1
+    # the third position is marked invalid, so none of its steps is supervised
+    assert supervised[0].tolist() == [[True, True], [True, True], [False, False]]

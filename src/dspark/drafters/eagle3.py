@@ -166,24 +166,60 @@ class Eagle3Drafter(nn.Module):
     def lm_head(self) -> nn.Module:
         return self._frozen[1]
 
-    def forward(self, *, features: Tensor, input_ids: Tensor, attention_mask: Tensor) -> Eagle3Output:
+    def forward(self, *, features: Tensor, input_ids: Tensor, attention_mask: Tensor,
+                logit_positions: Tensor | None = None) -> Eagle3Output:
         """Training-time test over γ = block_size steps.
 
         features [B, T, m·d] raw target feature layers; input_ids [B, T] long; attention_mask [B, T] bool,
         right-padded (RoPE positions are 0..T-1). Padded keys are hidden from step 0 (each query still sees
         itself, so no softmax row is empty); under right padding they never reach a real position anyway.
+
+        logit_positions [B, N] long (optional): run TTT only for these positions' chains. Step 0 still runs over
+        all T positions (its keys are every later step's context), but a step k ≥ 1 query at position i sees
+        only step-0 keys and its *own* chain's keys (`create_ttt_mask`), so steps ≥ 1 need only the N chains:
+        the same numbers for a T + (γ−1)·N instead of γ·T token cost. Then every `logits[k]` is [B, N, V],
+        `hidden[0]` is [B, T, d] and `hidden[k ≥ 1]` is [B, N, d].
         """
         self._check_features(features, input_ids)
         batch, seq_len = input_ids.shape
         g = self.fc(features.to(self.fc.weight.dtype))
         embeds = self.embed_tokens(input_ids).to(g.dtype)
         positions = torch.arange(seq_len, device=input_ids.device)
+        if logit_positions is not None:
+            return self._sampled_ttt(g, embeds, attention_mask.bool(), logit_positions)
         past: list[KeyValue] = []
         logits, hidden = [], []
         for step in range(self.block_size):
             cos, sin = self.rotary(positions + step)
             mask = self._step_mask(attention_mask.bool(), step=step)
             g, kv = self.layer(g, _shift_left(embeds, step + 1), rope=(cos[None], sin[None]), past=past, mask=mask)
+            past.append(kv)
+            hidden.append(g)
+            logits.append(self.lm_head(self.norm(g)))
+        return Eagle3Output(logits=logits, hidden=hidden)
+
+    def _sampled_ttt(self, g: Tensor, embeds: Tensor, key_valid: Tensor, chains: Tensor) -> Eagle3Output:
+        """TTT for the chains at positions `chains` [B, N] (see `forward`)."""
+        seq_len = g.shape[1]
+        positions = torch.arange(seq_len, device=g.device)
+        cos, sin = self.rotary(positions)
+        g, kv = self.layer(g, _shift_left(embeds, 1), rope=(cos[None], sin[None]), past=[],
+                           mask=self._step_mask(key_valid, step=0))
+        hidden, past = [g], [kv]
+        g = _gather_rows(g, chains)
+        logits = [self.lm_head(self.norm(g))]
+        # Query n sees step-0 keys j ≤ chains[n] (real ones, plus its own position as in `_step_mask`) and, of
+        # later steps, only its own chain's keys.
+        keys = positions.view(1, 1, -1)
+        causal = ((keys <= chains.unsqueeze(-1)) & key_valid.unsqueeze(1)) | (keys == chains.unsqueeze(-1))
+        own = torch.eye(chains.shape[1], dtype=torch.bool, device=g.device).expand(chains.shape[0], -1, -1)
+        for step in range(1, self.block_size):
+            cos, sin = self.rotary(chains + step)  # [B, N, hd]
+            token_index = chains + 1 + step
+            tokens = _gather_rows(embeds, token_index.clamp(max=seq_len - 1))
+            tokens = torch.where((token_index < seq_len).unsqueeze(-1), tokens, 0.0)  # zero embedding past the end
+            mask = torch.cat([causal] + [own] * step, dim=-1).unsqueeze(1)  # [B, 1, N, T + step·N]
+            g, kv = self.layer(g, tokens, rope=(cos, sin), past=past, mask=mask)
             past.append(kv)
             hidden.append(g)
             logits.append(self.lm_head(self.norm(g)))
@@ -275,3 +311,8 @@ def _shift_left(x: Tensor, shift: int) -> Tensor:
     if shift >= seq_len:
         return torch.zeros_like(x)
     return F.pad(x[:, shift:], (0, 0, 0, shift))
+
+
+def _gather_rows(x: Tensor, positions: Tensor) -> Tensor:
+    """x [B, T, d], positions [B, N] long → [B, N, d]."""
+    return x.gather(1, positions.unsqueeze(-1).expand(-1, -1, x.shape[-1]))

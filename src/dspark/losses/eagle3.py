@@ -77,10 +77,17 @@ def compute_eagle3_loss(output: Eagle3Output, *, loss_mask: Tensor, attention_ma
     p_target = _target_distribution(output, target_logits=target_logits, target_probs=target_probs)
     batch, seq_len = p_target.shape[:2]
     supervised = create_eagle3_loss_mask(loss_mask, attention_mask, num_steps=len(output.logits))
+    return _soft_ce(_aligned_steps(output, p_target, supervised), normaliser=batch * seq_len,
+                    step_weight=step_weight)
+
+
+def _soft_ce(steps: Iterator[tuple[int, Tensor, Tensor, Tensor]], *, normaliser: int,
+             step_weight: float) -> Eagle3Loss:
+    """The TTT loss from per-step (k, draft logits [..., V], p_t [..., V], mask [...]) triplets."""
     per_step, correct, counts = [], [], []
-    for step, logits, p_t, mask in _aligned_steps(output, p_target, supervised):
+    for _, logits, p_t, mask in steps:
         ce = -(p_t * F.log_softmax(logits.float(), dim=-1)).sum(-1)
-        per_step.append(torch.where(mask, ce, 0.0).sum() / (batch * seq_len))
+        per_step.append(torch.where(mask, ce, 0.0).sum() / normaliser)
         agree = logits.detach().argmax(-1) == p_t.argmax(-1)
         correct.append((agree & mask).sum())
         counts.append(mask.sum())
@@ -90,6 +97,40 @@ def compute_eagle3_loss(output: Eagle3Output, *, loss_mask: Tensor, attention_ma
     accuracy = torch.stack(correct).float() / counts_t.clamp_min(1).float()
     return Eagle3Loss(total=(weights * per_step_t).sum(), per_step=per_step_t, accuracy=accuracy,
                       num_supervised=counts_t)
+
+
+def sampled_step_targets(positions: Tensor, position_valid: Tensor, *, loss_mask: Tensor, attention_mask: Tensor,
+                         num_steps: int) -> tuple[Tensor, Tensor]:
+    """For TTT logits computed only at `positions` [B, N] (`Eagle3Drafter.forward(logit_positions=...)`):
+    (target_index [B, N, γ] long = i+k+1 clamped to T-1, the z_j each step is compared with; supervised
+    [B, N, γ] bool = the full-sequence rule of `create_eagle3_loss_mask` at those positions, and position_valid)."""
+    seq_len = loss_mask.shape[1]
+    steps = torch.arange(num_steps, device=positions.device)
+    target_index = (positions.unsqueeze(-1) + steps + 1).clamp(max=seq_len - 1)
+    full = create_eagle3_loss_mask(loss_mask, attention_mask, num_steps=num_steps)  # [B, T, γ]
+    gathered = full.gather(1, positions.clamp(0, seq_len - 1).unsqueeze(-1).expand(-1, -1, num_steps))
+    return target_index, gathered & position_valid.bool().unsqueeze(-1)
+
+
+def compute_eagle3_sampled_loss(step_logits: list[Tensor], *, target_logits: Tensor, supervised: Tensor,
+                                step_weight: float = 0.8) -> Eagle3Loss:
+    """The TTT soft CE at sampled positions: step_logits γ × [B, N, V]; target_logits [B, N, γ, V] (z at
+    `sampled_step_targets`' index, softmaxed here at T = 1); supervised [B, N, γ]. L_k is normalised by B·N."""
+    p_target = torch.softmax(target_logits.detach().float(), dim=-1)
+    batch, num = supervised.shape[:2]
+    steps = ((k, logits, p_target[:, :, k], supervised[:, :, k]) for k, logits in enumerate(step_logits))
+    return _soft_ce(steps, normaliser=batch * num, step_weight=step_weight)
+
+
+@torch.no_grad()
+def compute_eagle3_sampled_acceptance(step_logits: list[Tensor], *, target_logits: Tensor,
+                                      supervised: Tensor) -> Eagle3AcceptanceProxy:
+    """`compute_eagle3_acceptance_proxy` at sampled positions (arguments as `compute_eagle3_sampled_loss`)."""
+    p_target = torch.softmax(target_logits.float(), dim=-1)
+    valid = supervised.long().cumprod(dim=-1).bool()
+    overlap = torch.stack([torch.minimum(torch.softmax(logits.float(), dim=-1), p_target[:, :, k]).sum(-1)
+                           for k, logits in enumerate(step_logits)], dim=-1).clamp(0.0, 1.0)
+    return Eagle3AcceptanceProxy(c_star=torch.where(valid, overlap, 0.0), valid=valid)
 
 
 @torch.no_grad()

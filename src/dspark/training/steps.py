@@ -98,38 +98,37 @@ def eagle3_step(*, drafter, target, batch: dict[str, Tensor], block_size: int, a
                 alpha_tv: float = 0.0, alpha_conf: float = 0.0, decay: float = 4.0) -> StepResult:
     """EAGLE-3 training-time test (METHOD §4): soft CE against p_t with step weights 0.8^k.
 
+    Supervised at the batch's sampled anchors, like DSpark: anchor a (the last committed token x_a) is TTT
+    position i = a − 1, whose step k predicts x_{a+1+k} — DSpark's slot k+1 of the block anchored at a. Both
+    drafters then see the same K = data.max_anchors (context, block) pairs per sequence and epoch, and the LM head
+    runs on N instead of T positions per step (the cost that dominates EAGLE-3 training; budget=paper's K = 512
+    covers every position of typical sequences). The TTT layer itself still runs over every position.
     The α weights do not apply (EAGLE-3 has its own loss); they are accepted so one config drives every drafter.
-    Metrics treat each position as a "block" whose slot k is TTT step k−1.
+    Metrics treat each sampled position as a "block" whose slot k is TTT step k−1.
     """
-    from dspark.losses.eagle3 import compute_eagle3_acceptance_proxy, compute_eagle3_loss
+    from dspark.losses.eagle3 import (compute_eagle3_sampled_acceptance, compute_eagle3_sampled_loss,
+                                      sampled_step_targets)
 
     features, final_hidden = target_features(target, batch)
-    out = drafter(features=features, input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
+    positions = (batch["anchors"] - 1).clamp_min(0)
+    position_valid = batch["anchor_valid"] & (batch["anchors"] >= 1)
+    out = drafter(features=features, input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                  logit_positions=positions)
+    target_index, supervised = sampled_step_targets(positions, position_valid, loss_mask=batch["loss_mask"],
+                                                    attention_mask=batch["attention_mask"], num_steps=block_size)
     with torch.no_grad():
-        target_logits = target.lm_head(final_hidden).float()
-    loss = compute_eagle3_loss(out, loss_mask=batch["loss_mask"], attention_mask=batch["attention_mask"],
-                               target_logits=target_logits)
+        target_logits = target.lm_head(_gather_positions(final_hidden, target_index)).float()
+    loss = compute_eagle3_sampled_loss(out.logits, target_logits=target_logits, supervised=supervised)
     with torch.no_grad():
-        proxy = compute_eagle3_acceptance_proxy(out, loss_mask=batch["loss_mask"],
-                                                attention_mask=batch["attention_mask"], target_logits=target_logits)
-        nll = _eagle3_nll(out.logits, batch["input_ids"])
+        proxy = compute_eagle3_sampled_acceptance(out.logits, target_logits=target_logits, supervised=supervised)
+        labels = batch["input_ids"].gather(1, (target_index + 1).clamp(max=batch["input_ids"].shape[1] - 1)
+                                           .flatten(1)).view_as(target_index)
+        logp = torch.stack([torch.log_softmax(lg.float(), dim=-1) for lg in out.logits], dim=2)  # [B, N, γ, V]
+        nll = -logp.gather(-1, labels.unsqueeze(-1)).squeeze(-1)
     zero = _zero(loss.total)
     parts = LossParts(total=loss.total, ce=loss.total.detach(), tv=zero, conf=zero)
     return StepResult(loss=parts, c_star=proxy.c_star, label_valid=proxy.valid, nll=nll, confidence=None,
                       num_blocks=int(proxy.valid[..., 0].sum()))
-
-
-def _eagle3_nll(step_logits: list[Tensor], input_ids: Tensor) -> Tensor:
-    """−log p_d of the teacher token per (position, step): step k at position i predicts x_{i+k+2} → [B,T,γ]."""
-    b, t = input_ids.shape
-    out = torch.zeros(b, t, len(step_logits), device=input_ids.device)
-    for k, logits in enumerate(step_logits):
-        n = t - (k + 2)
-        if n <= 0:
-            continue
-        logp = torch.log_softmax(logits[:, :n].float(), dim=-1)
-        out[:, :n, k] = -logp.gather(-1, input_ids[:, k + 2:].unsqueeze(-1)).squeeze(-1)
-    return out
 
 
 TRAINING_STEPS.add("eagle3", eagle3_step)
