@@ -14,7 +14,8 @@ from dspark.config.resolve import available_sweeps
 from dspark.sweeps import load_sweep, parse_sweep
 from dspark.sweeps.driver import plan_grid, run_sweep
 
-ALL_SWEEPS = ["main", "depth", "block_size", "head", "threshold", "calibration", "latency", "loss_weights", "rank"]
+ALL_SWEEPS = ["main", "depth", "block_size", "head", "threshold", "calibration", "latency", "loss_weights", "rank",
+              "serving"]
 # optim.epochs=1: faster, and a training key of its own (drafters of other test files are never reused here)
 FAST = ["budget=smoke", "optim.epochs=1", "decode.prompts_per_set=1", "decode.max_new_tokens=8"]
 
@@ -37,7 +38,7 @@ def _finished(cells) -> list[str]:
                   if r.info.status == "FINISHED" and r.data.tags.get("sweep.complete") == "true")
 
 
-def test_the_nine_sweep_files_exist():
+def test_every_sweep_file_is_listed():
     assert available_sweeps() == sorted(ALL_SWEEPS)
 
 
@@ -132,7 +133,7 @@ def test_smoke_first_cell_of_every_sweep(name, shared_root, one_thread):
     assert report.exists() and "parent run" in report.read_text()
     assert f"report/{name}.md" in [a.path for a in client.list_artifacts(parents[0].info.run_id, "report")]
     metrics = child.data.metrics
-    expected = {"latency": "summary/round_ms"}.get(name, "summary/tau")
+    expected = {"latency": "summary/round_ms", "serving": "serve/throughput"}.get(name, "summary/tau")
     assert expected in metrics, sorted(metrics)
 
 

@@ -54,6 +54,9 @@ def preflight(rc: ResolvedConfig) -> None:
     if cfg.target not in TARGETS and looks_local and not Path(cfg.target).expanduser().exists():
         errors.append(f"target={cfg.target}: no such file or directory; give a local model directory, a .gguf "
                       f"file, a hub id, or a built-in name ({', '.join(TARGETS.names())}).")
+    if cfg.serve.sps_table and not Path(cfg.serve.sps_table).expanduser().is_file():
+        errors.append(f"serve.sps_table={cfg.serve.sps_table}: no such file; give an SPS(B) JSON written by "
+                      "dspark.serving.profile (e.g. profiled on a GPU), or drop the key to use this machine's table.")
     if errors:
         raise ConfigError("Invalid configuration:\n  - " + "\n  - ".join(errors))
 
@@ -98,7 +101,7 @@ def run_experiment(rc: ResolvedConfig, *, parent_run_id: str | None = None, extr
 
 
 def run_stages(ctx) -> None:
-    """prepare → train → eval, stopping after `stage` (report/profile are their own entry points)."""
+    """prepare → train → eval (or serve), stopping after `stage` (report/profile are their own entry points)."""
     from dspark.stages.prepare import run_prepare
     from dspark.stages.train import run_train
 
@@ -121,6 +124,11 @@ def run_stages(ctx) -> None:
         return
     drafter_path = run_train(ctx, data)
     if stage == "train" or _is_ddp_worker():
+        return
+    if stage == "serve":
+        from dspark.stages.serve import run_serve
+
+        run_serve(ctx, drafter_path)
         return
     from dspark.stages.evaluate import run_eval
 

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from dspark.config.loader import ConfigError, apply_overrides, load_yaml, parse_overrides
-from dspark.config.schema import BUDGETS, DRAFTERS, HEADS, POLICIES, STAGES, RunConfig
+from dspark.config.schema import BUDGETS, DRAFTERS, HEADS, POLICIES, SERVE_POLICIES, STAGES, RunConfig
 from dspark.registry import unknown_name_message
 
 
@@ -106,7 +106,7 @@ def validate_config(cfg: RunConfig, *, explicit_keys: set[str] = frozenset()) ->
 def _name_errors(cfg: RunConfig) -> list[str]:
     checks = [("drafter", cfg.drafter, DRAFTERS), ("model.head", cfg.model.head, HEADS),
               ("stage", cfg.stage, STAGES), ("budget", cfg.budget, BUDGETS),
-              ("decode.policy", cfg.decode.policy, POLICIES)]
+              ("decode.policy", cfg.decode.policy, POLICIES), ("serve.policy", cfg.serve.policy, SERVE_POLICIES)]
     errors = [unknown_name_message(key, value, list(valid)) for key, value, valid in checks if value not in valid]
     if cfg.sweep and cfg.sweep not in available_sweeps():
         errors.append(unknown_name_message("sweep", cfg.sweep, available_sweeps()))
@@ -129,8 +129,27 @@ def _range_errors(cfg: RunConfig) -> list[str]:
         (cfg.data.max_anchors >= 1, f"data.max_anchors must be ≥ 1 (got {cfg.data.max_anchors})."),
         (cfg.data.num_train_prompts >= 2, "data.num_train_prompts must be ≥ 2 (one for validation)."),
         (cfg.optim.lr > 0, f"optim.lr must be > 0 (got {cfg.optim.lr})."),
+        *_serve_rules(cfg),
     ]
     return [msg for ok, msg in rules if not ok]
+
+
+def _serve_rules(cfg: RunConfig) -> list[tuple[bool, str]]:
+    s = cfg.serve
+    return [
+        (s.concurrency >= 1, f"serve.concurrency must be ≥ 1 (got {s.concurrency})."),
+        (s.num_requests >= 1, f"serve.num_requests must be ≥ 1 (got {s.num_requests})."),
+        (s.max_new_tokens >= 1, f"serve.max_new_tokens must be ≥ 1 (got {s.max_new_tokens})."),
+        (s.static_k >= 0, f"serve.static_k must be ≥ 0 (got {s.static_k})."),
+        (0.0 <= s.threshold <= 1.0, f"serve.threshold must lie in [0, 1] (got {s.threshold})."),
+        (s.trace_concurrency >= 1, f"serve.trace_concurrency must be ≥ 1 (got {s.trace_concurrency})."),
+        (all(int(r) >= 1 for r in s.simulate_concurrency),
+         f"serve.simulate_concurrency must list levels ≥ 1 (got {s.simulate_concurrency}); [] simulates nothing."),
+        (bool(s.prompt_sets), "serve.prompt_sets must name at least one prompt set, e.g. [gsm8k, humaneval, mt-bench]."),
+        (cfg.stage != "serve" or cfg.drafter != "eagle3",
+         "stage=serve batches DSpark-style drafters (drafter=dspark or dflash); EAGLE-3 drafts autoregressively and "
+         "is evaluated offline with stage=all."),
+    ]
 
 
 def _drafter_errors(cfg: RunConfig, explicit: set[str]) -> list[str]:

@@ -11,8 +11,9 @@ from typing import Optional
 DRAFTERS = ("dspark", "dflash", "eagle3")
 HEADS = ("markov", "rnn", "none")
 BUDGETS = ("smoke", "cpu", "paper")
-STAGES = ("prepare", "train", "eval", "all", "report", "profile")
+STAGES = ("prepare", "train", "eval", "all", "report", "profile", "serve")
 POLICIES = ("fixed", "threshold", "scheduler")
+SERVE_POLICIES = ("mtp1", "static", "fixed", "threshold", "scheduler", "async")
 
 
 @dataclass
@@ -110,6 +111,22 @@ class DecodeConfig:
 
 
 @dataclass
+class ServeConfig:
+    """Serving under load (`stage=serve`, `sweep=serving`; METHOD §6–§7, paper §5.2, §7)."""
+
+    policy: str = "scheduler"  #: mtp1 | static | fixed | threshold | scheduler | async
+    concurrency: int = 4  #: R, requests kept active at once (closed loop, continuous batching)
+    static_k: int = 2  #: drafts verified per request by serve.policy=static
+    threshold: float = 0.5  #: serve.policy=threshold: verify the prefix before the first c̃_k < θ
+    num_requests: int = 16  #: requests served per run (round-robin over prompt_sets)
+    max_new_tokens: int = 64  #: tokens per request
+    prompt_sets: list[str] = field(default_factory=lambda: ["gsm8k", "humaneval", "mt-bench"])  #: the prompt mix
+    trace_concurrency: int = 4  #: concurrency of the policy=fixed run whose rounds the simulator replays
+    simulate_concurrency: list[int] = field(default_factory=lambda: [8, 16, 32, 64])  #: simulated R levels
+    sps_table: str = ""  #: SPS(B) JSON for the simulator (e.g. profiled on a GPU); "" = this machine's batched SPS
+
+
+@dataclass
 class TrackingConfig:
     uri: str = ""  #: "" = sqlite under paths.root; or http://HOST:PORT of a running mlflow server
     experiment: str = "dspark-lab"
@@ -142,5 +159,6 @@ class RunConfig:
     optim: OptimConfig = field(default_factory=OptimConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     decode: DecodeConfig = field(default_factory=DecodeConfig)
+    serve: ServeConfig = field(default_factory=ServeConfig)
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
     optuna: OptunaConfig = field(default_factory=OptunaConfig)

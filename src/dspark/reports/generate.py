@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from dspark.config import ConfigError, ResolvedConfig
-from dspark.reports import ablations, diagnostics, search  # noqa: F401  (register the builders)
+from dspark.reports import ablations, diagnostics, search, serving  # noqa: F401  (register the builders)
 from dspark.reports.collect import SweepRuns, collect_sweep_runs, runs_frame
 from dspark.reports.context import REPORT_BUILDERS, ReportContext
 from dspark.reports.writer import Provenance, Section, no_runs_section, render_report

@@ -1,0 +1,234 @@
+"""DSpark/DFlash drafting for R concurrent requests in one forward (METHOD §2.1–§2.3, §5; paper §5.2).
+
+The batched counterpart of `dspark.decoding.proposers.DSparkProposer`, with the same outputs for the same
+context. Per draft layer it caches every request's context keys (k-norm and RoPE at absolute positions 0..S_r-1)
+and values, right-padded into [R, H_kv, C, hd] with `lengths` [R] (the context never has holes: it only gains
+committed positions). One step:
+
+    1  ONE block forward for all rows: queries [R, γ] = [x_0, MASK×(γ−1)] at positions p_r..p_r+γ−1, keys
+       [context_r (length mask) ; block_r]                                           → h [R, γ, d], U [R, γ, V]
+    2  the sequential loop batched over rows: logits_k = U_k + B_k(x_{k-1}), c_k = σ(·) (before x_k),
+       x_{r,k} ~ softmax(logits_k / T) drawn with row r's own generator (T = 0: argmax)
+    3  a row stops drafting after a drafted stop id (num_drafts[r] < γ); it draws no more random numbers
+
+Each row draws exactly the uniforms the single-request proposer would (one float64 per sampled slot, in slot
+order), so a request's drafts do not depend on which other requests share its step.
+"""
+from __future__ import annotations
+
+import time
+from collections.abc import Collection
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+from torch.nn import functional as F
+
+from dspark.decoding.verify import draw_uniforms, probs_from_logits, sample_from_probs
+from dspark.drafters.dspark import DSparkDrafter
+from dspark.drafters.layers import apply_rotary
+
+MIN_CAPACITY = 64  # context columns allocated at least (capacity doubles when full)
+
+
+@dataclass
+class BatchProposal:
+    """One step's drafts for R rows, right-padded to γ (shape symbols: R rows, γ block size, V vocabulary)."""
+
+    tokens: Tensor              # [R, γ] long, x_{r,1..γ'_r}; columns ≥ γ'_r are meaningless padding
+    draft_probs: Tensor         # [R, γ, V] float32, the distribution each x_{r,k} was drawn from (one-hot at T = 0)
+    confidences: Tensor | None  # [R, γ] float32 raw c_k (0 after γ'_r); None without a confidence head
+    num_drafts: Tensor          # [R] long, γ'_r ≤ γ
+    seconds_parallel: float = 0.0
+    seconds_sequential: float = 0.0
+
+
+def check_serving_drafter(drafter: nn.Module | None) -> DSparkDrafter | None:
+    """The drafter if serving supports it (DSparkDrafter: dspark, dflash), else ValueError."""
+    if drafter is None or isinstance(drafter, DSparkDrafter):
+        return drafter
+    raise ValueError(f"serving supports drafter=dspark/dflash (a DSparkDrafter), not a {type(drafter).__name__}: "
+                     "EAGLE-3 re-reads its whole prefix every round and has no batched proposer; serve it with "
+                     "drafter=dspark or dflash, or evaluate it with the single-request engine")
+
+
+class BatchedDSparkProposer:
+    """Cached context keys/values of R requests and batched drafting (see the module docstring)."""
+
+    def __init__(self, drafter: DSparkDrafter) -> None:
+        self.drafter = check_serving_drafter(drafter).eval()
+        self.block_size = drafter.block_size
+        self.has_confidence = drafter.confidence_head is not None
+        attn = drafter.backbone.layers[0].self_attn
+        self._kv_shape = (attn.num_kv_heads, attn.head_dim)
+        weight = drafter.backbone.fc.weight
+        self.device, self.dtype = weight.device, weight.dtype
+        self.lengths = torch.zeros(0, dtype=torch.long, device=self.device)  # [R] context positions per row
+        self._keys = [self._empty(0, 0) for _ in drafter.backbone.layers]    # [R, H_kv, C, hd], RoPE applied
+        self._values = [self._empty(0, 0) for _ in drafter.backbone.layers]  # [R, H_kv, C, hd]
+
+    def _empty(self, rows: int, capacity: int) -> Tensor:
+        return torch.zeros(rows, self._kv_shape[0], capacity, self._kv_shape[1], dtype=self.dtype,
+                           device=self.device)
+
+    @property
+    def num_rows(self) -> int:
+        return int(self.lengths.shape[0])
+
+    @property
+    def capacity(self) -> int:
+        return int(self._keys[0].shape[2])
+
+    @torch.no_grad()
+    def add_rows(self, features: list[Tensor]) -> None:
+        """New last rows whose contexts are features[j] [S_j, m·d] (positions 0..S_j-1, S_j ≥ 1)."""
+        if not features:
+            return
+        counts = torch.tensor([f.shape[0] for f in features], dtype=torch.long, device=self.device)
+        padded = torch.nn.utils.rnn.pad_sequence([f.to(self.device) for f in features], batch_first=True)
+        first = self.num_rows
+        self._keys = [torch.cat([k, self._empty(len(features), self.capacity)]) for k in self._keys]
+        self._values = [torch.cat([v, self._empty(len(features), self.capacity)]) for v in self._values]
+        self.lengths = torch.cat([self.lengths, torch.zeros_like(counts)])
+        self._write(torch.arange(first, first + len(features), device=self.device), padded, counts)
+
+    def remove_rows(self, keep_rows: Tensor) -> None:
+        """Keep the rows `keep_rows` ([R'] long, in the new order); shrinks the capacity when it is 4× too large."""
+        keep_rows = keep_rows.to(self.device)
+        self.lengths = self.lengths[keep_rows]
+        longest = int(self.lengths.max()) if self.num_rows else 0
+        capacity = min(max(2 * longest, MIN_CAPACITY), self.capacity) if 4 * longest < self.capacity else self.capacity
+        self._keys = [k[keep_rows, :, :capacity] for k in self._keys]
+        self._values = [v[keep_rows, :, :capacity] for v in self._values]
+
+    @torch.no_grad()
+    def extend(self, *, features: Tensor, counts: Tensor) -> None:
+        """Append features[r, :counts[r]] ([R, n, m·d], counts [R] long) — newly committed positions only."""
+        if features.shape[0] != self.num_rows:
+            raise ValueError(f"BatchedDSparkProposer.extend: {features.shape[0]} rows of features for "
+                             f"{self.num_rows} requests")
+        self._write(torch.arange(self.num_rows, device=self.device), features, counts.to(self.device))
+
+    def _write(self, rows: Tensor, features: Tensor, counts: Tensor) -> None:
+        """Fuse and project features[i, :counts[i]] once, written at columns lengths[rows[i]] + j of row rows[i]."""
+        selected = torch.arange(features.shape[1], device=self.device).unsqueeze(0) < counts.unsqueeze(1)
+        if not bool(selected.any()):
+            return
+        flat_rows = rows.unsqueeze(1).expand_as(selected)[selected]                       # [N]
+        columns = (self.lengths[rows].unsqueeze(1) + torch.arange(features.shape[1], device=self.device))[selected]
+        self._reserve(int(columns.max()) + 1)
+        backbone = self.drafter.backbone
+        fused = backbone.fuse_context(features.to(self.device)[selected].unsqueeze(0))    # [1, N, d]
+        cos, sin = backbone.rotary(columns.unsqueeze(0))
+        for layer, keys, values in zip(backbone.layers, self._keys, self._values):
+            attn = layer.self_attn
+            k = apply_rotary(attn._heads(fused, attn.k_proj, attn.num_kv_heads, attn.k_norm), cos, sin)
+            keys[flat_rows, :, columns] = k[0].transpose(0, 1)                             # [N, H_kv, hd]
+            values[flat_rows, :, columns] = attn._heads(fused, attn.v_proj, attn.num_kv_heads)[0].transpose(0, 1)
+        self.lengths = self.lengths.index_add(0, rows, counts)
+
+    def _reserve(self, needed: int) -> None:
+        if needed <= self.capacity:
+            return
+        capacity = max(needed, 2 * self.capacity, MIN_CAPACITY)
+        grow = capacity - self.capacity
+        self._keys = [torch.cat([k, self._empty(k.shape[0], grow)], dim=2) for k in self._keys]
+        self._values = [torch.cat([v, self._empty(v.shape[0], grow)], dim=2) for v in self._values]
+
+    @torch.no_grad()
+    def propose(self, *, anchor_tokens: Tensor, anchor_positions: Tensor, temperature: float,
+                generators: list[torch.Generator | None], stop_ids: Collection[int]) -> BatchProposal:
+        """Draft after anchor_tokens [R] at anchor_positions [R] (each == that row's context length)."""
+        anchor_tokens, anchor_positions = anchor_tokens.to(self.device), anchor_positions.to(self.device)
+        if not torch.equal(anchor_positions, self.lengths):
+            raise ValueError(f"BatchedDSparkProposer: anchors at positions {anchor_positions.tolist()} but the "
+                             f"contexts hold {self.lengths.tolist()}; each must hold exactly the positions before "
+                             "its anchor")
+        start = time.perf_counter()
+        hidden = self.block_hidden(anchor_tokens, anchor_positions)  # [R, γ, d]
+        parallel_logits = self.drafter.project(hidden)                # [R, γ, V]
+        _sync(self.device)
+        middle = time.perf_counter()
+        proposal = self._sequential(hidden, parallel_logits, anchor_tokens=anchor_tokens, temperature=temperature,
+                                    generators=generators, stop_ids=stop_ids)
+        _sync(self.device)
+        proposal.seconds_parallel, proposal.seconds_sequential = middle - start, time.perf_counter() - middle
+        return proposal
+
+    def block_hidden(self, anchor_tokens: Tensor, anchor_positions: Tensor) -> Tensor:
+        """h [R, γ, d] of the blocks [x_0, MASK×(γ−1)] over each row's cached context (one forward)."""
+        backbone, gamma = self.drafter.backbone, self.block_size
+        ids = torch.full((self.num_rows, 1, gamma), self.drafter.mask_token_id, dtype=torch.long, device=self.device)
+        ids[:, 0, 0] = anchor_tokens
+        hidden = backbone.embed_block(ids).flatten(1, 2)  # [R, γ, d]
+        positions = anchor_positions.unsqueeze(1) + torch.arange(gamma, device=self.device)
+        rope = backbone.rotary(positions)
+        width = int(self.lengths.max())
+        in_context = torch.arange(width, device=self.device).unsqueeze(0) < self.lengths.unsqueeze(1)  # [R, C]
+        mask = torch.cat([in_context, in_context.new_ones(self.num_rows, gamma)], dim=1)[:, None, None, :]
+        for layer, keys, values in zip(backbone.layers, self._keys, self._values):
+            hidden = _block_layer(layer, hidden, keys[:, :, :width], values[:, :, :width], rope=rope, mask=mask)
+        return backbone.norm(hidden)
+
+    def _sequential(self, hidden: Tensor, parallel_logits: Tensor, *, anchor_tokens: Tensor, temperature: float,
+                    generators: list[torch.Generator | None], stop_ids: Collection[int]) -> BatchProposal:
+        """Slot by slot for all rows: c_k from x_{k-1} first, then x_k; rows stop after a drafted stop id."""
+        rows, gamma, vocab = parallel_logits.shape
+        stops = torch.tensor(sorted(int(s) for s in stop_ids), dtype=torch.long, device=self.device)
+        tokens = torch.zeros(rows, gamma, dtype=torch.long, device=self.device)
+        probs = torch.zeros(rows, gamma, vocab, dtype=torch.float32, device=self.device)
+        confidences = torch.zeros(rows, gamma, dtype=torch.float32, device=self.device) if self.has_confidence else None
+        drafting = torch.ones(rows, dtype=torch.bool, device=self.device)
+        num_drafts = torch.zeros(rows, dtype=torch.long, device=self.device)
+        prev, state = anchor_tokens, None
+        for k in range(gamma):
+            logits, conf_logit, state = self.drafter.sequential_step(
+                hidden_k=hidden[:, k], parallel_logits_k=parallel_logits[:, k], prev_token=prev, state=state)
+            if confidences is not None:
+                confidences[:, k] = torch.where(drafting, torch.sigmoid(conf_logit.float()), 0.0)
+            probs[:, k] = probs_from_logits(logits, temperature)
+            prev = _sample_rows(probs[:, k], drafting, temperature=temperature, generators=generators)
+            tokens[:, k] = prev
+            num_drafts += drafting.long()
+            drafting &= ~torch.isin(prev, stops)
+            if not bool(drafting.any()):
+                break
+        return BatchProposal(tokens, probs, confidences, num_drafts)
+
+
+def _block_layer(layer: nn.Module, hidden: Tensor, keys: Tensor, values: Tensor, *,
+                 rope: tuple[Tensor, Tensor], mask: Tensor) -> Tensor:
+    """One draft layer for R blocks: queries from the blocks, keys/values [cached context ; block] under `mask`
+    [R, 1, 1, C+γ] (context padding False; the block is bidirectional, as in training)."""
+    attn, (cos, sin) = layer.self_attn, rope
+    x = layer.input_layernorm(hidden)
+    q = apply_rotary(attn._heads(x, attn.q_proj, attn.num_heads, attn.q_norm), cos, sin)
+    k = apply_rotary(attn._heads(x, attn.k_proj, attn.num_kv_heads, attn.k_norm), cos, sin)
+    v = attn._heads(x, attn.v_proj, attn.num_kv_heads)
+    out = F.scaled_dot_product_attention(q, torch.cat([keys, k], dim=2), torch.cat([values, v], dim=2),
+                                         attn_mask=mask, enable_gqa=attn.num_heads != attn.num_kv_heads)
+    hidden = hidden + attn.o_proj(out.transpose(1, 2).flatten(-2))
+    return hidden + layer.mlp(layer.post_attention_layernorm(hidden))
+
+
+def _sample_rows(probs: Tensor, drafting: Tensor, *, temperature: float,
+                 generators: list[torch.Generator | None]) -> Tensor:
+    """x_k [R] from probs [R, V]: argmax at T = 0; else one uniform from each drafting row's generator (rows that
+    stopped draw nothing and return 0)."""
+    if temperature == 0:
+        return probs.argmax(dim=-1)
+    active = torch.nonzero(drafting).flatten().tolist()
+    tokens = torch.zeros(probs.shape[0], dtype=torch.long, device=probs.device)
+    if not active:
+        return tokens
+    if any(generators[r] is None for r in active):
+        raise ValueError("BatchedDSparkProposer: sampling (temperature > 0) needs a torch.Generator for every row")
+    uniforms = torch.cat([draw_uniforms((1,), generators[r], probs.device) for r in active])
+    tokens[active] = sample_from_probs(probs[active], uniforms=uniforms)
+    return tokens
+
+
+def _sync(device: torch.device) -> None:
+    # Host timers see queued CUDA work only after a sync.
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)

@@ -1,0 +1,208 @@
+"""Stage `serve`: a trained drafter serving R concurrent requests on the real target (METHOD §6–§7, paper §7).
+
+prepare → train (reused by training key) → `run_serve`:
+
+1. load the target and the drafter; STS-calibrate it (stored in drafter.pt, shared with `stage=all`) when the
+   policy reads confidences;
+2. the SPS(B) table of the batched verify forward (`dspark.serving.profile`, cached per target and machine);
+3. `serve.num_requests` prompts, round-robin over `serve.prompt_sets` (the math / code / chat mix), served by the
+   `BatchedEngine` with `serve.policy` at `serve.concurrency` (closed loop: a finished request is replaced at once);
+4. the simulator: a policy=fixed trace of the same requests (recorded once per drafter and setting, cached in the
+   run directory) replayed with this policy at this concurrency (validation against step 3) and at every
+   `serve.simulate_concurrency` level, against this machine's SPS table or `serve.sps_table`.
+
+MLflow: `serve/{throughput,user_speed,budget,tau,num_requests,rejected,steps,wall_seconds}` (real engine),
+`sim/R{R}/{throughput,user_speed,budget,tau}` (simulated) and `sim/validation/<metric>_rel_err`; the step records
+are attached as JSONL. `reports/serving.md` (`sweep=serving`) is built from these metrics alone.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import math
+import time
+from pathlib import Path
+from typing import Any
+
+from dspark.stages.context import StageContext
+from dspark.stages.train import load_drafter
+
+log = logging.getLogger("dspark")
+SERVE_DIR = "serve"
+CONFIDENCE_POLICIES = ("threshold", "scheduler", "async")
+SUMMARY_FIELDS = ("throughput", "user_speed", "budget", "tau")
+
+
+def serve_requests(ctx: StageContext, target: Any) -> list:
+    """serve.num_requests chat-templated prompts, round-robin over serve.prompt_sets (request ids 0..n-1)."""
+    from dspark.data.prompts import load_prompts
+    from dspark.serving import ServeRequest
+
+    serve, local = ctx.cfg.serve, ctx.cfg.data.local_dir
+    per_set = math.ceil(serve.num_requests / len(serve.prompt_sets))
+    pools = {name: load_prompts(name, limit=per_set, cache_dir=ctx.paths.cache / "datasets",
+                                local_dir=Path(local).expanduser() if local else None)
+             for name in serve.prompt_sets}
+    requests = []
+    for index in range(serve.num_requests):
+        name = serve.prompt_sets[index % len(serve.prompt_sets)]
+        pool = pools[name]
+        if not pool:
+            raise ValueError(f"serve.prompt_sets: prompt set '{name}' is empty; drop it or point data.local_dir at "
+                             "a directory that has it")
+        record = pool[(index // len(serve.prompt_sets)) % len(pool)]
+        requests.append(ServeRequest(request_id=index, prompt_ids=target.chat_prompt_ids(record.prompt),
+                                     domain=record.domain, max_new_tokens=serve.max_new_tokens))
+    return requests
+
+
+def serve_calibration(ctx: StageContext, *, target: Any, drafter: Any, drafter_path: Path, payload: dict,
+                      block_size: int) -> Any:
+    """The drafter's STS at decode.temperature when serve.policy reads confidences (None otherwise)."""
+    from dspark.decoding.proposers import build_proposer
+    from dspark.evaluation.calibrate import calibrate_drafter, calibration_prompt_ids
+
+    if ctx.cfg.serve.policy not in CONFIDENCE_POLICIES or getattr(drafter, "confidence_head", None) is None:
+        return None
+    decode = ctx.cfg.decode
+    prompt_ids, _ = calibration_prompt_ids(ctx, target, limit=decode.prompts_per_set * len(decode.eval_sets))
+    report = calibrate_drafter(target=target, proposer=build_proposer(drafter), drafter_path=drafter_path,
+                               payload=payload, prompt_ids=prompt_ids, temperature=decode.temperature,
+                               max_new_tokens=decode.max_new_tokens, seed=ctx.cfg.seed, block_size=block_size)
+    return report.sts
+
+
+def serving_sps(ctx: StageContext, target: Any, *, block_size: int) -> Any:
+    """SPS(B) of the batched verify forward of R = serve.concurrency rows, up to R·(γ+1) tokens (what the
+    scheduler plans with, and what the simulator times this concurrency with)."""
+    from dspark.serving.profile import load_or_profile_serving_sps
+
+    rows = ctx.cfg.serve.concurrency
+    table, path = load_or_profile_serving_sps(target, cache_dir=ctx.paths.cache, num_rows=rows,
+                                              max_batch_tokens=rows * (block_size + 1))
+    log.info("serving SPS(B) table: %s", path)
+    return table
+
+
+def metrics_of(summary: Any, prefix: str) -> dict[str, float]:
+    return {f"{prefix}/{name}": float(getattr(summary, name)) for name in SUMMARY_FIELDS}
+
+
+def write_steps(path: Path, result: Any) -> Path:
+    """The run's step records (one JSON object per line) and request results, written atomically."""
+    from dataclasses import asdict
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    with tmp.open("w") as handle:
+        for step in result.steps:
+            handle.write(json.dumps(step.to_dict()) + "\n")
+    tmp.replace(path)
+    requests = path.with_name("requests.jsonl")
+    requests.write_text("".join(json.dumps(asdict(r)) + "\n" for r in result.requests))
+    return path
+
+
+def read_steps(path: Path) -> list:
+    from dspark.serving.records import ServeStep
+
+    return [ServeStep.from_dict(json.loads(line)) for line in path.read_text().splitlines() if line.strip()]
+
+
+def run_serve(ctx: StageContext, drafter_path: str | Path) -> dict[str, float]:
+    """Serve with the real engine, then simulate; logs and returns the metrics (module docstring)."""
+    from dspark.serving import BatchedEngine, build_serve_policy
+
+    cfg, serve = ctx.cfg, ctx.cfg.serve
+    target = ctx.load_target()
+    drafter, spec, payload = load_drafter(Path(drafter_path), target, block_size=cfg.model.block_size)
+    drafter = drafter.to(target.device)
+    calibration = serve_calibration(ctx, target=target, drafter=drafter, drafter_path=Path(drafter_path),
+                                    payload=payload, block_size=spec.block_size)
+    sps = serving_sps(ctx, target, block_size=spec.block_size)
+    requests = serve_requests(ctx, target)
+    policy = build_serve_policy(serve.policy, static_k=serve.static_k, threshold=serve.threshold, sps=sps)
+    engine = BatchedEngine(target=target, drafter=drafter, policy=policy, temperature=cfg.decode.temperature,
+                           max_new_tokens=serve.max_new_tokens, calibration=calibration)
+    log.info("serving %d requests (%s) with serve.policy=%s at concurrency %d", len(requests),
+             ", ".join(serve.prompt_sets), serve.policy, serve.concurrency)
+    result = engine.serve(requests, concurrency=serve.concurrency, seed=cfg.seed)
+    summary = result.summary(serve.policy)
+    out_dir = ctx.run_dir / SERVE_DIR / f"{time.strftime('%Y%m%d-%H%M%S')}-{serve.policy}-R{serve.concurrency}"
+    steps_path = write_steps(out_dir / "steps.jsonl", result)
+    rejected = sum(1 for r in result.requests if r.stop_reason == "rejected")
+    metrics = metrics_of(summary, "serve") | {
+        "serve/num_requests": float(summary.num_requests), "serve/rejected": float(rejected),
+        "serve/steps": float(summary.num_steps), "serve/wall_seconds": float(summary.wall_seconds)}
+    metrics |= simulate_levels(ctx, engine_args={"target": target, "drafter": drafter, "calibration": calibration},
+                               requests=requests, real=result, real_summary=summary, sps=sps)
+    if ctx.store is not None:
+        ctx.store.log_metrics(ctx.run_id, metrics)
+        ctx.store.client.log_artifact(ctx.run_id, str(steps_path), artifact_path="serve")
+    ctx.results["serve"] = {"summary": summary, "metrics": metrics, "steps": steps_path}
+    log.info("serve: %.2f tok/s aggregate, %.2f tok/s/user, budget %.2f, τ %.3f (%s, R=%d)", summary.throughput,
+             summary.user_speed, summary.budget, summary.tau, serve.policy, serve.concurrency)
+    return metrics
+
+
+def trace_key(ctx: StageContext) -> str:
+    """What a policy=fixed trace depends on besides the drafter (whose run directory holds it)."""
+    cfg = ctx.cfg
+    payload = {"requests": cfg.serve.num_requests, "max_new_tokens": cfg.serve.max_new_tokens,
+               "sets": cfg.serve.prompt_sets, "concurrency": cfg.serve.trace_concurrency,
+               "temperature": cfg.decode.temperature, "seed": cfg.seed}
+    return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:12]
+
+
+def fixed_trace_steps(ctx: StageContext, *, engine_args: dict, requests: list, real: Any) -> list:
+    """Step records of a policy=fixed run (the simulator's trace): this run's own when it is one, else cached."""
+    from dspark.serving import BatchedEngine, build_serve_policy
+
+    serve = ctx.cfg.serve
+    if serve.policy == "fixed" and serve.concurrency == serve.trace_concurrency:
+        return real.steps
+    path = ctx.run_dir / SERVE_DIR / f"trace-{trace_key(ctx)}" / "steps.jsonl"
+    if path.exists():
+        return read_steps(path)
+    log.info("recording the simulator's trace: policy=fixed at concurrency %d → %s", serve.trace_concurrency, path)
+    engine = BatchedEngine(policy=build_serve_policy("fixed"), temperature=ctx.cfg.decode.temperature,
+                           max_new_tokens=serve.max_new_tokens, **engine_args)
+    result = engine.serve(requests, concurrency=serve.trace_concurrency, seed=ctx.cfg.seed)
+    write_steps(path, result)
+    return result.steps
+
+
+def simulation_sps(ctx: StageContext, measured: Any) -> tuple[Any, str]:
+    """The SPS table the simulator times steps with: serve.sps_table when given, else this machine's."""
+    from dspark.serving.profile import load_sps_table
+
+    if ctx.cfg.serve.sps_table:
+        return load_sps_table(ctx.cfg.serve.sps_table), ctx.cfg.serve.sps_table
+    return measured, "this machine's batched SPS(B)"
+
+
+def simulate_levels(ctx: StageContext, *, engine_args: dict, requests: list, real: Any, real_summary: Any,
+                    sps: Any) -> dict[str, float]:
+    """Replay the policy=fixed trace with this cell's policy: at its own R (validation against the real engine,
+    on this machine's SPS) and at every serve.simulate_concurrency level. Returns `sim/...` metrics."""
+    from dspark.serving.simulator import fit_step_costs, simulate_serving, trace_from_steps, validate
+
+    serve = ctx.cfg.serve
+    trace_steps = fixed_trace_steps(ctx, engine_args=engine_args, requests=requests, real=real)
+    trace = trace_from_steps(trace_steps)
+    costs = fit_step_costs(list(real.steps) + ([] if trace_steps is real.steps else list(trace_steps)))
+    options = {"policy": serve.policy, "costs": costs, "seed": ctx.cfg.seed, "static_k": serve.static_k,
+               "threshold": serve.threshold, "pad_to_longest": True}
+    own = simulate_serving(trace, concurrency=serve.concurrency, sps=sps, num_requests=len(requests),
+                           **options).summary()
+    metrics = {f"sim/validation/{k}_rel_err": float(v) for k, v in validate(real_summary, own).items()}
+    table, source = simulation_sps(ctx, sps)
+    for level in serve.simulate_concurrency:
+        summary = simulate_serving(trace, concurrency=int(level), sps=table, max_new_tokens=serve.max_new_tokens,
+                                   **options).summary()
+        metrics |= metrics_of(summary, f"sim/R{int(level)}")
+    log.info("simulated %s at R = %s on %s; validation at R=%d: %s", serve.policy, serve.simulate_concurrency,
+             source, serve.concurrency, ", ".join(f"{k.split('/')[-1]} {v:+.1%}" for k, v in metrics.items()
+                                                  if k.startswith("sim/validation/")))
+    return metrics

@@ -1,0 +1,229 @@
+"""Lossless serving under load (METHOD §5–§6): with R = 3 requests sharing every step, continuous joins and leaves
+and per-request verification lengths from any serving policy, each request's tokens are distributed exactly as
+the target's own samples for *its* prompt, and at temperature 0 they are its solo greedy tokens.
+
+Distribution test (the method of tests/test_lossless.py). The tiny target's final norm is scaled up so p_t is
+peaked, and the drafter's weights so p_d is peaked elsewhere: drafts are accepted often enough that acceptances,
+residual corrections, bonus tokens, KV holes and context updates all happen. Three prompts of different lengths
+are served interleaved (request i uses prompt i mod 3), more requests than the concurrency, so rows join and
+leave all the time. Every generated token's randomised PIT under the exact conditional of its own prompt,
+u = F(x⁻) + V·p_t(x), is U(0, 1) under losslessness; a request leaking into another's row (wrong KV row, wrong
+context, wrong generator) makes the PITs non-uniform. `test_the_test_can_fail` catches a verifier whose
+correction ignores the residual.
+"""
+from __future__ import annotations
+
+import copy
+
+import numpy as np
+import pytest
+import torch
+from scipy import stats
+
+from dspark.decoding import DSparkProposer, SpeculativeEngine, build_policy
+from dspark.decoding.verify import VerifyResult, draw_uniforms, sample_from_probs
+from dspark.drafters.factory import DrafterSpec, build_drafter
+from dspark.scheduling import SPSTable
+from dspark.serving import BatchedEngine, BatchedKVCache, ServeRequest, build_serve_policy, request_generator
+from dspark.serving import engine as engine_module
+from dspark.targets import load_target
+
+GAMMA = 3
+NEW_TOKENS = 4           # token 1 comes from the prefill; 2..4 from rounds
+NUM_REQUESTS = 240       # 80 per prompt; ≈ 3 s per policy on one core
+CONCURRENCY = 3
+P_MIN = 1e-3
+TEXTS = ("What is 2+2?", "Hi", "Write a short poem about the sea and the wind, please.")
+# Admitting candidate n of the scheduler's order pays off while its survival is large enough (see
+# tests/test_policies.py): with R = 3 rows B starts at 3 and the steps shrink slowly, so ℓ varies from 0 to γ.
+SPS = SPSTable(batch_tokens=list(range(1, 17)), steps_per_second=[1 / (1 + (b - 1) / 6) for b in range(1, 17)])
+POLICIES = ("mtp1", "static", "fixed", "threshold", "scheduler", "async")
+
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny tensors: one thread (tests/conftest.py)
+
+
+@pytest.fixture(scope="module")
+def target(tmp_path_factory):
+    """The tiny target with a peaked p_t (argmax unchanged by the scaling)."""
+    target = load_target("tiny", cache_dir=tmp_path_factory.mktemp("cache"), seed=1)
+    with torch.no_grad():
+        target.model.get_decoder().norm.weight.mul_(12.0)
+    return target
+
+
+@pytest.fixture(scope="module")
+def prompts(target):
+    prompts = [target.chat_prompt_ids(text) for text in TEXTS]
+    assert len({len(p) for p in prompts}) == len(prompts)
+    return prompts
+
+
+@pytest.fixture(scope="module")
+def drafter(target):
+    """Weights ×5 and a ×6 LM-head input (peaked p_d); the confidence head reads only W_1[x_{k-1}] (logit std ≈ 2,
+    bias 0.5), so c_k varies with the previous token and the confidence policies pick every ℓ in 0..γ."""
+    spec = DrafterSpec(kind="dspark", head="markov", depth=1, block_size=GAMMA, markov_rank=8,
+                       feature_layers=tuple(target.feature_layer_ids), mask_token_id=target.mask_token_id,
+                       target_fingerprint=target.fingerprint)
+    torch.manual_seed(0)
+    drafter = build_drafter(spec, target)
+    with torch.no_grad():
+        for name, param in drafter.named_parameters():
+            if "norm" not in name and "confidence" not in name:
+                param.mul_(5.0)
+        drafter.backbone.norm.weight.mul_(6.0)
+        proj, w1 = drafter.confidence_head.proj, drafter.head.w1.weight
+        proj.weight.zero_()
+        proj.weight[0, drafter.spec.hidden_size:] = torch.randn(w1.shape[1]) * 2.0 / w1.norm(dim=1).mean()
+        proj.bias.fill_(0.5)
+    return drafter.eval()
+
+
+def make_engine(target, drafter, policy, *, temperature=1.0, max_new_tokens=NEW_TOKENS):
+    serve_policy = None if drafter is None else build_serve_policy(policy, static_k=2, threshold=0.5, sps=SPS)
+    return BatchedEngine(target=target, drafter=drafter, policy=serve_policy, temperature=temperature,
+                         max_new_tokens=max_new_tokens)
+
+
+def interleaved_requests(prompts, num):
+    return [ServeRequest(request_id=i, prompt_ids=prompts[i % len(prompts)]) for i in range(num)]
+
+
+def pit_values(target, prompt, sequences, rng) -> list[np.ndarray]:
+    """Randomised PIT of every generated token under the exact target conditionals; one array per position."""
+    length = max(len(s) for s in sequences)
+    ids = torch.tensor([[*prompt, *s, *[0] * (length - len(s))] for s in sequences])  # right padding: causal
+    with torch.no_grad():
+        logits = target.forward(ids, return_logits=True).logits[:, len(prompt) - 1:len(prompt) - 1 + length]
+    probs = torch.softmax(logits.double(), dim=-1)  # [N, L, V]
+    order = probs.argsort(dim=-1, descending=True, stable=True)
+    rank = order.argsort(dim=-1)
+    cumulative = probs.gather(-1, order).cumsum(-1)
+    per_position = []
+    for k in range(length):
+        rows = [i for i, s in enumerate(sequences) if len(s) > k]
+        tokens = torch.tensor([sequences[i][k] for i in rows])
+        p = probs[rows, k, tokens]
+        upper = cumulative[rows, k].gather(-1, rank[rows, k, tokens].unsqueeze(-1)).squeeze(-1)
+        per_position.append((upper - p).numpy() + rng.random(len(rows)) * p.numpy())
+    return per_position
+
+
+def chi_square_p_values(target, prompts, requests, results) -> dict[str, float]:
+    """10-bin chi-square p-values of the PITs at each position from 2 on (all prompts together, each token under
+    its own prompt's conditional) and pooled over positions. Token 1 comes from the prefill alone."""
+    rng = np.random.default_rng(0)
+    columns: dict[int, list[np.ndarray]] = {}
+    for prompt in prompts:
+        sequences = [res.new_tokens for req, res in zip(requests, results) if req.prompt_ids == prompt]
+        for k, u in enumerate(pit_values(target, prompt, sequences, rng)[1:]):
+            columns.setdefault(k + 2, []).append(u)
+    groups = {f"position {k}": np.concatenate(u) for k, u in columns.items()}
+    groups["pooled"] = np.concatenate(list(groups.values()))
+    return {name: stats.chisquare(np.histogram(u, bins=10, range=(0.0, 1.0))[0]).pvalue
+            for name, u in groups.items()}
+
+
+def serve(engine, requests, seed=0):
+    return engine.serve(requests, concurrency=CONCURRENCY, seed=seed, progress=False)
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_sampling_matches_the_target_distribution(target, prompts, drafter, policy):
+    requests = interleaved_requests(prompts, NUM_REQUESTS)
+    result = serve(make_engine(target, drafter, policy), requests)
+    rounds = [r for step in result.steps for r in step.rounds]
+    assert any(r.num_accepted > 0 for r in rounds) and any(r.num_accepted < r.num_verified for r in rounds)
+    assert max(s.num_active for s in result.steps) == CONCURRENCY
+    lengths = {r.num_verified for r in rounds}
+    expected = {"mtp1": {1}, "static": {2}, "fixed": {GAMMA}}.get(policy, {0, 1, 2, GAMMA})
+    assert expected <= lengths, lengths  # the policy really chooses per request (drafted stop ids aside)
+    p_values = chi_square_p_values(target, prompts, requests, result.requests)
+    assert len(p_values) == NEW_TOKENS and min(p_values.values()) > P_MIN, p_values
+
+
+def residual_ignoring_verifier(*, draft_tokens, draft_probs, target_probs, generator, greedy=False):
+    """A plausible bug: the correction after a rejection is drawn from p_t instead of norm(max(0, p_t − p_d))."""
+    length = draft_tokens.shape[0]
+    uniforms = draw_uniforms((length + 1,), generator, target_probs.device)
+    accepted = 0
+    while accepted < length:
+        token = int(draft_tokens[accepted])
+        if not uniforms[accepted] * draft_probs[accepted, token] < target_probs[accepted, token]:
+            break
+        accepted += 1
+    token = sample_from_probs(target_probs[accepted], uniforms=uniforms[length])
+    return VerifyResult(accepted, int(token), draft_tokens[:accepted])
+
+
+def test_the_test_can_fail(target, prompts, drafter, monkeypatch):
+    monkeypatch.setattr(engine_module, "verify_drafts", residual_ignoring_verifier)
+    requests = interleaved_requests(prompts, NUM_REQUESTS)
+    result = serve(make_engine(target, drafter, "fixed"), requests)
+    assert chi_square_p_values(target, prompts, requests, result.requests)["pooled"] < P_MIN
+
+
+def test_sampling_equals_the_single_request_engine(target, prompts, drafter):
+    """With `fixed` each request's ℓ depends on its own drafts only, so with its (seed, request_id) generator it
+    must reproduce the single-request engine token for token: no randomness or state shared across rows."""
+    requests = interleaved_requests(prompts, 9)
+    result = serve(make_engine(target, drafter, "fixed", max_new_tokens=10), requests, seed=5)
+    solo = SpeculativeEngine(target=target, proposer=DSparkProposer(drafter), policy=build_policy("fixed"),
+                             temperature=1.0, max_new_tokens=10)
+    for request, served in zip(requests, result.requests):
+        reference = solo.generate(request.prompt_ids, generator=request_generator(5, request.request_id))
+        assert served.new_tokens == reference.new_tokens
+        assert served.num_rounds == len(reference.rounds)
+
+
+def solo_greedy(target):
+    return SpeculativeEngine(target=target, proposer=None, policy=None, temperature=0.0, max_new_tokens=10)
+
+
+@pytest.fixture(scope="module")
+def greedy_references(target, prompts):
+    """Each prompt's solo greedy output (the single-request target-only engine at T = 0), with an extra stop id
+    that only the first prompt's greedy path emits (3rd token or later), so that request ends early while the
+    others go on."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # module fixtures run before the one_thread fixture
+    paths = [solo_greedy(target).generate(p, generator=None).new_tokens for p in prompts]
+    stop = next(t for k, t in enumerate(paths[0]) if k >= 2 and t not in paths[0][:k]
+                and not any(t in other for other in paths[1:]))
+    stopped = copy.copy(target)
+    stopped.stop_token_ids = [*target.stop_token_ids, stop]
+    references = [solo_greedy(stopped).generate(p, generator=None) for p in prompts]
+    torch.set_num_threads(threads)
+    return stopped, references
+
+
+@pytest.mark.parametrize("policy", (*POLICIES, "target-only"))
+def test_greedy_equals_solo_greedy(prompts, drafter, greedy_references, policy):
+    stopped, references = greedy_references
+    assert references[0].stop_reason == "eos" and references[1].stop_reason == "max_new_tokens"
+    requests = interleaved_requests(prompts, 7)
+    engine = make_engine(stopped, None if policy == "target-only" else drafter, policy, temperature=0.0,
+                         max_new_tokens=10)
+    result = serve(engine, requests)
+    for request, served in zip(requests, result.requests):
+        reference = references[request.request_id % len(prompts)]
+        assert served.new_tokens == reference.new_tokens and served.stop_reason == reference.stop_reason
+
+
+def test_a_row_mixup_is_caught(prompts, drafter, greedy_references, monkeypatch):
+    """The greedy check can fail: a KV store that keeps the surviving rows' keys in the wrong order when a request
+    leaves (its mask rows right) hands requests each other's context."""
+    original = BatchedKVCache.remove_rows
+
+    def mixed_up(self, keep_rows):
+        original(self, keep_rows)
+        if self.num_rows > 1:
+            self.cache.batch_select_indices(torch.arange(self.num_rows).flip(0))
+
+    monkeypatch.setattr(BatchedKVCache, "remove_rows", mixed_up)
+    stopped, references = greedy_references
+    requests = interleaved_requests(prompts, 7)
+    result = serve(make_engine(stopped, drafter, "fixed", temperature=0.0, max_new_tokens=10), requests)
+    assert any(served.new_tokens != references[request.request_id % len(prompts)].new_tokens
+               for request, served in zip(requests, result.requests))

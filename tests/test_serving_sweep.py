@@ -1,0 +1,80 @@
+"""`sweep=serving` end to end on the tiny target: every policy served for real (stage=serve), simulated levels and
+validation logged, and `serving.md` generated from the tracking store with the frontier and budget figures."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from mlflow.tracking import MlflowClient
+
+from dspark.cli import main
+from dspark.config import resolve_config
+from dspark.reports.serving import real_summaries, simulated_summaries
+from dspark.reports.collect import collect_sweep_runs
+from dspark.serving.policies import SERVE_POLICIES
+from dspark.sweeps.driver import run_sweep
+from dspark.tracking import open_store
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+FAST = ["budget=smoke", "optim.epochs=1", "serve.num_requests=3", "serve.max_new_tokens=6"]
+
+
+@pytest.fixture(scope="module")
+def serving_sweep(shared_root):
+    """All six policies at R = 2 (an axis value on the command line selects those cells)."""
+    argv = ["sweep=serving", *FAST, "serve.concurrency=2", f"paths.root={shared_root}",
+            "tracking.experiment=serving-sweep"]
+    rc = resolve_config(argv)
+    assert run_sweep(rc) == 0
+    return rc
+
+
+def test_every_policy_is_served_and_reported(serving_sweep):
+    rc = serving_sweep
+    store = open_store(rc.cfg)
+    runs = collect_sweep_runs(store, sweep="serving")
+    frame = runs.frame
+    assert frame.height == len(SERVE_POLICIES.names())
+    for column in ("serve/throughput", "serve/user_speed", "serve/budget", "serve/tau", "sim/R4/throughput",
+                   "sim/validation/tau_rel_err"):
+        assert column in frame.columns and frame[column].null_count() == 0, column
+    real = {s.policy: s for s in real_summaries(frame)}
+    assert set(real) == set(SERVE_POLICIES.names())
+    assert real["mtp1"].budget == pytest.approx(1.0)  # mtp1 verifies exactly one draft per request and step
+    assert real["fixed"].budget >= real["static"].budget >= real["mtp1"].budget
+    assert all(s.simulated for s in simulated_summaries(frame))
+    text = (Path(rc.cfg.paths.reports) / "serving.md").read_text()
+    for policy in SERVE_POLICIES.names():
+        assert f"| {policy} | 2 |" in text
+    for figure in ("serving-frontier.png", "serving-budget.png"):
+        assert f"]({figure})" in text and (Path(rc.cfg.paths.reports) / figure).stat().st_size > 1000
+    assert "Scheduler vs MTP-1" in text and "Simulator validation" in text
+
+
+def test_report_regenerates_from_the_store_alone(serving_sweep, capsys):
+    rc = serving_sweep
+    path = Path(rc.cfg.paths.reports) / "serving.md"
+    path.unlink()
+    assert main(["sweep=serving", *FAST, "serve.concurrency=2", f"paths.root={rc.cfg.paths.root}",
+                 "tracking.experiment=serving-sweep", "stage=report"]) == 0
+    assert "| scheduler | 2 |" in path.read_text()
+
+
+def test_serve_steps_are_attached(serving_sweep):
+    rc = serving_sweep
+    client = MlflowClient(rc.cfg.tracking.uri or f"sqlite:///{Path(rc.cfg.paths.root) / 'mlflow.db'}")
+    runs = collect_sweep_runs(open_store(rc.cfg), sweep="serving").frame
+    run_id = runs["run_id"][0]
+    assert [a.path for a in client.list_artifacts(run_id, "serve")] == ["serve/steps.jsonl"]
+
+
+def test_bad_serving_config_fails_before_work(capsys, tmp_path):
+    assert main(["stage=serve", "budget=smoke", "serve.policy=bogus", "serve.concurrency=0",
+                 f"paths.root={tmp_path}"]) == 2
+    err = capsys.readouterr().err
+    assert "serve.policy" in err and "serve.concurrency" in err
+    assert main(["stage=serve", "budget=smoke", "drafter=eagle3", f"paths.root={tmp_path}"]) == 2
+    assert "drafter=dspark or dflash" in capsys.readouterr().err
+    assert main(["stage=serve", "budget=smoke", f"serve.sps_table={tmp_path / 'missing.json'}",
+                 f"paths.root={tmp_path}"]) == 2
+    assert "serve.sps_table" in capsys.readouterr().err
