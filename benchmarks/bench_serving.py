@@ -1,0 +1,138 @@
+"""Batched serving step cost on this machine: how one engine step scales with the number of concurrent requests R.
+
+For R in --concurrency, the `BatchedEngine` serves R·--waves requests (the first prompts of gsm8k, humaneval and
+mt-bench, cycled) with policy `fixed` at temperature 1 and an *untrained* DSpark drafter of each head (timing does not
+depend on the weights; τ ≈ 1, so every step verifies γ drafts per request and commits about one token). Reported per
+(head, R), medians over steady steps (no joins): ms per step, split into the drafter's parallel forward, its sequential
+loop, the one target verify forward and the rest (verifier, rollbacks, context updates), plus the sequential loop's
+share of the step (Fig. 4 right, now at batch R), target forwards per step, and committed tokens per second.
+
+    .venv/bin/python benchmarks/bench_serving.py                              # smollm2-135m, a few minutes
+    .venv/bin/python benchmarks/bench_serving.py --target tiny --max-new-tokens 8   # seconds
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import shlex
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from dspark.data.prompts import load_prompts
+from dspark.evaluation.diagnostics import untrained_dspark
+from dspark.serving import BatchedEngine, ServeRequest, build_serve_policy
+from dspark.targets import load_target
+
+RESULTS = Path(__file__).resolve().parent / "results"
+TARGET_CACHE = Path(__file__).resolve().parents[1] / "outputs" / "cache"
+SETS = ("gsm8k", "humaneval", "mt-bench")
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--target", default="smollm2-135m")
+    parser.add_argument("--cache-dir", type=Path, default=TARGET_CACHE)
+    parser.add_argument("--heads", nargs="+", default=["none", "markov"])
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 2, 4, 8])
+    parser.add_argument("--waves", type=int, default=1, help="requests served = waves × R")
+    parser.add_argument("--max-new-tokens", type=int, default=24)
+    parser.add_argument("--block-size", type=int, default=7)
+    parser.add_argument("--depth", type=int, default=5)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--output", type=Path, default=RESULTS / "serving.md")
+    return parser.parse_args(argv)
+
+
+def make_requests(target, count: int, max_new_tokens: int) -> list[ServeRequest]:
+    prompts = [r for name in SETS for r in load_prompts(name, limit=max(1, count // len(SETS) + 1))]
+    return [ServeRequest(request_id=i, prompt_ids=target.chat_prompt_ids(prompts[i % len(prompts)].prompt),
+                         domain=prompts[i % len(prompts)].domain, max_new_tokens=max_new_tokens)
+            for i in range(count)]
+
+
+class ForwardCounter:
+    """Counts calls of the target's forward (to show one verify forward per step whatever R)."""
+
+    def __init__(self, target) -> None:
+        self.target, self.calls, self._forward = target, 0, target.forward
+
+    def __enter__(self):
+        def counted(*args, **kwargs):
+            self.calls += 1
+            return self._forward(*args, **kwargs)
+        self.target.forward = counted
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.target.forward = self._forward
+
+
+def bench_cell(target, *, head: str, concurrency: int, args: argparse.Namespace) -> dict:
+    drafter = untrained_dspark(target, head=head, block_size=args.block_size, depth=args.depth, markov_rank=256,
+                               seed=0)
+    engine = BatchedEngine(target=target, drafter=drafter, policy=build_serve_policy("fixed"), temperature=1.0,
+                           max_new_tokens=args.max_new_tokens)
+    requests = make_requests(target, concurrency * args.waves, args.max_new_tokens)
+    engine.serve(requests[:concurrency], concurrency=concurrency, seed=1, progress=False)  # warm-up
+    with ForwardCounter(target) as counter:
+        result = engine.serve(requests, concurrency=concurrency, seed=0, progress=False)
+    steady = [s for s in result.steps if s.seconds_prefill == 0 and s.num_active == concurrency] or result.steps
+    med = lambda values: 1000 * statistics.median(values)  # noqa: E731
+    sequential = med([s.seconds_draft_sequential for s in steady])
+    draft = med([s.seconds_draft for s in steady])
+    step = med([s.seconds for s in steady])
+    joins = sum(1 for s in result.steps if s.seconds_prefill > 0)
+    return {"head": head, "R": concurrency, "steps": len(steady), "step_ms": step, "draft_parallel_ms": draft - sequential,
+            "sequential_ms": sequential, "verify_ms": med([s.seconds_verify for s in steady]),
+            "other_ms": med([s.seconds_other for s in steady]), "sequential_share": sequential / step,
+            "forwards_per_step": (counter.calls - joins) / len(result.steps),
+            "tok_s": sum(len(r.new_tokens) for r in result.requests) / result.wall_seconds}
+
+
+def markdown(rows: list[dict], args: argparse.Namespace, argv: list[str], started: str) -> str:
+    load = os.getloadavg()
+    lines = ["# Batched serving step benchmark", "",
+             f"Command: `.venv/bin/python benchmarks/bench_serving.py {shlex.join(argv)}`", "",
+             f"Date: {started}. Machine: {os.cpu_count()} CPUs ({platform.machine()}), torch {torch.__version__}, "
+             f"{args.threads} thread(s), fp32. Load average after: {load[0]:.2f}, {load[1]:.2f}, {load[2]:.2f} "
+             "(other jobs on the machine add noise; ratios within a row group are the point).", "",
+             f"Target {args.target}; untrained DSpark drafters (depth {args.depth}, γ = {args.block_size}, rank 256), "
+             f"policy fixed (every step verifies γ drafts per request), temperature 1, {args.max_new_tokens} new "
+             f"tokens per request, {args.waves} × R requests. Medians over steady steps (R active, no joins).", "",
+             "| head | R | steps | step ms | draft parallel ms | sequential loop ms | verify ms | other ms | "
+             "sequential share | target forwards / step | tok/s |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['head']} | {r['R']} | {r['steps']} | {r['step_ms']:.1f} | {r['draft_parallel_ms']:.1f} | "
+                     f"{r['sequential_ms']:.1f} | {r['verify_ms']:.1f} | {r['other_ms']:.1f} | "
+                     f"{100 * r['sequential_share']:.1f}% | {r['forwards_per_step']:.2f} | {r['tok_s']:.1f} |")
+    base = {r["head"]: r for r in rows if r["R"] == min(args.concurrency)}
+    lines += ["", "Step cost relative to the smallest R (same head): "
+              + "; ".join(f"{r['head']} R={r['R']}: {r['step_ms'] / base[r['head']]['step_ms']:.2f}×"
+                          for r in rows if r["head"] in base)]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str]) -> int:
+    args = parse_args(argv)
+    torch.set_num_threads(args.threads)
+    started = time.strftime("%Y-%m-%d %H:%M")
+    target = load_target(args.target, cache_dir=args.cache_dir)
+    rows = []
+    for concurrency in args.concurrency:
+        for head in args.heads:
+            rows.append(bench_cell(target, head=head, concurrency=concurrency, args=args))
+            print(rows[-1], flush=True)
+    text = markdown(rows, args, argv, started)
+    args.output.parent.mkdir(parents=True, exist_ok=True)
+    args.output.write_text(text)
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
