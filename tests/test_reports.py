@@ -122,3 +122,16 @@ def test_estimate_is_the_student_t_interval():
 def test_paper_macro_gains_reproduce_method_section_9():
     assert macro_gain(TABLE1_TAU["dspark"], TABLE1_TAU["dflash"]) == pytest.approx(0.163, abs=5e-4)
     assert macro_gain(TABLE1_TAU["dspark"], TABLE1_TAU["eagle3"]) == pytest.approx(0.309, abs=5e-4)
+
+
+def test_hand_written_notes_are_kept_through_regeneration(tmp_path, store_root):
+    store = _store(store_root, "notes")
+    _seed_sweep(store, sweep="depth", cells=SEEDED["depth"][:2])
+    runs = collect_sweep_runs(store, sweep="depth")
+    out = tmp_path / "reports"
+    out.mkdir()
+    plain, _ = build_report(runs, spec=load_sweep("depth"), out_dir=out, provenance=PROVENANCE)
+    assert "Investigation notes" not in plain
+    (out / "depth.notes.md").write_text("Deeper drafters overfit 61 sequences.\n")
+    text, _ = build_report(runs, spec=load_sweep("depth"), out_dir=out, provenance=PROVENANCE)
+    assert "## Investigation notes" in text and "Deeper drafters overfit 61 sequences." in text

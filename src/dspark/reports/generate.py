@@ -36,6 +36,10 @@ def build_report(runs: SweepRuns, *, spec: Any, out_dir: Path, provenance: Prove
     else:
         sections = REPORT_BUILDERS.resolve(builder_name(spec))(ctx)
         sections.append(Section("Runs", runs_summary(runs)))
+    notes = Path(out_dir) / f"{name}.notes.md"
+    if notes.is_file():  # hand-written findings about these runs, kept apart so regeneration never loses them
+        sections.append(Section("Investigation notes", f"(from `{notes.name}`, written by hand)\n\n"
+                                + notes.read_text().strip()))
     figures = sorted(Path(out_dir).glob(f"{name}-*.png"))
     note = runs.note if runs.note and "differs" in runs.note else ""
     text = render_report(name=name, description=spec.description, paper_ref=spec.paper_ref, provenance=provenance,
