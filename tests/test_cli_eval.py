@@ -74,10 +74,12 @@ def test_eval_stage_logs_metrics(root, case):
     assert meta["mlflow_run_id"] == run.info.run_id
     rows = [json.loads(line) for line in (latest / "rounds.jsonl").read_text().splitlines()]
     assert {r["mode"] for r in rows} == {"speculative", "target"} and len(rows) == 4 * len(DATASETS)
-    report = root / "reports" / "eval-dspark-markov-d2-g7-s0.md"
-    assert "τ pooled" in report.read_text() and (root / "reports" / "eval-dspark-markov-d2-g7-s0-cond.png").exists()
+    policy = {"greedy": "fixed-T0", "threshold": "threshold-th0.5-T1"}.get(case, f"{case}-T1")
+    stem = f"eval-{next(root.glob('runs/dspark-markov-d2-g7-s0-*')).name}-{policy}"
+    report = root / "reports" / f"{stem}.md"
+    assert "τ pooled" in report.read_text() and (root / "reports" / f"{stem}-cond.png").exists()
     artifacts = {a.path for a in _client(root).list_artifacts(run.info.run_id, "eval")}
-    assert {"eval/eval-dspark-markov-d2-g7-s0.md", "eval/eval-dspark-markov-d2-g7-s0-cond.png"} <= artifacts
+    assert {f"eval/{stem}.md", f"eval/{stem}-cond.png"} <= artifacts
 
     if case == "threshold":  # STS fitted on held-out prompts and cached in drafter.pt under the temperature
         payload = torch.load(next(root.glob("runs/*/drafter.pt")), map_location="cpu", weights_only=False)
@@ -98,7 +100,7 @@ def _client(root):
 def test_report_stage_rebuilds_from_saved_rounds(root, capsys):
     if not _eval_dirs(root):
         assert main(["budget=smoke", f"paths.root={root}"]) == 0
-    report = root / "reports" / "eval-dspark-markov-d2-g7-s0.md"
+    report = root / "reports" / f"eval-{next(root.glob('runs/dspark-markov-d2-g7-s0-*')).name}-fixed-T1.md"
     report.unlink()
     assert main(["budget=smoke", f"paths.root={root}", "stage=report"]) == 0
     assert "τ pooled" in report.read_text() and str(_eval_dirs(root)[-1]) in capsys.readouterr().out

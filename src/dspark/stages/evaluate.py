@@ -4,7 +4,7 @@
 confidences) → (SPS table, for the scheduler) → speculative decoding and target-only decoding of the same prompts
 → per-dataset / per-domain / overall metrics (`dspark.evaluation.summary`) → MLflow (`eval/…`, `summary/…`), raw
 round records (`<run dir>/evals/<stamp>-<policy>-T<temperature>/rounds.jsonl` + `meta.json`) and a markdown report
-`<reports>/eval-<run name>.md` with its figures next to it (also attached to the MLflow run).
+`<reports>/eval-<run dir>-<policy>-T<temperature>.md` with its figures next to it (also attached to the MLflow run).
 `run_report` rebuilds that report from the latest saved records of this config; `run_profile` re-measures SPS(B).
 """
 from __future__ import annotations
@@ -42,9 +42,17 @@ def check_decode_config(decode: Any) -> None:
         raise ValueError("decode.eval_sets must name at least one prompt set and decode.prompts_per_set be >= 1")
 
 
+def report_stem(ctx: StageContext) -> str:
+    """`eval-<run directory>-<policy>[-th<θ>]-T<temperature>`: the run directory name carries the training-config
+    hash, so drafters of different budgets (or sweeps) and different decode settings never overwrite each other."""
+    decode = ctx.cfg.decode
+    threshold = f"-th{decode.threshold:g}" if decode.policy == "threshold" else ""
+    return f"eval-{ctx.run_dir.name}-{decode.policy}{threshold}-T{decode.temperature:g}"
+
+
 def report_paths(ctx: StageContext) -> dict[str, Path]:
-    """Where the report and its figures go: `<reports>/eval-<run name>{.md,-cond.png,-reliability.png}`."""
-    stem = f"eval-{run_name(ctx.cfg)}"
+    """Where the report and its figures go: `<reports>/<report_stem>{.md,-cond.png,-reliability.png}`."""
+    stem = report_stem(ctx)
     reports = Path(ctx.paths.reports)
     return {"report": reports / f"{stem}.md", "cond": reports / f"{stem}-cond.png",
             "reliability": reports / f"{stem}-reliability.png"}
