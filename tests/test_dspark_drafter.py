@@ -238,3 +238,22 @@ def test_registry_and_rank_zero_rule():
     head = build_sequential_head("rnn", hidden_size=D, vocab_size=VOCAB, rank=0)
     assert head.rank == 0 and head.prev_token_embedding(torch.zeros(2, dtype=torch.long)) is None
     assert sum(p.numel() for p in head.parameters()) == 0
+
+
+@pytest.mark.parametrize("head", ["markov", "rnn"])
+def test_decode_projection_cache_matches_the_layer_and_follows_weight_updates(head):
+    """The decoding loop's cached [r, V] copy of W_2 gives the layer's numbers and is rebuilt after the weights change."""
+    from dspark.drafters.heads import build_sequential_head
+
+    torch.manual_seed(0)
+    module = build_sequential_head(head, hidden_size=8, vocab_size=50, rank=6)
+    hidden, prev = torch.randn(3, 8), torch.tensor([1, 7, 49])
+    with torch.no_grad():
+        cached, _ = module.step(hidden, prev, None)
+    with torch.enable_grad():
+        plain, _ = module.step(hidden, prev, None)  # autograd on: the plain nn.Linear path
+    torch.testing.assert_close(cached, plain.detach())
+    with torch.no_grad():
+        module.w2.weight.mul_(2.0)  # an in-place update (an optimizer step, load_state_dict) bumps the version
+        again, _ = module.step(hidden, prev, None)
+    torch.testing.assert_close(again, 2.0 * plain.detach())

@@ -82,6 +82,8 @@ def serving_sps(ctx: StageContext, target: Any, *, block_size: int) -> Any:
     table, path = load_or_profile_serving_sps(target, cache_dir=ctx.paths.cache, num_rows=rows,
                                               max_batch_tokens=rows * (block_size + 1))
     log.info("serving SPS(B) table: %s", path)
+    if ctx.store is not None:
+        ctx.store.client.log_artifact(ctx.run_id, str(path), artifact_path="serve")
     return table
 
 

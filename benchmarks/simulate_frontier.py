@@ -1,0 +1,119 @@
+"""Simulated throughput–interactivity frontier at concurrency levels the real engine did not run, with SPS(B) profiled
+at each simulated R (no extrapolation of a table beyond its batch sizes).
+
+Inputs: a drafter's run directory after `sweep=serving` (its `serve/trace-*/steps.jsonl`, the policy=fixed trace the
+simulator replays, and every cell's `serve/*/steps.jsonl`, whose timings fit the per-step draft and bookkeeping
+costs). For each R in --concurrency the batched verify forward of R rows is profiled up to R·(γ+1) tokens on this
+machine (cached under <root>/cache/sps/ like `stage=serve`'s tables), then every policy is replayed at that R
+(`dspark.serving.simulator.simulate_frontier`, padded verify blocks as in the real engine). Writes a markdown table,
+the scheduler-vs-MTP-1 comparison and a frontier plot, all labelled simulated.
+
+    .venv/bin/python benchmarks/simulate_frontier.py --run-dir outputs/runs/dspark-markov-d5-g7-s0-<hash>
+    .venv/bin/python benchmarks/simulate_frontier.py --run-dir ... --sps-table gpu.json   # another machine's SPS(B)
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import shlex
+import sys
+import time
+from pathlib import Path
+
+RESULTS = Path(__file__).resolve().parent / "results"
+ROOT = Path(__file__).resolve().parents[1] / "outputs"
+POLICIES = ("mtp1", "static", "fixed", "threshold", "scheduler", "async")
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--run-dir", type=Path, required=True, help="the served drafter's run directory")
+    parser.add_argument("--target", default="smollm2-135m")
+    parser.add_argument("--cache-dir", type=Path, default=ROOT / "cache")
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[16, 32, 64])
+    parser.add_argument("--block-size", type=int, default=7)
+    parser.add_argument("--max-new-tokens", type=int, default=32)
+    parser.add_argument("--sps-table", type=Path, default=None, help="use this SPS(B) JSON for every R instead")
+    parser.add_argument("--output", type=Path, default=RESULTS / "serving-simulated.md")
+    return parser.parse_args(argv)
+
+
+def load_steps(run_dir: Path) -> tuple[list, list]:
+    """(the policy=fixed trace's steps, every recorded step of the real engine) from `<run dir>/serve/`."""
+    from dspark.stages.serve import read_steps
+
+    traces = sorted((run_dir / "serve").glob("trace-*/steps.jsonl"))
+    if not traces:
+        raise SystemExit(f"no serve/trace-*/steps.jsonl under {run_dir}: run sweep=serving (or stage=serve) first")
+    cells = sorted((run_dir / "serve").glob("*-R*/steps.jsonl"))
+    steps = [step for path in cells for step in read_steps(path)]
+    return read_steps(traces[-1]), steps
+
+
+def tables(args: argparse.Namespace) -> dict:
+    from dspark.serving.profile import load_or_profile_serving_sps, load_sps_table
+    from dspark.targets import load_target
+
+    if args.sps_table is not None:
+        table = load_sps_table(args.sps_table)
+        return {r: table for r in args.concurrency}
+    target = load_target(args.target, cache_dir=args.cache_dir)
+    out = {}
+    for rows in args.concurrency:
+        print(f"profiling SPS(B) for {rows} rows up to {rows * (args.block_size + 1)} tokens", flush=True)
+        out[rows], _ = load_or_profile_serving_sps(target, cache_dir=args.cache_dir, num_rows=rows,
+                                                   max_batch_tokens=rows * (args.block_size + 1))
+    return out
+
+
+def markdown(summaries: list, sps: dict, args: argparse.Namespace, argv: list[str], started: str, plot: Path) -> str:
+    from dspark.serving.load import speedup_at_matched_throughput
+
+    load = os.getloadavg()
+    lines = ["# Simulated serving frontier (trace replay)", "",
+             f"Command: `.venv/bin/python benchmarks/simulate_frontier.py {shlex.join(argv)}`", "",
+             f"Date: {started}; load average after {load[0]:.2f}. SPS(B) "
+             + ("from " + str(args.sps_table) if args.sps_table else "profiled on this machine for each R (rows × "
+                "256 cached tokens, up to R·(γ+1) tokens, one thread)") + "; trace and step costs from "
+             f"`{args.run_dir}`; {args.max_new_tokens} tokens per simulated request. All numbers are simulated.", "",
+             f"![frontier]({plot.name})", "",
+             "| policy | R | throughput (tok/s) | per-user speed (tok/s/user) | mean ℓ | τ |", "|---|---|---|---|---|---|"]
+    for s in sorted(summaries, key=lambda s: (POLICIES.index(s.policy), s.concurrency)):
+        lines.append(f"| {s.policy} | {s.concurrency} | {s.throughput:.2f} | {s.user_speed:.3f} | {s.budget:.2f} | "
+                     f"{s.tau:.3f} |")
+    lines += ["", "SPS(B) per R (ms per verify forward at the smallest and largest profiled B): "
+              + "; ".join(f"R={r}: {1000 / t.steps_per_second[0]:.0f} ms at B={t.batch_tokens[0]}, "
+                          f"{1000 / t.steps_per_second[-1]:.0f} ms at B={t.batch_tokens[-1]}" for r, t in sps.items())]
+    for policy in ("scheduler", "async"):
+        result = speedup_at_matched_throughput(summaries, policy, "mtp1", simulated=True)
+        lines.append("")
+        lines.append(f"{policy} vs mtp1: " + (result.reason if result.reason else
+                     f"per-user speed at matched throughput {result.median:.2f}× median (min {result.min:.2f}×, "
+                     f"max {result.max:.2f}×)"))
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str]) -> int:
+    import torch
+
+    from dspark.serving.plots import plot_frontier
+    from dspark.serving.simulator import fit_step_costs, simulate_frontier, trace_from_steps
+
+    args = parse_args(argv)
+    torch.set_num_threads(1)
+    started = time.strftime("%Y-%m-%d %H:%M")
+    trace_steps, real_steps = load_steps(args.run_dir)
+    costs = fit_step_costs(real_steps)
+    sps = tables(args)
+    summaries = simulate_frontier(trace_from_steps(trace_steps), policies=POLICIES,
+                                  concurrency_levels=args.concurrency, sps=sps, costs=costs,
+                                  max_new_tokens=args.max_new_tokens, pad_to_longest=True)
+    plot = plot_frontier(summaries, args.output.with_suffix(".png"), title="Simulated frontier (trace replay)")
+    text = markdown(summaries, sps, args, argv, started, plot)
+    args.output.write_text(text)
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
