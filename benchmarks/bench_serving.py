@@ -94,6 +94,27 @@ def bench_cell(target, *, head: str, concurrency: int, args: argparse.Namespace)
             "tok_s": sum(len(r.new_tokens) for r in result.requests) / result.wall_seconds}
 
 
+def w2_layouts(target, concurrency: list[int], *, rank: int = 256, repeats: int = 20) -> list[dict]:
+    """The Markov/RNN W_2 product of the decoding loop, x [R, r] → [R, V], two weight layouts timed interleaved:
+    nn.Linear's [V, r] (what the loop used before) and the contiguous [r, V] copy `DecodeProjection` caches."""
+    layer = torch.nn.Linear(rank, target.vocab_size, bias=False)
+    weight_t = layer.weight.detach().t().contiguous()
+    out = []
+    with torch.no_grad():
+        for rows in concurrency:
+            x = torch.randn(rows, rank)
+            times = {"linear": [], "cached": []}
+            for _ in range(repeats):
+                for name, fn in (("linear", lambda: torch.nn.functional.linear(x, layer.weight)),
+                                 ("cached", lambda: x @ weight_t)):
+                    start = time.perf_counter()
+                    fn()
+                    times[name].append(time.perf_counter() - start)
+            linear, cached = (1000 * statistics.median(times[k]) for k in ("linear", "cached"))
+            out.append({"R": rows, "linear_ms": linear, "cached_ms": cached})
+    return out
+
+
 def markdown(rows: list[dict], args: argparse.Namespace, argv: list[str], started: str) -> str:
     load = os.getloadavg()
     lines = ["# Batched serving step benchmark", "",
@@ -111,9 +132,17 @@ def markdown(rows: list[dict], args: argparse.Namespace, argv: list[str], starte
                      f"{r['sequential_ms']:.1f} | {r['verify_ms']:.1f} | {r['other_ms']:.1f} | "
                      f"{100 * r['sequential_share']:.1f}% | {r['forwards_per_step']:.2f} | {r['tok_s']:.1f} |")
     base = {r["head"]: r for r in rows if r["R"] == min(args.concurrency)}
+    lines.insert(6, "The sequential loop's W₂ product uses the cached contiguous [r, V] copy (`DecodeProjection`).")
+    lines.insert(7, "")
     lines += ["", "Step cost relative to the smallest R (same head): "
               + "; ".join(f"{r['head']} R={r['R']}: {r['step_ms'] / base[r['head']]['step_ms']:.2f}×"
                           for r in rows if r["head"] in base)]
+    if args.w2_rows:
+        lines += ["", f"W₂ product of one decoding slot, rank 256 × V = {args.vocab}, medians of 20 interleaved calls "
+                  "(the sequential loop does γ of these per step):", "",
+                  "| R | nn.Linear [V, r] ms | cached contiguous [r, V] ms | ratio |", "|---|---|---|---|"]
+        lines += [f"| {r['R']} | {r['linear_ms']:.2f} | {r['cached_ms']:.2f} | {r['linear_ms'] / r['cached_ms']:.2f}× |"
+                  for r in args.w2_rows]
     return "\n".join(lines) + "\n"
 
 
@@ -127,6 +156,7 @@ def main(argv: list[str]) -> int:
         for head in args.heads:
             rows.append(bench_cell(target, head=head, concurrency=concurrency, args=args))
             print(rows[-1], flush=True)
+    args.w2_rows, args.vocab = w2_layouts(target, args.concurrency), target.vocab_size
     text = markdown(rows, args, argv, started)
     args.output.parent.mkdir(parents=True, exist_ok=True)
     args.output.write_text(text)
