@@ -72,7 +72,9 @@ class ReportContext:
         if key not in self._rows:
             frame = self.frame
             for column, value in key:
-                frame = frame.filter(pl.col(column) == value)
+                # An axis absent from a cell's grid block (dflash has no model.head axis in block_size) is null;
+                # `== None` would match nothing and silently drop those runs.
+                frame = frame.filter(pl.col(column).is_null() if value is None else pl.col(column) == value)
             self._rows[key] = frame
         return self._rows[key]
 
