@@ -17,14 +17,13 @@ import copy
 import numpy as np
 import pytest
 import torch
-from scipy import stats
 
 from dspark.decoding import SpeculativeEngine, build_policy, build_proposer
 from dspark.decoding import engine as engine_module
-from dspark.decoding.verify import VerifyResult, draw_uniforms, sample_from_probs
 from dspark.drafters.factory import DrafterSpec, build_drafter
 from dspark.scheduling import SPSTable
 from dspark.targets import load_target
+from lossless_checks import pit_values, residual_ignoring_verifier, uniformity_p_values
 
 GAMMA = 3
 NEW_TOKENS = 4          # token 1 comes from the prefill; 2..4 from rounds
@@ -91,34 +90,12 @@ def sample_generations(engine, prompt, num, seed=0):
     return [engine.generate(prompt, generator=generator) for _ in range(num)]
 
 
-def pit_values(target, prompt, sequences, seed=0) -> list[np.ndarray]:
-    """Randomised PIT of every generated token under the exact target conditionals; one array per position."""
-    length = max(len(s) for s in sequences)
-    ids = torch.tensor([[*prompt, *s, *[0] * (length - len(s))] for s in sequences])  # right padding: causal
-    with torch.no_grad():
-        logits = target.forward(ids, return_logits=True).logits[:, len(prompt) - 1:len(prompt) - 1 + length]
-    probs = torch.softmax(logits.double(), dim=-1)  # [N, L, V]
-    order = probs.argsort(dim=-1, descending=True, stable=True)
-    rank = order.argsort(dim=-1)
-    cumulative = probs.gather(-1, order).cumsum(-1)
-    rng = np.random.default_rng(seed)
-    per_position = []
-    for k in range(length):
-        rows = [i for i, s in enumerate(sequences) if len(s) > k]
-        tokens = torch.tensor([sequences[i][k] for i in rows])
-        p = probs[rows, k, tokens]
-        upper = cumulative[rows, k].gather(-1, rank[rows, k, tokens].unsqueeze(-1)).squeeze(-1)
-        per_position.append((upper - p).numpy() + rng.random(len(rows)) * p.numpy())
-    return per_position
-
-
 def chi_square_p_values(target, prompt, results) -> dict[str, float]:
     """10-bin chi-square p-values of the PIT values at each position from 2 on, and of positions 2.. pooled
     (the PITs of successive tokens are independent uniforms too). Token 1 comes from the prefill alone."""
-    u_values = pit_values(target, prompt, [r.new_tokens for r in results])[1:]
+    u_values = pit_values(target, prompt, [r.new_tokens for r in results], np.random.default_rng(0))[1:]
     groups = {f"position {k + 2}": u for k, u in enumerate(u_values)} | {"pooled": np.concatenate(u_values)}
-    return {name: stats.chisquare(np.histogram(u, bins=10, range=(0.0, 1.0))[0]).pvalue
-            for name, u in groups.items()}
+    return uniformity_p_values(groups)
 
 
 @pytest.mark.parametrize(("drafter_name", "policy"), CASES)
@@ -135,20 +112,6 @@ def test_sampling_matches_the_target_distribution(target, prompt, drafter_name, 
         assert {0, 1, 2} <= {r.num_verified for r in rounds}  # the policy really truncates, differently per round
     p_values = chi_square_p_values(target, prompt, results)
     assert len(p_values) == NEW_TOKENS and min(p_values.values()) > P_MIN, p_values
-
-
-def residual_ignoring_verifier(*, draft_tokens, draft_probs, target_probs, generator, greedy=False):
-    """A plausible bug: the correction after a rejection is drawn from p_t instead of norm(max(0, p_t − p_d))."""
-    length = draft_tokens.shape[0]
-    uniforms = draw_uniforms((length + 1,), generator, target_probs.device)
-    accepted = 0
-    while accepted < length:
-        token = int(draft_tokens[accepted])
-        if not uniforms[accepted] * draft_probs[accepted, token] < target_probs[accepted, token]:
-            break
-        accepted += 1
-    token = sample_from_probs(target_probs[accepted], uniforms=uniforms[length])
-    return VerifyResult(accepted, int(token), draft_tokens[:accepted])
 
 
 def test_the_test_can_fail(target, prompt, monkeypatch):

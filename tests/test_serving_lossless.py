@@ -18,15 +18,14 @@ import copy
 import numpy as np
 import pytest
 import torch
-from scipy import stats
 
 from dspark.decoding import DSparkProposer, SpeculativeEngine, build_policy
-from dspark.decoding.verify import VerifyResult, draw_uniforms, sample_from_probs
 from dspark.drafters.factory import DrafterSpec, build_drafter
 from dspark.scheduling import SPSTable
 from dspark.serving import BatchedEngine, BatchedKVCache, ServeRequest, build_serve_policy, request_generator
 from dspark.serving import engine as engine_module
 from dspark.targets import load_target
+from lossless_checks import pit_values, residual_ignoring_verifier, uniformity_p_values
 
 GAMMA = 3
 NEW_TOKENS = 4           # token 1 comes from the prefill; 2..4 from rounds
@@ -90,26 +89,6 @@ def interleaved_requests(prompts, num):
     return [ServeRequest(request_id=i, prompt_ids=prompts[i % len(prompts)]) for i in range(num)]
 
 
-def pit_values(target, prompt, sequences, rng) -> list[np.ndarray]:
-    """Randomised PIT of every generated token under the exact target conditionals; one array per position."""
-    length = max(len(s) for s in sequences)
-    ids = torch.tensor([[*prompt, *s, *[0] * (length - len(s))] for s in sequences])  # right padding: causal
-    with torch.no_grad():
-        logits = target.forward(ids, return_logits=True).logits[:, len(prompt) - 1:len(prompt) - 1 + length]
-    probs = torch.softmax(logits.double(), dim=-1)  # [N, L, V]
-    order = probs.argsort(dim=-1, descending=True, stable=True)
-    rank = order.argsort(dim=-1)
-    cumulative = probs.gather(-1, order).cumsum(-1)
-    per_position = []
-    for k in range(length):
-        rows = [i for i, s in enumerate(sequences) if len(s) > k]
-        tokens = torch.tensor([sequences[i][k] for i in rows])
-        p = probs[rows, k, tokens]
-        upper = cumulative[rows, k].gather(-1, rank[rows, k, tokens].unsqueeze(-1)).squeeze(-1)
-        per_position.append((upper - p).numpy() + rng.random(len(rows)) * p.numpy())
-    return per_position
-
-
 def chi_square_p_values(target, prompts, requests, results) -> dict[str, float]:
     """10-bin chi-square p-values of the PITs at each position from 2 on (all prompts together, each token under
     its own prompt's conditional) and pooled over positions. Token 1 comes from the prefill alone."""
@@ -121,8 +100,7 @@ def chi_square_p_values(target, prompts, requests, results) -> dict[str, float]:
             columns.setdefault(k + 2, []).append(u)
     groups = {f"position {k}": np.concatenate(u) for k, u in columns.items()}
     groups["pooled"] = np.concatenate(list(groups.values()))
-    return {name: stats.chisquare(np.histogram(u, bins=10, range=(0.0, 1.0))[0]).pvalue
-            for name, u in groups.items()}
+    return uniformity_p_values(groups)
 
 
 def serve(engine, requests, seed=0):
@@ -141,20 +119,6 @@ def test_sampling_matches_the_target_distribution(target, prompts, drafter, poli
     assert expected <= lengths, lengths  # the policy really chooses per request (drafted stop ids aside)
     p_values = chi_square_p_values(target, prompts, requests, result.requests)
     assert len(p_values) == NEW_TOKENS and min(p_values.values()) > P_MIN, p_values
-
-
-def residual_ignoring_verifier(*, draft_tokens, draft_probs, target_probs, generator, greedy=False):
-    """A plausible bug: the correction after a rejection is drawn from p_t instead of norm(max(0, p_t − p_d))."""
-    length = draft_tokens.shape[0]
-    uniforms = draw_uniforms((length + 1,), generator, target_probs.device)
-    accepted = 0
-    while accepted < length:
-        token = int(draft_tokens[accepted])
-        if not uniforms[accepted] * draft_probs[accepted, token] < target_probs[accepted, token]:
-            break
-        accepted += 1
-    token = sample_from_probs(target_probs[accepted], uniforms=uniforms[length])
-    return VerifyResult(accepted, int(token), draft_tokens[:accepted])
 
 
 def test_the_test_can_fail(target, prompts, drafter, monkeypatch):

@@ -141,7 +141,7 @@ class SpeculativeEngine:
                                draft_probs=proposal.draft_probs[:num_verified], target_probs=target_probs,
                                generator=generator, greedy=self.greedy)
         # 6. Commit the accepted drafts and the extra token (an accepted stop id ends the round without one).
-        accepted, committed, extra = self._commit(result)
+        accepted, committed, extra = commit_verified(result, self.stop_ids)
         state.new_tokens.extend(committed)
         state.done = extra is None or extra in self.stop_ids or len(state.new_tokens) >= state.limit
         if not state.done:
@@ -178,14 +178,6 @@ class SpeculativeEngine:
         room = count if self.max_positions is None else self.max_positions - 1 - position
         return max(0, min(chosen, first_stop, room))
 
-    def _commit(self, result: VerifyResult) -> tuple[list[int], list[int], int | None]:
-        """(accepted drafts, committed tokens, extra token or None); truncates at an accepted stop id."""
-        accepted = result.accepted_tokens.tolist()
-        for k, token in enumerate(accepted):
-            if token in self.stop_ids:
-                return accepted[:k + 1], accepted[:k + 1], None
-        return accepted, [*accepted, result.next_token], result.next_token
-
     def _record(self, proposal: Proposal, drafts: list[int], *, anchor_position: int, num_verified: int,
                 accepted: list[int], committed: list[int], extra: int | None,
                 seconds: tuple[float, float]) -> RoundRecord:
@@ -201,6 +193,16 @@ class SpeculativeEngine:
                            extra_token=extra, seconds_draft_parallel=proposal.seconds_parallel,
                            seconds_draft_sequential=proposal.seconds_sequential, seconds_verify=verify,
                            seconds_other=max(0.0, total - drafting - verify))
+
+
+def commit_verified(result: VerifyResult, stop_ids: frozenset[int]) -> tuple[list[int], list[int], int | None]:
+    """(accepted drafts, committed tokens, extra token or None) of one verified round (METHOD §5's EOS rule): an
+    accepted stop id ends the round at it, with no extra token. Shared by the single and the batched engine."""
+    accepted = result.accepted_tokens.tolist()
+    for k, token in enumerate(accepted):
+        if token in stop_ids:
+            return accepted[:k + 1], accepted[:k + 1], None
+    return accepted, [*accepted, result.next_token], result.next_token
 
 
 def _check_max_new_tokens(max_new_tokens: int) -> None:

@@ -31,7 +31,8 @@ from torch import Tensor
 from tqdm.auto import tqdm
 
 from dspark.calibration.sts import STSCalibration
-from dspark.decoding.verify import VerifyResult, probs_from_logits, verify_drafts
+from dspark.decoding.engine import commit_verified
+from dspark.decoding.verify import probs_from_logits, verify_drafts
 from dspark.serving.kv import BatchedKVCache, check_concurrency, kv_budget, prefill
 from dspark.serving.policies import ServePolicy, StaticPolicy
 from dspark.serving.proposer import BatchedDSparkProposer, BatchProposal, check_serving_drafter
@@ -302,7 +303,7 @@ class BatchedEngine:
         result = verify_drafts(draft_tokens=proposal.tokens[row, :length],
                                draft_probs=proposal.draft_probs[row, :length], target_probs=target_probs[:length + 1],
                                generator=state.generator, greedy=self.greedy)
-        accepted, committed, extra = self._commit(result)
+        accepted, committed, extra = commit_verified(result, self.stop_ids)
         state.new_tokens.extend(committed)
         state.num_rounds += 1
         state.done = extra is None or extra in self.stop_ids or len(state.new_tokens) >= state.limit
@@ -316,14 +317,6 @@ class BatchedEngine:
                             num_verified=length, num_accepted=len(accepted), committed=len(committed),
                             accept_if_all=len(accepted) if length == num_drafted else None)
         return round_, 0 if state.done else len(accepted) + 1
-
-    def _commit(self, result: VerifyResult) -> tuple[list[int], list[int], int | None]:
-        """(accepted drafts, committed tokens, extra token or None); truncates at an accepted stop id."""
-        accepted = result.accepted_tokens.tolist()
-        for k, token in enumerate(accepted):
-            if token in self.stop_ids:
-                return accepted[:k + 1], accepted[:k + 1], None
-        return accepted, [*accepted, result.next_token], result.next_token
 
     def _retire(self, run: _Run) -> None:
         """Drop finished rows from the KV store and the proposer; compact the store when holes pile up."""
