@@ -2,8 +2,8 @@
 
 prepare → train (reused by training key) → `run_serve`:
 
-1. load the target and the drafter; STS-calibrate it (stored in drafter.pt, shared with `stage=all`) when the
-   policy reads confidences;
+1. load the target and the drafter; STS-calibrate it (stored in drafter.pt, shared with `stage=all`) when it has a
+   confidence head;
 2. the SPS(B) table of the batched verify forward (`dspark.serving.profile`, cached per target and machine);
 3. `serve.num_requests` prompts, round-robin over `serve.prompt_sets` (the math / code / chat mix), served by the
    `BatchedEngine` with `serve.policy` at `serve.concurrency` (closed loop: a finished request is replaced at once);
@@ -30,7 +30,6 @@ from dspark.stages.train import load_drafter
 
 log = logging.getLogger("dspark")
 SERVE_DIR = "serve"
-CONFIDENCE_POLICIES = ("threshold", "scheduler", "async")
 SUMMARY_FIELDS = ("throughput", "user_speed", "budget", "tau")
 
 
@@ -59,11 +58,15 @@ def serve_requests(ctx: StageContext, target: Any) -> list:
 
 def serve_calibration(ctx: StageContext, *, target: Any, drafter: Any, drafter_path: Path, payload: dict,
                       block_size: int) -> Any:
-    """The drafter's STS at decode.temperature when serve.policy reads confidences (None otherwise)."""
+    """The drafter's STS at decode.temperature whenever it has a confidence head (None otherwise).
+
+    Whatever this cell's policy: the policy=fixed trace the simulator replays is recorded once and shared by every
+    cell, and the confidence policies replay its calibrated confidences, so it must carry them even when the cell
+    that records it (say mtp1) reads none. The fit is cached in drafter.pt, so it runs once per drafter."""
     from dspark.decoding.proposers import build_proposer
     from dspark.evaluation.calibrate import calibrate_drafter, calibration_prompt_ids
 
-    if ctx.cfg.serve.policy not in CONFIDENCE_POLICIES or getattr(drafter, "confidence_head", None) is None:
+    if getattr(drafter, "confidence_head", None) is None:
         return None
     decode = ctx.cfg.decode
     prompt_ids, _ = calibration_prompt_ids(ctx, target, limit=decode.prompts_per_set * len(decode.eval_sets))
@@ -153,7 +156,7 @@ def trace_key(ctx: StageContext) -> str:
     cfg = ctx.cfg
     payload = {"requests": cfg.serve.num_requests, "max_new_tokens": cfg.serve.max_new_tokens,
                "sets": cfg.serve.prompt_sets, "concurrency": cfg.serve.trace_concurrency,
-               "temperature": cfg.decode.temperature, "seed": cfg.seed}
+               "temperature": cfg.decode.temperature, "seed": cfg.seed, "calibrated": True}  # older traces lacked c̃
     return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:12]
 
 
