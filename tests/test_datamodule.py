@@ -157,7 +157,7 @@ def test_trainer_resamples_anchors_each_epoch(regen_dir) -> None:
 
 def test_feature_cache_matches_online_and_feeds_batches(tiny, regen_dir, tmp_path, monkeypatch) -> None:
     feature_dir = cache_features(tiny, regen_dir, cache_dir=tmp_path, batch_size=3, shard_size=5,
-                                 show_progress=False)
+                                 show_progress=False, precision="fp32")
     cache = FeatureCache(feature_dir)
     data = load_regenerated(regen_dir)
     assert len(cache) == len(data) == NUM_PROMPTS
@@ -170,7 +170,11 @@ def test_feature_cache_matches_online_and_feeds_batches(tiny, regen_dir, tmp_pat
         torch.testing.assert_close(cached_f.float(), features[0], atol=1e-2, rtol=1e-2)
         torch.testing.assert_close(cached_h.float(), final_hidden[0], atol=1e-2, rtol=1e-2)
     monkeypatch.setattr(tiny, "forward", lambda *a, **k: pytest.fail("a finished cache must not recompute"))
-    assert cache_features(tiny, regen_dir, cache_dir=tmp_path, show_progress=False) == feature_dir
+    assert cache_features(tiny, regen_dir, cache_dir=tmp_path, show_progress=False, precision="fp32") == feature_dir
+    # the log-normaliser matches the full-vocabulary logits of the stored hidden states
+    _, cached_h = cache[6]
+    torch.testing.assert_close(cache.log_normalizer(6),
+                               torch.logsumexp(tiny.lm_head(cached_h.float()).float(), dim=-1), atol=1e-5, rtol=1e-5)
     batch = next(iter(make_dm(regen_dir, feature_dir=feature_dir).train_dataloader()))
     B, T = batch["input_ids"].shape
     assert batch["features"].shape == (B, T, m * d) and batch["final_hidden"].shape == (B, T, d)
@@ -178,6 +182,19 @@ def test_feature_cache_matches_online_and_feeds_batches(tiny, regen_dir, tmp_pat
     assert (batch["features"][~batch["attention_mask"]] == 0).all()
     index, length = int(batch["sequence_index"][0]), int(batch["attention_mask"][0].sum())
     torch.testing.assert_close(batch["final_hidden"][0, :length], cache[index][1].float())
+    torch.testing.assert_close(batch["log_normalizer"][0, :length], cache.log_normalizer(index))
+
+
+def test_length_batches_respect_row_and_token_caps() -> None:
+    from dspark.data.features import length_batches
+
+    lengths = [5, 50, 7, 300, 6, 48, 51]
+    batches = length_batches(lengths, batch_size=3, token_budget=160)
+    assert sorted(i for b in batches for i in b) == list(range(len(lengths)))
+    for b in batches:
+        assert len(b) <= 3
+        assert len(b) == 1 or max(lengths[i] for i in b) * len(b) <= 160
+    assert [3] in batches  # the 300-token row alone
 
 
 def test_datamodule_rejects_bad_arguments(regen_dir) -> None:

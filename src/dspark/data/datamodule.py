@@ -12,7 +12,8 @@ and calibration anchors are fixed (epoch-independent) so their metrics compare a
 
 Batch (ARCHITECTURE.md): input_ids [B,T] long (right-padded with the pad id), attention_mask [B,T] bool,
 loss_mask [B,T] bool, anchors [B,N] long (padded with 0), anchor_valid [B,N] bool, sequence_index [B] long;
-plus features [B,T,m·d] and final_hidden [B,T,d] (zero-padded) when a feature cache is given.
+plus features [B,T,m·d] and final_hidden [B,T,d] (zero-padded) when a feature cache is given, and
+log_normalizer [B,T] fp32 (log Σ_V exp z of the target's logits) when the cache has it.
 """
 from __future__ import annotations
 
@@ -103,6 +104,9 @@ class AnchoredSequences(Dataset):
                "anchors": sample_anchors(loss_mask, max_anchors=self.max_anchors, generator=gen)}
         if self.features is not None:
             out["features"], out["final_hidden"] = self.features[index]
+            log_z = self.features.log_normalizer(index)
+            if log_z is not None:
+                out["log_normalizer"] = log_z
         return out
 
 
@@ -127,6 +131,10 @@ def collate_sequences(items: list[dict[str, Any]], *, pad_token_id: int,
         out["loss_mask"][b, :t] = it["loss_mask"]
         out["anchors"][b, :n] = it["anchors"]
         out["anchor_valid"][b, :n] = True
+    if "log_normalizer" in items[0]:
+        out["log_normalizer"] = torch.zeros(batch, length, dtype=torch.float32)
+        for b, it in enumerate(items):
+            out["log_normalizer"][b, : len(it["log_normalizer"])] = it["log_normalizer"]
     if "features" in items[0]:
         for name in ("features", "final_hidden"):
             width = items[0][name].shape[-1]

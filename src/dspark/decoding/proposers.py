@@ -225,12 +225,14 @@ class DSparkProposer:
                 confidences.append(torch.sigmoid(conf_logit.float()))
                 if policy_hook is not None and policy_hook(torch.cat(confidences)):
                     break
-            prev, p = _sample(logits, temperature, generator)
+            draft_id, p = _sample(logits, temperature, generator)  # over the draft vocabulary (Vd)
+            head = self.drafter.draft_head
+            prev = head.to_target_ids(draft_id)  # the drafted target token feeds the next slot and the verifier
             tokens.append(prev)
-            probs.append(p)
+            probs.append(head.expand(p))  # p_d over the full V, exactly 0 outside the draft vocabulary
             if int(prev) in stop_ids:
                 break
-        return _stack_proposal(tokens, probs, confidences, parallel_logits.shape[-1], hidden.device)
+        return _stack_proposal(tokens, probs, confidences, self.drafter.spec.vocab_size, hidden.device)
 
 
 class Eagle3Proposer:

@@ -14,6 +14,8 @@ Shape symbols: B sequences, T context length, N blocks per sequence, γ block si
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import Tensor, nn
 from torch.nn import functional as F
@@ -36,6 +38,52 @@ def create_block_mask(*, anchor_positions: Tensor, context_valid: Tensor, block_
     block_id = torch.arange(num_blocks, device=device).repeat_interleave(block_size)  # [Nγ]
     same_block = (block_id.unsqueeze(1) == block_id.unsqueeze(0)).expand(batch, -1, -1)  # [B, Nγ, Nγ]
     return torch.cat([ctx_mask, same_block], dim=-1).unsqueeze(1)
+
+
+@dataclass
+class BlockMask:
+    """The structure of `create_block_mask` without its dense [Nγ, T + Nγ] form (training with many blocks).
+
+    context_mask [B, N, T] bool: block n sees context key j iff `j < anchor_n` and `context_valid[j]`; every
+    block sees its own γ keys (bidirectional) and never another block's. Dense, the block-to-block part is
+    N²γ² entries of which only Nγ² are True: with N = 96 blocks that is 99% wasted work.
+    """
+
+    context_mask: Tensor
+    block_size: int
+
+
+def block_structured_attention(q: Tensor, k: Tensor, v: Tensor, mask: BlockMask) -> Tensor:
+    """Attention of N blocks over [context ; own block]: q [B, H, Nγ, hd], k/v [B, H, T + Nγ, hd] → [B, H, Nγ, hd].
+
+    The same numbers as SDPA with the dense `create_block_mask` (tested), from two score matrices: queries ×
+    context keys [Nγ, T] and, per block, γ × γ — one softmax over their concatenation (fp32).
+    """
+    batch, heads, length, head_dim = q.shape
+    gamma = mask.block_size
+    blocks = length // gamma
+    ctx_len = k.shape[2] - length
+    scale = head_dim ** -0.5
+    k_ctx, k_blk = k[:, :, :ctx_len], k[:, :, ctx_len:]
+    v_ctx, v_blk = v[:, :, :ctx_len], v[:, :, ctx_len:]
+    s_ctx = (q @ k_ctx.transpose(-1, -2)).float() * scale  # [B, H, Nγ, T]
+    visible = mask.context_mask.repeat_interleave(gamma, dim=1).unsqueeze(1)  # [B, 1, Nγ, T]
+    s_ctx = s_ctx.masked_fill(~visible, float("-inf"))
+    q_b = q.view(batch, heads, blocks, gamma, head_dim)
+    s_blk = (q_b @ k_blk.view(batch, heads, blocks, gamma, head_dim).transpose(-1, -2)).float() * scale
+    probs = torch.softmax(torch.cat([s_ctx, s_blk.view(batch, heads, length, gamma)], dim=-1), dim=-1)
+    p_ctx, p_blk = probs[..., :ctx_len].to(v.dtype), probs[..., ctx_len:].to(v.dtype)
+    out_blk = p_blk.view(batch, heads, blocks, gamma, gamma) @ v_blk.view(batch, heads, blocks, gamma, head_dim)
+    return p_ctx @ v_ctx + out_blk.view(batch, heads, length, head_dim)
+
+
+def block_mask(*, anchor_positions: Tensor, context_valid: Tensor, block_size: int) -> Tensor | BlockMask:
+    """The dense mask for one block per sequence (decoding, cheap), the structured one for several (training)."""
+    if anchor_positions.shape[1] == 1:
+        return create_block_mask(anchor_positions=anchor_positions, context_valid=context_valid,
+                                 block_size=block_size)
+    before_anchor = torch.arange(context_valid.shape[1], device=anchor_positions.device) < anchor_positions.unsqueeze(-1)
+    return BlockMask(context_mask=before_anchor & context_valid.unsqueeze(1), block_size=block_size)
 
 
 class KVInjectionAttention(nn.Module):
@@ -64,9 +112,10 @@ class KVInjectionAttention(nn.Module):
         x = proj(x).unflatten(-1, (num_heads, self.head_dim))
         return (x if norm is None else norm(x)).transpose(1, 2)
 
-    def forward(self, block: Tensor, context: Tensor, *, rope: tuple[Tensor, Tensor], mask: Tensor) -> Tensor:
+    def forward(self, block: Tensor, context: Tensor, *, rope: tuple[Tensor, Tensor],
+                mask: Tensor | BlockMask) -> Tensor:
         """block [B, L, d] (already input-normed), context [B, T, d] (H_ctx), rope = (cos, sin) [B, T+L, hd] for
-        the keys (the last L rows are the queries'), mask [B, 1, L, T+L] → [B, L, d]."""
+        the keys (the last L rows are the queries'), mask [B, 1, L, T+L] bool or a `BlockMask` → [B, L, d]."""
         cos, sin = rope
         length = block.shape[1]
         kv_input = torch.cat([context, block], dim=1)  # one projection for context and block keys/values
@@ -77,7 +126,10 @@ class KVInjectionAttention(nn.Module):
         k = apply_rotary(k, cos, sin)
         groups = self.num_heads // self.num_kv_heads
         k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # [B, H, L, hd]
+        if isinstance(mask, BlockMask):
+            out = block_structured_attention(q, k, v, mask)
+        else:
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # [B, H, L, hd]
         return self.o_proj(out.transpose(1, 2).flatten(-2))
 
 
@@ -149,8 +201,7 @@ class DSparkBackbone(nn.Module):
         ctx_len = context_hidden.shape[1]
         if context_valid is None:
             context_valid = torch.ones(batch, ctx_len, dtype=torch.bool, device=context_hidden.device)
-        mask = create_block_mask(anchor_positions=anchor_positions, context_valid=context_valid,
-                                 block_size=block_size)
+        mask = block_mask(anchor_positions=anchor_positions, context_valid=context_valid, block_size=block_size)
         rope = self._rope(anchor_positions, ctx_len=ctx_len, block_size=block_size)
         hidden = self.embed_block(block_input_ids).flatten(1, 2)  # [B, Nγ, d]
         for layer in self.layers:

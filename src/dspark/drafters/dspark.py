@@ -5,7 +5,8 @@
     c_k = σ(confidence_logits_k)                never a function of x_k
 
 DFlash is this drafter with `head="none"` (or `markov_rank=0`) and `confidence=False` — a component choice, not a
-subclass. The target's embedding table and LM head are shared and frozen: they are held outside the module tree,
+subclass. With a draft vocabulary (`draft_vocab_ids`, `dspark.drafters.vocab`) every logits tensor is over the Vd
+draft ids instead of V (U_k from the frozen LM-head rows of those ids, W₂ of the head r → Vd); inputs stay target ids. The target's embedding table and LM head are shared and frozen: they are held outside the module tree,
 so `parameters()` and `state_dict()` contain only trained drafter weights.
 
 Shape symbols: B sequences, T context length, N blocks per sequence, γ block size, d hidden size,
@@ -16,11 +17,13 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any
 
+import torch
 from torch import Tensor, nn
 
 from dspark.drafters.backbone import DSparkBackbone
 from dspark.drafters.heads import SEQUENTIAL_HEADS, ConfidenceHead, build_sequential_head
 from dspark.drafters.layers import DraftLayerSpec
+from dspark.drafters.vocab import DraftVocabHead
 
 
 @dataclass
@@ -28,8 +31,8 @@ class DSparkOutput:
     """Teacher-forced drafter outputs for N blocks of γ slots per sequence."""
 
     hidden: Tensor  # [B, N, γ, d] final-norm backbone output h_k
-    parallel_logits: Tensor  # [B, N, γ, V] U_k
-    logits: Tensor  # [B, N, γ, V] U_k + B_k (the same tensor as parallel_logits when B_k ≡ 0)
+    parallel_logits: Tensor  # [B, N, γ, Vd] U_k (Vd = V without a draft vocabulary)
+    logits: Tensor  # [B, N, γ, Vd] U_k + B_k (the same tensor as parallel_logits when B_k ≡ 0)
     confidence_logits: Tensor | None  # [B, N, γ] pre-sigmoid c_k; None without a confidence head
 
 
@@ -54,7 +57,7 @@ class DSparkDrafter(nn.Module):
 
     def __init__(self, *, spec: DraftLayerSpec, num_feature_layers: int, depth: int, block_size: int, head: str,
                  markov_rank: int, confidence: bool, embed_tokens: nn.Module, lm_head: nn.Module,
-                 mask_token_id: int) -> None:
+                 mask_token_id: int, draft_vocab_ids: Tensor | None = None) -> None:
         super().__init__()
         validate_drafter_args(depth=depth, block_size=block_size, head=head, markov_rank=markov_rank,
                               num_feature_layers=num_feature_layers)
@@ -68,8 +71,9 @@ class DSparkDrafter(nn.Module):
         self._frozen = (lm_head,)  # a tuple: not a submodule, so not in parameters() or state_dict()
         self.backbone = DSparkBackbone(spec=spec, num_feature_layers=num_feature_layers, depth=depth,
                                        embed_tokens=embed_tokens, mask_token_id=mask_token_id)
+        self.draft_head = DraftVocabHead(lm_head, vocab_size=spec.vocab_size, draft_vocab_ids=draft_vocab_ids)
         self.head = build_sequential_head(head, hidden_size=spec.hidden_size, vocab_size=spec.vocab_size,
-                                          rank=markov_rank)
+                                          rank=markov_rank, output_size=self.draft_head.size)
         self.confidence_head = (
             ConfidenceHead(hidden_size=spec.hidden_size, rank=self.head.rank) if confidence else None
         )
@@ -81,6 +85,16 @@ class DSparkDrafter(nn.Module):
     @property
     def embed_tokens(self) -> nn.Module:
         return self.backbone.embed_tokens
+
+    @property
+    def draft_vocab_size(self) -> int:
+        """Vd, the width of every logits tensor (V without a draft vocabulary)."""
+        return self.draft_head.size
+
+    @property
+    def draft_to_target(self) -> Tensor:
+        """[Vd] long: the target id of each draft id."""
+        return self.draft_head.draft_to_target
 
     def forward(self, *, context_features: Tensor, context_valid: Tensor, block_input_ids: Tensor,
                 anchor_positions: Tensor, prev_tokens: Tensor) -> DSparkOutput:
@@ -102,9 +116,8 @@ class DSparkDrafter(nn.Module):
                             confidence_logits=self.confidence(hidden, prev_tokens))
 
     def project(self, hidden: Tensor) -> Tensor:
-        """Parallel logits U_k = frozen lm_head(h_k): [..., d] → [..., V]."""
-        weight = next(self.lm_head.parameters(), None)
-        return self.lm_head(hidden if weight is None else hidden.to(weight.dtype))
+        """Parallel logits U_k = frozen LM-head rows of the draft vocabulary applied to h_k: [..., d] → [..., Vd]."""
+        return self.draft_head(hidden)
 
     def confidence(self, hidden: Tensor, prev_tokens: Tensor) -> Tensor | None:
         """Confidence logits from h_k [..., d] and x_{k-1} [...] → [...], or None without a confidence head."""
@@ -114,9 +127,9 @@ class DSparkDrafter(nn.Module):
 
     def sequential_step(self, *, hidden_k: Tensor, parallel_logits_k: Tensor, prev_token: Tensor,
                         state: Tensor | None) -> tuple[Tensor, Tensor | None, Tensor | None]:
-        """One inference slot k, left to right: (U_k + B_k [..., V], c_k logit [...] or None, new state).
+        """One inference slot k, left to right: (U_k + B_k [..., Vd], c_k logit [...] or None, new state).
 
-        hidden_k [..., d], parallel_logits_k [..., V], prev_token [...] = x_{k-1} (the drafted token, or x_0 for
+        hidden_k [..., d], parallel_logits_k [..., Vd], prev_token [...] = x_{k-1} (a target id) (the drafted token, or x_0 for
         k = 1), state from `self.head.init_state(...)` or the previous step. Teacher-forcing the tokens through
         this loop reproduces `forward`'s logits and confidence_logits.
         """
@@ -135,6 +148,7 @@ class DSparkDrafter(nn.Module):
             "markov_rank": self.markov_rank,
             "confidence": self.confidence_head is not None,
             "mask_token_id": self.mask_token_id,
+            "draft_vocab_size": self.draft_vocab_size,
         }
 
     @classmethod
@@ -143,4 +157,7 @@ class DSparkDrafter(nn.Module):
         """Rebuild (untrained weights) from `extra_config()` and the target's frozen modules."""
         kwargs = dict(config)
         spec = DraftLayerSpec(**kwargs.pop("spec"))
-        return cls(spec=spec, embed_tokens=embed_tokens, lm_head=lm_head, **kwargs)
+        draft_vocab_size = int(kwargs.pop("draft_vocab_size", spec.vocab_size))
+        # placeholder ids of the right size: load_state_dict fills the stored mapping
+        ids = None if draft_vocab_size >= spec.vocab_size else torch.arange(draft_vocab_size)
+        return cls(spec=spec, embed_tokens=embed_tokens, lm_head=lm_head, draft_vocab_ids=ids, **kwargs)

@@ -4,7 +4,7 @@
     u      = [input_norm(E[token]) ; hidden_norm(g)]    2d wide; q, k and v all read u
     a      = g + o_proj(Attn(q(u), k(u), v(u)))         the residual stream is g
     h      = a + MLP(post_attention_norm(a))            the layer's output hidden (fed back as the next g)
-    logits = lm_head(norm(h))                           the target's frozen LM head, full vocabulary
+    logits = lm_head(norm(h))                           the target's frozen LM head (rows of the draft vocabulary)
 
 Training-time test (TTT), horizon γ = `block_size`, 0-based positions, sequence x_0..x_{T-1}. At step k
 (k = 0..γ-1) position i has
@@ -31,6 +31,7 @@ from torch import Tensor, nn
 from torch.nn import functional as F
 
 from dspark.drafters.layers import DraftLayerSpec, RMSNorm, RotaryEmbedding, SwiGLU, apply_rotary, init_new_weights
+from dspark.drafters.vocab import DraftVocabHead
 
 KeyValue = tuple[Tensor, Tensor]  # (keys, values), each [B, KV heads, L, hd], RoPE already applied to the keys
 SampleFn = Callable[[Tensor], tuple[Tensor, Tensor]]
@@ -55,7 +56,7 @@ def create_ttt_mask(seq_len: int, step: int) -> Tensor:
 class Eagle3Output:
     """TTT outputs; element k of each list is step k (k = 0..γ-1), whose position i predicts x_{i+k+2}."""
 
-    logits: list[Tensor]  # γ × [B, T, V]  lm_head(norm(h_k))
+    logits: list[Tensor]  # γ × [B, T, Vd]  lm_head(norm(h_k)) over the draft vocabulary (Vd = V without one)
     hidden: list[Tensor]  # γ × [B, T, d]  the layer's output h_k before the final norm (g of step k+1)
 
 
@@ -138,7 +139,7 @@ class Eagle3Drafter(nn.Module):
     """
 
     def __init__(self, *, spec: DraftLayerSpec, num_feature_layers: int, block_size: int,
-                 embed_tokens: nn.Module, lm_head: nn.Module) -> None:
+                 embed_tokens: nn.Module, lm_head: nn.Module, draft_vocab_ids: Tensor | None = None) -> None:
         super().__init__()
         if num_feature_layers < 1:
             raise ValueError(f"num_feature_layers must be >= 1, got {num_feature_layers}; "
@@ -157,6 +158,8 @@ class Eagle3Drafter(nn.Module):
         embed_tokens.requires_grad_(False)
         lm_head.requires_grad_(False)
         self._frozen = (embed_tokens, lm_head)  # a tuple: not a submodule, so not in parameters() or state_dict()
+        # logits over the draft vocabulary (dspark.drafters.vocab): the frozen LM-head rows of its ids
+        self.draft_head = DraftVocabHead(lm_head, vocab_size=spec.vocab_size, draft_vocab_ids=draft_vocab_ids)
 
     @property
     def embed_tokens(self) -> nn.Module:
@@ -165,6 +168,16 @@ class Eagle3Drafter(nn.Module):
     @property
     def lm_head(self) -> nn.Module:
         return self._frozen[1]
+
+    @property
+    def draft_vocab_size(self) -> int:
+        """Vd, the width of every logits tensor (V without a draft vocabulary)."""
+        return self.draft_head.size
+
+    @property
+    def draft_to_target(self) -> Tensor:
+        """[Vd] long: the target id of each draft id."""
+        return self.draft_head.draft_to_target
 
     def forward(self, *, features: Tensor, input_ids: Tensor, attention_mask: Tensor,
                 logit_positions: Tensor | None = None) -> Eagle3Output:
@@ -195,7 +208,7 @@ class Eagle3Drafter(nn.Module):
             g, kv = self.layer(g, _shift_left(embeds, step + 1), rope=(cos[None], sin[None]), past=past, mask=mask)
             past.append(kv)
             hidden.append(g)
-            logits.append(self.lm_head(self.norm(g)))
+            logits.append(self.draft_head(self.norm(g)))
         return Eagle3Output(logits=logits, hidden=hidden)
 
     def _sampled_ttt(self, g: Tensor, embeds: Tensor, key_valid: Tensor, chains: Tensor) -> Eagle3Output:
@@ -207,7 +220,7 @@ class Eagle3Drafter(nn.Module):
                            mask=self._step_mask(key_valid, step=0))
         hidden, past = [g], [kv]
         g = _gather_rows(g, chains)
-        logits = [self.lm_head(self.norm(g))]
+        logits = [self.draft_head(self.norm(g))]
         # Query n sees step-0 keys j ≤ chains[n] (real ones, plus its own position as in `_step_mask`) and, of
         # later steps, only its own chain's keys.
         keys = positions.view(1, 1, -1)
@@ -222,7 +235,7 @@ class Eagle3Drafter(nn.Module):
             g, kv = self.layer(g, tokens, rope=(cos, sin), past=past, mask=mask)
             past.append(kv)
             hidden.append(g)
-            logits.append(self.lm_head(self.norm(g)))
+            logits.append(self.draft_head(self.norm(g)))
         return Eagle3Output(logits=logits, hidden=hidden)
 
     @torch.no_grad()
@@ -255,9 +268,10 @@ class Eagle3Drafter(nn.Module):
             if step > 0:
                 hidden, kv = self._chain_step(hidden, tokens[-1], position=seq_len - 1 + step, past=past)
                 past.append(kv)
-            token, prob = sample_fn(self.lm_head(self.norm(hidden))[:, -1])
-            tokens.append(token.reshape(1))
-            probs.append(prob.reshape(1, -1))
+            token, prob = sample_fn(self.draft_head(self.norm(hidden))[:, -1])  # over the draft vocabulary
+            # the chain feeds back and returns target ids; p_d goes back over the full V (0 outside Vd)
+            tokens.append(self.draft_head.to_target_ids(token.reshape(1)))
+            probs.append(self.draft_head.expand(prob.reshape(1, -1)))
             if int(token.reshape(-1)[0]) in stops:
                 break
         return Eagle3Draft(tokens=torch.stack(tokens, dim=1), probs=torch.stack(probs, dim=1))

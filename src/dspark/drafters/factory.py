@@ -9,7 +9,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any, Callable
 
-from torch import nn
+import torch
+from torch import Tensor, nn
 
 from dspark.registry import Registry
 
@@ -26,6 +27,7 @@ class DrafterSpec:
     feature_layers: tuple[int, ...]
     mask_token_id: int
     target_fingerprint: str
+    draft_vocab_size: int = 0  # Vd of the draft vocabulary; 0 = the full target vocabulary (older checkpoints)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self) | {"feature_layers": list(self.feature_layers)}
@@ -34,49 +36,67 @@ class DrafterSpec:
     def from_dict(cls, data: dict[str, Any]) -> "DrafterSpec":
         return cls(**{**data, "feature_layers": tuple(data["feature_layers"])})
 
+    def vocab_ids_placeholder(self, vocab_size: int) -> Tensor | None:
+        """Ids of the right size for rebuilding before `load_state_dict` fills the stored mapping (None = full)."""
+        if self.draft_vocab_size <= 0 or self.draft_vocab_size >= vocab_size:
+            return None
+        return torch.arange(self.draft_vocab_size)
 
-DRAFTER_BUILDERS: Registry[Callable[[DrafterSpec, Any], nn.Module]] = Registry("drafter")
+
+DRAFTER_BUILDERS: Registry[Callable[..., nn.Module]] = Registry("drafter")
 
 
 @DRAFTER_BUILDERS.register("dspark")
-def build_dspark(spec: DrafterSpec, target: Any) -> nn.Module:
+def build_dspark(spec: DrafterSpec, target: Any, draft_vocab_ids: Tensor | None = None) -> nn.Module:
     from dspark.drafters.dspark import DSparkDrafter
 
     return DSparkDrafter(spec=target.layer_spec, num_feature_layers=len(spec.feature_layers), depth=spec.depth,
                          block_size=spec.block_size, head=spec.head, markov_rank=spec.markov_rank, confidence=True,
-                         embed_tokens=target.embed_tokens, lm_head=target.lm_head, mask_token_id=spec.mask_token_id)
+                         embed_tokens=target.embed_tokens, lm_head=target.lm_head, mask_token_id=spec.mask_token_id,
+                         draft_vocab_ids=draft_vocab_ids)
 
 
 @DRAFTER_BUILDERS.register("dflash")
-def build_dflash(spec: DrafterSpec, target: Any) -> nn.Module:
+def build_dflash(spec: DrafterSpec, target: Any, draft_vocab_ids: Tensor | None = None) -> nn.Module:
     from dspark.drafters.dspark import DSparkDrafter
 
     return DSparkDrafter(spec=target.layer_spec, num_feature_layers=len(spec.feature_layers), depth=spec.depth,
                          block_size=spec.block_size, head="none", markov_rank=0, confidence=False,
-                         embed_tokens=target.embed_tokens, lm_head=target.lm_head, mask_token_id=spec.mask_token_id)
+                         embed_tokens=target.embed_tokens, lm_head=target.lm_head, mask_token_id=spec.mask_token_id,
+                         draft_vocab_ids=draft_vocab_ids)
 
 
 @DRAFTER_BUILDERS.register("eagle3")
-def build_eagle3(spec: DrafterSpec, target: Any) -> nn.Module:
+def build_eagle3(spec: DrafterSpec, target: Any, draft_vocab_ids: Tensor | None = None) -> nn.Module:
     from dspark.drafters.eagle3 import Eagle3Drafter
 
     return Eagle3Drafter(spec=target.layer_spec, num_feature_layers=len(spec.feature_layers),
-                         block_size=spec.block_size, embed_tokens=target.embed_tokens, lm_head=target.lm_head)
+                         block_size=spec.block_size, embed_tokens=target.embed_tokens, lm_head=target.lm_head,
+                         draft_vocab_ids=draft_vocab_ids)
 
 
 def drafter_spec_for(*, kind: str, model_cfg: Any, target: Any) -> DrafterSpec:
     """The spec of a new drafter for `target` from the `model.*` config."""
     head = "none" if kind in ("dflash", "eagle3") else model_cfg.head
+    vocab = int(getattr(model_cfg, "draft_vocab_size", 0) or 0)
     return DrafterSpec(kind=kind, head=head, depth=model_cfg.depth, block_size=model_cfg.block_size,
                        markov_rank=model_cfg.markov_rank if head != "none" else 0,
                        feature_layers=tuple(target.feature_layer_ids), mask_token_id=target.mask_token_id,
-                       target_fingerprint=target.fingerprint)
+                       target_fingerprint=target.fingerprint,
+                       draft_vocab_size=0 if vocab >= target.vocab_size else vocab)
 
 
-def build_drafter(spec: DrafterSpec, target: Any) -> nn.Module:
-    """Instantiate the drafter of `spec` around `target`; refuses a target other than the one it was made for."""
+def build_drafter(spec: DrafterSpec, target: Any, *, draft_vocab_ids: Tensor | None = None) -> nn.Module:
+    """Instantiate the drafter of `spec` around `target`; refuses a target other than the one it was made for.
+
+    draft_vocab_ids [Vd] (sorted target ids, `dspark.drafters.vocab.build_draft_vocab`) when
+    spec.draft_vocab_size > 0; omitted, a placeholder of the right size is used (for `load_state_dict`)."""
     check_spec_matches(spec, target)
-    return DRAFTER_BUILDERS.resolve(spec.kind)(spec, target)
+    if draft_vocab_ids is None:
+        draft_vocab_ids = spec.vocab_ids_placeholder(target.vocab_size)
+    elif spec.draft_vocab_size and draft_vocab_ids.numel() != spec.draft_vocab_size:
+        raise ValueError(f"model.draft_vocab_size={spec.draft_vocab_size} but {draft_vocab_ids.numel()} ids given")
+    return DRAFTER_BUILDERS.resolve(spec.kind)(spec, target, draft_vocab_ids)
 
 
 def check_spec_matches(spec: DrafterSpec, target: Any, *, block_size: int | None = None) -> None:

@@ -12,7 +12,11 @@
 `step` runs slot by slot. Neither B_k nor c_k ever sees x_k (non-anticipation, METHOD §2.3).
 `markov_rank = 0` turns `markov`/`rnn` into `none` (as DeepSpec's `markov_rank=0`): exactly the DFlash logits.
 
-Shape symbols: B sequences, N blocks, γ block size, d hidden size, V vocabulary, r rank; `...` any batch shape.
+With a draft vocabulary W₂ maps r → Vd (the bias is over draft ids) while W₁ stays a [V, r] table indexed by any
+target token (`output_size` = Vd; V without one).
+
+Shape symbols: B sequences, N blocks, γ block size, d hidden size, V vocabulary, Vd draft vocabulary, r rank;
+`...` any batch shape.
 """
 from __future__ import annotations
 
@@ -35,7 +39,7 @@ class SequentialHead(nn.Module):
     rank: int = 0
 
     def teacher_forced_bias(self, hidden: Tensor, prev_tokens: Tensor) -> Tensor | None:
-        """hidden [B, N, γ, d] (final-norm h_k), prev_tokens [B, N, γ] (x_{k-1}) → B_k [B, N, γ, V] or None."""
+        """hidden [B, N, γ, d] (final-norm h_k), prev_tokens [B, N, γ] (x_{k-1}) → B_k [B, N, γ, Vd] or None."""
         return None
 
     def init_state(self, batch_shape: tuple[int, ...]) -> Tensor | None:
@@ -43,7 +47,7 @@ class SequentialHead(nn.Module):
         return None
 
     def step(self, hidden_k: Tensor, prev_token: Tensor, state: Tensor | None) -> tuple[Tensor | None, Tensor | None]:
-        """One slot: hidden_k [..., d], prev_token [...] (x_{k-1}), state → (B_k [..., V] or None, new state)."""
+        """One slot: hidden_k [..., d], prev_token [...] (x_{k-1}), state → (B_k [..., Vd] or None, new state)."""
         return None, state
 
     def prev_token_embedding(self, prev_tokens: Tensor) -> Tensor | None:
@@ -79,7 +83,7 @@ class DecodeProjection:
 class NoneHead(SequentialHead):
     """B_k = 0: the parallel logits are the draft logits (DFlash)."""
 
-    def __init__(self, *, hidden_size: int, vocab_size: int, rank: int) -> None:
+    def __init__(self, *, hidden_size: int, vocab_size: int, rank: int, output_size: int | None = None) -> None:
         super().__init__()
 
 
@@ -87,11 +91,11 @@ class NoneHead(SequentialHead):
 class MarkovHead(SequentialHead):
     """First-order Markov bias B_k = W_2 W_1[x_{k-1}] of rank r (paper r = 256)."""
 
-    def __init__(self, *, hidden_size: int, vocab_size: int, rank: int) -> None:
+    def __init__(self, *, hidden_size: int, vocab_size: int, rank: int, output_size: int | None = None) -> None:
         super().__init__()
         self.rank = rank
         self.w1 = nn.Embedding(vocab_size, rank)
-        self.w2 = nn.Linear(rank, vocab_size, bias=False)
+        self.w2 = nn.Linear(rank, output_size or vocab_size, bias=False)
         self._decode_w2 = DecodeProjection()
         init_new_weights(self)
 
@@ -109,12 +113,12 @@ class MarkovHead(SequentialHead):
 class RNNHead(SequentialHead):
     """Gated recurrent bias over the block: one Linear(2r + d → 3r, bias) on [s_{k-1}; W_1[x_{k-1}]; h_k]."""
 
-    def __init__(self, *, hidden_size: int, vocab_size: int, rank: int) -> None:
+    def __init__(self, *, hidden_size: int, vocab_size: int, rank: int, output_size: int | None = None) -> None:
         super().__init__()
         self.rank = rank
         self.w1 = nn.Embedding(vocab_size, rank)
         self.cell = nn.Linear(2 * rank + hidden_size, 3 * rank)  # input columns [s | W_1[x] | h]
-        self.w2 = nn.Linear(rank, vocab_size, bias=False)
+        self.w2 = nn.Linear(rank, output_size or vocab_size, bias=False)
         self._decode_w2 = DecodeProjection()
         init_new_weights(self)
 
@@ -153,12 +157,15 @@ class RNNHead(SequentialHead):
         return gate * state + (1 - gate) * torch.tanh(candidate), torch.tanh(output)
 
 
-def build_sequential_head(name: str, *, hidden_size: int, vocab_size: int, rank: int) -> SequentialHead:
-    """Resolve `model.head`; rank 0 means no W_1/W_2 at all, so any head degrades to `none` (DFlash)."""
+def build_sequential_head(name: str, *, hidden_size: int, vocab_size: int, rank: int,
+                          output_size: int | None = None) -> SequentialHead:
+    """Resolve `model.head`; rank 0 means no W_1/W_2 at all, so any head degrades to `none` (DFlash).
+
+    vocab_size V sizes W₁ (indexed by target ids); output_size (Vd, default V) sizes W₂'s output."""
     head_cls = SEQUENTIAL_HEADS.resolve(name)
     if rank == 0:
         head_cls = NoneHead
-    return head_cls(hidden_size=hidden_size, vocab_size=vocab_size, rank=rank)
+    return head_cls(hidden_size=hidden_size, vocab_size=vocab_size, rank=rank, output_size=output_size)
 
 
 class ConfidenceHead(nn.Module):

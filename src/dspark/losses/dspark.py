@@ -5,6 +5,10 @@
     L_tv   = Σ w_k · ‖p_d_k − p_t_k‖₁        / Σ w_k      (full vocabulary, fp32 softmax, unhalved L1)
     L_conf = Σ w_k · BCE(c_k logit, c*_k)    / Σ w_k,     c*_k = clamp(1 − ½‖p_d_k − p_t_k‖₁, 0, 1)
 
+With a draft vocabulary (Vd < V, `dspark.drafters.vocab`) p_d is zero outside Vd, so the L1 distance splits
+exactly into Σ_{x ∈ Vd} |p_d − p_t| + (1 − Σ_{x ∈ Vd} p_t): `target_probs` are the target's full-vocabulary
+probabilities of the Vd draft ids (summing to the covered mass, not 1), and labels outside Vd carry no CE term.
+
 Sums run over the supervised (block, slot) pairs of the whole batch (DeepSpec's pooled normalisation, not per
 block); `p_d_k` is the sequentially corrected (teacher-forced) draft distribution softmax(U_k + B_k). Only c* is
 detached: the confidence loss also trains the backbone and W_1. Terms with α = 0 are not computed.
@@ -43,12 +47,15 @@ def position_weights(block_size: int, decay: float) -> Tensor:
 
 def compute_dspark_loss(output: DSparkOutput, *, labels: Tensor, label_valid: Tensor,
                         target_probs: Tensor | None = None, target_logits: Tensor | None = None,
+                        label_in_vocab: Tensor | None = None,
                         alpha_ce: float, alpha_tv: float, alpha_conf: float, decay: float) -> DSparkLoss:
     """Weighted DSpark loss over the supervised slots.
 
-    labels [B, N, γ] long (x*_k); label_valid [B, N, γ] bool (a contiguous prefix per block); exactly one of
-    target_probs / target_logits [B, N, γ, V] (p_t at temperature 1), needed when α_tv or α_conf > 0 and used
-    for `c_star` whenever given. With no supervised slot every term is 0, still attached to the graph (the
+    labels [B, N, γ] long (x*_k, as draft ids); label_valid [B, N, γ] bool (a contiguous prefix per block);
+    label_in_vocab [B, N, γ] bool (default all True): False where x*_k lies outside the draft vocabulary (no CE
+    term there); exactly one of target_probs [B, N, γ, Vd] (p_t at temperature 1 on the draft ids, possibly
+    summing to less than 1) / target_logits [B, N, γ, V] (full vocabulary only), needed when α_tv or α_conf > 0
+    and used for `c_star` whenever given. With no supervised slot every term is 0, still attached to the graph (the
     selections are empty), so a rank without labels still takes part in a data-parallel backward.
     """
     _validate(output, target_probs=target_probs, target_logits=target_logits,
@@ -61,13 +68,16 @@ def compute_dspark_loss(output: DSparkOutput, *, labels: Tensor, label_valid: Te
     ce = tv = conf = zero
     if alpha_ce > 0:
         nll = -log_p_d.gather(-1, labels[label_valid].unsqueeze(-1)).squeeze(-1)
+        if label_in_vocab is not None:  # a label outside Vd has p_d = 0: no gradient can reach it, skip it
+            nll = torch.where(label_in_vocab[label_valid], nll, 0.0)
         ce = (weights * nll).sum() / weight_sum
     c_star = None
     if target_probs is not None or target_logits is not None:
         p_t = _selected_target_probs(target_probs, target_logits, label_valid)
         # No graph for the [M, V] difference unless L_tv needs it (c* is detached anyway).
+        outside = (1.0 - p_t.sum(-1)).clamp_min(0.0)  # p_t's mass outside the draft vocabulary (0 for the full one)
         with torch.set_grad_enabled(torch.is_grad_enabled() and alpha_tv > 0):
-            l1 = (log_p_d.exp() - p_t).abs().sum(-1)  # [M] ‖p_d − p_t‖₁ = 2·TV
+            l1 = (log_p_d.exp() - p_t).abs().sum(-1) + outside  # [M] ‖p_d − p_t‖₁ = 2·TV over the full V
         if alpha_tv > 0:
             tv = (weights * l1).sum() / weight_sum
         c_star = (1 - 0.5 * l1.detach()).clamp(0.0, 1.0)  # [M]

@@ -112,25 +112,38 @@ def sampled_step_targets(positions: Tensor, position_valid: Tensor, *, loss_mask
     return target_index, gathered & position_valid.bool().unsqueeze(-1)
 
 
-def compute_eagle3_sampled_loss(step_logits: list[Tensor], *, target_logits: Tensor, supervised: Tensor,
+def compute_eagle3_sampled_loss(step_logits: list[Tensor], *, target_logits: Tensor | None = None,
+                                target_probs: Tensor | None = None, supervised: Tensor,
                                 step_weight: float = 0.8) -> Eagle3Loss:
-    """The TTT soft CE at sampled positions: step_logits γ × [B, N, V]; target_logits [B, N, γ, V] (z at
-    `sampled_step_targets`' index, softmaxed here at T = 1); supervised [B, N, γ]. L_k is normalised by B·N."""
-    p_target = torch.softmax(target_logits.detach().float(), dim=-1)
+    """The TTT soft CE at sampled positions: step_logits γ × [B, N, Vd]; target_logits [B, N, γ, V] (z at
+    `sampled_step_targets`' index, softmaxed here at T = 1) or target_probs [B, N, γ, Vd] (p_t of the draft
+    vocabulary's ids, summing to its covered mass: the CE −Σ_{Vd} p_t log p_d ignores p_t's mass outside Vd,
+    where p_d is 0 by construction); supervised [B, N, γ]. L_k is normalised by B·N."""
+    p_target = _sampled_target(target_logits, target_probs)
     batch, num = supervised.shape[:2]
     steps = ((k, logits, p_target[:, :, k], supervised[:, :, k]) for k, logits in enumerate(step_logits))
     return _soft_ce(steps, normaliser=batch * num, step_weight=step_weight)
 
 
 @torch.no_grad()
-def compute_eagle3_sampled_acceptance(step_logits: list[Tensor], *, target_logits: Tensor,
+def compute_eagle3_sampled_acceptance(step_logits: list[Tensor], *, target_logits: Tensor | None = None,
+                                      target_probs: Tensor | None = None,
                                       supervised: Tensor) -> Eagle3AcceptanceProxy:
     """`compute_eagle3_acceptance_proxy` at sampled positions (arguments as `compute_eagle3_sampled_loss`)."""
-    p_target = torch.softmax(target_logits.float(), dim=-1)
+    p_target = _sampled_target(target_logits, target_probs)
     valid = supervised.long().cumprod(dim=-1).bool()
     overlap = torch.stack([torch.minimum(torch.softmax(logits.float(), dim=-1), p_target[:, :, k]).sum(-1)
                            for k, logits in enumerate(step_logits)], dim=-1).clamp(0.0, 1.0)
     return Eagle3AcceptanceProxy(c_star=torch.where(valid, overlap, 0.0), valid=valid)
+
+
+def _sampled_target(target_logits: Tensor | None, target_probs: Tensor | None) -> Tensor:
+    """p_t fp32 (detached) from exactly one of logits (softmaxed over the full V) or probabilities."""
+    if (target_logits is None) == (target_probs is None):
+        raise ValueError("pass exactly one of target_logits or target_probs to the EAGLE-3 loss")
+    if target_probs is not None:
+        return target_probs.detach().float()
+    return torch.softmax(target_logits.detach().float(), dim=-1)
 
 
 @torch.no_grad()

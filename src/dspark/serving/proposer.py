@@ -173,7 +173,8 @@ class BatchedDSparkProposer:
     def _sequential(self, hidden: Tensor, parallel_logits: Tensor, *, anchor_tokens: Tensor, temperature: float,
                     generators: list[torch.Generator | None], stop_ids: Collection[int]) -> BatchProposal:
         """Slot by slot for all rows: c_k from x_{k-1} first, then x_k; rows stop after a drafted stop id."""
-        rows, gamma, vocab = parallel_logits.shape
+        rows, gamma = parallel_logits.shape[:2]
+        vocab, head = self.drafter.spec.vocab_size, self.drafter.draft_head  # p_d over the full V for the verifier
         stops = torch.tensor(sorted(int(s) for s in stop_ids), dtype=torch.long, device=self.device)
         tokens = torch.zeros(rows, gamma, dtype=torch.long, device=self.device)
         probs = torch.zeros(rows, gamma, vocab, dtype=torch.float32, device=self.device)
@@ -186,7 +187,7 @@ class BatchedDSparkProposer:
                 hidden_k=hidden[:, k], parallel_logits_k=parallel_logits[:, k], prev_token=prev, state=state)
             if confidences is not None:
                 confidences[:, k] = torch.where(drafting, torch.sigmoid(conf_logit.float()), 0.0)
-            probs[:, k] = probs_from_logits(logits, temperature)
+            probs[:, k] = head.expand(probs_from_logits(logits, temperature))  # exactly 0 outside the draft vocab
             prev = _sample_rows(probs[:, k], drafting, temperature=temperature, generators=generators)
             tokens[:, k] = prev
             num_drafts += drafting.long()

@@ -10,6 +10,7 @@ from typing import Any
 import lightning as L
 import torch
 from torch import nn
+from torchmetrics import MeanMetric
 
 from dspark.metrics import CumulativeCalibration, PositionCrossEntropy, TeacherForcedAcceptance
 from dspark.training.optim import build_optimizer
@@ -40,8 +41,9 @@ class DrafterModule(L.LightningModule):
 
     def _split_metrics(self) -> nn.ModuleDict:
         g = self.block_size
+        # coverage: p_t's mass inside the draft vocabulary, the ceiling of every slot's acceptance
         return nn.ModuleDict({"accept": TeacherForcedAcceptance(g), "ce": PositionCrossEntropy(g),
-                              "calib": CumulativeCalibration(g)})
+                              "calib": CumulativeCalibration(g), "vocab_coverage": MeanMetric()})
 
     def on_fit_start(self) -> None:
         self.target.model.to(self.device)  # the target follows the drafter's device (GPU runs)
@@ -68,7 +70,9 @@ class DrafterModule(L.LightningModule):
     def _update_metrics(self, result: StepResult, split: str) -> None:
         metrics = self.split_metrics[f"{split}_metrics"]
         metrics["accept"].update(result.c_star, result.label_valid)
-        metrics["ce"].update(result.nll, result.label_valid)
+        metrics["ce"].update(result.nll, result.label_valid if result.nll_valid is None else result.nll_valid)
+        if result.coverage is not None and bool(result.label_valid.any()):
+            metrics["vocab_coverage"].update(result.coverage[result.label_valid])
         if result.confidence is not None:
             soft_event = torch.cumprod(result.c_star.clamp(0, 1), dim=-1)
             metrics["calib"].update(result.confidence, soft_event, result.label_valid)
@@ -91,7 +95,11 @@ class DrafterModule(L.LightningModule):
             if name == "calib" and not metric.update_called:
                 continue
             if metric.update_called:
-                values.update({f"{split}/{k}": v for k, v in metric.compute().items()})
+                computed = metric.compute()
+                if isinstance(computed, dict):
+                    values.update({f"{split}/{k}": v for k, v in computed.items()})
+                else:
+                    values[f"{split}/{name}"] = computed
             metric.reset()
         finite = {k: v.float() for k, v in values.items() if torch.isfinite(v).all()}
         if finite:

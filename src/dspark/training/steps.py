@@ -11,6 +11,7 @@ from typing import Any, Callable
 
 import torch
 from torch import Tensor
+from torch.nn import functional as F
 
 from dspark.data.blocks import build_blocks
 from dspark.losses.dspark import compute_dspark_loss
@@ -30,9 +31,50 @@ class StepResult:
     loss: LossParts
     c_star: Tensor  # [B, N, γ] teacher-forced acceptance 1 − ½‖p_d − p_t‖₁ (detached)
     label_valid: Tensor  # [B, N, γ] bool
-    nll: Tensor  # [B, N, γ] −log p_d(label) (detached)
+    nll: Tensor  # [B, N, γ] −log p_d(label) (detached); meaningful where `nll_valid`
     confidence: Tensor | None  # [B, N, γ] σ(confidence logits) (detached); None without a confidence head
     num_blocks: int
+    nll_valid: Tensor | None = None  # [B, N, γ] bool: label_valid and the label inside the draft vocabulary
+    coverage: Tensor | None = None  # [B, N, γ] mass of p_t inside the draft vocabulary (1 for the full one)
+
+
+@dataclass
+class TargetDistribution:
+    """The target's T = 1 next-token distribution restricted to the draft vocabulary, at gathered positions."""
+
+    probs: Tensor  # [..., Vd] fp32 p_t(x) for x in the draft vocabulary (sums to `coverage`, not 1, when Vd < V)
+    coverage: Tensor  # [...] fp32 Σ_{x ∈ Vd} p_t(x)
+
+
+def target_distribution(drafter, target: Any, batch: dict[str, Tensor], final_hidden: Tensor,
+                        positions: Tensor) -> TargetDistribution:
+    """p_t over the draft vocabulary at `positions` [B, N, γ] (indices into final_hidden [B, T, d]).
+
+    Exact against the full vocabulary: the logits of the Vd draft rows are normalised by the full-vocabulary
+    log-normaliser log Σ_V exp(z), read from the feature cache (`log_normalizer` [B, T], computed once at
+    prepare time from the same stored hidden states) so no full-vocabulary product runs in the step; without a
+    cache (online features) it is computed here. Always fp32, outside any autocast: p_t is the supervision.
+    """
+    with torch.autocast(device_type=final_hidden.device.type, enabled=False):
+        hidden = _gather_positions(final_hidden.float(), positions)
+        head = drafter.draft_head
+        logits = F.linear(hidden, head.weight().float(), _bias(head))  # [B, N, γ, Vd]
+        if "log_normalizer" in batch:
+            b, n, g = positions.shape
+            log_z = batch["log_normalizer"].float().gather(1, positions.reshape(b, n * g)).view(b, n, g)
+        elif head.is_full:
+            log_z = torch.logsumexp(logits, dim=-1)
+        else:
+            log_z = torch.logsumexp(target.lm_head(hidden.to(target.lm_head.weight.dtype)).float(), dim=-1)
+        probs = torch.exp(logits - log_z.unsqueeze(-1))
+    return TargetDistribution(probs=probs, coverage=probs.sum(-1).clamp(0.0, 1.0))
+
+
+def _bias(head) -> Tensor | None:
+    bias = getattr(head.lm_head, "bias", None)
+    if bias is None:
+        return None
+    return bias.detach().float() if head.is_full else bias.detach().float()[head.draft_to_target.to(bias.device)]
 
 
 TRAINING_STEPS: Registry[Callable[..., StepResult]] = Registry("drafter")
@@ -41,7 +83,9 @@ TRAINING_STEPS: Registry[Callable[..., StepResult]] = Registry("drafter")
 def target_features(target: Any, batch: dict[str, Tensor]) -> tuple[Tensor, Tensor]:
     """(features [B,T,m·d], final_hidden [B,T,d]) from the feature cache when the batch has them, else online."""
     if "features" in batch and "final_hidden" in batch:
-        return batch["features"].float(), batch["final_hidden"].float()
+        # features stay in their stored dtype (fp16): the drafter's first projection casts them, which saves a
+        # [B, T, m·d] fp32 copy per step
+        return batch["features"], batch["final_hidden"].float()
     out = target.forward(batch["input_ids"], attention_mask=batch["attention_mask"])
     return out.features, out.final_hidden
 
@@ -67,23 +111,26 @@ def dspark_step(*, drafter, target, batch: dict[str, Tensor], block_size: int, a
                   block_input_ids=blocks.block_input_ids, anchor_positions=batch["anchors"],
                   prev_tokens=blocks.prev_tokens)
     with torch.no_grad():
-        target_logits = target.lm_head(_gather_positions(final_hidden, blocks.target_positions)).float()
-    loss = compute_dspark_loss(out, labels=blocks.labels, label_valid=blocks.label_valid, target_logits=target_logits,
-                               alpha_ce=alpha_ce, alpha_tv=alpha_tv, alpha_conf=alpha_conf, decay=decay)
+        p_t = target_distribution(drafter, target, batch, final_hidden, blocks.target_positions)
+    labels, in_vocab = drafter.draft_head.to_draft_ids(blocks.labels)
+    loss = compute_dspark_loss(out, labels=labels, label_valid=blocks.label_valid, target_probs=p_t.probs,
+                               label_in_vocab=in_vocab, alpha_ce=alpha_ce, alpha_tv=alpha_tv,
+                               alpha_conf=alpha_conf, decay=decay)
     with torch.no_grad():
         logp = torch.log_softmax(out.logits.float(), dim=-1)
-        nll = -logp.gather(-1, blocks.labels.unsqueeze(-1)).squeeze(-1)
+        nll = -logp.gather(-1, labels.unsqueeze(-1)).squeeze(-1)
         conf = torch.sigmoid(out.confidence_logits.float()) if out.confidence_logits is not None else None
-        c_star = loss.c_star if loss.c_star is not None else _analytic_acceptance(logp, target_logits)
+        c_star = loss.c_star if loss.c_star is not None else _analytic_acceptance(logp, p_t.probs)
     zero = _zero(loss.total)
     parts = LossParts(total=loss.total, ce=_or(loss.ce, zero), tv=_or(loss.tv, zero), conf=_or(loss.conf, zero))
     return StepResult(loss=parts, c_star=c_star.detach(), label_valid=blocks.label_valid, nll=nll,
-                      confidence=conf, num_blocks=int(batch["anchor_valid"].sum()))
+                      confidence=conf, num_blocks=int(batch["anchor_valid"].sum()),
+                      nll_valid=blocks.label_valid & in_vocab, coverage=p_t.coverage)
 
 
-def _analytic_acceptance(draft_logp: Tensor, target_logits: Tensor) -> Tensor:
-    """c* = Σ_v min(p_d, p_t) for metrics when the loss did not need it (DFlash trains on CE only)."""
-    return torch.minimum(draft_logp.exp(), torch.softmax(target_logits, dim=-1)).sum(-1).clamp(0, 1)
+def _analytic_acceptance(draft_logp: Tensor, target_probs: Tensor) -> Tensor:
+    """c* = Σ_{v ∈ Vd} min(p_d, p_t) for metrics when the loss did not need it (DFlash trains on CE only)."""
+    return torch.minimum(draft_logp.exp(), target_probs).sum(-1).clamp(0, 1)
 
 
 def _or(value: Tensor | None, default: Tensor) -> Tensor:
@@ -117,18 +164,20 @@ def eagle3_step(*, drafter, target, batch: dict[str, Tensor], block_size: int, a
     target_index, supervised = sampled_step_targets(positions, position_valid, loss_mask=batch["loss_mask"],
                                                     attention_mask=batch["attention_mask"], num_steps=block_size)
     with torch.no_grad():
-        target_logits = target.lm_head(_gather_positions(final_hidden, target_index)).float()
-    loss = compute_eagle3_sampled_loss(out.logits, target_logits=target_logits, supervised=supervised)
+        p_t = target_distribution(drafter, target, batch, final_hidden, target_index)
+    loss = compute_eagle3_sampled_loss(out.logits, target_probs=p_t.probs, supervised=supervised)
     with torch.no_grad():
-        proxy = compute_eagle3_sampled_acceptance(out.logits, target_logits=target_logits, supervised=supervised)
+        proxy = compute_eagle3_sampled_acceptance(out.logits, target_probs=p_t.probs, supervised=supervised)
         labels = batch["input_ids"].gather(1, (target_index + 1).clamp(max=batch["input_ids"].shape[1] - 1)
                                            .flatten(1)).view_as(target_index)
-        logp = torch.stack([torch.log_softmax(lg.float(), dim=-1) for lg in out.logits], dim=2)  # [B, N, γ, V]
+        labels, in_vocab = drafter.draft_head.to_draft_ids(labels)
+        logp = torch.stack([torch.log_softmax(lg.float(), dim=-1) for lg in out.logits], dim=2)  # [B, N, γ, Vd]
         nll = -logp.gather(-1, labels.unsqueeze(-1)).squeeze(-1)
     zero = _zero(loss.total)
     parts = LossParts(total=loss.total, ce=loss.total.detach(), tv=zero, conf=zero)
     return StepResult(loss=parts, c_star=proxy.c_star, label_valid=proxy.valid, nll=nll, confidence=None,
-                      num_blocks=int(proxy.valid[..., 0].sum()))
+                      num_blocks=int(proxy.valid[..., 0].sum()), nll_valid=proxy.valid & in_vocab,
+                      coverage=p_t.coverage)
 
 
 TRAINING_STEPS.add("eagle3", eagle3_step)
