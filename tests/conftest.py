@@ -23,31 +23,3 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
-
-
-@pytest.fixture(scope="session", autouse=True)
-def eval_prompt_files(tmp_path_factory):
-    """Tests never touch the network: when the staged prompt sets (../shared/data) are absent, write small JSONL
-    files in their schema for every evaluation set (prompts from the project's own generator) and point
-    DSPARK_DATA_DIR at them."""
-    import json
-
-    from dspark.data.prompts import PROMPT_SETS, default_data_dir
-    from dspark.data.synthetic import generate_synthetic_prompts
-
-    if default_data_dir() is not None:
-        yield default_data_dir()
-        return
-    folder = tmp_path_factory.mktemp("prompt-sets")
-    pool = generate_synthetic_prompts(60, seed=123)
-    for name in PROMPT_SETS.names():
-        spec = PROMPT_SETS.resolve(name)
-        if spec.role != "eval" or not spec.local_files:
-            continue
-        rows = [p for p in pool if p.domain == spec.domain][:6]
-        lines = [json.dumps({"id": f"{name}-{i}", "domain": spec.domain, "prompt": p.prompt,
-                             "paper_eval_rank": i}) for i, p in enumerate(rows)]
-        (folder / spec.local_files[0]).write_text("\n".join(lines) + "\n")
-    os.environ["DSPARK_DATA_DIR"] = str(folder)
-    yield folder
-    os.environ.pop("DSPARK_DATA_DIR", None)

@@ -30,6 +30,26 @@ def test_bad_input_exits_2_with_message(argv, needle, capsys, tmp_path):
     assert not (tmp_path / "mlflow.db").exists()  # nothing ran
 
 
+def test_missing_eval_set_fails_in_seconds_before_any_work(capsys, tmp_path, monkeypatch):
+    """No local copy of an eval set and no hub: preflight stops the run (exit 2) before regeneration or training."""
+    import time
+
+    from dspark.data import prompts
+
+    monkeypatch.setattr(prompts, "VENDORED_DIR", tmp_path / "no_vendored_sets")
+    monkeypatch.delenv("DSPARK_DATA_DIR", raising=False)
+    for key, value in (("HF_HUB_OFFLINE", "1"), ("HF_HUB_CACHE", str(tmp_path / "hub")),
+                       ("HF_DATASETS_CACHE", str(tmp_path / "datasets"))):
+        monkeypatch.setenv(key, value)
+    started = time.perf_counter()
+    assert main(["budget=smoke", "data.train_sets=[synthetic]", "decode.eval_sets=[gsm8k]",
+                 f"paths.root={tmp_path}"]) == 2
+    assert time.perf_counter() - started < 10
+    err = capsys.readouterr().err
+    assert "decode.eval_sets: prompt set 'gsm8k'" in err and "Fix:" in err and "data.local_dir=DIR" in err
+    assert not (tmp_path / "mlflow.db").exists() and not (tmp_path / "cache" / "regen").exists()
+
+
 def _runs(root: str):
     client = MlflowClient(f"sqlite:///{Path(root) / 'mlflow.db'}")
     exp = client.get_experiment_by_name("dspark-lab")

@@ -1,4 +1,5 @@
-"""Prompt sets: registry, the paper's formats and selection, local/default/hub resolution, the offline generator.
+"""Prompt sets: registry, the paper's formats and selection, local/env/vendored/hub resolution, preflight checks,
+the offline generator.
 
 Hub loads are faked by monkeypatching `datasets.load_dataset`; nothing here touches the network.
 """
@@ -15,12 +16,11 @@ from dspark.data import prompts as P
 from dspark.data import synthetic as S
 from dspark.data.prompts import PROMPT_SETS, PromptRecord, load_prompts
 
-SHARED = Path(__file__).resolve().parents[1].parent / "shared" / "data"
-needs_shared = pytest.mark.skipif(not SHARED.is_dir(), reason="shared/data is not staged on this machine")
+VENDORED = P.VENDORED_DIR
 SUFFIX = "\nPlease reason step by step, and put your final answer within \\boxed{}."
 PAPER_COUNTS = {"gsm8k": 500, "math500": 500, "aime25": 30, "humaneval": 164, "mbpp": 256, "livecodebench": 500,
                 "mt-bench": 80, "alpaca": 500, "arena-hard": 500}
-LOCAL_ONLY = {"gsm8k-train", "math-train", "mbpp-train", "alpaca-seed"}
+LOCAL_ONLY = {"gsm8k-train", "math-train", "mbpp-train", "alpaca-seed", "alpaca-5k"}
 
 
 @pytest.fixture(scope="module")
@@ -30,10 +30,12 @@ def cache_dir(tmp_path_factory):
 
 @pytest.fixture
 def no_default_data(tmp_path, monkeypatch):
-    """Point the default data dir at an empty folder, so only local_dir or the (faked) hub can answer."""
+    """Point $DSPARK_DATA_DIR at an empty folder and hide the vendored sets, so only local_dir or the (faked) hub
+    can answer."""
     empty = tmp_path / "empty_data"
     empty.mkdir()
     monkeypatch.setenv("DSPARK_DATA_DIR", str(empty))
+    monkeypatch.setattr(P, "VENDORED_DIR", tmp_path / "no_vendored_sets")
     return empty
 
 
@@ -62,7 +64,7 @@ def test_registry_holds_every_set_with_domain_and_source():
     assert set(PROMPT_SETS) == set(PAPER_COUNTS) | LOCAL_ONLY | {"open-perfectblend", "synthetic"}
     for name in PROMPT_SETS:
         spec = PROMPT_SETS.resolve(name)
-        assert spec.name == name and spec.domain in ("math", "code", "chat", "mixed") and spec.role in ("eval", "train")
+        assert spec.name == name and spec.domain in ("math", "code", "chat", "instruction", "mixed") and spec.role in ("eval", "train")
         if name in PAPER_COUNTS:
             assert spec.role == "eval" and spec.hub_id and spec.format_hub_row and spec.local_files
             assert spec.paper_max == PAPER_COUNTS[name]
@@ -72,6 +74,31 @@ def test_registry_holds_every_set_with_domain_and_source():
     assert PROMPT_SETS.resolve("synthetic").generate is not None
     assert "stand-in" in PROMPT_SETS.resolve("alpaca").note
     assert P.prompt_set_domain("humaneval") == "code" and P.prompt_set_domain("synthetic") == "mixed"
+    assert P.prompt_set_domain("alpaca-5k") == "instruction" and PROMPT_SETS.resolve("alpaca-5k").role == "train"
+
+
+def test_every_local_file_is_vendored_with_its_sources_section():
+    """A fresh clone (or an installed wheel) must find every local-file set without network or shared/data."""
+    sources = (VENDORED / "SOURCES.md").read_text(encoding="utf-8")
+    assert (VENDORED / "LICENSES.md").is_file()
+    for name in PROMPT_SETS:
+        spec = PROMPT_SETS.resolve(name)
+        if not spec.local_files:
+            continue
+        present = [f for f in spec.local_files if (VENDORED / f).is_file()]
+        assert present, f"{name}: none of {spec.local_files} is vendored in {VENDORED}"
+        assert all(f in sources for f in present), f"{name}: SOURCES.md does not describe {present}"
+        assert P.resolve_prompt_source(name).path == VENDORED / present[0]
+
+
+def test_package_data_ships_the_vendored_sets():
+    """pyproject's package-data must cover the vendored files, or a wheel install loses them."""
+    import tomllib
+
+    pyproject = tomllib.loads((Path(__file__).resolve().parents[1] / "pyproject.toml").read_text())
+    patterns = pyproject["tool"]["setuptools"]["package-data"]["dspark.data"]
+    shipped = {p.name for pattern in patterns for p in (Path(P.__file__).parent).glob(pattern)}
+    assert {p.name for p in VENDORED.iterdir() if p.is_file()} <= shipped
 
 
 def test_unknown_set_lists_valid_names():
@@ -99,17 +126,16 @@ def _ranked_ids(path: Path) -> list[str]:
     return [r["id"] for r in sorted(ranked, key=lambda r: r["paper_eval_rank"])]
 
 
-@needs_shared
 @pytest.mark.parametrize("name", sorted(PAPER_COUNTS))
 def test_paper_sets_load_from_shared_dir(name, cache_dir, monkeypatch):
     monkeypatch.delenv("DSPARK_DATA_DIR", raising=False)
     records = load_prompts(name, cache_dir=cache_dir)
     assert len(records) == PAPER_COUNTS[name]
     assert len({r.id for r in records}) == len(records)
-    assert all(isinstance(r, PromptRecord) and r.prompt and r.domain in ("math", "code", "chat") for r in records)
+    assert all(isinstance(r, PromptRecord) and r.prompt and r.domain == P.prompt_set_domain(name) for r in records)
     spec = PROMPT_SETS.resolve(name)
     if name != "alpaca":  # the stand-in has no ranks; its selection is the seeded shuffle (tested below)
-        assert [r.id for r in records] == _ranked_ids(SHARED / spec.local_files[-1])
+        assert [r.id for r in records] == _ranked_ids(VENDORED / spec.local_files[-1])
     if name in ("gsm8k", "math500", "aime25"):
         assert all(r.prompt.endswith(SUFFIX) for r in records)
     elif name == "humaneval":
@@ -123,7 +149,6 @@ def test_paper_sets_load_from_shared_dir(name, cache_dir, monkeypatch):
     assert load_prompts(name, limit=7, cache_dir=cache_dir) == records[:7]
 
 
-@needs_shared
 @pytest.mark.parametrize("name", ["gsm8k", "mbpp", "livecodebench", "arena-hard"])
 def test_seeded_shuffle_reproduces_staged_ranks(name, cache_dir, monkeypatch):
     """The hub path's selection (shuffle of all rows) must pick the same rows, in the same order, as the ranks."""
@@ -135,7 +160,6 @@ def test_seeded_shuffle_reproduces_staged_ranks(name, cache_dir, monkeypatch):
     assert len(other_seed) == PAPER_COUNTS[name] and other_seed != shuffled
 
 
-@needs_shared
 def test_alpaca_stand_in_uses_the_paper_shuffle(cache_dir, monkeypatch):
     monkeypatch.delenv("DSPARK_DATA_DIR", raising=False)
     every = load_prompts("alpaca", selection="all", cache_dir=cache_dir)
@@ -143,7 +167,6 @@ def test_alpaca_stand_in_uses_the_paper_shuffle(cache_dir, monkeypatch):
     assert load_prompts("alpaca", cache_dir=cache_dir) == P.paper_subset(every, cap=500)
 
 
-@needs_shared
 @pytest.mark.parametrize("name, formatter, fields", [
     ("gsm8k_test", P.format_gsm8k, {"raw_prompt": "question"}),
     ("math500", P.format_math_problem, {"raw_prompt": "problem", "id": "unique_id"}),
@@ -151,7 +174,7 @@ def test_alpaca_stand_in_uses_the_paper_shuffle(cache_dir, monkeypatch):
 ])
 def test_hub_formats_match_staged_paper_prompts(name, formatter, fields):
     """Formatting each staged row's original question must give DeepSpec's exact prompt, row by row."""
-    for line in (SHARED / f"{name}.jsonl").read_text(encoding="utf-8").strip().split("\n"):
+    for line in (VENDORED / f"{name}.jsonl").read_text(encoding="utf-8").strip().split("\n"):
         row = json.loads(line)
         record = formatter({hub: row[staged] for staged, hub in fields.items()})
         assert record.prompt == row["prompt"]
@@ -159,14 +182,30 @@ def test_hub_formats_match_staged_paper_prompts(name, formatter, fields):
             assert record.id == row["id"]
 
 
-@needs_shared
-def test_training_sets_load_whole_files(cache_dir, monkeypatch):
+def test_training_sets_load_whole_files_with_reference_responses(cache_dir, monkeypatch):
     monkeypatch.delenv("DSPARK_DATA_DIR", raising=False)
     mbpp = load_prompts("mbpp-train", cache_dir=cache_dir)
     task_ids = {int(r.id.rsplit("-", 1)[1]) for r in mbpp}
     assert len(mbpp) == 474 and not task_ids & set(range(11, 511))
-    assert len(load_prompts("alpaca-seed", cache_dir=cache_dir)) == 175
-    assert len(load_prompts("gsm8k-train", limit=20, cache_dir=cache_dir)) == 20
+    assert all(r.domain == "code" and "def " in r.reference for r in mbpp)
+    seed = load_prompts("alpaca-seed", cache_dir=cache_dir)
+    assert len(seed) == 175 and all(r.domain == "instruction" and r.reference for r in seed)
+    alpaca = load_prompts("alpaca-5k", cache_dir=cache_dir)
+    assert len(alpaca) == 5000 and len({r.id for r in alpaca}) == 5000
+    assert all(r.domain == "instruction" for r in alpaca)
+    assert sum(r.reference is None for r in alpaca) == 2  # two source rows have an empty output
+    assert alpaca[0].prompt.endswith("\n\nInput:\nSentence 1: I am going to the store.\nSentence 2: I goes to the store.")
+    gsm = load_prompts("gsm8k-train", cache_dir=cache_dir)
+    assert len(gsm) == 7473 and all("<<" not in r.reference and "\n#### " in r.reference for r in gsm)
+    assert gsm[0].reference == ("Natalia sold 48/2 = 24 clips in May.\nNatalia sold 48+24 = 72 clips altogether "
+                                "in April and May.\n#### 72")
+    math = load_prompts("math-train", limit=50, cache_dir=cache_dir)  # final answers only: no reference response
+    assert len(math) == 50 and all(r.reference is None for r in math)
+
+
+def test_strip_calculator_notes():
+    assert P.strip_calculator_notes("12/60 = $<<12/60=0.2>>0.2 per minute, <<2*3=6>>6") == "12/60 = $0.2 per minute, 6"
+    assert P.strip_calculator_notes("no notes << here") == "no notes << here"
 
 
 # ---- format_hub_row on hand-made hub rows ----
@@ -219,7 +258,22 @@ def test_format_hub_row_gives_the_paper_text(name, row, prompt, extra):
         assert getattr(record, key) == value
 
 
-# ---- resolution: local_dir > default dir > hub ----
+# ---- resolution: local_dir > $DSPARK_DATA_DIR > vendored > hub ----
+
+def test_lookup_order_local_env_vendored(tmp_path, monkeypatch):
+    monkeypatch.delenv("DSPARK_DATA_DIR", raising=False)
+    assert P.resolve_prompt_source("gsm8k") == P.PromptSource("gsm8k", "file", path=VENDORED / "gsm8k_test.jsonl")
+    env, local = tmp_path / "env", tmp_path / "local"
+    for folder in (env, local):
+        folder.mkdir()
+        write_jsonl(folder / "gsm8k_test.jsonl", [{"prompt": folder.name}])
+    monkeypatch.setenv("DSPARK_DATA_DIR", str(env))
+    assert P.resolve_prompt_source("gsm8k").path == env / "gsm8k_test.jsonl"
+    assert P.resolve_prompt_source("gsm8k", local_dir=local).path == local / "gsm8k_test.jsonl"
+    assert P.resolve_prompt_source("humaneval", local_dir=local).path == VENDORED / "humaneval.jsonl"
+    assert P.resolve_prompt_source("synthetic").kind == "generated"
+    assert P.resolve_prompt_source("open-perfectblend").kind == "hub"
+
 
 def test_local_dir_wins_over_default_dir(tmp_path, monkeypatch, cache_dir):
     default = tmp_path / "default"
@@ -292,8 +346,33 @@ def test_offline_hub_failure_names_set_places_and_fix(monkeypatch, no_default_da
 
 def test_default_data_dir_skips_missing_env_dir(tmp_path, monkeypatch):
     monkeypatch.setenv("DSPARK_DATA_DIR", str(tmp_path / "nope"))
-    found = P.default_data_dir()
-    assert found is None or found.resolve() == SHARED.resolve()
+    assert P.default_data_dir() is None
+    assert [label for label, _ in P.search_dirs(None)] == ["vendored prompt sets"]
+
+
+# ---- preflight: resolve every set without reading it ----
+
+def test_prompt_set_errors_name_the_key_and_the_fix(tmp_path, monkeypatch, no_default_data):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr(P, "hub_unreachable_reason", lambda hub_id, **_: f"{hub_id} unreachable")
+    errors = P.prompt_set_errors({"data.train_sets": ["math-train", "synthetic", "gsm8kk"],
+                                  "decode.eval_sets": ["humaneval"]}, local_dir=None, cache_dir=tmp_path)
+    assert len(errors) == 3
+    assert errors[0].startswith("data.train_sets: Prompt set 'math-train': no math_train.jsonl") and "Fix" in errors[0]
+    assert errors[1].startswith("data.train_sets: Unknown prompt set 'gsm8kk'") and "gsm8k" in errors[1]
+    assert errors[2].startswith("decode.eval_sets: prompt set 'humaneval'") and "openai/openai_humaneval unreachable" \
+        in errors[2] and "data.local_dir=DIR" in errors[2]
+    write_jsonl(tmp_path / "humaneval.jsonl", [{"prompt": "p"}])
+    assert P.prompt_set_errors({"decode.eval_sets": ["humaneval"]}, local_dir=tmp_path, cache_dir=None) == []
+
+
+def test_hub_reason_uses_the_cache_and_the_offline_switch(tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "datasets"))
+    assert "HF_HUB_OFFLINE" in P.hub_unreachable_reason("mlabonne/open-perfectblend", cache_dir=tmp_path / "c")
+    (tmp_path / "c" / "mlabonne___open-perfectblend").mkdir(parents=True)
+    assert P.hub_unreachable_reason("mlabonne/open-perfectblend", cache_dir=tmp_path / "c") is None
 
 
 # ---- synthetic generator ----

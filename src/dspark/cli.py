@@ -10,7 +10,6 @@ import sys
 import time
 
 from dspark.config import ConfigError, ResolvedConfig, resolve_config
-from dspark.registry import unknown_name_message
 
 log = logging.getLogger("dspark")
 RUN_ID_ENV = "DSPARK_MLFLOW_RUN_ID"  # hands the run to Lightning's DDP worker processes (they re-run this script)
@@ -40,16 +39,17 @@ def preflight(rc: ResolvedConfig) -> None:
     cfg, errors = rc.cfg, []
     if cfg.stage == "report":  # reports read the tracking store only; skip imports of torch/transformers
         return
-    from dspark.data.prompts import PROMPT_SETS
+    from dspark.data.prompts import prompt_set_errors
     from dspark.targets import TARGETS
 
-    for key, names in (("data.train_sets", cfg.data.train_sets), ("decode.eval_sets", cfg.decode.eval_sets)):
-        for name in names:
-            if name not in PROMPT_SETS:
-                errors.append(f"{key}: " + unknown_name_message("prompt set", name, PROMPT_SETS.names()))
     if cfg.data.local_dir and not Path(cfg.data.local_dir).expanduser().is_dir():
         errors.append(f"data.local_dir={cfg.data.local_dir} does not exist; point it at a directory of JSONL prompt "
                       "files (schema: id, domain, prompt, ...).")
+    else:  # every prompt set the run may read, resolved (not read) now rather than after regeneration and training
+        errors += prompt_set_errors(
+            {"data.train_sets": cfg.data.train_sets, "decode.eval_sets": cfg.decode.eval_sets,
+             "serve.prompt_sets": cfg.serve.prompt_sets},
+            local_dir=cfg.data.local_dir, cache_dir=Path(cfg.paths.root) / "cache" / "datasets")
     looks_local = cfg.target.startswith(("/", ".", "~")) or cfg.target.endswith(".gguf")
     if cfg.target not in TARGETS and looks_local and not Path(cfg.target).expanduser().exists():
         errors.append(f"target={cfg.target}: no such file or directory; give a local model directory, a .gguf "

@@ -1,6 +1,10 @@
 """Prompt sets: the paper's nine evaluation sets, training sets, and one loader for local JSONL or the hub.
 
-Local files use the schema of `shared/data/SOURCES.md`: one JSON object per line with `prompt` (the first user
+Where a set is read from, first match wins: `data.local_dir`, then `$DSPARK_DATA_DIR`, then the prompt sets
+vendored with the package (`dspark/data/prompt_sets/`, sources and licences in its SOURCES.md and LICENSES.md), then
+the hub. Every set with a local file is vendored, so a fresh clone or an installed wheel needs no network.
+
+Local files use the schema of `prompt_sets/SOURCES.md`: one JSON object per line with `prompt` (the first user
 turn, already in the paper's format for eval sets), optional `id`, `domain`, `turns` (later user turns),
 `reference` and `paper_eval_rank`. A DeepSpec-style row `{"turns": [t1, t2, ...]}` without `prompt` is read as
 prompt = t1, turns = [t2, ...].
@@ -13,11 +17,14 @@ from __future__ import annotations
 
 import os
 import random
-from dataclasses import dataclass, field, replace
+import re
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
-from dspark.registry import Registry
+from dspark.data.records import DOMAINS, PromptRecord
+from dspark.data.synthetic import generate_synthetic_prompts
+from dspark.registry import Registry, unknown_name_message
 
 PAPER_SEED = 980406  # DeepSpec eval.py --seed default; fixes which rows the paper evaluates
 SYNTHETIC_DEFAULT_COUNT = 1000  # prompts generated for the `synthetic` set when no limit is given
@@ -29,21 +36,11 @@ LCB_HEADER = (
     "except for the program\n\n"
 )
 SELECTIONS = ("paper", "all")
+VENDORED_DIR = Path(__file__).resolve().parent / "prompt_sets"  # package data (pyproject: tool.setuptools.package-data)
 SCHEMA_HINT = (
     "one JSON object per line with a `prompt` string and optional `id`, `domain`, `turns`, `reference`, "
-    "`paper_eval_rank` (see shared/data/SOURCES.md)"
+    "`paper_eval_rank` (see dspark/data/prompt_sets/SOURCES.md)"
 )
-
-
-@dataclass
-class PromptRecord:
-    """One prompt: `prompt` is the first user turn (the only one the paper feeds), `turns` the later user turns."""
-
-    id: str
-    domain: str  # math | code | chat
-    prompt: str
-    turns: list[str] = field(default_factory=list)
-    reference: str | None = None  # reference answer or solution where the source has one
 
 
 @dataclass(frozen=True)
@@ -52,11 +49,12 @@ class PromptSetSpec:
 
     `local_files` are candidate file names (first present wins) in the shared JSONL schema. `format_hub_row` is
     a pure function of one hub row that applies the paper's prompt format. `paper_max` is the paper's cap on
-    evaluated rows (None: no cap). `generate(n, seed)` replaces file and hub for generated sets.
+    evaluated rows (None: no cap). `generate(n, seed)` replaces file and hub for generated sets. `reference_of`
+    reads a local row's reference response (None: the row's `reference` field as it is).
     """
 
     name: str
-    domain: str  # math | code | chat | mixed (records then carry their own domain)
+    domain: str  # math | code | chat | instruction, or mixed (records then carry their own domain)
     role: str  # eval | train
     local_files: tuple[str, ...] = ()
     hub_id: str | None = None
@@ -67,6 +65,7 @@ class PromptSetSpec:
     format_hub_row: Callable[[Mapping[str, Any]], PromptRecord] | None = None
     keep_local_row: Callable[[Mapping[str, Any]], bool] | None = None
     generate: Callable[[int, int], list[PromptRecord]] | None = None
+    reference_of: Callable[[Mapping[str, Any]], str | None] | None = None
     note: str = ""
 
 
@@ -159,9 +158,22 @@ def _eval_set(name: str, *, domain: str, local: str | tuple[str, ...], cap: int,
 
 
 def _generate_synthetic(n: int, seed: int) -> list[PromptRecord]:
-    from dspark.data.synthetic import generate_synthetic_prompts  # late: synthetic imports PromptRecord from here
-
     return generate_synthetic_prompts(n, seed=seed)
+
+
+def strip_calculator_notes(text: str) -> str:
+    """GSM8K solutions annotate arithmetic as `48/2 = <<48/2=24>>24`; the reference response keeps `48/2 = 24`."""
+    return re.sub(r"<<[^<>]*>>", "", text)
+
+
+def _gsm8k_reference(row: Mapping[str, Any]) -> str | None:
+    reference = row.get("reference")
+    return None if reference is None else strip_calculator_notes(str(reference))
+
+
+def _not_mbpp_test_task(row: Mapping[str, Any]) -> bool:
+    """MBPP's test split is task ids 11-510 (the eval set `mbpp` is its sanitized subset); keep every other task."""
+    return not 11 <= int(row["task_id"]) <= 510
 
 
 _eval_set("gsm8k", domain="math", local="gsm8k_test.jsonl", cap=500, fmt=format_gsm8k,
@@ -195,29 +207,107 @@ _eval_set("arena-hard", domain="chat", local="arena_hard_v2.jsonl", cap=500, fmt
 PROMPT_SETS.add("open-perfectblend", PromptSetSpec(
     "open-perfectblend", "mixed", "train", hub_id="mlabonne/open-perfectblend", hub_split="train",
     format_hub_row=format_conversation, note="Domain per row is guessed from its `source` column."))
-PROMPT_SETS.add("gsm8k-train", PromptSetSpec("gsm8k-train", "math", "train", local_files=("gsm8k_train.jsonl",)))
-PROMPT_SETS.add("math-train", PromptSetSpec("math-train", "math", "train", local_files=("math_train.jsonl",)))
+PROMPT_SETS.add("gsm8k-train", PromptSetSpec(
+    "gsm8k-train", "math", "train", local_files=("gsm8k_train.jsonl",), reference_of=_gsm8k_reference,
+    note="Reference = the GSM8K worked solution without its <<calculator>> notes, ending in '#### answer'."))
+PROMPT_SETS.add("math-train", PromptSetSpec(
+    "math-train", "math", "train", local_files=("math_train.jsonl",), reference_of=lambda row: None,
+    note="The staged MATH train rows hold final answers only, so records carry no reference response."))
 PROMPT_SETS.add("mbpp-train", PromptSetSpec(
-    "mbpp-train", "code", "train", local_files=("mbpp_full.jsonl",),
-    keep_local_row=lambda row: row.get("split") in ("train", "validation", "prompt"),
-    note="MBPP task ids 1-10 and 511-974; the test ids 11-510 hold the eval set's tasks."))
+    "mbpp-train", "code", "train", local_files=("mbpp_full.jsonl",), keep_local_row=_not_mbpp_test_task,
+    note="MBPP task ids 1-10 and 511-974 (reference = the task's code); the test ids 11-510 hold the eval set's tasks."))
 PROMPT_SETS.add("alpaca-seed", PromptSetSpec(
-    "alpaca-seed", "chat", "train", local_files=("alpaca_seed_tasks.jsonl",)))
+    "alpaca-seed", "instruction", "train", local_files=("alpaca_seed_tasks.jsonl",),
+    note="175 human-written self-instruct seed tasks; reference = the first instance's output."))
+PROMPT_SETS.add("alpaca-5k", PromptSetSpec(
+    "alpaca-5k", "instruction", "train", local_files=("alpaca_5k_train.jsonl",),
+    note="5,000 Alpaca-52k rows (tatsu-lab/stanford_alpaca data/alpaca_5000.json), the paper's alpaca prompt format; "
+         "reference = the Alpaca (text-davinci-003) output. Training only; no prompt overlaps alpaca_eval.jsonl."))
 PROMPT_SETS.add("synthetic", PromptSetSpec(
     "synthetic", "mixed", "train", generate=_generate_synthetic,
     note=f"Offline generator (dspark.data.synthetic); limit=None gives {SYNTHETIC_DEFAULT_COUNT} prompts."))
 
 
 def prompt_set_domain(name: str) -> str:
-    """The set's domain (math | code | chat | mixed); raises the registry's error for unknown names."""
+    """The set's domain (math | code | chat | instruction | mixed); raises the registry's error for unknown names."""
     return PROMPT_SETS.resolve(name).domain
 
 
 def default_data_dir() -> Path | None:
-    """First existing of $DSPARK_DATA_DIR and <repo>/../shared/data (relative to this source tree), else None."""
-    candidates = [Path(os.environ["DSPARK_DATA_DIR"])] if os.environ.get("DSPARK_DATA_DIR") else []
-    candidates.append(Path(__file__).resolve().parents[3].parent / "shared" / "data")
-    return next((path for path in candidates if path.is_dir()), None)
+    """$DSPARK_DATA_DIR when it names an existing directory, else None (the vendored sets come after it)."""
+    env = os.environ.get("DSPARK_DATA_DIR")
+    return Path(env) if env and Path(env).is_dir() else None
+
+
+@dataclass(frozen=True)
+class PromptSource:
+    """Where `load_prompts` will read a set from: kind file (path), hub (hub_id) or generated (neither)."""
+
+    name: str
+    kind: str  # file | hub | generated
+    path: Path | None = None
+    hub_id: str | None = None
+
+
+def search_dirs(local_dir: str | Path | None) -> list[tuple[str, Path]]:
+    """(label, directory) in lookup order: data.local_dir, $DSPARK_DATA_DIR, the vendored prompt sets.
+
+    Raises ValueError when `local_dir` is given but is not a directory (a typo should not silently fall through).
+    """
+    dirs = []
+    if local_dir is not None:
+        local_dir = Path(local_dir).expanduser()
+        if not local_dir.is_dir():
+            raise ValueError(
+                f"data.local_dir={local_dir} does not exist; point it at a directory of JSONL prompt files "
+                f"({SCHEMA_HINT}) or leave it unset.")
+        dirs.append(("data.local_dir", local_dir))
+    env = default_data_dir()
+    if env is not None:
+        dirs.append(("$DSPARK_DATA_DIR", env))
+    dirs.append(("vendored prompt sets", VENDORED_DIR))
+    return dirs
+
+
+def resolve_prompt_source(name: str, *, local_dir: str | Path | None = None) -> PromptSource:
+    """The first source of `name` in lookup order, without reading it (cheap: used by preflight).
+
+    Raises ValueError (naming the file, the places searched and the fix) when no local file exists and the set
+    has no hub copy. A hub source is not contacted here; see `hub_unreachable_reason`.
+    """
+    spec = PROMPT_SETS.resolve(name)
+    if spec.generate is not None:
+        return PromptSource(name, "generated")
+    dirs = search_dirs(local_dir)
+    for _, directory in dirs:
+        path = _find_local_file(spec, directory)
+        if path is not None:
+            return PromptSource(name, "file", path=path)
+    if spec.hub_id is None:
+        raise ValueError(_not_found_message(spec, _searched(dirs), hub_error=None))
+    return PromptSource(name, "hub", hub_id=spec.hub_id)
+
+
+def hub_unreachable_reason(hub_id: str, *, cache_dir: str | Path | None, timeout_s: float = 5.0) -> str | None:
+    """None when the hub dataset `hub_id` can be loaded (it is in the `datasets` / hub cache, or the hub answers
+    within `timeout_s`), else a one-line reason. Preflight calls it so an offline run stops before any work."""
+    cached_names = (hub_id.replace("/", "___"), "datasets--" + hub_id.replace("/", "--"))
+    roots = [Path(cache_dir)] if cache_dir is not None else []
+    roots += [Path(os.environ.get("HF_DATASETS_CACHE") or Path.home() / ".cache" / "huggingface" / "datasets"),
+              Path(os.environ.get("HF_HUB_CACHE") or Path.home() / ".cache" / "huggingface" / "hub")]
+    if any((root / name).exists() for root in roots for name in cached_names):
+        return None
+    offline = any(os.environ.get(key, "").lower() in ("1", "true", "yes", "on")
+                  for key in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"))
+    if offline:
+        return "it is not in the datasets cache and HF_HUB_OFFLINE / HF_DATASETS_OFFLINE is set"
+    try:
+        from huggingface_hub import HfApi
+
+        HfApi().dataset_info(hub_id, timeout=timeout_s)
+    except Exception as exc:  # offline, DNS, timeout, 404, gated: all mean the load would fail
+        return f"the hub did not answer ({type(exc).__name__}: {str(exc)[:200]})"
+    return None
 
 
 # ---- loading ----
@@ -231,7 +321,7 @@ def load_prompts(
     selection: str = "paper",
     cache_dir: str | Path | None = None,
 ) -> list[PromptRecord]:
-    """Load a prompt set: `local_dir` (if it holds the set's file) > default_data_dir() > the hub.
+    """Load a prompt set: `local_dir` (if it holds the set's file) > $DSPARK_DATA_DIR > vendored > the hub.
 
     selection="paper": eval sets give the paper's rows in the paper's order (`paper_eval_rank` when the file has
     it and seed is the paper's, else the seeded shuffle capped at `paper_max`); training sets give all rows.
@@ -274,32 +364,21 @@ def _paper_selection(
 
 def _load_records(spec: PromptSetSpec, *, local_dir, cache_dir) -> tuple[list[PromptRecord], list | None]:
     """Records of the whole set in source order, plus the `paper_eval_rank` column for local files."""
-    searched = []
-    if local_dir is not None:
-        local_dir = Path(local_dir)
-        if not local_dir.is_dir():
-            raise ValueError(
-                f"data.local_dir={local_dir} does not exist; point it at a directory of JSONL prompt files "
-                f"({SCHEMA_HINT}) or leave it unset.")
-        searched.append(f"data.local_dir={local_dir}")
-    default_dir = default_data_dir()
-    searched.append(f"default data dir={default_dir} ($DSPARK_DATA_DIR or <repo>/../shared/data)")
-    for directory in (local_dir, default_dir):
-        path = _find_local_file(spec, directory)
-        if path is not None:
-            return _read_local(spec, path, cache_dir=cache_dir)
-    if spec.hub_id is None:
-        raise ValueError(_not_found_message(spec, searched, hub_error=None))
+    source = resolve_prompt_source(spec.name, local_dir=local_dir)
+    if source.kind == "file":
+        return _read_local(spec, source.path, cache_dir=cache_dir)
     try:
         return _read_hub(spec, cache_dir=cache_dir), None
     except Exception as exc:  # datasets raises many types when offline (ConnectionError, httpx, not-found, ...)
-        raise ValueError(_not_found_message(spec, searched, hub_error=exc)) from exc
+        raise ValueError(_not_found_message(spec, _searched(search_dirs(local_dir)), hub_error=exc)) from exc
 
 
-def _find_local_file(spec: PromptSetSpec, directory: Path | None) -> Path | None:
-    if directory is None:
-        return None
+def _find_local_file(spec: PromptSetSpec, directory: Path) -> Path | None:
     return next((directory / f for f in spec.local_files if (directory / f).is_file()), None)
+
+
+def _searched(dirs: list[tuple[str, Path]]) -> list[str]:
+    return [f"{label}={path}" for label, path in dirs]
 
 
 def _not_found_message(spec: PromptSetSpec, searched: list[str], *, hub_error: Exception | None) -> str:
@@ -344,13 +423,17 @@ def _record_from_row(row: Mapping[str, Any], *, spec: PromptSetSpec, path: Path,
         prompt, turns = turns[0], turns[1:]
     if not isinstance(prompt, str) or not prompt:
         raise ValueError(f"{path} row {index}: no `prompt` string; prompt files need {SCHEMA_HINT}.")
-    reference = row.get("reference")
+    reference = spec.reference_of(row) if spec.reference_of is not None else row.get("reference")
+    # a set's own domain wins over the file's tag (the staged alpaca-5k rows say `chat`, the set is `instruction`)
+    domain = str(row.get("domain") or "chat") if spec.domain == "mixed" else spec.domain
+    if domain not in DOMAINS:
+        raise ValueError(f"{path} row {index}: domain={domain!r} is not one of {', '.join(DOMAINS)}.")
     return PromptRecord(
         id=str(row["id"]) if row.get("id") is not None else f"{path.stem}-{index}",
-        domain=str(row.get("domain") or spec.domain),
+        domain=domain,
         prompt=prompt,
         turns=turns,
-        reference=None if reference is None else str(reference),
+        reference=None if reference is None or reference == "" else str(reference),  # two alpaca-5k rows have ""
     )
 
 
@@ -370,3 +453,36 @@ def _read_hub(spec: PromptSetSpec, *, cache_dir) -> list[PromptRecord]:
         record = spec.format_hub_row(row)
         records.append(record if record.id else replace(record, id=f"{stem}-{index}"))
     return records
+
+
+def prompt_set_errors(
+    keyed_sets: Mapping[str, list[str]], *, local_dir: str | Path | None, cache_dir: str | Path | None
+) -> list[str]:
+    """One message per set that cannot be loaded, for every (config key, set names) pair, without reading any file.
+
+    Unknown names, a missing data.local_dir, a set with no local file and no hub copy, and a hub-only set while the
+    hub is unreachable (and the set is not cached) each give `<key>: <why>. Fix: <how>`. Used by preflight so that a
+    run stops in seconds instead of after regeneration and training.
+    """
+    errors, probed = [], {}
+    for key, names in keyed_sets.items():
+        for name in names:
+            if name not in PROMPT_SETS:
+                errors.append(f"{key}: " + unknown_name_message("prompt set", name, PROMPT_SETS.names()))
+                continue
+            try:
+                source = resolve_prompt_source(name, local_dir=local_dir)
+            except ValueError as err:
+                errors.append(f"{key}: {err}")
+                continue
+            if source.kind != "hub":
+                continue
+            if source.hub_id not in probed:
+                probed[source.hub_id] = hub_unreachable_reason(source.hub_id, cache_dir=cache_dir)
+            if probed[source.hub_id] is not None:
+                files = " or ".join(PROMPT_SETS.resolve(name).local_files) or f"a {name}.jsonl file"
+                errors.append(
+                    f"{key}: prompt set '{name}' has no local file and loads from the hub ({source.hub_id}), but "
+                    f"{probed[source.hub_id]}. Fix: allow network access, or set data.local_dir=DIR to a directory "
+                    f"holding {files} ({SCHEMA_HINT}), or drop '{name}' from {key}.")
+    return errors

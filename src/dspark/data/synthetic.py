@@ -10,9 +10,9 @@ import random
 from dataclasses import dataclass
 from typing import Callable
 
-from dspark.data.prompts import PromptRecord
+from dspark.data.records import PromptRecord
 
-DOMAINS = ("math", "code", "chat")
+DOMAINS = ("math", "code", "chat")  # the generator writes no `instruction` prompts
 MAX_DRAWS = 500  # fresh draws tried per record before giving up on finding an unseen prompt
 
 NAMES = (
