@@ -14,7 +14,7 @@ YAML_FILES = sorted(p for p in (repo_root() / "experiments").rglob("*.yaml"))
 
 def test_yaml_files_exist():
     assert (repo_root() / "experiments" / "default.yaml") in YAML_FILES
-    assert {p.stem for p in (experiments_dir() / "budgets").glob("*.yaml")} == {"smoke", "cpu", "paper"}
+    assert {p.stem for p in (experiments_dir() / "budgets").glob("*.yaml")} == {"smoke", "cpu", "cpu-ref", "cpu-long", "paper"}
 
 
 @pytest.mark.parametrize("path", YAML_FILES, ids=lambda p: p.name)
@@ -35,10 +35,15 @@ def test_each_budget_resolves(budget: str, tmp_path):
 
 
 def test_defaults_match_the_paper():
-    rc = resolve_config([])
-    cfg = rc.cfg
+    cfg = resolve_config(["budget=paper"]).cfg
     assert (cfg.target, cfg.drafter, cfg.model.head) == ("smollm2-135m", "dspark", "markov")
     assert (cfg.model.depth, cfg.model.block_size, cfg.model.markov_rank) == (5, 7, 256)
+    assert cfg.model.draft_vocab_size == 0 and cfg.data.responses == "regenerate"
+    # the CPU budget (the default run) trades depth and vocabulary for a drafter that learns in minutes
+    rc = resolve_config([])
+    cpu = rc.cfg
+    assert (cpu.budget, cpu.model.depth, cpu.model.draft_vocab_size, cpu.data.responses) == ("cpu", 2, 8192, "reference")
+    cfg = cpu
     assert (cfg.loss.alpha_ce, cfg.loss.alpha_tv, cfg.loss.alpha_conf, cfg.loss.decay) == (0.1, 0.9, 1.0, 4.0)
     assert Path(cfg.paths.root) == repo_root() / "outputs" and Path(cfg.paths.reports) == repo_root() / "reports"
 

@@ -11,7 +11,8 @@ from pathlib import Path
 from typing import Any
 
 from dspark.config.loader import ConfigError, apply_overrides, load_yaml, parse_overrides
-from dspark.config.schema import BUDGETS, DRAFTERS, HEADS, POLICIES, SERVE_POLICIES, STAGES, RunConfig
+from dspark.config.schema import (BUDGETS, DRAFTERS, HEADS, POLICIES, RESPONSE_MODES, SERVE_POLICIES, STAGES,
+                                  RunConfig)
 from dspark.registry import unknown_name_message
 
 
@@ -106,7 +107,9 @@ def validate_config(cfg: RunConfig, *, explicit_keys: set[str] = frozenset()) ->
 def _name_errors(cfg: RunConfig) -> list[str]:
     checks = [("drafter", cfg.drafter, DRAFTERS), ("model.head", cfg.model.head, HEADS),
               ("stage", cfg.stage, STAGES), ("budget", cfg.budget, BUDGETS),
-              ("decode.policy", cfg.decode.policy, POLICIES), ("serve.policy", cfg.serve.policy, SERVE_POLICIES)]
+              ("decode.policy", cfg.decode.policy, POLICIES), ("serve.policy", cfg.serve.policy, SERVE_POLICIES),
+              ("data.responses", cfg.data.responses, RESPONSE_MODES),
+              ("data.feature_precision", cfg.data.feature_precision, ("auto", "bf16", "fp32"))]
     errors = [unknown_name_message(key, value, list(valid)) for key, value, valid in checks if value not in valid]
     if cfg.sweep and cfg.sweep not in available_sweeps():
         errors.append(unknown_name_message("sweep", cfg.sweep, available_sweeps()))
@@ -129,6 +132,16 @@ def _range_errors(cfg: RunConfig) -> list[str]:
         (cfg.data.max_anchors >= 1, f"data.max_anchors must be ≥ 1 (got {cfg.data.max_anchors})."),
         (cfg.data.num_train_prompts >= 2, "data.num_train_prompts must be ≥ 2 (one for validation)."),
         (cfg.optim.lr > 0, f"optim.lr must be > 0 (got {cfg.optim.lr})."),
+        (m.draft_vocab_size >= 0, f"model.draft_vocab_size must be ≥ 0 (got {m.draft_vocab_size}); 0 = full vocabulary."),
+        (not cfg.data.train_weights or len(cfg.data.train_weights) == len(cfg.data.train_sets),
+         f"data.train_weights has {len(cfg.data.train_weights)} weights for {len(cfg.data.train_sets)} "
+         "data.train_sets; give one weight per set (in order) or [] for equal shares."),
+        (all(float(w) >= 0 for w in cfg.data.train_weights) and (not cfg.data.train_weights
+                                                                  or sum(cfg.data.train_weights) > 0),
+         f"data.train_weights must be ≥ 0 with a positive sum (got {cfg.data.train_weights})."),
+        (cfg.data.num_regen_prompts >= 0, f"data.num_regen_prompts must be ≥ 0 (got {cfg.data.num_regen_prompts})."),
+        (cfg.data.responses != "mix" or cfg.data.num_regen_prompts >= 1,
+         "data.responses=mix needs data.num_regen_prompts ≥ 1 (how many prompts the target regenerates)."),
         *_serve_rules(cfg),
     ]
     return [msg for ok, msg in rules if not ok]

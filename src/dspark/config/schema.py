@@ -10,7 +10,8 @@ from typing import Optional
 
 DRAFTERS = ("dspark", "dflash", "eagle3")
 HEADS = ("markov", "rnn", "none")
-BUDGETS = ("smoke", "cpu", "paper")
+BUDGETS = ("smoke", "cpu", "cpu-ref", "cpu-long", "paper")
+RESPONSE_MODES = ("regenerate", "reference", "mix")
 STAGES = ("prepare", "train", "eval", "all", "report", "profile", "serve")
 POLICIES = ("fixed", "threshold", "scheduler")
 SERVE_POLICIES = ("mtp1", "static", "fixed", "threshold", "scheduler", "async")
@@ -39,6 +40,8 @@ class ModelConfig:
     markov_rank: int = 256  #: r of the Markov/RNN head (paper 256); 0 = no head (DFlash logits exactly)
     num_feature_layers: int = 5  #: m, used when feature_layers is empty
     feature_layers: list[int] = field(default_factory=list)  #: target layer ids; [] = METHOD §2.1 default
+    #: Vd, predict over the Vd most frequent training tokens only (EAGLE-3's draft_vocab_size); 0 = full vocabulary
+    draft_vocab_size: int = 0
 
 
 @dataclass
@@ -63,8 +66,15 @@ class SamplingConfig:
 
 @dataclass
 class DataConfig:
-    train_sets: list[str] = field(default_factory=lambda: ["synthetic"])  #: prompt sets to regenerate
-    num_train_prompts: int = 240  #: prompts drawn (round-robin over train_sets)
+    train_sets: list[str] = field(default_factory=lambda: ["synthetic"])  #: prompt sets to train on
+    #: per-set sampling weights, in train_sets order ([] = round-robin, equal shares)
+    train_weights: list[float] = field(default_factory=list)
+    num_train_prompts: int = 240  #: prompts drawn (over train_sets, by train_weights)
+    #: regenerate (the target writes every response, the paper) | reference (the sets' own responses; fast)
+    #: | mix (num_regen_prompts regenerated + the rest reference)
+    responses: str = "regenerate"
+    num_regen_prompts: int = 0  #: responses=mix: how many of the prompts the target regenerates
+    feature_precision: str = "auto"  #: target prefill for the feature cache: auto (bf16 on AMX CPUs) | bf16 | fp32
     local_dir: Optional[str] = None  #: directory of JSONL prompt files (schema of shared/data); wins over the hub
     max_length: int = 1024  #: truncate regenerated sequences (tokens)
     val_fraction: float = 0.05
@@ -94,7 +104,7 @@ class TrainerConfig:
     devices: int = 1
     strategy: str = "auto"  #: ddp | fsdp | auto ...; see README "Scaling out"
     num_nodes: int = 1
-    precision: str = "32-true"
+    precision: str = "auto"  #: auto = bf16-mixed on AMX-BF16 CPUs / bf16 GPUs, else 32-true; or any Lightning value
     log_every_n_steps: int = 10
     val_check_interval: float = 1.0
 

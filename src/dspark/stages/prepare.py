@@ -22,7 +22,12 @@ class PreparedData:
 
 
 def collect_train_prompts(ctx: StageContext) -> list[PromptRecord]:
-    """`data.num_train_prompts` prompts, round-robin over `data.train_sets`, each set shuffled by `seed`."""
+    """`data.num_train_prompts` prompts over `data.train_sets`, each set shuffled by `seed`.
+
+    Shares follow `data.train_weights` (one per set, like Open-PerfectBlend's domain weights; [] = equal): set i
+    gets round(N·w_i/Σw) prompts, capped by its size, and what a small set cannot fill goes to the others in
+    proportion. The result interleaves the sets (so any prefix keeps the mix).
+    """
     data = ctx.cfg.data
     pools = []
     for name in data.train_sets:
@@ -32,12 +37,39 @@ def collect_train_prompts(ctx: StageContext) -> list[PromptRecord]:
             pool = load_prompts(name, selection="all", local_dir=_local(ctx), cache_dir=ctx.paths.cache / "datasets")
             random.Random(ctx.cfg.seed).shuffle(pool)
         pools.append(pool)
+    weights = list(data.train_weights) or [1.0] * len(pools)
+    counts = allocate_counts([len(p) for p in pools], weights, total=data.num_train_prompts)
+    chosen = [pool[:n] for pool, n in zip(pools, counts)]
     prompts: list[PromptRecord] = []
-    for i in range(max(len(p) for p in pools)):
-        prompts.extend(pool[i] for pool in pools if i < len(pool))
-        if len(prompts) >= data.num_train_prompts:
+    for i in range(max((len(c) for c in chosen), default=0)):
+        prompts.extend(c[i] for c in chosen if i < len(c))
+    return prompts
+
+
+def allocate_counts(sizes: list[int], weights: list[float], *, total: int) -> list[int]:
+    """Integer shares of `total` proportional to `weights`, each capped by `sizes` (leftovers redistributed)."""
+    counts = [0] * len(sizes)
+    remaining = min(total, sum(s for s, w in zip(sizes, weights) if w > 0))
+    open_sets = [i for i, w in enumerate(weights) if w > 0 and sizes[i] > 0]
+    while remaining > 0 and open_sets:
+        weight_sum = sum(weights[i] for i in open_sets)
+        shares = {i: remaining * weights[i] / weight_sum for i in open_sets}
+        grant = {i: min(sizes[i] - counts[i], int(shares[i])) for i in open_sets}
+        # hand out the rounding remainder by largest fractional part (deterministic tie-break by index)
+        leftover = remaining - sum(grant.values())
+        for i in sorted(open_sets, key=lambda i: (-(shares[i] - int(shares[i])), i)):
+            if leftover <= 0:
+                break
+            if counts[i] + grant[i] < sizes[i]:
+                grant[i] += 1
+                leftover -= 1
+        for i, g in grant.items():
+            counts[i] += g
+        remaining = min(total, sum(sizes[i] for i in range(len(sizes)) if weights[i] > 0)) - sum(counts)
+        open_sets = [i for i in open_sets if counts[i] < sizes[i]]
+        if not any(grant.values()):
             break
-    return prompts[: data.num_train_prompts]
+    return counts
 
 
 def _local(ctx: StageContext) -> Path | None:
@@ -51,23 +83,60 @@ def sampling_config(ctx: StageContext) -> SamplingConfig:
 
 
 def run_prepare(ctx: StageContext) -> PreparedData:
-    """Regenerate (or reuse) the training data and, if `data.cache_features`, the per-token target features."""
+    """Build (or reuse) the training data by `data.responses` and, if `data.cache_features`, the target features.
+
+    regenerate: the target writes every response (the paper); reference: the sets' own responses (prefill only);
+    mix: the first `data.num_regen_prompts` prompts (by the same weights) regenerated, the rest reference.
+    """
+    from dspark.data.reference import build_reference_dataset, combine_datasets, has_reference
+
     target = ctx.load_target()
+    data = ctx.cfg.data
     prompts = collect_train_prompts(ctx)
-    log.info("regenerating responses to %d prompts from %s", len(prompts), ", ".join(ctx.cfg.data.train_sets))
-    regen_dir = regenerate_responses(target, prompts, sampling=sampling_config(ctx), cache_dir=ctx.paths.cache,
-                                     seed=ctx.cfg.seed, max_length=ctx.cfg.data.max_length)
+    regen_prompts, reference_prompts = _split_by_mode(prompts, mode=data.responses,
+                                                      num_regen=data.num_regen_prompts, has_reference=has_reference)
+    parts = []
+    if reference_prompts:
+        log.info("building %d sequences from the reference responses of %s", len(reference_prompts),
+                 ", ".join(data.train_sets))
+        parts.append(build_reference_dataset(target, reference_prompts, cache_dir=ctx.paths.cache,
+                                             max_length=data.max_length, system_prompt=data.sampling.system_prompt))
+    if regen_prompts:
+        log.info("regenerating responses to %d prompts from %s", len(regen_prompts), ", ".join(data.train_sets))
+        # batched by prompt length: left padding to a batch's longest prompt is wasted work
+        regen_prompts = sorted(regen_prompts, key=lambda p: (len(p.prompt), p.id))
+        parts.append(regenerate_responses(target, regen_prompts, sampling=sampling_config(ctx),
+                                          cache_dir=ctx.paths.cache, seed=ctx.cfg.seed, max_length=data.max_length))
+    regen_dir = combine_datasets(parts, cache_dir=ctx.paths.cache)
     dataset = load_regenerated(regen_dir)
     check_mask_token_absent(dataset["input_ids"], mask_token_id=target.mask_token_id)
     feature_dir = None
-    if ctx.cfg.data.cache_features:
+    if data.cache_features:
         from dspark.data.features import cache_features
 
-        feature_dir = cache_features(target, regen_dir, cache_dir=ctx.paths.cache,
-                                     batch_size=max(1, ctx.cfg.data.batch_size))
+        feature_dir = cache_features(target, regen_dir, cache_dir=ctx.paths.cache, batch_size=max(8, data.batch_size),
+                                     precision=data.feature_precision)
     stats = read_manifest(regen_dir).get("stats", {})
     log.info("prepared %d sequences under %s", len(dataset), regen_dir)
     return PreparedData(regen_dir=regen_dir, feature_dir=feature_dir, num_sequences=len(dataset), stats=stats)
+
+
+def _split_by_mode(prompts: list[PromptRecord], *, mode: str, num_regen: int,
+                   has_reference) -> tuple[list[PromptRecord], list[PromptRecord]]:
+    """(prompts to regenerate, prompts to take with their reference response) for `data.responses`."""
+    if mode == "regenerate":
+        return prompts, []
+    if mode == "reference":
+        missing = sorted({p.domain + ":" + p.id.split("-")[0] for p in prompts if not has_reference(p)})
+        if missing:
+            raise ValueError(f"data.responses=reference: {sum(not has_reference(p) for p in prompts)} of the "
+                             f"{len(prompts)} training prompts have no reference response (e.g. {missing[0]}); drop "
+                             "those sets from data.train_sets (math-train and synthetic hold none) or use "
+                             "data.responses=mix / regenerate")
+        return [], prompts
+    regen = prompts[:num_regen]
+    reference = [p for p in prompts[num_regen:] if has_reference(p)]
+    return regen, reference
 
 
 def check_mask_token_absent(sequences, *, mask_token_id: int) -> None:

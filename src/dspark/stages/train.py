@@ -32,9 +32,9 @@ def build_datamodule(ctx: StageContext, data: PreparedData):
                              calibration_fraction=d.calib_fraction, seed=ctx.cfg.seed, feature_dir=data.feature_dir)
 
 
-def build_module(ctx: StageContext, spec: DrafterSpec) -> DrafterModule:
+def build_module(ctx: StageContext, spec: DrafterSpec, *, draft_vocab_ids=None) -> DrafterModule:
     target = ctx.load_target()
-    drafter = build_drafter(spec, target)
+    drafter = build_drafter(spec, target, draft_vocab_ids=draft_vocab_ids)
     loss = ctx.cfg.loss
     weights = {"alpha_ce": loss.alpha_ce, "alpha_tv": loss.alpha_tv, "alpha_conf": loss.alpha_conf,
                "decay": loss.decay}
@@ -56,9 +56,13 @@ def build_trainer(ctx: StageContext, run_dir: Path):
     # save_top_k=1 without a monitor keeps the latest epoch; last.ckpt links to it (no second copy on disk)
     checkpoint = ModelCheckpoint(dirpath=run_dir / "checkpoints", save_last="link", save_top_k=1,
                                  every_n_epochs=1, save_on_train_epoch_end=True)
+    from dspark.hardware import resolve_precision
+
     t, o = cfg.trainer, cfg.optim
+    precision = resolve_precision(t.precision, accelerator=t.accelerator)
+    log.info("training precision: %s (trainer.precision=%s)", precision, t.precision)
     return L.Trainer(accelerator=t.accelerator, devices=t.devices, strategy=t.strategy, num_nodes=t.num_nodes,
-                     precision=t.precision, max_epochs=o.epochs, max_steps=o.max_steps,
+                     precision=precision, max_epochs=o.epochs, max_steps=o.max_steps,
                      accumulate_grad_batches=o.accumulate_grad_batches, gradient_clip_val=o.grad_clip,
                      log_every_n_steps=t.log_every_n_steps, val_check_interval=t.val_check_interval,
                      logger=loggers, callbacks=[checkpoint, *ctx.trainer_callbacks], default_root_dir=str(run_dir),
@@ -74,16 +78,41 @@ def run_train(ctx: StageContext, data: PreparedData) -> Path:
         return exported
     target = ctx.load_target()
     spec = drafter_spec_for(kind=ctx.cfg.drafter, model_cfg=ctx.cfg.model, target=target)
-    module = build_module(ctx, spec)
-    log.info("training %s: %.2fM trainable parameters", spec.kind, count_parameters(module.drafter) / 1e6)
     datamodule = build_datamodule(ctx, data)
+    vocab_ids = None
+    if spec.draft_vocab_size:
+        datamodule.setup("fit")
+        vocab_ids = draft_vocab_from_data(data.regen_dir, datamodule.split_index["train"], target=target,
+                                          size=spec.draft_vocab_size)
+    module = build_module(ctx, spec, draft_vocab_ids=vocab_ids)
+    log.info("training %s: %.2fM trainable parameters, draft vocabulary %d of %d", spec.kind,
+             count_parameters(module.drafter) / 1e6, module.drafter.draft_vocab_size, target.vocab_size)
     trainer = build_trainer(ctx, run_dir)
     last = run_dir / "checkpoints" / "last.ckpt"
     trainer.fit(module, datamodule=datamodule, ckpt_path=str(last) if last.exists() else None)
     if trainer.global_rank == 0:
-        save_drafter(exported, spec=spec, state_dict=module.drafter.state_dict(),
-                     metrics={k: float(v) for k, v in trainer.callback_metrics.items() if v.numel() == 1})
+        metrics = {k: float(v) for k, v in trainer.callback_metrics.items() if v.numel() == 1}
+        log.info("trained: held-out teacher-forced τ_prob %s, slot-1 acceptance %s, slot-2 %s, draft-vocabulary "
+                 "coverage of p_t %s", *(_fmt(metrics.get(k)) for k in ("val/tau_prob", "val/accept/pos1",
+                                                                        "val/accept/pos2", "val/vocab_coverage")))
+        save_drafter(exported, spec=spec, state_dict=module.drafter.state_dict(), metrics=metrics)
     return exported
+
+
+def _fmt(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:.3f}"
+
+
+def draft_vocab_from_data(regen_dir: Path, indices: list[int], *, target: Any, size: int) -> torch.Tensor:
+    """The `size` most frequent target ids among the training split's supervised tokens (+ the stop ids)."""
+    from dspark.data.regenerate import load_regenerated
+    from dspark.drafters.vocab import build_draft_vocab
+
+    rows = load_regenerated(regen_dir).select(indices).with_format("torch", columns=["input_ids", "loss_mask"])
+    counts = torch.zeros(target.vocab_size, dtype=torch.long)
+    for row in rows:
+        counts += torch.bincount(row["input_ids"][row["loss_mask"].bool()].long(), minlength=target.vocab_size)
+    return build_draft_vocab(counts, size=size, always=target.stop_token_ids)
 
 
 def save_drafter(path: Path, *, spec: DrafterSpec, state_dict: dict, metrics: dict[str, float],
