@@ -8,7 +8,8 @@ import json
 import pytest
 import torch
 
-from dspark.cli import RUN_ID_ENV, main
+from dspark.cli import main
+from dspark.stages.experiment import RUN_ID_ENV
 
 DATASETS = ("gsm8k", "humaneval", "mt-bench")
 DOMAINS = ("math", "code", "chat")

@@ -18,7 +18,7 @@ from dspark.decoding.verify import probs_from_logits
 from dspark.drafters.factory import DrafterSpec, build_drafter
 from dspark.metrics.rollout import RolloutAcceptance
 from dspark.scheduling import SPSTable
-from dspark.stages.train import save_drafter
+from dspark.drafters.checkpoint import save_drafter
 from dspark.targets import load_target
 
 GAMMA = 3

@@ -218,7 +218,7 @@ def test_encode_prompts_errors_name_the_prompt(tiny):
 def test_sts_collection_on_tiny_drafter_stores_calibration(tiny, tmp_path, monkeypatch):
     from dspark.decoding.proposers import DSparkProposer
     from dspark.drafters.factory import DrafterSpec
-    from dspark.stages.train import load_drafter, save_drafter
+    from dspark.drafters.checkpoint import load_drafter, save_drafter
 
     drafter = _untrained(tiny)
     spec = DrafterSpec(kind="dspark", head="markov", depth=1, block_size=BLOCK, markov_rank=8,

@@ -65,7 +65,7 @@ def test_loss_goes_down_and_target_stays_frozen(tiny, kind, head, one_thread):
 
 def test_checkpoint_for_another_target_or_block_size_is_refused(tiny, tmp_path):
     """A drafter.pt trained for one target / γ cannot be loaded for another (clear error, not wrong numbers)."""
-    from dspark.stages.train import load_drafter, save_drafter
+    from dspark.drafters.checkpoint import load_drafter, save_drafter
 
     cfg = RunConfig()
     cfg.model.depth, cfg.model.markov_rank = 1, 16
