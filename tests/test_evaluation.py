@@ -190,11 +190,7 @@ def test_sweep_rows_and_plots(tmp_path):
 
 # ---- engine-backed (tiny target) ----
 
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    from dspark.targets import load_target
-
-    return load_target("tiny", cache_dir=tmp_path_factory.mktemp("cache"), feature_layers=[0, 3, 6, 7])
+TINY_TARGET = {"feature_layers": [0, 3, 6, 7]}  # the `tiny` fixture's options (tests/conftest.py)
 
 
 def _untrained(target, *, head="markov", block_size=BLOCK):

@@ -12,9 +12,7 @@ from dspark.targets import load_target
 from dspark.training.module import DrafterModule
 
 
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    return load_target("tiny", cache_dir=tmp_path_factory.mktemp("targets"), seed=1)
+TINY_TARGET = {"seed": 1}  # the `tiny` fixture's options (tests/conftest.py)
 
 
 def _batch(target, *, batch=2, length=96, anchors=8) -> dict[str, torch.Tensor]:

@@ -8,6 +8,8 @@ final training metrics, floats) and `calibration` (STS fits keyed by decoding te
 from __future__ import annotations
 
 import os
+import pickle
+import re
 from pathlib import Path
 from typing import Any
 
@@ -36,11 +38,29 @@ def save_drafter(path: Path, *, spec: DrafterSpec, state_dict: dict, metrics: di
 
 
 def read_checkpoint(path: str | Path) -> dict[str, Any]:
-    """The payload of a `drafter.pt` (module docstring), without building the drafter."""
+    """The payload of a `drafter.pt` (module docstring), without building the drafter.
+
+    Read with `torch.load(weights_only=True)`: only tensors and plain containers (dict, list, str, numbers) are
+    unpickled, so a crafted file cannot run code on load; it is refused with a ValueError naming the file."""
     path = Path(path)
     if not path.exists():
         raise ValueError(f"No trained drafter at {path}; run stage=train first (or pass the run's drafter.pt).")
-    return torch.load(path, map_location="cpu", weights_only=False)
+    try:
+        payload = torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as err:
+        raise ValueError(
+            f"{path} was refused: it holds something other than tensors, numbers, strings, lists and dicts (or is "
+            f"not a torch file), and unpickling that could run code (torch: {_refusal_reason(err)}). A drafter.pt "
+            "written by DSpark Lab holds nothing else: if this one is yours, delete it and rerun the same command "
+            "(training resumes from the run's checkpoints/last.ckpt and exports it again); else train a new "
+            "drafter.") from None
+    except (RuntimeError, EOFError) as err:  # truncated, or not a zip archive
+        raise ValueError(f"{path} is not a readable drafter.pt ({type(err).__name__}: {str(err).splitlines()[0]}); "
+                         "delete it and rerun the same command to export it again.") from None
+    if not isinstance(payload, dict) or not {"spec", "state_dict"} <= payload.keys():
+        raise ValueError(f"{path} is not a drafter.pt of DSpark Lab (no 'spec' and 'state_dict'); pass the "
+                         f"{DRAFTER_FILE} of a run directory.")
+    return payload
 
 
 def load_drafter(path: str | Path, target: Any, *, block_size: int | None = None
@@ -55,3 +75,13 @@ def load_drafter(path: str | Path, target: Any, *, block_size: int | None = None
     drafter.load_state_dict(payload["state_dict"])
     drafter.eval()
     return drafter, spec, payload
+
+
+def _refusal_reason(err: Exception) -> str:
+    """What torch's weights-only unpickler refused, without its advice (which is to load the file unsafely)."""
+    text = str(err)
+    found = re.search(r"GLOBAL ([\w.]+)", text)
+    if found:
+        return f"it calls or builds {found.group(1)}"
+    found = re.search(r"Unsupported operand \d+", text)
+    return found.group(0) if found else "not a weights-only file"
