@@ -2,7 +2,8 @@
 run (`run_experiment`). The CLI calls both for a plain run; the sweep driver calls them for every cell.
 
 Exit codes of `run_experiment`: 0 success, 1 the run failed (its MLflow run is marked FAILED), 2 the tracking store
-could not be opened (nothing ran).
+could not be opened (nothing ran). Ctrl-C marks the run KILLED and raises `RunInterrupted`, which says what was kept
+(the caller, the CLI or the sweep driver, prints it and exits 130).
 """
 from __future__ import annotations
 
@@ -21,6 +22,14 @@ if TYPE_CHECKING:  # the CLI imports this module: torch and MLflow load only whe
 
 log = logging.getLogger("dspark")
 RUN_ID_ENV = "DSPARK_MLFLOW_RUN_ID"  # hands the run to Lightning's DDP worker processes (they re-run this script)
+
+
+class RunInterrupted(KeyboardInterrupt):
+    """Ctrl-C during a run, after its MLflow run was marked KILLED; `kept` says what the next run reuses."""
+
+    def __init__(self, kept: str) -> None:
+        super().__init__(kept)
+        self.kept = kept
 
 
 def preflight(rc: ResolvedConfig) -> None:
@@ -75,6 +84,10 @@ def run_experiment(rc: ResolvedConfig, *, parent_run_id: str | None = None, extr
     started = time.time()
     try:
         run_stages(ctx)
+    except KeyboardInterrupt:  # Ctrl-C: KILLED, not FAILED; the next run of the same command resumes
+        if not worker:
+            ctx.store.finish(ctx.run_id, status="KILLED")
+        raise RunInterrupted(kept_after_interrupt(ctx)) from None
     except Exception as err:  # the run is marked FAILED and the error is shown; the traceback goes to the log
         log.exception("run failed")
         if not worker:
@@ -120,6 +133,17 @@ def run_stages(ctx: StageContext) -> None:
     from dspark.stages.evaluate import run_eval
 
     run_eval(ctx, drafter_path, prepared=data)
+
+
+def kept_after_interrupt(ctx: StageContext) -> str:
+    """What an interrupted run leaves for the next one: the trained drafter or the last training checkpoint, and the
+    caches (regenerated data and features are written resumably)."""
+    from dspark.drafters.checkpoint import DRAFTER_FILE
+
+    drafter, last = ctx.run_dir / DRAFTER_FILE, ctx.run_dir / "checkpoints" / "last.ckpt"
+    kept = [f"the trained drafter {drafter}" if drafter.exists() else
+            f"the training checkpoint {last}" if last.exists() else "no training checkpoint yet"]
+    return " and ".join(kept + [f"the caches under {ctx.paths.cache}"])
 
 
 def is_ddp_worker() -> bool:

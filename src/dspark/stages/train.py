@@ -76,11 +76,30 @@ def run_train(ctx: StageContext, data: PreparedData) -> Path:
     datamodule = build_datamodule(ctx, data)
     trainer = build_trainer(ctx, run_dir)
     last = run_dir / "checkpoints" / "last.ckpt"
-    trainer.fit(module, datamodule=datamodule, ckpt_path=str(last) if last.exists() else None)
+    fit_interruptibly(trainer, module, datamodule=datamodule, ckpt_path=str(last) if last.exists() else None)
     if trainer.global_rank == 0:
         save_drafter(exported, spec=spec, state_dict=module.drafter.state_dict(),
                      metrics={k: float(v) for k, v in trainer.callback_metrics.items() if v.numel() == 1})
     return exported
+
+
+def fit_interruptibly(trainer: Any, module: Any, **fit_args: Any) -> None:
+    """`trainer.fit`, with Ctrl-C raised as KeyboardInterrupt again: Lightning turns it into `sys.exit(1)` (after
+    its MLFlowLogger marked the run FAILED) and leaves SIGINT ignored for the rest of the process."""
+    import signal
+    import threading
+
+    main_thread = threading.current_thread() is threading.main_thread()
+    handler = signal.getsignal(signal.SIGINT) if main_thread else None
+    try:
+        trainer.fit(module, **fit_args)
+    except SystemExit as err:
+        if isinstance(err.__context__, KeyboardInterrupt):  # Lightning's sys.exit(1) inside its handler
+            raise KeyboardInterrupt("training interrupted") from None
+        raise
+    finally:
+        if main_thread and handler is not None:
+            signal.signal(signal.SIGINT, handler)
 
 
 def recorded_training_metrics(rc: ResolvedConfig) -> dict[str, float]:

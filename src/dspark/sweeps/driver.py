@@ -162,17 +162,19 @@ def execute_grid(plan: SweepPlan, *, rc: ResolvedConfig, store: Any, max_cells: 
     log.info("sweep %s: %d of %d cells selected, %d already done; parent run %s (%s)", spec.name, len(todo),
              plan.total, sum(pc.cell.key in done for pc in todo), parent_id, "resumed" if reused else "new")
     outcomes: list[sweep_runs.CellOutcome] = []
-    attempt = [""]
+    attempt, current = "", ""
     try:
         for pc in todo:
             if pc.cell.key in done:
                 outcomes.append(sweep_runs.CellOutcome(key=pc.cell.key, status="SKIPPED", run_id=done[pc.cell.key]))
                 continue
             run_tree.close_stale(store, existing, cell=pc.cell.key)
-            attempt[0] = uuid.uuid4().hex
-            outcomes.append(run_cell(pc, plan=plan, store=store, parent_id=parent_id, attempt=attempt[0]))
-    except (KeyboardInterrupt, SystemExit):  # Lightning turns Ctrl-C during fit into sys.exit(1)
-        return interrupted(store, parent_id, attempt=attempt[0], name=spec.name)
+            attempt, current = uuid.uuid4().hex, pc.cell.key
+            outcomes.append(run_cell(pc, plan=plan, store=store, parent_id=parent_id, attempt=attempt))
+            current = ""
+    except (KeyboardInterrupt, SystemExit) as err:  # SystemExit: a cell that called sys.exit
+        return interrupted(store, parent_id, attempt=attempt, cell=current, name=spec.name, outcomes=outcomes,
+                           kept=getattr(err, "kept", ""), out_dir=out_dir)
     return finish_sweep(rc, plan, store=store, parent_id=parent_id, outcomes=outcomes, out_dir=out_dir)
 
 
@@ -231,15 +233,22 @@ def cell_runner(spec: SweepSpec) -> Callable[..., int]:
     return run_experiment
 
 
-def interrupted(store: Any, parent_id: str, *, attempt: str, name: str) -> int:
-    """Ctrl-C: the running cell and the parent become KILLED; the next run resumes."""
-    if attempt:
+def interrupted(store: Any, parent_id: str, *, attempt: str, cell: str, name: str,
+                outcomes: list[sweep_runs.CellOutcome], kept: str, out_dir: Path) -> int:
+    """Ctrl-C: the running cell (unless it had completed) and the parent become KILLED, the outcomes so far are
+    logged, one line says what was kept; the next run of the same command resumes."""
+    if cell:
         run = run_tree.find_attempt(store, attempt)
-        if run is not None and run.info.status in run_tree.ACTIVE + ("FINISHED",):
-            store.finish(run.info.run_id, status="KILLED")
+        if run is not None and run.data.tags.get(run_tree.COMPLETE_TAG) != "true":
+            store.finish(run.info.run_id, status="KILLED")  # whatever Lightning's logger set (FAILED) before
+        outcomes = outcomes + [sweep_runs.CellOutcome(key=cell, status="KILLED",
+                                                      run_id=run.info.run_id if run is not None else None)]
+    sweep_runs.log_outcomes(store, parent_id, outcomes, out_dir=out_dir)
     store.finish(parent_id, status="KILLED")
-    print(f"sweep {name} interrupted; rerun the same command to resume (finished cells are skipped).",
-          file=sys.stderr)
+    finished = sum(o.status in ("FINISHED", "SKIPPED") for o in outcomes)
+    running = f"; cell {cell} is marked KILLED" + (f" (kept: {kept})" if kept else "") if cell else ""
+    print(f"sweep {name} interrupted: {finished} finished cells are kept{running}. Rerun the same command to resume "
+          "(finished cells are skipped).", file=sys.stderr)
     return 130
 
 

@@ -118,9 +118,12 @@ def run_search(rc: ResolvedConfig, spec: SweepSpec, *, max_trials: int | None = 
                 break
             states.append(run_trial(trial, rc=rc, spec=spec, handle=handle, store=store, parent_id=parent_id,
                                     digest=digest))
-    except (KeyboardInterrupt, SystemExit):  # Lightning turns Ctrl-C during fit into sys.exit(1)
+    except (KeyboardInterrupt, SystemExit) as err:  # SystemExit: a trial that called sys.exit
         store.finish(parent_id, status="KILLED")
-        print(f"search {spec.name} interrupted; rerun to continue the study.", file=sys.stderr)
+        kept = f" (kept: {err.kept})" if getattr(err, "kept", "") else ""
+        print(f"search {spec.name} interrupted: the study {handle.study.study_name} keeps every finished trial "
+              f"({len(states)} of this worker); the running trial is marked KILLED{kept}. Rerun the same command "
+              "to continue the study.", file=sys.stderr)
         return 130
     return finish_search(rc, spec, handle=handle, store=store, parent_id=parent_id, states=states)
 
