@@ -68,7 +68,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 def find_drafters(target, args) -> tuple[dict, bool]:
     """name → drafter module: trained ones under --runs for this target, else untrained stand-ins."""
-    from dspark.stages.train import load_drafter
+    from dspark.drafters.checkpoint import load_drafter
 
     drafters = {}
     for path in sorted(args.runs.glob("**/drafter.pt")) if args.runs else []:

@@ -42,7 +42,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 def driver_overhead(root: Path) -> list[dict]:
     """Cold and resumed depth sweeps; per-cell overhead from the driver's own outcome records."""
     from dspark.config import resolve_config
-    from dspark.sweeps.driver import plan_grid, run_sweep, sweep_dir
+    from dspark.sweeps.driver import plan_grid, run_sweep
+    from dspark.sweeps.identity import sweep_dir
     from dspark.sweeps.spec import load_sweep
 
     argv = ["sweep=depth", "budget=smoke", "stage=train", f"paths.root={root}", "tracking.experiment=bench"]

@@ -16,6 +16,22 @@ def shared_root(tmp_path_factory) -> str:
     return str(tmp_path_factory.mktemp("dspark-root"))
 
 
+@pytest.fixture(scope="module")
+def tiny(request, tmp_path_factory):
+    """The tiny random-weight target (8-layer Llama, d=64, offline tokenizer), built once per test module.
+
+    A module chooses its options with a module-level `TINY_TARGET` dict: `load_target` keywords (`seed`,
+    `feature_layers`, ...) and `threads` (torch threads while the module runs; tiny ops gain nothing from more)."""
+    from dspark.targets import load_target
+
+    options = dict(getattr(request.module, "TINY_TARGET", {}))
+    threads, before = options.pop("threads", None), torch.get_num_threads()
+    if threads:
+        torch.set_num_threads(threads)
+    yield load_target("tiny", cache_dir=tmp_path_factory.mktemp("tiny-target"), **options)
+    torch.set_num_threads(before)
+
+
 @pytest.fixture()
 def one_thread():
     """Tiny models run faster single-threaded on a loaded 2-core machine; restored afterwards."""

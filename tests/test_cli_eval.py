@@ -8,7 +8,8 @@ import json
 import pytest
 import torch
 
-from dspark.cli import RUN_ID_ENV, main
+from dspark.cli import main
+from dspark.stages.experiment import RUN_ID_ENV
 
 DATASETS = ("gsm8k", "humaneval", "mt-bench")
 DOMAINS = ("math", "code", "chat")
@@ -82,7 +83,7 @@ def test_eval_stage_logs_metrics(root, case):
     assert {f"eval/{stem}.md", f"eval/{stem}-cond.png"} <= artifacts
 
     if case == "threshold":  # STS fitted on held-out prompts and cached in drafter.pt under the temperature
-        payload = torch.load(next(root.glob("runs/*/drafter.pt")), map_location="cpu", weights_only=False)
+        payload = torch.load(next(root.glob("runs/*/drafter.pt")), map_location="cpu", weights_only=True)
         assert len(payload["calibration"]["T=1"]["temperatures"]) == BLOCK
         assert "calibration/ece_before/pos1" in metrics and "Confidence calibration" in report.read_text()
     if case == "scheduler":

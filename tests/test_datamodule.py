@@ -9,18 +9,12 @@ from dspark.data.datamodule import DrafterDataModule, split_indices
 from dspark.data.features import FeatureCache, cache_features, compute_features
 from dspark.data.prompts import PromptRecord
 from dspark.data.regenerate import SamplingConfig, load_regenerated, regenerate_responses
-from dspark.targets import load_target
 
 NUM_PROMPTS = 12
 MAX_ANCHORS = 6
 
 
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # tiny ops: a second thread only adds synchronisation cost
-    yield load_target("tiny", cache_dir=tmp_path_factory.mktemp("targets"))
-    torch.set_num_threads(threads)
+TINY_TARGET = {"threads": 1}  # tiny ops: a second thread only adds synchronisation cost (tests/conftest.py)
 
 
 def random_generate(eot: int):

@@ -18,8 +18,7 @@ from dspark.decoding.verify import probs_from_logits
 from dspark.drafters.factory import DrafterSpec, build_drafter
 from dspark.metrics.rollout import RolloutAcceptance
 from dspark.scheduling import SPSTable
-from dspark.stages.train import save_drafter
-from dspark.targets import load_target
+from dspark.drafters.checkpoint import save_drafter
 
 GAMMA = 3
 
@@ -27,10 +26,13 @@ GAMMA = 3
 pytestmark = pytest.mark.usefixtures("one_thread")  # tiny tensors: one thread (tests/conftest.py)
 
 
+# seed 1: a tiny target whose greedy continuation of PROMPT starts with 7 distinct tokens (seed 0 repeats one)
+TINY_TARGET = {"seed": 1}  # the `tiny` fixture's options (tests/conftest.py)
+
+
 @pytest.fixture(scope="module")
-def target(tmp_path_factory):
-    # seed 1: a tiny target whose greedy continuation of PROMPT starts with 7 distinct tokens (seed 0 repeats one)
-    return load_target("tiny", cache_dir=tmp_path_factory.mktemp("cache"), seed=1)
+def target(tiny):
+    return tiny
 
 
 @pytest.fixture(scope="module")

@@ -190,11 +190,7 @@ def test_sweep_rows_and_plots(tmp_path):
 
 # ---- engine-backed (tiny target) ----
 
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    from dspark.targets import load_target
-
-    return load_target("tiny", cache_dir=tmp_path_factory.mktemp("cache"), feature_layers=[0, 3, 6, 7])
+TINY_TARGET = {"feature_layers": [0, 3, 6, 7]}  # the `tiny` fixture's options (tests/conftest.py)
 
 
 def _untrained(target, *, head="markov", block_size=BLOCK):
@@ -218,7 +214,7 @@ def test_encode_prompts_errors_name_the_prompt(tiny):
 def test_sts_collection_on_tiny_drafter_stores_calibration(tiny, tmp_path, monkeypatch):
     from dspark.decoding.proposers import DSparkProposer
     from dspark.drafters.factory import DrafterSpec
-    from dspark.stages.train import load_drafter, save_drafter
+    from dspark.drafters.checkpoint import load_drafter, save_drafter
 
     drafter = _untrained(tiny)
     spec = DrafterSpec(kind="dspark", head="markov", depth=1, block_size=BLOCK, markov_rank=8,

@@ -18,7 +18,6 @@ from dspark.data.regenerate import (
     regenerate_responses,
     sample_responses,
 )
-from dspark.targets import load_target
 
 SAMPLING = SamplingConfig(max_new_tokens=6, batch_size=2)
 PROMPTS = [
@@ -30,14 +29,9 @@ PROMPTS = [
 ]
 
 
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    # one thread: the tiny model's ops are too small to gain from more, and on a busy 2-core machine the
-    # extra thread's synchronisation makes generation ~10x slower
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield load_target("tiny", cache_dir=tmp_path_factory.mktemp("targets"))
-    torch.set_num_threads(threads)
+# one thread: the tiny model's ops are too small to gain from more, and on a busy 2-core machine the extra thread's
+# synchronisation makes generation ~10x slower (the `tiny` fixture's options, tests/conftest.py)
+TINY_TARGET = {"threads": 1}
 
 
 class GenerateCounter:

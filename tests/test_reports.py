@@ -15,7 +15,7 @@ from dspark.reports import Provenance, build_report, collect_sweep_runs, write_s
 from dspark.reports.paper import DATASETS, DOMAINS, TABLE1_TAU, macro_gain
 from dspark.reports.stats import estimate
 from dspark.sweeps import load_sweep
-from dspark.sweeps.runs import COMPLETE_TAG
+from dspark.tracking.runs import COMPLETE_TAG
 from dspark.tracking import open_store
 
 GOLDEN = Path(__file__).parent / "golden"

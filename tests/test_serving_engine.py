@@ -19,7 +19,6 @@ from dspark.serving import (
     prefill,
 )
 from dspark.serving import kv as kv_module
-from dspark.targets import load_target
 
 GAMMA = 3
 TEXTS = ("What is 2+2?", "Hi", "Write a short poem about the sea and the wind, please.", "Name three colours.")
@@ -28,9 +27,12 @@ TEXTS = ("What is 2+2?", "Hi", "Write a short poem about the sea and the wind, p
 pytestmark = pytest.mark.usefixtures("one_thread")  # tiny tensors: one thread (tests/conftest.py)
 
 
+TINY_TARGET = {"seed": 1}  # the `tiny` fixture's options (tests/conftest.py)
+
+
 @pytest.fixture(scope="module")
-def target(tmp_path_factory):
-    return load_target("tiny", cache_dir=tmp_path_factory.mktemp("cache"), seed=1)
+def target(tiny):
+    return tiny
 
 
 @pytest.fixture(scope="module")

@@ -24,7 +24,6 @@ from dspark.drafters.factory import DrafterSpec, build_drafter
 from dspark.scheduling import SPSTable
 from dspark.serving import BatchedEngine, BatchedKVCache, ServeRequest, build_serve_policy, request_generator
 from dspark.serving import engine as engine_module
-from dspark.targets import load_target
 from lossless_checks import pit_values, residual_ignoring_verifier, uniformity_p_values
 
 GAMMA = 3
@@ -42,13 +41,15 @@ POLICIES = ("mtp1", "static", "fixed", "threshold", "scheduler", "async")
 pytestmark = pytest.mark.usefixtures("one_thread")  # tiny tensors: one thread (tests/conftest.py)
 
 
+TINY_TARGET = {"seed": 1}  # the `tiny` fixture's options (tests/conftest.py)
+
+
 @pytest.fixture(scope="module")
-def target(tmp_path_factory):
+def target(tiny):
     """The tiny target with a peaked p_t (argmax unchanged by the scaling)."""
-    target = load_target("tiny", cache_dir=tmp_path_factory.mktemp("cache"), seed=1)
     with torch.no_grad():
-        target.model.get_decoder().norm.weight.mul_(12.0)
-    return target
+        tiny.model.get_decoder().norm.weight.mul_(12.0)
+    return tiny
 
 
 @pytest.fixture(scope="module")

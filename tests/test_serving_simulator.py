@@ -252,11 +252,7 @@ def test_simulate_frontier_uses_the_table_of_each_concurrency(trace):
 
 # ---- batched SPS(B) profile (tiny target) ----
 
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    from dspark.targets import load_target
-
-    return load_target("tiny", cache_dir=tmp_path_factory.mktemp("cache"), feature_layers=[0, 3, 6, 7])
+TINY_TARGET = {"feature_layers": [0, 3, 6, 7]}  # the `tiny` fixture's options (tests/conftest.py)
 
 
 def test_serving_batch_grid():

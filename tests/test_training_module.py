@@ -12,9 +12,7 @@ from dspark.targets import load_target
 from dspark.training.module import DrafterModule
 
 
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    return load_target("tiny", cache_dir=tmp_path_factory.mktemp("targets"), seed=1)
+TINY_TARGET = {"seed": 1}  # the `tiny` fixture's options (tests/conftest.py)
 
 
 def _batch(target, *, batch=2, length=96, anchors=8) -> dict[str, torch.Tensor]:
@@ -65,7 +63,7 @@ def test_loss_goes_down_and_target_stays_frozen(tiny, kind, head, one_thread):
 
 def test_checkpoint_for_another_target_or_block_size_is_refused(tiny, tmp_path):
     """A drafter.pt trained for one target / γ cannot be loaded for another (clear error, not wrong numbers)."""
-    from dspark.stages.train import load_drafter, save_drafter
+    from dspark.drafters.checkpoint import load_drafter, save_drafter
 
     cfg = RunConfig()
     cfg.model.depth, cfg.model.markov_rank = 1, 16

@@ -21,6 +21,7 @@ from dspark.decoding.engine import SpeculativeEngine
 from dspark.decoding.policies import build_policy
 from dspark.decoding.proposers import build_proposer
 from dspark.decoding.records import GenerationResult
+from dspark.drafters.checkpoint import drafter_file, load_drafter
 from dspark.scheduling import SPSTable, schedule_verification
 from dspark.targets import load_target
 
@@ -30,10 +31,7 @@ __all__ = ["load_target", "load_trained_drafter", "schedule_verification", "spec
 def load_trained_drafter(run_dir_or_path: str | Path, target) -> nn.Module:
     """The trained drafter of a run directory (its `drafter.pt`) or of a `drafter.pt` file, around `target`
     (on the target's device, eval mode); errors if it was trained for another target."""
-    from dspark.stages.train import DRAFTER_FILE, load_drafter
-
-    path = Path(run_dir_or_path)
-    drafter, _, _ = load_drafter(path / DRAFTER_FILE if path.is_dir() else path, target)
+    drafter, _, _ = load_drafter(drafter_file(run_dir_or_path), target)
     return drafter.to(target.device).eval()
 
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 import logging
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Iterable, Sequence
+from typing import TYPE_CHECKING, Any, Iterable, Sequence
 
 import torch
 from torch import Tensor
@@ -32,6 +32,12 @@ from dspark.calibration import (
     reliability_curves,
 )
 from dspark.data.regenerate import derive_seed
+from dspark.drafters.checkpoint import read_checkpoint, save_drafter
+from dspark.drafters.factory import DrafterSpec
+
+if TYPE_CHECKING:
+    from dspark.config.schema import DataConfig
+    from dspark.data.prompts import PromptRecord
 
 log = logging.getLogger("dspark")
 SYNTHETIC_SEED_OFFSET = 7919  # held-out synthetic prompts: a seed no training run of this config uses
@@ -177,10 +183,7 @@ def entry_to_report(entry: dict) -> tuple[CalibrationReport, CalibrationRounds]:
 
 def store_calibration(drafter_path: str | Path, report: CalibrationReport, rounds: CalibrationRounds) -> None:
     """Add / replace this temperature's entry in drafter.pt (atomic rewrite through `save_drafter`)."""
-    from dspark.drafters.factory import DrafterSpec
-    from dspark.stages.train import save_drafter
-
-    payload = torch.load(drafter_path, map_location="cpu", weights_only=False)
+    payload = read_checkpoint(drafter_path)
     entries = dict(payload.get("calibration") or {})
     entries[calibration_key(report.temperature)] = report_to_entry(report, rounds)
     save_drafter(Path(drafter_path), spec=DrafterSpec.from_dict(payload["spec"]), state_dict=payload["state_dict"],
@@ -208,47 +211,45 @@ def calibrate_drafter(*, target: Any, proposer: Any, drafter_path: str | Path, p
     return report
 
 
-def calibration_prompt_ids(ctx: Any, target: Any, *, limit: int) -> tuple[list[list[int]], str]:
+def calibration_prompt_ids(target: Any, *, held_out: Sequence[PromptRecord], limit: int, seed: int,
+                           data: DataConfig) -> tuple[list[list[int]], str]:
     """`limit` held-out prompt ids for STS (chat template, no system prompt) and a line saying where they came
-    from: the regenerated data's calibration split first, topped up with unseen synthetic prompts."""
-    records = _regenerated_calibration_split(ctx, target)[:limit]
+    from: `held_out` first (the regenerated data's calibration split, `regenerated_calibration_split`), topped up
+    with synthetic prompts absent from the training set of `data` (trained with `seed`)."""
+    records = list(held_out)[:limit]
     sources = [f"{len(records)} prompts of the regenerated training data's calibration split"] if records else []
     if len(records) < limit:  # a small split (or none) is topped up with unseen synthetic prompts
-        extra = _held_out_synthetic(ctx, limit=limit - len(records))
+        extra = held_out_synthetic(data, seed=seed, limit=limit - len(records))
         records += extra
-        sources.append(f"{len(extra)} synthetic prompts (seed {ctx.cfg.seed + SYNTHETIC_SEED_OFFSET}) absent from "
+        sources.append(f"{len(extra)} synthetic prompts (seed {seed + SYNTHETIC_SEED_OFFSET}) absent from "
                        "the training set")
     return [target.chat_prompt_ids(r.prompt) for r in records], " + ".join(sources)
 
 
-def _regenerated_calibration_split(ctx: Any, target: Any) -> list[Any]:
-    """The training prompts whose regenerated sequences form the `calibration` split, if that data is cached."""
+def regenerated_calibration_split(train_prompts: Sequence[PromptRecord], regen_dir: Path, *, data: DataConfig,
+                                  seed: int) -> list[PromptRecord]:
+    """The training prompts whose regenerated sequences (under `regen_dir`) form the `calibration` split."""
     from dspark.data.datamodule import split_indices
     from dspark.data.regenerate import load_regenerated
-    from dspark.stages.prepare import collect_train_prompts
 
-    cfg = ctx.cfg
-    prepared = ctx.results.get("prepared")  # set by the prepare stage of this invocation
-    if cfg.data.calib_fraction <= 0 or prepared is None:
+    if data.calib_fraction <= 0:
         return []
-    prompts = collect_train_prompts(ctx)
-    regen_dir = prepared.regen_dir
     ids = load_regenerated(regen_dir)["prompt_id"]
     try:
-        split = split_indices(ids, val_fraction=cfg.data.val_fraction, calibration_fraction=cfg.data.calib_fraction,
-                              seed=cfg.seed)["calibration"]
+        split = split_indices(ids, val_fraction=data.val_fraction, calibration_fraction=data.calib_fraction,
+                              seed=seed)["calibration"]
     except ValueError:
         return []
-    by_id = {p.id: p for p in prompts}
+    by_id = {p.id: p for p in train_prompts}
     return [by_id[ids[i]] for i in split if ids[i] in by_id]
 
 
-def _held_out_synthetic(ctx: Any, *, limit: int) -> list[Any]:
+def held_out_synthetic(data: DataConfig, *, seed: int, limit: int) -> list[PromptRecord]:
+    """`limit` synthetic prompts drawn with a seed no training run uses, minus any prompt of the training set."""
     from dspark.data.prompts import load_prompts
 
-    data = ctx.cfg.data
     # only synthetic training prompts can coincide with these; over-draw by as many as could be dropped
     overlap = data.num_train_prompts if "synthetic" in data.train_sets else 0
-    train = {p.prompt for p in load_prompts("synthetic", limit=overlap, seed=ctx.cfg.seed)} if overlap else set()
-    pool = load_prompts("synthetic", limit=limit + overlap, seed=ctx.cfg.seed + SYNTHETIC_SEED_OFFSET)
+    train = {p.prompt for p in load_prompts("synthetic", limit=overlap, seed=seed)} if overlap else set()
+    pool = load_prompts("synthetic", limit=limit + overlap, seed=seed + SYNTHETIC_SEED_OFFSET)
     return [p for p in pool if p.prompt not in train][:limit]

@@ -11,7 +11,7 @@ from typing import Any
 
 import polars as pl
 
-from dspark.sweeps.runs import COMPLETE_TAG, children, find_parent
+from dspark.tracking.runs import COMPLETE_TAG, children, find_parent
 
 TAG_COLUMNS = ("cell", "cell.index", "drafter", "model.head", "seed", "target", "budget", "training.key",
                "optuna.trial", "optuna.state", "optuna.defaults", "git.commit")

@@ -1,19 +1,20 @@
 """Generate `<paths.reports>/<sweep>.md` (+ PNGs next to it) from the tracking store alone, attach it to the
-sweep's parent run. `report_sweep` is `python experiments/run.py sweep=NAME stage=report`.
+sweep's parent run. The sweep driver says which parent (`dspark.sweeps.driver.report_sweep` is
+`python experiments/run.py sweep=NAME stage=report`): reports know the run tree, not how sweeps are planned.
 """
 from __future__ import annotations
 
 import datetime
 import logging
-import sys
 from pathlib import Path
 from typing import Any
 
-from dspark.config import ConfigError, ResolvedConfig
+from dspark.config import ResolvedConfig
 from dspark.reports import ablations, diagnostics, search, serving  # noqa: F401  (register the builders)
 from dspark.reports.collect import SweepRuns, collect_sweep_runs, runs_frame
 from dspark.reports.context import REPORT_BUILDERS, ReportContext
 from dspark.reports.writer import Provenance, Section, no_runs_section, render_report
+from dspark.tracking.runs import COMPLETE_TAG, children
 
 log = logging.getLogger("dspark")
 
@@ -78,7 +79,6 @@ def write_sweep_report(rc: ResolvedConfig, spec: Any, *, store: Any, parent_id: 
 
 def collect_parent(store: Any, sweep: str, parent_id: str) -> SweepRuns:
     """The runs of a known parent (right after a sweep ran)."""
-    from dspark.sweeps.runs import COMPLETE_TAG, children
 
     parent = store.client.get_run(parent_id)
     kids = children(store, parent_id)
@@ -88,29 +88,3 @@ def collect_parent(store: Any, sweep: str, parent_id: str) -> SweepRuns:
     done = [r for r in kids if r.info.status == "FINISHED" and r.data.tags.get(COMPLETE_TAG) == "true"]
     return SweepRuns(sweep=sweep, parent=parent, frame=runs_frame(done), status_counts=counts,
                      note=f"parent run {parent_id}", every_child=runs_frame(kids))
-
-
-def current_hash(rc: ResolvedConfig, spec: Any) -> str | None:
-    """The sweep hash this command line would run under (stage=report itself ignored)."""
-    if spec.kind == "optuna":
-        from dspark.sweeps.optuna_search import search_hash
-
-        return search_hash(rc, spec, ignore=("stage",))
-    from dspark.sweeps.driver import plan_grid
-
-    return plan_grid(rc, spec, ignore=("stage",), check=False).sweep_hash
-
-
-def report_sweep(rc: ResolvedConfig, spec: Any) -> int:
-    """`sweep=NAME stage=report`: regenerate the report without running anything; 0 unless the store fails."""
-    from dspark.tracking import open_store
-
-    try:
-        store = open_store(rc.cfg)
-        digest = current_hash(rc, spec)
-    except ConfigError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
-    path = write_sweep_report(rc, spec, store=store, sweep_hash=digest)
-    print(f"report: {path}")
-    return 0

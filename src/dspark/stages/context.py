@@ -59,7 +59,6 @@ class StageContext:
     store: TrackingStore | None = None
     run_id: str | None = None
     target: Any = None
-    results: dict[str, Any] = field(default_factory=dict)
     trainer_callbacks: list = field(default_factory=list)  # extra Lightning callbacks (e.g. Optuna pruning)
 
     @property

@@ -12,18 +12,18 @@ from __future__ import annotations
 import json
 import logging
 import time
-from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 from dspark.config import to_dict
+from dspark.drafters.checkpoint import load_drafter
 from dspark.evaluation.calibrate import CalibrationReport, calibrate_drafter, calibration_prompt_ids
 from dspark.evaluation.diagnostics import load_or_profile_sps, sps_markdown
 from dspark.evaluation.plots import plot_conditional_acceptance
 from dspark.evaluation.rollouts import encode_prompts, read_rollouts_jsonl, run_rollouts, write_rollouts_jsonl
 from dspark.evaluation.summary import flatten_metrics, report_markdown, summarize
 from dspark.stages.context import StageContext, run_name
-from dspark.stages.train import load_drafter
+from dspark.stages.prepare import PreparedData, held_out_prompts
 
 log = logging.getLogger("dspark")
 EVALS_DIR = "evals"
@@ -70,7 +70,8 @@ def load_eval_prompts(ctx: StageContext, target: Any) -> list:
 
 
 def maybe_calibrate(ctx: StageContext, *, target: Any, drafter: Any, proposer: Any, drafter_path: Path,
-                    payload: dict, block_size: int) -> tuple[CalibrationReport | None, str]:
+                    payload: dict, block_size: int, prepared: PreparedData | None
+                    ) -> tuple[CalibrationReport | None, str]:
     """STS at decode.temperature when decode.calibrate, the policy reads confidences and the drafter has them."""
     decode = ctx.cfg.decode
     if not decode.calibrate or decode.policy not in CONFIDENCE_POLICIES:
@@ -79,7 +80,8 @@ def maybe_calibrate(ctx: StageContext, *, target: Any, drafter: Any, proposer: A
         raise ValueError(f"decode.policy={decode.policy} needs a drafter with a confidence head (drafter=dspark); "
                          "use decode.policy=fixed for dflash / eagle3")
     limit = decode.prompts_per_set * len(decode.eval_sets)
-    prompt_ids, source = calibration_prompt_ids(ctx, target, limit=limit)
+    prompt_ids, source = calibration_prompt_ids(target, held_out=held_out_prompts(ctx, prepared), limit=limit,
+                                                seed=ctx.cfg.seed, data=ctx.cfg.data)
     report = calibrate_drafter(target=target, proposer=proposer, drafter_path=drafter_path, payload=payload,
                                prompt_ids=prompt_ids, temperature=decode.temperature,
                                max_new_tokens=decode.max_new_tokens, seed=ctx.cfg.seed, block_size=block_size,
@@ -98,8 +100,9 @@ def new_eval_dir(ctx: StageContext) -> Path:
     return path
 
 
-def run_eval(ctx: StageContext, drafter_path: str | Path) -> Path:
-    """Evaluate the drafter at `drafter_path` with the decode.* config; returns the report's path."""
+def run_eval(ctx: StageContext, drafter_path: str | Path, *, prepared: PreparedData | None = None) -> Path:
+    """Evaluate the drafter at `drafter_path` with the decode.* config; returns the report's path. `prepared` (the
+    data this invocation regenerated) supplies the held-out calibration prompts."""
     from dspark.decoding.engine import SpeculativeEngine
     from dspark.decoding.policies import build_policy
     from dspark.decoding.proposers import build_proposer
@@ -113,7 +116,7 @@ def run_eval(ctx: StageContext, drafter_path: str | Path) -> Path:
     proposer = build_proposer(drafter)
     calibration, calibration_source = maybe_calibrate(ctx, target=target, drafter=drafter, proposer=proposer,
                                                       drafter_path=drafter_path, payload=payload,
-                                                      block_size=spec.block_size)
+                                                      block_size=spec.block_size, prepared=prepared)
     sts = calibration.sts if calibration else None
     sps, sps_path = (None, None)
     if decode.policy == "scheduler":
@@ -138,7 +141,6 @@ def run_eval(ctx: StageContext, drafter_path: str | Path) -> Path:
     if ctx.store is not None:
         ctx.store.log_metrics(ctx.run_id, metrics)
     report = write_report(ctx, meta, summary)
-    ctx.results["eval"] = {"summary": summary, "report": report, "records": out_dir / ROUNDS_FILE}
     log.info("eval: τ %.3f (pooled, mean over datasets), speed-up %.2fx; report %s", summary.overall["tau"],
              summary.overall["speedup"], report)
     return report
@@ -216,5 +218,4 @@ def run_profile(ctx: StageContext) -> Path:
                                            zip(table.batch_tokens, table.steps_per_second)})
         ctx.store.client.log_artifact(ctx.run_id, str(path), artifact_path="profile")
     print(f"SPS table of {target.name} on {table.machine}\n{path}\n\n{sps_markdown(table)}")
-    ctx.results["sps"] = asdict(table)
     return path

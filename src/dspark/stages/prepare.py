@@ -139,6 +139,17 @@ def _split_by_mode(prompts: list[PromptRecord], *, mode: str, num_regen: int,
     return regen, reference
 
 
+def held_out_prompts(ctx: StageContext, prepared: PreparedData | None) -> list[PromptRecord]:
+    """The training prompts of the regenerated data's calibration split (never trained on), for STS; none when
+    this invocation did not prepare the data."""
+    from dspark.evaluation.calibrate import regenerated_calibration_split
+
+    if prepared is None or ctx.cfg.data.calib_fraction <= 0:
+        return []
+    return regenerated_calibration_split(collect_train_prompts(ctx), prepared.regen_dir, data=ctx.cfg.data,
+                                         seed=ctx.cfg.seed)
+
+
 def check_mask_token_absent(sequences, *, mask_token_id: int) -> None:
     """The MASK row must never occur in the data (METHOD §2.1); a scan proves it for this dataset."""
     for i, ids in enumerate(sequences):

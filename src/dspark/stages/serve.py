@@ -25,8 +25,9 @@ import time
 from pathlib import Path
 from typing import Any
 
+from dspark.drafters.checkpoint import load_drafter
 from dspark.stages.context import StageContext
-from dspark.stages.train import load_drafter
+from dspark.stages.prepare import PreparedData, held_out_prompts
 
 log = logging.getLogger("dspark")
 SERVE_DIR = "serve"
@@ -57,7 +58,7 @@ def serve_requests(ctx: StageContext, target: Any) -> list:
 
 
 def serve_calibration(ctx: StageContext, *, target: Any, drafter: Any, drafter_path: Path, payload: dict,
-                      block_size: int) -> Any:
+                      block_size: int, prepared: PreparedData | None) -> Any:
     """The drafter's STS at decode.temperature whenever it has a confidence head (None otherwise).
 
     Whatever this cell's policy: the policy=fixed trace the simulator replays is recorded once and shared by every
@@ -69,7 +70,9 @@ def serve_calibration(ctx: StageContext, *, target: Any, drafter: Any, drafter_p
     if getattr(drafter, "confidence_head", None) is None:
         return None
     decode = ctx.cfg.decode
-    prompt_ids, _ = calibration_prompt_ids(ctx, target, limit=decode.prompts_per_set * len(decode.eval_sets))
+    prompt_ids, _ = calibration_prompt_ids(target, held_out=held_out_prompts(ctx, prepared),
+                                           limit=decode.prompts_per_set * len(decode.eval_sets), seed=ctx.cfg.seed,
+                                           data=ctx.cfg.data)
     report = calibrate_drafter(target=target, proposer=build_proposer(drafter), drafter_path=drafter_path,
                                payload=payload, prompt_ids=prompt_ids, temperature=decode.temperature,
                                max_new_tokens=decode.max_new_tokens, seed=ctx.cfg.seed, block_size=block_size)
@@ -115,8 +118,10 @@ def read_steps(path: Path) -> list:
     return [ServeStep.from_dict(json.loads(line)) for line in path.read_text().splitlines() if line.strip()]
 
 
-def run_serve(ctx: StageContext, drafter_path: str | Path) -> dict[str, float]:
-    """Serve with the real engine, then simulate; logs and returns the metrics (module docstring)."""
+def run_serve(ctx: StageContext, drafter_path: str | Path, *, prepared: PreparedData | None = None
+              ) -> dict[str, float]:
+    """Serve with the real engine, then simulate; logs and returns the metrics (module docstring). `prepared`
+    (the data this invocation regenerated) supplies the held-out calibration prompts."""
     from dspark.serving import BatchedEngine, build_serve_policy
 
     cfg, serve = ctx.cfg, ctx.cfg.serve
@@ -124,7 +129,7 @@ def run_serve(ctx: StageContext, drafter_path: str | Path) -> dict[str, float]:
     drafter, spec, payload = load_drafter(Path(drafter_path), target, block_size=cfg.model.block_size)
     drafter = drafter.to(target.device)
     calibration = serve_calibration(ctx, target=target, drafter=drafter, drafter_path=Path(drafter_path),
-                                    payload=payload, block_size=spec.block_size)
+                                    payload=payload, block_size=spec.block_size, prepared=prepared)
     sps = serving_sps(ctx, target, block_size=spec.block_size)
     requests = serve_requests(ctx, target)
     policy = build_serve_policy(serve.policy, static_k=serve.static_k, threshold=serve.threshold, sps=sps)
@@ -145,7 +150,6 @@ def run_serve(ctx: StageContext, drafter_path: str | Path) -> dict[str, float]:
     if ctx.store is not None:
         ctx.store.log_metrics(ctx.run_id, metrics)
         ctx.store.client.log_artifact(ctx.run_id, str(steps_path), artifact_path="serve")
-    ctx.results["serve"] = {"summary": summary, "metrics": metrics, "steps": steps_path}
     log.info("serve: %.2f tok/s aggregate, %.2f tok/s/user, budget %.2f, τ %.3f (%s, R=%d)", summary.throughput,
              summary.user_speed, summary.budget, summary.tau, serve.policy, serve.concurrency)
     return metrics

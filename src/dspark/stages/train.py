@@ -6,21 +6,18 @@ a finished drafter, and an interrupted one resumes from `checkpoints/last.ckpt`.
 from __future__ import annotations
 
 import logging
-import os
 from pathlib import Path
 from typing import Any
 
-import torch
-
-from dspark.config import to_dict
+from dspark.config import ResolvedConfig, to_dict
+from dspark.drafters.checkpoint import DRAFTER_FILE, read_checkpoint, save_drafter
 from dspark.drafters.factory import DrafterSpec, build_drafter, drafter_spec_for
-from dspark.stages.context import StageContext
+from dspark.stages.context import RunPaths, StageContext
 from dspark.stages.prepare import PreparedData
 from dspark.training.module import DrafterModule
 from dspark.training.optim import count_parameters
 
 log = logging.getLogger("dspark")
-DRAFTER_FILE = "drafter.pt"
 
 
 def build_datamodule(ctx: StageContext, data: PreparedData):
@@ -89,7 +86,7 @@ def run_train(ctx: StageContext, data: PreparedData) -> Path:
              count_parameters(module.drafter) / 1e6, module.drafter.draft_vocab_size, target.vocab_size)
     trainer = build_trainer(ctx, run_dir)
     last = run_dir / "checkpoints" / "last.ckpt"
-    trainer.fit(module, datamodule=datamodule, ckpt_path=str(last) if last.exists() else None)
+    fit_interruptibly(trainer, module, datamodule=datamodule, ckpt_path=str(last) if last.exists() else None)
     if trainer.global_rank == 0:
         metrics = {k: float(v) for k, v in trainer.callback_metrics.items() if v.numel() == 1}
         log.info("trained: held-out teacher-forced τ_prob %s, slot-1 acceptance %s, slot-2 %s, draft-vocabulary "
@@ -115,26 +112,28 @@ def draft_vocab_from_data(regen_dir: Path, indices: list[int], *, target: Any, s
     return build_draft_vocab(counts, size=size, always=target.stop_token_ids)
 
 
-def save_drafter(path: Path, *, spec: DrafterSpec, state_dict: dict, metrics: dict[str, float],
-                 calibration: dict | None = None) -> None:
-    """Atomically write the exported drafter (spec + weights [+ STS temperatures])."""
-    payload = {"spec": spec.to_dict(), "state_dict": {k: v.cpu() for k, v in state_dict.items()},
-               "metrics": metrics, "calibration": calibration}
-    tmp = path.with_suffix(".tmp")
-    torch.save(payload, tmp)
-    os.replace(tmp, path)
+def fit_interruptibly(trainer: Any, module: Any, **fit_args: Any) -> None:
+    """`trainer.fit`, with Ctrl-C raised as KeyboardInterrupt again: Lightning turns it into `sys.exit(1)` (after
+    its MLFlowLogger marked the run FAILED) and leaves SIGINT ignored for the rest of the process."""
+    import signal
+    import threading
+
+    main_thread = threading.current_thread() is threading.main_thread()
+    handler = signal.getsignal(signal.SIGINT) if main_thread else None
+    try:
+        trainer.fit(module, **fit_args)
+    except SystemExit as err:
+        if isinstance(err.__context__, KeyboardInterrupt):  # Lightning's sys.exit(1) inside its handler
+            raise KeyboardInterrupt("training interrupted") from None
+        raise
+    finally:
+        if main_thread and handler is not None:
+            signal.signal(signal.SIGINT, handler)
 
 
-def load_drafter(path: Path, target: Any, *, block_size: int | None = None):
-    """Rebuild a drafter from `drafter.pt` around `target`; errors if it was trained for another target/γ."""
-    from dspark.drafters.factory import check_spec_matches
-
-    if not Path(path).exists():
-        raise ValueError(f"No trained drafter at {path}; run stage=train first (or pass the run's drafter.pt).")
-    payload = torch.load(path, map_location="cpu", weights_only=False)
-    spec = DrafterSpec.from_dict(payload["spec"])
-    check_spec_matches(spec, target, block_size=block_size)
-    drafter = build_drafter(spec, target)
-    drafter.load_state_dict(payload["state_dict"])
-    drafter.eval()
-    return drafter, spec, payload
+def recorded_training_metrics(rc: ResolvedConfig) -> dict[str, float]:
+    """The metrics stored in the config's exported drafter.pt at the end of its training ({} if none)."""
+    path = StageContext(rc=rc, paths=RunPaths.from_config(rc.cfg)).run_dir / DRAFTER_FILE
+    if not path.exists():
+        return {}
+    return {k: float(v) for k, v in (read_checkpoint(path).get("metrics") or {}).items()}

@@ -28,13 +28,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from dspark.config import ConfigError, ResolvedConfig, parse_overrides, repo_root, resolve_config, to_dict
+from dspark.config import ConfigError, ResolvedConfig, parse_overrides, resolve_config, to_dict
 from dspark.sweeps import runs as sweep_runs
+from dspark.sweeps.identity import arg_key, hashable_config, parent_tags, sweep_dir
 from dspark.sweeps.spec import Cell, SweepSpec, coerce_value, load_sweep
+from dspark.tracking import runs as run_tree
 
 log = logging.getLogger("dspark")
 MAX_CELLS_ENV = "DSPARK_SWEEP_MAX_CELLS"
-HASH_EXCLUDED = ("paths", "tracking", "optuna", "sweep")  # where results go, not what they are
 
 
 @dataclass
@@ -57,8 +58,6 @@ def run_sweep(rc: ResolvedConfig, *, max_cells: int | None = None) -> int:
         limit = _max_cells(max_cells)
         spec = load_sweep(rc.cfg.sweep)
         if rc.cfg.stage == "report":
-            from dspark.reports import report_sweep
-
             return report_sweep(rc, spec)
         if spec.kind == "optuna":
             from dspark.sweeps.optuna_search import run_search
@@ -85,10 +84,6 @@ def _max_cells(value: int | None) -> int | None:
     return max(1, limit)
 
 
-def arg_key(arg: str) -> str:
-    return arg.split("=", 1)[0].strip()
-
-
 def plan_grid(rc: ResolvedConfig, spec: SweepSpec, *, ignore: tuple[str, ...] = (), check: bool = True
               ) -> SweepPlan:
     """Resolve every cell; select by command-line axis values; hash the whole sweep (keys in `ignore` dropped).
@@ -109,7 +104,7 @@ def _resolve_cell(spec: SweepSpec, cell: Cell, argv: list[str], *, check: bool) 
     try:
         rc = resolve_config(argv, cell_overrides=cell.overrides)
         if check:
-            from dspark.cli import preflight
+            from dspark.stages.experiment import preflight
 
             preflight(rc)
         return rc
@@ -139,30 +134,11 @@ def select_cells(spec: SweepSpec, planned: list[PlannedCell], cli: dict[str, Any
     return kept
 
 
-def hashable_config(rc: ResolvedConfig) -> dict[str, Any]:
-    tree = to_dict(rc.cfg)
-    return {k: v for k, v in tree.items() if k not in HASH_EXCLUDED}
-
-
 def config_hash(spec: SweepSpec, planned: list[PlannedCell]) -> str:
     """Stable hash of what the sweep computes: every cell's key and resolved config, plus the runner options."""
     payload = {"runner": spec.runner, "latency": spec.latency,
                "cells": [[pc.cell.key, hashable_config(pc.rc)] for pc in planned]}
     return hashlib.sha256(json.dumps(payload, sort_keys=True, default=str).encode()).hexdigest()[:12]
-
-
-def parent_tags(rc: ResolvedConfig, spec: SweepSpec, *, total: int) -> dict[str, str]:
-    """Provenance of the parent run (the report header reads these)."""
-    from dspark.tracking import git_provenance
-
-    cfg = rc.cfg
-    return {"sweep.kind": spec.kind, "paper.ref": spec.paper_ref, "sweep.description": spec.description,
-            "sweep.cells": str(total), "budget": cfg.budget, "target": cfg.target,
-            "command": "python experiments/run.py " + " ".join(rc.argv)} | git_provenance(repo_root())
-
-
-def sweep_dir(rc: ResolvedConfig, spec: SweepSpec, sweep_hash: str) -> Path:
-    return Path(rc.cfg.paths.root) / "sweeps" / f"{spec.name}-{sweep_hash}"
 
 
 def cell_record(pc: PlannedCell) -> dict[str, Any]:
@@ -175,28 +151,30 @@ def cell_record(pc: PlannedCell) -> dict[str, Any]:
 def execute_grid(plan: SweepPlan, *, rc: ResolvedConfig, store: Any, max_cells: int | None = None) -> int:
     """Run the plan's cells under one parent run (resuming it); write the report; return the exit code."""
     spec = plan.spec
-    parent_id, reused = sweep_runs.open_parent(store, sweep=spec.name, sweep_hash=plan.sweep_hash,
+    parent_id, reused = run_tree.open_parent(store, sweep=spec.name, sweep_hash=plan.sweep_hash,
                                                tags=parent_tags(rc, spec, total=plan.total))
     out_dir = sweep_dir(rc, spec, plan.sweep_hash)
     sweep_runs.log_parent_record(store, parent_id, spec_text=spec.text, out_dir=out_dir,
                                  cells=[cell_record(pc) for pc in plan.cells])
-    existing = sweep_runs.children(store, parent_id)
-    done = sweep_runs.done_cells(existing)
+    existing = run_tree.children(store, parent_id)
+    done = run_tree.done_cells(existing)
     todo = plan.cells[:max_cells] if max_cells else plan.cells
     log.info("sweep %s: %d of %d cells selected, %d already done; parent run %s (%s)", spec.name, len(todo),
              plan.total, sum(pc.cell.key in done for pc in todo), parent_id, "resumed" if reused else "new")
     outcomes: list[sweep_runs.CellOutcome] = []
-    attempt = [""]
+    attempt, current = "", ""
     try:
         for pc in todo:
             if pc.cell.key in done:
                 outcomes.append(sweep_runs.CellOutcome(key=pc.cell.key, status="SKIPPED", run_id=done[pc.cell.key]))
                 continue
-            sweep_runs.close_stale(store, existing, cell=pc.cell.key)
-            attempt[0] = uuid.uuid4().hex
-            outcomes.append(run_cell(pc, plan=plan, store=store, parent_id=parent_id, attempt=attempt[0]))
-    except (KeyboardInterrupt, SystemExit):  # Lightning turns Ctrl-C during fit into sys.exit(1)
-        return interrupted(store, parent_id, attempt=attempt[0], name=spec.name)
+            run_tree.close_stale(store, existing, cell=pc.cell.key)
+            attempt, current = uuid.uuid4().hex, pc.cell.key
+            outcomes.append(run_cell(pc, plan=plan, store=store, parent_id=parent_id, attempt=attempt))
+            current = ""
+    except (KeyboardInterrupt, SystemExit) as err:  # SystemExit: a cell that called sys.exit
+        return interrupted(store, parent_id, attempt=attempt, cell=current, name=spec.name, outcomes=outcomes,
+                           kept=getattr(err, "kept", ""), out_dir=out_dir)
     return finish_sweep(rc, plan, store=store, parent_id=parent_id, outcomes=outcomes, out_dir=out_dir)
 
 
@@ -205,7 +183,7 @@ def run_cell(pc: PlannedCell, *, plan: SweepPlan, store: Any, parent_id: str, at
     """One cell in its own child run; exceptions become a FAILED cell, never the end of the sweep."""
     spec, cell = plan.spec, pc.cell
     started = time.perf_counter()
-    tags = sweep_runs.cell_tags(sweep=spec.name, sweep_hash=plan.sweep_hash, paper_ref=spec.paper_ref,
+    tags = run_tree.cell_tags(sweep=spec.name, sweep_hash=plan.sweep_hash, paper_ref=spec.paper_ref,
                                 index=cell.index, key=cell.key, axes=cell.axes, attempt=attempt)
     runner = cell_runner(spec)
     log.info("sweep %s: cell %d/%d %s", spec.name, cell.index + 1, plan.total, cell.key)
@@ -217,7 +195,7 @@ def run_cell(pc: PlannedCell, *, plan: SweepPlan, store: Any, parent_id: str, at
         print(f"error: cell {cell.key}: {type(err).__name__}: {err}", file=sys.stderr)
         code = 1
     work = time.perf_counter() - work_start
-    run_id = sweep_runs.settle_attempt(store, attempt, ok=code == 0, label=cell.key)
+    run_id = run_tree.settle_attempt(store, attempt, ok=code == 0, label=cell.key)
     if code == 0 and run_id and spec.runner == "experiment":
         backfill_training_metrics(store, run_id, pc.rc)
     status = "FINISHED" if code == 0 else "FAILED"
@@ -225,21 +203,10 @@ def run_cell(pc: PlannedCell, *, plan: SweepPlan, store: Any, parent_id: str, at
                                   seconds=time.perf_counter() - started, work_seconds=work)
 
 
-def recorded_training_metrics(rc: ResolvedConfig) -> dict[str, float]:
-    """The metrics stored in the config's exported drafter.pt at the end of its training ({} if none)."""
-    import torch
-
-    from dspark.stages.context import RunPaths, StageContext
-
-    path = StageContext(rc=rc, paths=RunPaths.from_config(rc.cfg)).run_dir / "drafter.pt"
-    if not path.exists():
-        return {}
-    payload = torch.load(path, map_location="cpu", weights_only=False)
-    return {k: float(v) for k, v in (payload.get("metrics") or {}).items()}
-
-
 def backfill_training_metrics(store: Any, run_id: str, rc: ResolvedConfig) -> None:
     """A cell that reused a drafter trained earlier logs no train/ val/ metrics: copy the recorded ones."""
+    from dspark.stages.train import recorded_training_metrics
+
     if rc.cfg.stage == "prepare":
         return
     metrics = store.client.get_run(run_id).data.metrics
@@ -261,20 +228,27 @@ def cell_runner(spec: SweepSpec) -> Callable[..., int]:
                                     options=spec.latency_options(rc.cfg.budget))
 
         return latency
-    from dspark.cli import run_experiment
+    from dspark.stages.experiment import run_experiment
 
     return run_experiment
 
 
-def interrupted(store: Any, parent_id: str, *, attempt: str, name: str) -> int:
-    """Ctrl-C: the running cell and the parent become KILLED; the next run resumes."""
-    if attempt:
-        run = sweep_runs.find_attempt(store, attempt)
-        if run is not None and run.info.status in sweep_runs.ACTIVE + ("FINISHED",):
-            store.finish(run.info.run_id, status="KILLED")
+def interrupted(store: Any, parent_id: str, *, attempt: str, cell: str, name: str,
+                outcomes: list[sweep_runs.CellOutcome], kept: str, out_dir: Path) -> int:
+    """Ctrl-C: the running cell (unless it had completed) and the parent become KILLED, the outcomes so far are
+    logged, one line says what was kept; the next run of the same command resumes."""
+    if cell:
+        run = run_tree.find_attempt(store, attempt)
+        if run is not None and run.data.tags.get(run_tree.COMPLETE_TAG) != "true":
+            store.finish(run.info.run_id, status="KILLED")  # whatever Lightning's logger set (FAILED) before
+        outcomes = outcomes + [sweep_runs.CellOutcome(key=cell, status="KILLED",
+                                                      run_id=run.info.run_id if run is not None else None)]
+    sweep_runs.log_outcomes(store, parent_id, outcomes, out_dir=out_dir)
     store.finish(parent_id, status="KILLED")
-    print(f"sweep {name} interrupted; rerun the same command to resume (finished cells are skipped).",
-          file=sys.stderr)
+    finished = sum(o.status in ("FINISHED", "SKIPPED") for o in outcomes)
+    running = f"; cell {cell} is marked KILLED" + (f" (kept: {kept})" if kept else "") if cell else ""
+    print(f"sweep {name} interrupted: {finished} finished cells are kept{running}. Rerun the same command to resume "
+          "(finished cells are skipped).", file=sys.stderr)
     return 130
 
 
@@ -298,3 +272,28 @@ def finish_sweep(rc: ResolvedConfig, plan: SweepPlan, *, store: Any, parent_id: 
         print(f"sweep {plan.spec.name}: {len(failed)} of {len(outcomes)} cells failed: {'; '.join(failed)}",
               file=sys.stderr)
     return code
+
+
+def sweep_hash_of(rc: ResolvedConfig, spec: SweepSpec) -> str:
+    """The sweep hash this command line runs under (`stage=report` itself ignored): the parent a report reads."""
+    if spec.kind == "optuna":
+        from dspark.sweeps.optuna_search import search_hash
+
+        return search_hash(rc, spec, ignore=("stage",))
+    return plan_grid(rc, spec, ignore=("stage",), check=False).sweep_hash
+
+
+def report_sweep(rc: ResolvedConfig, spec: SweepSpec) -> int:
+    """`sweep=NAME stage=report`: regenerate the report without running anything; 0 unless the store fails."""
+    from dspark.reports import write_sweep_report
+    from dspark.tracking import open_store
+
+    try:
+        store = open_store(rc.cfg)
+        digest = sweep_hash_of(rc, spec)
+    except ConfigError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    path = write_sweep_report(rc, spec, store=store, sweep_hash=digest)
+    print(f"report: {path}")
+    return 0

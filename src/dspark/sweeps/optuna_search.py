@@ -25,10 +25,12 @@ from typing import Any
 import lightning as L
 
 from dspark.config import ConfigError, ResolvedConfig, resolve_config
+from dspark.stages.train import recorded_training_metrics
 from dspark.sweeps import runs as sweep_runs
-from dspark.sweeps.driver import HASH_EXCLUDED, arg_key, parent_tags, recorded_training_metrics, sweep_dir
+from dspark.sweeps.identity import HASH_EXCLUDED, arg_key, parent_tags, sweep_dir
 from dspark.sweeps.optuna_study import StudyHandle, claim_trial, default_storage, mask, setup_study, trial_is_default
 from dspark.sweeps.spec import SweepSpec
+from dspark.tracking import runs as run_tree
 
 log = logging.getLogger("dspark")
 
@@ -104,7 +106,7 @@ def run_search(rc: ResolvedConfig, spec: SweepSpec, *, max_trials: int | None = 
     with handle.locked():  # racing workers on one machine share one parent
         tags = parent_tags(rc, spec, total=rc.cfg.optuna.n_trials) | {
             "optuna.study": handle.study.study_name, "optuna.storage": mask(handle.storage)}
-        parent_id, _ = sweep_runs.open_parent(store, sweep=spec.name, sweep_hash=digest, tags=tags)
+        parent_id, _ = run_tree.open_parent(store, sweep=spec.name, sweep_hash=digest, tags=tags)
     sweep_runs.log_parent_record(store, parent_id, spec_text=spec.text, out_dir=sweep_dir(rc, spec, digest),
                                  cells=[{"index": -1, "cell": "optuna search", "run_name": "-", "training_key": "-",
                                          "study": handle.study.study_name, "fixed_argv": fixed_argv(rc, spec)}])
@@ -116,9 +118,12 @@ def run_search(rc: ResolvedConfig, spec: SweepSpec, *, max_trials: int | None = 
                 break
             states.append(run_trial(trial, rc=rc, spec=spec, handle=handle, store=store, parent_id=parent_id,
                                     digest=digest))
-    except (KeyboardInterrupt, SystemExit):  # Lightning turns Ctrl-C during fit into sys.exit(1)
+    except (KeyboardInterrupt, SystemExit) as err:  # SystemExit: a trial that called sys.exit
         store.finish(parent_id, status="KILLED")
-        print(f"search {spec.name} interrupted; rerun to continue the study.", file=sys.stderr)
+        kept = f" (kept: {err.kept})" if getattr(err, "kept", "") else ""
+        print(f"search {spec.name} interrupted: the study {handle.study.study_name} keeps every finished trial "
+              f"({len(states)} of this worker); the running trial is marked KILLED{kept}. Rerun the same command "
+              "to continue the study.", file=sys.stderr)
         return 130
     return finish_search(rc, spec, handle=handle, store=store, parent_id=parent_id, states=states)
 
@@ -130,7 +135,7 @@ def run_trial(trial: Any, *, rc: ResolvedConfig, spec: SweepSpec, handle: StudyH
 
     params = {p.key: p.suggest(trial) for p in spec.optuna.params}
     attempt = uuid.uuid4().hex
-    tags = sweep_runs.cell_tags(sweep=spec.name, sweep_hash=digest, paper_ref=spec.paper_ref, index=trial.number,
+    tags = run_tree.cell_tags(sweep=spec.name, sweep_hash=digest, paper_ref=spec.paper_ref, index=trial.number,
                                 key=f"trial-{trial.number}", axes=params, attempt=attempt) | {
         "optuna.trial": str(trial.number), "optuna.study": handle.study.study_name,
         "optuna.defaults": str(trial_is_default(trial)).lower()}
@@ -140,11 +145,11 @@ def run_trial(trial: Any, *, rc: ResolvedConfig, spec: SweepSpec, handle: StudyH
                                       parent_id=parent_id, attempt=attempt)
     except (KeyboardInterrupt, SystemExit):
         handle.study.tell(trial, state=TrialState.FAIL)
-        run = sweep_runs.find_attempt(store, attempt)
+        run = run_tree.find_attempt(store, attempt)
         if run is not None:
             store.finish(run.info.run_id, status="KILLED")
         raise
-    run = sweep_runs.find_attempt(store, attempt)
+    run = run_tree.find_attempt(store, attempt)
     if run is not None:
         store.client.set_tag(run.info.run_id, "optuna.state", state)
         if value is not None:
@@ -156,7 +161,7 @@ def run_trial(trial: Any, *, rc: ResolvedConfig, spec: SweepSpec, handle: StudyH
 def evaluate_trial(trial: Any, *, rc: ResolvedConfig, spec: SweepSpec, params: dict, tags: dict, store: Any,
                    parent_id: str, attempt: str) -> tuple[str, float | None]:
     """Run the trial's cell; (COMPLETE, objective) | (PRUNED, None) | (FAIL, None)."""
-    from dspark.cli import run_experiment
+    from dspark.stages.experiment import run_experiment
 
     try:
         cell = resolve_config(fixed_argv(rc, spec), cell_overrides=spec.base_overrides(rc.cfg.budget) | params)
@@ -166,20 +171,20 @@ def evaluate_trial(trial: Any, *, rc: ResolvedConfig, spec: SweepSpec, params: d
     callbacks = [PruningCallback(trial, spec.optuna.prune_on)] if rc.cfg.optuna.prune and spec.optuna.prune_on else []
     code = run_experiment(cell, parent_run_id=parent_id, extra_tags=tags, trainer_callbacks=callbacks)
     if callbacks and callbacks[0].pruned:
-        sweep_runs.settle_attempt(store, attempt, ok=False, label=tags["cell"])
+        run_tree.settle_attempt(store, attempt, ok=False, label=tags["cell"])
         return "PRUNED", None
     if code != 0:
-        sweep_runs.settle_attempt(store, attempt, ok=False, label=tags["cell"])
+        run_tree.settle_attempt(store, attempt, ok=False, label=tags["cell"])
         return "FAIL", None
     metric = spec.optuna.objective_metric(cell.cfg.stage)
     value = objective_value(store, attempt=attempt, metric=metric, rc=cell)
-    sweep_runs.settle_attempt(store, attempt, ok=value is not None, label=tags["cell"])
+    run_tree.settle_attempt(store, attempt, ok=value is not None, label=tags["cell"])
     return ("COMPLETE", value) if value is not None else ("FAIL", None)
 
 
 def objective_value(store: Any, *, attempt: str, metric: str, rc: ResolvedConfig) -> float | None:
     """The trial run's `metric`; a reused drafter's recorded training metrics count too; else a loud error."""
-    run = sweep_runs.find_attempt(store, attempt)
+    run = run_tree.find_attempt(store, attempt)
     metrics = dict(run.data.metrics) if run is not None else {}
     if metric not in metrics:
         metrics.update(recorded_training_metrics(rc))

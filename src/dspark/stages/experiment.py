@@ -1,0 +1,151 @@
+"""One experiment: the cheap checks before any work (`preflight`) and the stages of one config inside one MLflow
+run (`run_experiment`). The CLI calls both for a plain run; the sweep driver calls them for every cell.
+
+Exit codes of `run_experiment`: 0 success, 1 the run failed (its MLflow run is marked FAILED), 2 the tracking store
+could not be opened (nothing ran). Ctrl-C marks the run KILLED and raises `RunInterrupted`, which says what was kept
+(the caller, the CLI or the sweep driver, prints it and exits 130).
+"""
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from dspark.config import ConfigError, ResolvedConfig
+
+if TYPE_CHECKING:  # the CLI imports this module: torch and MLflow load only when a run starts
+    from dspark.stages.context import StageContext
+
+log = logging.getLogger("dspark")
+RUN_ID_ENV = "DSPARK_MLFLOW_RUN_ID"  # hands the run to Lightning's DDP worker processes (they re-run this script)
+
+
+class RunInterrupted(KeyboardInterrupt):
+    """Ctrl-C during a run, after its MLflow run was marked KILLED; `kept` says what the next run reuses."""
+
+    def __init__(self, kept: str) -> None:
+        super().__init__(kept)
+        self.kept = kept
+
+
+def preflight(rc: ResolvedConfig) -> None:
+    """Cheap checks of names and paths that would otherwise fail after minutes of work."""
+    cfg, errors = rc.cfg, []
+    if cfg.stage == "report":  # reports read the tracking store only; skip imports of torch/transformers
+        return
+    from dspark.data.prompts import prompt_set_errors
+    from dspark.targets import TARGETS
+
+    if cfg.data.local_dir and not Path(cfg.data.local_dir).expanduser().is_dir():
+        errors.append(f"data.local_dir={cfg.data.local_dir} does not exist; point it at a directory of JSONL prompt "
+                      "files (schema: id, domain, prompt, ...).")
+    else:  # every prompt set the run may read, resolved (not read) now rather than after regeneration and training
+        errors += prompt_set_errors(
+            {"data.train_sets": cfg.data.train_sets, "decode.eval_sets": cfg.decode.eval_sets,
+             "serve.prompt_sets": cfg.serve.prompt_sets},
+            local_dir=cfg.data.local_dir, cache_dir=Path(cfg.paths.root) / "cache" / "datasets")
+    looks_local = cfg.target.startswith(("/", ".", "~")) or cfg.target.endswith(".gguf")
+    if cfg.target not in TARGETS and looks_local and not Path(cfg.target).expanduser().exists():
+        errors.append(f"target={cfg.target}: no such file or directory; give a local model directory, a .gguf "
+                      f"file, a hub id, or a built-in name ({', '.join(TARGETS.names())}).")
+    if cfg.serve.sps_table and not Path(cfg.serve.sps_table).expanduser().is_file():
+        errors.append(f"serve.sps_table={cfg.serve.sps_table}: no such file; give an SPS(B) JSON written by "
+                      "dspark.serving.profile (e.g. profiled on a GPU), or drop the key to use this machine's table.")
+    if errors:
+        raise ConfigError("Invalid configuration:\n  - " + "\n  - ".join(errors))
+
+
+def run_experiment(rc: ResolvedConfig, *, parent_run_id: str | None = None, extra_tags: dict | None = None,
+                   trainer_callbacks: list | None = None) -> int:
+    """Run the stages of one config inside one MLflow run; returns an exit code. `trainer_callbacks` are added to
+    the training stage's Lightning Trainer (the sweep driver's Optuna pruning uses it)."""
+    from dspark.stages.context import RunPaths, StageContext, run_name, seed_everything
+    from dspark.tracking import open_store
+
+    ctx = StageContext(rc=rc, paths=RunPaths.from_config(rc.cfg), trainer_callbacks=list(trainer_callbacks or []))
+    ctx.paths.make()
+    seed_everything(rc.cfg.seed)
+    try:
+        ctx.store = open_store(rc.cfg)
+    except ConfigError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    worker = is_ddp_worker()
+    if worker:
+        ctx.run_id = os.environ[RUN_ID_ENV]
+    else:
+        tags = ctx.run_tags() | (extra_tags or {})
+        ctx.run_id = ctx.store.create_run(run_name=run_name(rc.cfg), tags=tags, parent_run_id=parent_run_id)
+        os.environ[RUN_ID_ENV] = ctx.run_id
+        ctx.store.log_config(ctx.run_id, rc.cfg, run_dir=ctx.run_dir)
+    started = time.time()
+    try:
+        run_stages(ctx)
+    except KeyboardInterrupt:  # Ctrl-C: KILLED, not FAILED; the next run of the same command resumes
+        if not worker:
+            ctx.store.finish(ctx.run_id, status="KILLED")
+        raise RunInterrupted(kept_after_interrupt(ctx)) from None
+    except Exception as err:  # the run is marked FAILED and the error is shown; the traceback goes to the log
+        log.exception("run failed")
+        if not worker:
+            ctx.store.finish(ctx.run_id, status="FAILED")
+        print(f"error: {type(err).__name__}: {err}", file=sys.stderr)
+        return 1
+    if not worker:
+        ctx.store.log_metrics(ctx.run_id, {"summary/wall_seconds": time.time() - started})
+        ctx.store.finish(ctx.run_id)
+        log.info("done: MLflow run %s in %s; run directory %s", ctx.run_id, ctx.store.uri, ctx.run_dir)
+    return 0
+
+
+def run_stages(ctx: StageContext) -> None:
+    """prepare → train → eval (or serve), stopping after `stage` (report/profile are their own entry points)."""
+    from dspark.stages.prepare import run_prepare
+    from dspark.stages.train import run_train
+
+    stage = ctx.cfg.stage
+    if stage == "report":
+        from dspark.stages.evaluate import run_report
+
+        run_report(ctx)
+        return
+    if stage == "profile":
+        from dspark.stages.evaluate import run_profile
+
+        run_profile(ctx)
+        return
+    data = run_prepare(ctx)
+    ctx.store.log_metrics(ctx.run_id, {"data/sequences": data.num_sequences} | {
+        f"data/{k}": float(v) for k, v in data.stats.items() if isinstance(v, (int, float))})
+    if stage == "prepare":
+        return
+    drafter_path = run_train(ctx, data)
+    if stage == "train" or is_ddp_worker():
+        return
+    if stage == "serve":
+        from dspark.stages.serve import run_serve
+
+        run_serve(ctx, drafter_path, prepared=data)
+        return
+    from dspark.stages.evaluate import run_eval
+
+    run_eval(ctx, drafter_path, prepared=data)
+
+
+def kept_after_interrupt(ctx: StageContext) -> str:
+    """What an interrupted run leaves for the next one: the trained drafter or the last training checkpoint, and the
+    caches (regenerated data and features are written resumably)."""
+    from dspark.drafters.checkpoint import DRAFTER_FILE
+
+    drafter, last = ctx.run_dir / DRAFTER_FILE, ctx.run_dir / "checkpoints" / "last.ckpt"
+    kept = [f"the trained drafter {drafter}" if drafter.exists() else
+            f"the training checkpoint {last}" if last.exists() else "no training checkpoint yet"]
+    return " and ".join(kept + [f"the caches under {ctx.paths.cache}"])
+
+
+def is_ddp_worker() -> bool:
+    """True in a DDP worker process that Lightning started (it attaches to the run of rank 0)."""
+    return RUN_ID_ENV in os.environ and os.environ.get("LOCAL_RANK", "0") != "0"

@@ -1,0 +1,37 @@
+"""What names a sweep, shared by the grid driver and the Optuna search: the config keys its hash leaves out, the
+command-line key of an argument, the parent run's provenance tags and the sweep's output directory."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from dspark.config import ResolvedConfig, repo_root, to_dict
+from dspark.sweeps.spec import SweepSpec
+
+HASH_EXCLUDED = ("paths", "tracking", "optuna", "sweep")  # where results go, not what they are
+
+
+def arg_key(arg: str) -> str:
+    """The key of a `key=value` command-line argument."""
+    return arg.split("=", 1)[0].strip()
+
+
+def hashable_config(rc: ResolvedConfig) -> dict[str, Any]:
+    """The resolved config without the groups that say where results go (`HASH_EXCLUDED`)."""
+    tree = to_dict(rc.cfg)
+    return {k: v for k, v in tree.items() if k not in HASH_EXCLUDED}
+
+
+def parent_tags(rc: ResolvedConfig, spec: SweepSpec, *, total: int) -> dict[str, str]:
+    """Provenance of the parent run (the report header reads these)."""
+    from dspark.tracking import git_provenance
+
+    cfg = rc.cfg
+    return {"sweep.kind": spec.kind, "paper.ref": spec.paper_ref, "sweep.description": spec.description,
+            "sweep.cells": str(total), "budget": cfg.budget, "target": cfg.target,
+            "command": "python experiments/run.py " + " ".join(rc.argv)} | git_provenance(repo_root())
+
+
+def sweep_dir(rc: ResolvedConfig, spec: SweepSpec, sweep_hash: str) -> Path:
+    """`<paths.root>/sweeps/<name>-<hash>`: the sweep file, cell configs, outcomes (and an Optuna study.json)."""
+    return Path(rc.cfg.paths.root) / "sweeps" / f"{spec.name}-{sweep_hash}"
