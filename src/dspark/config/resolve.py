@@ -71,6 +71,8 @@ def resolve_config(argv: list[str], *, cell_overrides: dict[str, Any] | None = N
     cfg = apply_overrides(cfg, overrides, source="command line")
     explicit = set(cell) | set(overrides)
     apply_drafter_defaults(cfg, explicit)
+    if "data.train_sets" in explicit and "data.train_weights" not in explicit:
+        cfg.data.train_weights = []  # a budget's per-set weights belong to its own train_sets: equal shares instead
     resolve_paths(cfg)
     validate_config(cfg, explicit_keys=explicit)
     return ResolvedConfig(cfg=cfg, explicit_keys=explicit, argv=list(argv))
