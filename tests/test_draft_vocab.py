@@ -119,3 +119,25 @@ def test_structured_block_attention_equals_the_dense_mask(blocks):
     before = torch.arange(ctx) < anchors.unsqueeze(-1)
     got = block_structured_attention(q, k, v, BlockMask(context_mask=before & valid.unsqueeze(1), block_size=GAMMA))
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("blocks", [1, 6])  # 1: gathered positions; 6: N·γ > T, once per position then gathered
+def test_target_distribution_is_the_exact_full_vocabulary_p_t_on_draft_ids(blocks):
+    from types import SimpleNamespace
+
+    from dspark.training.steps import target_distribution
+
+    ids = torch.tensor([0, 3, 4, 9, 17, 30])
+    drafter = _drafter(ids)
+    g = torch.Generator().manual_seed(3)
+    final_hidden = torch.randn(2, 9, D, generator=g)
+    positions = torch.randint(0, 9, (2, blocks, GAMMA), generator=g)
+    full = torch.softmax(drafter.lm_head(final_hidden), -1)  # [2, 9, V]
+    expected = torch.stack([full[b, positions[b]] for b in range(2)])[..., ids]
+    target = SimpleNamespace(lm_head=drafter.lm_head)
+    online = target_distribution(drafter, target, {}, final_hidden, positions)
+    cached = target_distribution(drafter, target, {"log_normalizer": torch.logsumexp(drafter.lm_head(final_hidden), -1)},
+                                 final_hidden, positions)
+    for got in (online, cached):
+        torch.testing.assert_close(got.probs, expected, atol=1e-6, rtol=1e-5)
+        torch.testing.assert_close(got.coverage, expected.sum(-1), atol=1e-6, rtol=1e-5)

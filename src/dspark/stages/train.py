@@ -9,6 +9,8 @@ import logging
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from dspark.config import ResolvedConfig, to_dict
 from dspark.drafters.checkpoint import DRAFTER_FILE, read_checkpoint, save_drafter
 from dspark.drafters.factory import DrafterSpec, build_drafter, drafter_spec_for

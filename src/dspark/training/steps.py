@@ -55,18 +55,25 @@ def target_distribution(drafter, target: Any, batch: dict[str, Tensor], final_hi
     prepare time from the same stored hidden states) so no full-vocabulary product runs in the step; without a
     cache (online features) it is computed here. Always fp32, outside any autocast: p_t is the supervision.
     """
+    batch_size, length = final_hidden.shape[:2]
+    # Blocks overlap (anchor a's slot k is position a+k-1): with many anchors there are more (block, slot) pairs
+    # than positions, so compute p_t once per position and gather — else only at the gathered positions.
+    per_position = batch_size * length < positions.numel()
+    rows = positions if not per_position else torch.arange(length, device=positions.device).expand(batch_size, 1, -1)
     with torch.autocast(device_type=final_hidden.device.type, enabled=False):
-        hidden = _gather_positions(final_hidden.float(), positions)
+        hidden = _gather_positions(final_hidden.float(), rows)
         head = drafter.draft_head
-        logits = F.linear(hidden, head.weight().float(), _bias(head))  # [B, N, γ, Vd]
+        logits = F.linear(hidden, head.weight().float(), _bias(head))  # [B, n, g, Vd]
         if "log_normalizer" in batch:
-            b, n, g = positions.shape
-            log_z = batch["log_normalizer"].float().gather(1, positions.reshape(b, n * g)).view(b, n, g)
+            b, n, g = rows.shape
+            log_z = batch["log_normalizer"].float().gather(1, rows.reshape(b, n * g)).view(b, n, g)
         elif head.is_full:
             log_z = torch.logsumexp(logits, dim=-1)
         else:
             log_z = torch.logsumexp(target.lm_head(hidden.to(target.lm_head.weight.dtype)).float(), dim=-1)
         probs = torch.exp(logits - log_z.unsqueeze(-1))
+    if per_position:
+        probs = _gather_positions(probs[:, 0], positions)  # [B, T, Vd] → [B, N, γ, Vd]
     return TargetDistribution(probs=probs, coverage=probs.sum(-1).clamp(0.0, 1.0))
 
 
