@@ -1,4 +1,8 @@
-"""Data-pipeline speed on this machine: regeneration throughput and cached vs online target features.
+"""Data-pipeline speed on this machine: regeneration vs reference-response prefill, and cached vs online features.
+
+Side by side in one run per target: regeneration tok/s of the same prompts in input order and batched by prompt
+length (what `stage=prepare` does), and the feature-cache prefill of prompt + reference response (what
+`data.responses=reference` costs per token) at fp32 and at bf16 autocast (AMX-BF16 CPUs only).
 
 For each target: regenerate a few synthetic prompts (fresh temporary cache, so nothing is reused) and report
 generated tokens/s; build the float16 feature cache; then time one training batch's features both ways —
@@ -43,6 +47,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--long-length", type=int, default=512, help="T of the training-length comparison")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--cache-dir", type=Path, default=TARGET_CACHE, help="where targets are cached")
+    parser.add_argument("--reference-prompts", type=int, default=48, help="reference sequences prefilled")
+    parser.add_argument("--regen-prompts", type=int, default=16, help="prompts regenerated for the order comparison")
     return parser.parse_args(argv)
 
 
@@ -114,6 +120,45 @@ def bench_features_long(target, args, work: Path) -> dict:
                                        repeats=args.repeats)}
 
 
+def training_prompts(count: int):
+    """Real training prompts with reference responses, mixed over math / code / chat (vendored sets)."""
+    from dspark.data.prompts import load_prompts
+
+    pools = [load_prompts(n, selection="all") for n in ("gsm8k-train", "mbpp-train", "alpaca-5k")]
+    mixed = [p for group in zip(*pools) for p in group if p.reference]
+    return mixed[:count]
+
+
+def bench_reference_prefill(target, args, work: Path) -> list[tuple[str, int, float]]:
+    """(precision, tokens, seconds) of the feature-cache prefill over reference sequences, fp32 and bf16."""
+    from dspark.data.reference import build_reference_dataset
+    from dspark.hardware import cpu_has_amx_bf16
+
+    ref_dir = build_reference_dataset(target, training_prompts(args.reference_prompts), cache_dir=work,
+                                      max_length=512)
+    tokens = sum(len(r) for r in load_regenerated(ref_dir)["input_ids"])
+    results = []
+    for precision in ("fp32", "bf16") if cpu_has_amx_bf16() else ("fp32",):
+        start = time.perf_counter()
+        cache_features(target, ref_dir, cache_dir=work / precision, batch_size=16, show_progress=False,
+                       precision=precision)
+        results.append((precision, tokens, time.perf_counter() - start))
+    return results
+
+
+def bench_regeneration_order(target, args, work: Path) -> list[tuple[str, float, float]]:
+    """(order, generated tokens, seconds) regenerating the same prompts in input order vs sorted by length."""
+    prompts = training_prompts(args.regen_prompts)
+    sampling = SamplingConfig(max_new_tokens=args.max_new_tokens, batch_size=8)
+    out = []
+    for label, ordered in (("input order", prompts), ("batched by length", sorted(prompts, key=lambda p: len(p.prompt)))):
+        regen_dir = regenerate_responses(target, ordered, sampling=sampling, cache_dir=work / label.replace(" ", "_"),
+                                         seed=0, min_loss_tokens=1, show_progress=False)
+        stats = read_manifest(regen_dir)["stats"]
+        out.append((label, stats["generated_tokens"], stats["seconds"]))
+    return out
+
+
 def run_target(name: str, args) -> list[list[str]]:
     target = load_target(name, cache_dir=args.cache_dir)
     with tempfile.TemporaryDirectory(prefix="bench_data_") as tmp:
@@ -121,9 +166,21 @@ def run_target(name: str, args) -> list[list[str]]:
         regen_dir, stats = bench_regeneration(target, args, work)
         short = bench_features_regenerated(target, regen_dir, args, work)
         long = bench_features_long(target, args, work)
+        prefill = bench_reference_prefill(target, args, work)
+        order = bench_regeneration_order(target, args, work)
     regen_tok_s = stats["generated_tokens"] / stats["seconds"]
     rows = [[name, "regeneration (sampling, batch %d)" % args.num_prompts,
              f"{stats['generated_tokens']:.0f} tokens in {stats['seconds']:.1f} s", f"{regen_tok_s:.1f} tok/s", ""]]
+    base = None
+    for label, tokens, seconds in order:
+        rate = tokens / seconds
+        base = base or rate
+        rows.append([name, f"regeneration of {args.regen_prompts} training prompts, {label} (batch 8)",
+                     f"{tokens:.0f} tokens in {seconds:.1f} s", f"{rate:.1f} tok/s", f"{rate / base:.2f}× input order"])
+    for precision, tokens, seconds in prefill:
+        rate = tokens / seconds
+        rows.append([name, f"reference prefill → feature cache ({precision}, length-batched)",
+                     f"{tokens} tokens in {seconds:.1f} s", f"{rate:.0f} tok/s", f"{rate / regen_tok_s:.0f}× regeneration"])
     for label, r in ((f"features, regenerated batch (B={args.batch_size})", short),
                      (f"features, B={args.batch_size} × T={args.long_length}", long)):
         winner = "cached" if r["cached_s"] < r["online_s"] else "online"

@@ -106,6 +106,7 @@ def run_eval(ctx: StageContext, drafter_path: str | Path, *, prepared: PreparedD
     from dspark.decoding.engine import SpeculativeEngine
     from dspark.decoding.policies import build_policy
     from dspark.decoding.proposers import build_proposer
+    from dspark.evaluation.coverage import draft_vocab_coverage
 
     cfg, decode = ctx.cfg, ctx.cfg.decode
     check_decode_config(decode)
@@ -138,6 +139,13 @@ def run_eval(ctx: StageContext, drafter_path: str | Path, *, prepared: PreparedD
     (out_dir / META_FILE).write_text(json.dumps(meta, indent=2))
     summary = summarize(rollouts, block_size=spec.block_size)
     metrics = flatten_metrics(summary) | (calibration.metrics() if calibration else {})
+    coverage = draft_vocab_coverage(target=target, drafter=drafter, prompts=prompts, rollouts=rollouts,
+                                    temperature=decode.temperature)
+    if coverage:
+        metrics |= {("eval/vocab_coverage" if d == "all" else f"eval/domain/{d}/vocab_coverage"): v
+                    for d, v in coverage.items()}
+        log.info("draft-vocabulary coverage of the target's own generations: %s",
+                 ", ".join(f"{d} {v:.3f}" for d, v in sorted(coverage.items())))
     if ctx.store is not None:
         ctx.store.log_metrics(ctx.run_id, metrics)
     report = write_report(ctx, meta, summary)
