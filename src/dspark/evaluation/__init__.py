@@ -30,7 +30,8 @@ from dspark.evaluation.rollouts import (
     run_rollouts,
     write_rollouts_jsonl,
 )
-from dspark.evaluation.summary import EvalSummary, flatten_metrics, mean_ci, summarize
+from dspark.evaluation.summary import EvalSummary, flatten_metrics, summarize
+from dspark.intervals import mean_ci
 
 __all__ = [
     "CalibrationReport",

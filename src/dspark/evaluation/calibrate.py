@@ -32,6 +32,7 @@ from dspark.calibration import (
     reliability_curves,
 )
 from dspark.data.regenerate import derive_seed
+from dspark.markdown import markdown_table, num
 from dspark.drafters.checkpoint import read_checkpoint, save_drafter
 from dspark.drafters.factory import DrafterSpec
 
@@ -117,21 +118,17 @@ class CalibrationReport:
 
     def markdown(self) -> str:
         """A table of T_k and ECE / AUROC / Brier of a_k before → after, per position."""
-        from dspark.evaluation.summary import fmt
-
-        lines = [f"STS fitted at decoding temperature {self.temperature:g} on {self.num_rounds} rounds of "
+        intro = (f"STS fitted at decoding temperature {self.temperature:g} on {self.num_rounds} rounds of "
                  f"{self.num_prompts} held-out prompts (ℓ = γ); grid of {len(self.sts.grid)} log-spaced "
                  f"temperatures in [{min(self.sts.grid):g}, {max(self.sts.grid):g}] on the logit, ECE with "
                  f"{self.sts.n_bins} equal-width bins (our choices, METHOD §6). Metrics of the cumulative "
-                 "product a_k against the prefix-accept event.", "",
-                 "| k | rounds | T_k | ECE % before → after | AUROC before → after | Brier before → after |",
-                 "|---|---|---|---|---|---|"]
-        for k, temp in enumerate(self.sts.temperatures):
-            b, a = self.before, self.after
-            lines.append(f"| {k + 1} | {b.count[k]} | {temp:.3g} | {fmt(100 * b.ece[k], 1)} → {fmt(100 * a.ece[k], 1)}"
-                         f" | {fmt(b.auroc[k], 3)} → {fmt(a.auroc[k], 3)} | {fmt(b.brier[k], 3)} → "
-                         f"{fmt(a.brier[k], 3)} |")
-        return "\n".join(lines)
+                 "product a_k against the prefix-accept event.")
+        header = ["k", "rounds", "T_k", "ECE % before → after", "AUROC before → after", "Brier before → after"]
+        b, a = self.before, self.after
+        rows = [[k + 1, b.count[k], f"{temp:.3g}", f"{num(100 * b.ece[k], 1)} → {num(100 * a.ece[k], 1)}",
+                 f"{num(b.auroc[k], 3)} → {num(a.auroc[k], 3)}", f"{num(b.brier[k], 3)} → {num(a.brier[k], 3)}"]
+                for k, temp in enumerate(self.sts.temperatures)]
+        return intro + "\n\n" + markdown_table(header, rows)
 
 
 def fit_calibration(rounds: CalibrationRounds, *, temperature: float,

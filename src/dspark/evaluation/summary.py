@@ -19,13 +19,14 @@ from __future__ import annotations
 
 import math
 import re
-import statistics
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Sequence
+from typing import Any, Sequence
 
 import polars as pl
 import torch
 
+from dspark.intervals import mean_ci
+from dspark.markdown import markdown_table, num
 from dspark.metrics.rollout import RolloutAcceptance
 
 ROUND_TIMES = {"seconds_verify": "verify_ms", "seconds_draft_parallel": "draft_parallel_ms",
@@ -37,20 +38,6 @@ _ROUND_SCHEMA = {"dataset": pl.String, "domain": pl.String, "prompt_id": pl.Stri
                  "num_accepted": pl.Int64, "committed": pl.Int64, **{k: pl.Float64 for k in ROUND_TIMES}}
 _PROMPT_SCHEMA = {"dataset": pl.String, "domain": pl.String, "prompt_id": pl.String, "mode": pl.String,
                   "new_tokens": pl.Int64, "seconds": pl.Float64}
-
-
-def mean_ci(values: Iterable[float], *, confidence: float = 0.95) -> tuple[float, float]:
-    """(mean, Student-t half-width) over the finite values; NaN half-width with fewer than two values."""
-    from scipy import stats
-
-    finite = [float(v) for v in values if v is not None and math.isfinite(v)]
-    if not finite:
-        return float("nan"), float("nan")
-    mean = sum(finite) / len(finite)
-    if len(finite) < 2:
-        return mean, float("nan")
-    quantile = float(stats.t.ppf(0.5 + confidence / 2.0, len(finite) - 1))
-    return mean, quantile * statistics.stdev(finite) / math.sqrt(len(finite))
 
 
 def rounds_frame(rollouts: Sequence[Any]) -> pl.DataFrame:
@@ -189,20 +176,8 @@ def flatten_metrics(summary: EvalSummary) -> dict[str, float]:
     return flat
 
 
-def fmt(value: float | None, digits: int = 2) -> str:
-    """A number for a markdown cell; '–' for missing or non-finite values."""
-    if value is None or not math.isfinite(value):
-        return "–"
-    return f"{value:.{digits}f}"
-
-
 def _ci(metrics: dict[str, float], mean: str, half: str) -> str:
-    return f"{fmt(metrics[mean])} ± {fmt(metrics[half])}"
-
-
-def _table(header: list[str], rows: list[list[str]]) -> str:
-    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    return "\n".join(lines + ["| " + " | ".join(row) + " |" for row in rows])
+    return f"{num(metrics[mean])} ± {num(metrics[half])}"
 
 
 def main_table(summary: EvalSummary) -> str:
@@ -213,11 +188,11 @@ def main_table(summary: EvalSummary) -> str:
     groups += [(f"**{domain}** (mean of {len(summary.domain_benchmarks(domain))})", m)
                for domain, m in summary.domains.items()]
     groups.append(("**all**", summary.overall))
-    rows = [[name, fmt(m["prompts"], 0), fmt(m["rounds"], 0), fmt(m["tau"], 3),
-             _ci(m, "tau_prompt_mean", "tau_prompt_ci95"), fmt(m["verify_rate"], 3), fmt(m["draft_accept_rate"], 3),
-             fmt(m["tokens_per_second"], 1), fmt(m["target_tokens_per_second"], 1), fmt(m["speedup"], 2),
+    rows = [[name, num(m["prompts"], 0), num(m["rounds"], 0), num(m["tau"], 3),
+             _ci(m, "tau_prompt_mean", "tau_prompt_ci95"), num(m["verify_rate"], 3), num(m["draft_accept_rate"], 3),
+             num(m["tokens_per_second"], 1), num(m["target_tokens_per_second"], 1), num(m["speedup"], 2),
              _ci(m, "speedup_prompt_mean", "speedup_prompt_ci95")] for name, m in groups]
-    return _table(header, rows)
+    return markdown_table(header, rows)
 
 
 def position_table(summary: EvalSummary, *, kind: str) -> str:
@@ -225,16 +200,16 @@ def position_table(summary: EvalSummary, *, kind: str) -> str:
     positions = range(1, summary.block_size + 1)
     header = ["group", *[f"{kind}@{k}" for k in positions]]
     groups = list(summary.datasets.items()) + [(f"**{d}**", m) for d, m in summary.domains.items()]
-    rows = [[name, *[fmt(m[f"{kind}/pos{k}"], 3) for k in positions]] for name, m in groups]
-    return _table(header, rows)
+    rows = [[name, *[num(m[f"{kind}/pos{k}"], 3) for k in positions]] for name, m in groups]
+    return markdown_table(header, rows)
 
 
 def timing_table(summary: EvalSummary) -> str:
     """Mean wall time per round split into verification, parallel draft, sequential loop and the rest."""
     header = ["group", "verify ms", "draft parallel ms", "draft sequential ms", "other ms"]
     groups = list(summary.datasets.items()) + [("**all**", summary.overall)]
-    rows = [[name, *[fmt(m[f"time/{key}"], 1) for key in ROUND_TIMES.values()]] for name, m in groups]
-    return _table(header, rows)
+    rows = [[name, *[num(m[f"time/{key}"], 1) for key in ROUND_TIMES.values()]] for name, m in groups]
+    return markdown_table(header, rows)
 
 
 def report_markdown(meta: dict, summary: EvalSummary, *, cond_plot: str, calibration_md: str | None = None,

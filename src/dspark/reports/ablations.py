@@ -20,8 +20,9 @@ from dspark.reports.context import (
     variant_label,
 )
 from dspark.reports.plots import plot_bars, plot_lines
-from dspark.reports.stats import Estimate, estimate, num, pct, ratio_gain
-from dspark.reports.writer import Section, markdown_table
+from dspark.markdown import markdown_table, num, pct
+from dspark.reports.stats import Estimate, estimate, ratio_gain
+from dspark.reports.writer import Section
 
 Group = dict[str, Any]
 

@@ -14,8 +14,9 @@ from pathlib import Path
 from dspark.reports import paper
 from dspark.reports.context import REPORT_BUILDERS, ReportContext, axis_text, eval_domains
 from dspark.reports.plots import plot_lines
-from dspark.reports.stats import Estimate, estimate, num, pct
-from dspark.reports.writer import Section, markdown_table
+from dspark.markdown import markdown_table, num, pct
+from dspark.reports.stats import Estimate, estimate
+from dspark.reports.writer import Section
 
 
 def _est(ctx: ReportContext, frame, column: str) -> Estimate:

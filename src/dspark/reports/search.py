@@ -10,8 +10,8 @@ import polars as pl
 
 from dspark.reports.context import REPORT_BUILDERS, ReportContext
 from dspark.reports.plots import plot_trials
-from dspark.reports.stats import num, pct
-from dspark.reports.writer import Section, markdown_table
+from dspark.markdown import markdown_table, num, pct
+from dspark.reports.writer import Section
 
 OBJECTIVE = "optuna/objective"
 

@@ -14,8 +14,9 @@ import re
 import polars as pl
 
 from dspark.reports.context import REPORT_BUILDERS, ReportContext
-from dspark.reports.stats import estimate, num, pct
-from dspark.reports.writer import Section, markdown_table
+from dspark.markdown import markdown_table, num, pct
+from dspark.reports.stats import estimate
+from dspark.reports.writer import Section
 from dspark.serving.records import ServeSummary
 
 POLICY_ORDER = ("mtp1", "static", "fixed", "threshold", "scheduler", "async")

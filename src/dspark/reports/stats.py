@@ -12,7 +12,8 @@ from typing import Iterable, Sequence
 
 import polars as pl
 
-MISSING = "–"
+from dspark.intervals import finite_values, mean_ci
+from dspark.markdown import MISSING
 
 
 @dataclass(frozen=True)
@@ -35,24 +36,11 @@ class Estimate:
         return f"{body} (n={self.n})" if show_n else body
 
 
-def t_quantile(n: int, confidence: float = 0.95) -> float:
-    """Student-t quantile with n − 1 degrees of freedom (scipy.special: a fraction of scipy.stats' import time)."""
-    from scipy.special import stdtrit
-
-    return float(stdtrit(n - 1, 0.5 + confidence / 2.0))
-
-
 def estimate(values: Iterable[float | None]) -> Estimate:
     """Mean and 95% half-width of the finite values."""
-    finite = [float(v) for v in values if v is not None and math.isfinite(float(v))]
-    n = len(finite)
-    if n == 0:
-        return Estimate(float("nan"), float("nan"), 0)
-    mean = sum(finite) / n
-    if n < 2:
-        return Estimate(mean, float("nan"), 1)
-    sd = math.sqrt(sum((v - mean) ** 2 for v in finite) / (n - 1))
-    return Estimate(mean, t_quantile(n) * sd / math.sqrt(n), n)
+    finite = finite_values(values)
+    mean, half_width = mean_ci(finite)
+    return Estimate(mean, half_width, len(finite))
 
 
 def column_values(frame: pl.DataFrame, column: str) -> list[float | None]:
@@ -77,15 +65,3 @@ def ratio_gain(numerator: Estimate, denominator: Estimate) -> float:
     if not (numerator.ok and denominator.ok) or denominator.mean == 0:
         return float("nan")
     return numerator.mean / denominator.mean - 1.0
-
-
-def pct(value: float | None, digits: int = 1, *, signed: bool = True) -> str:
-    if value is None or not math.isfinite(value):
-        return MISSING
-    return f"{100 * value:+.{digits}f}%" if signed else f"{100 * value:.{digits}f}%"
-
-
-def num(value: float | None, digits: int = 2) -> str:
-    if value is None or not math.isfinite(value):
-        return MISSING
-    return f"{value:.{digits}f}"

@@ -89,11 +89,6 @@ def report_command(command: str, *, name: str) -> str:
     return " ".join(words + ["stage=report"])
 
 
-def markdown_table(header: list[str], rows: list[list[str]]) -> str:
-    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    return "\n".join(lines + ["| " + " | ".join(str(c) for c in row) + " |" for row in rows])
-
-
 def no_runs_section(runs: Any, *, name: str) -> Section:
     """What a report says when its sweep has no completed cell yet."""
     counts = ", ".join(f"{k} {v}" for k, v in sorted(runs.status_counts.items())) or "none"

@@ -28,6 +28,8 @@ from typing import Callable, Sequence
 import torch
 from torch import Tensor
 
+from dspark.timing import synchronize
+
 
 def machine_fingerprint() -> str:
     """One line naming what SPS depends on: platform, CPU count, torch version, CUDA device if any."""
@@ -122,12 +124,6 @@ class SPSTable:
         return cls.from_dict(json.loads(Path(path).read_text()))
 
 
-def _synchronize() -> None:
-    # Host timers only see queued CUDA kernels finish after a sync.
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        torch.cuda.synchronize()
-
-
 def profile_sps(forward_fn: Callable[[int], None], *, batch_tokens: Sequence[int], repeats: int = 5,
                 warmup: int = 1, target_fingerprint: str = "", machine: str | None = None) -> SPSTable:
     """Time `forward_fn(B)` for each B in `batch_tokens`: SPS = 1 / median of `repeats` timed calls.
@@ -144,10 +140,10 @@ def profile_sps(forward_fn: Callable[[int], None], *, batch_tokens: Sequence[int
             forward_fn(size)
         times = []
         for _ in range(repeats):
-            _synchronize()
+            synchronize()
             start = time.perf_counter()
             forward_fn(size)
-            _synchronize()
+            synchronize()
             times.append(time.perf_counter() - start)
         rates.append(1.0 / max(statistics.median(times), 1e-9))
     return SPSTable(sizes, rates, target_fingerprint=target_fingerprint,

@@ -85,6 +85,15 @@ class StageContext:
                      self.target.feature_layer_ids, self.target.mask_token_id)
         return self.target
 
+    def load_prompts(self, name: str, **options: Any) -> list:
+        """The prompt set `name` (`dspark.data.prompts.load_prompts` options): from data.local_dir when it has the
+        set, else the staged data or the hub (its Arrow cache under <cache>/datasets)."""
+        from dspark.data.prompts import load_prompts
+
+        local = self.cfg.data.local_dir
+        return load_prompts(name, local_dir=Path(local).expanduser() if local else None,
+                            cache_dir=self.paths.cache / "datasets", **options)
+
     def run_tags(self) -> dict[str, str]:
         cfg = self.cfg
         tags = {"drafter": cfg.drafter, "model.head": cfg.model.head, "target": cfg.target, "budget": cfg.budget,

@@ -16,14 +16,14 @@ from pathlib import Path
 from typing import Any
 
 from dspark.config import to_dict
-from dspark.drafters.checkpoint import load_drafter
-from dspark.evaluation.calibrate import CalibrationReport, calibrate_drafter, calibration_prompt_ids
+from dspark.evaluation.calibrate import CalibrationReport
 from dspark.evaluation.diagnostics import load_or_profile_sps, sps_markdown
 from dspark.evaluation.plots import plot_conditional_acceptance
 from dspark.evaluation.rollouts import encode_prompts, read_rollouts_jsonl, run_rollouts, write_rollouts_jsonl
 from dspark.evaluation.summary import flatten_metrics, report_markdown, summarize
 from dspark.stages.context import StageContext, run_name
-from dspark.stages.prepare import PreparedData, held_out_prompts
+from dspark.stages.drafter import TrainedDrafter, calibrate, open_trained_drafter
+from dspark.stages.prepare import PreparedData
 
 log = logging.getLogger("dspark")
 EVALS_DIR = "evals"
@@ -60,33 +60,21 @@ def report_paths(ctx: StageContext) -> dict[str, Path]:
 
 def load_eval_prompts(ctx: StageContext, target: Any) -> list:
     """decode.prompts_per_set prompts of each decode.eval_sets set, chat-templated, in the paper's order."""
-    from dspark.data.prompts import load_prompts
-
-    decode, local = ctx.cfg.decode, ctx.cfg.data.local_dir
-    records = {name: load_prompts(name, limit=decode.prompts_per_set, cache_dir=ctx.paths.cache / "datasets",
-                                  local_dir=Path(local).expanduser() if local else None)
-               for name in decode.eval_sets}
+    decode = ctx.cfg.decode
+    records = {name: ctx.load_prompts(name, limit=decode.prompts_per_set) for name in decode.eval_sets}
     return encode_prompts(target, records, max_new_tokens=decode.max_new_tokens)
 
 
-def maybe_calibrate(ctx: StageContext, *, target: Any, drafter: Any, proposer: Any, drafter_path: Path,
-                    payload: dict, block_size: int, prepared: PreparedData | None
+def maybe_calibrate(ctx: StageContext, trained: TrainedDrafter, *, proposer: Any, prepared: PreparedData | None
                     ) -> tuple[CalibrationReport | None, str]:
     """STS at decode.temperature when decode.calibrate, the policy reads confidences and the drafter has them."""
     decode = ctx.cfg.decode
     if not decode.calibrate or decode.policy not in CONFIDENCE_POLICIES:
         return None, "not used (decode.policy reads no confidences or decode.calibrate=false)"
-    if getattr(drafter, "confidence_head", None) is None:
+    if not trained.has_confidence:
         raise ValueError(f"decode.policy={decode.policy} needs a drafter with a confidence head (drafter=dspark); "
                          "use decode.policy=fixed for dflash / eagle3")
-    limit = decode.prompts_per_set * len(decode.eval_sets)
-    prompt_ids, source = calibration_prompt_ids(target, held_out=held_out_prompts(ctx, prepared), limit=limit,
-                                                seed=ctx.cfg.seed, data=ctx.cfg.data)
-    report = calibrate_drafter(target=target, proposer=proposer, drafter_path=drafter_path, payload=payload,
-                               prompt_ids=prompt_ids, temperature=decode.temperature,
-                               max_new_tokens=decode.max_new_tokens, seed=ctx.cfg.seed, block_size=block_size,
-                               plot_path=report_paths(ctx)["reliability"])
-    return report, source
+    return calibrate(ctx, trained, prepared=prepared, proposer=proposer, plot_path=report_paths(ctx)["reliability"])
 
 
 def new_eval_dir(ctx: StageContext) -> Path:
@@ -110,14 +98,10 @@ def run_eval(ctx: StageContext, drafter_path: str | Path, *, prepared: PreparedD
 
     cfg, decode = ctx.cfg, ctx.cfg.decode
     check_decode_config(decode)
-    drafter_path = Path(drafter_path)
-    target = ctx.load_target()
-    drafter, spec, payload = load_drafter(drafter_path, target, block_size=cfg.model.block_size)
-    drafter = drafter.to(target.device)
-    proposer = build_proposer(drafter)
-    calibration, calibration_source = maybe_calibrate(ctx, target=target, drafter=drafter, proposer=proposer,
-                                                      drafter_path=drafter_path, payload=payload,
-                                                      block_size=spec.block_size, prepared=prepared)
+    trained = open_trained_drafter(ctx, drafter_path)
+    target, spec, drafter_path = trained.target, trained.spec, trained.path
+    proposer = build_proposer(trained.drafter)
+    calibration, calibration_source = maybe_calibrate(ctx, trained, proposer=proposer, prepared=prepared)
     sts = calibration.sts if calibration else None
     sps, sps_path = (None, None)
     if decode.policy == "scheduler":

@@ -6,7 +6,7 @@ import random
 from dataclasses import dataclass
 from pathlib import Path
 
-from dspark.data.prompts import PromptRecord, load_prompts
+from dspark.data.prompts import PromptRecord
 from dspark.data.regenerate import SamplingConfig, load_regenerated, read_manifest, regenerate_responses
 from dspark.stages.context import StageContext
 
@@ -32,9 +32,9 @@ def collect_train_prompts(ctx: StageContext) -> list[PromptRecord]:
     pools = []
     for name in data.train_sets:
         if name == "synthetic":
-            pool = load_prompts(name, limit=data.num_train_prompts, seed=ctx.cfg.seed, local_dir=_local(ctx))
+            pool = ctx.load_prompts(name, limit=data.num_train_prompts, seed=ctx.cfg.seed)
         else:
-            pool = load_prompts(name, selection="all", local_dir=_local(ctx), cache_dir=ctx.paths.cache / "datasets")
+            pool = ctx.load_prompts(name, selection="all")
             random.Random(ctx.cfg.seed).shuffle(pool)
         pools.append(pool)
     weights = list(data.train_weights) or [1.0] * len(pools)
@@ -70,10 +70,6 @@ def allocate_counts(sizes: list[int], weights: list[float], *, total: int) -> li
         if not any(grant.values()):
             break
     return counts
-
-
-def _local(ctx: StageContext) -> Path | None:
-    return Path(ctx.cfg.data.local_dir).expanduser() if ctx.cfg.data.local_dir else None
 
 
 def sampling_config(ctx: StageContext) -> SamplingConfig:

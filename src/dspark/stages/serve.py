@@ -25,9 +25,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from dspark.drafters.checkpoint import load_drafter
 from dspark.stages.context import StageContext
-from dspark.stages.prepare import PreparedData, held_out_prompts
+from dspark.stages.drafter import TrainedDrafter, calibrate, open_trained_drafter
+from dspark.stages.prepare import PreparedData
 
 log = logging.getLogger("dspark")
 SERVE_DIR = "serve"
@@ -36,14 +36,11 @@ SUMMARY_FIELDS = ("throughput", "user_speed", "budget", "tau")
 
 def serve_requests(ctx: StageContext, target: Any) -> list:
     """serve.num_requests chat-templated prompts, round-robin over serve.prompt_sets (request ids 0..n-1)."""
-    from dspark.data.prompts import load_prompts
     from dspark.serving import ServeRequest
 
-    serve, local = ctx.cfg.serve, ctx.cfg.data.local_dir
+    serve = ctx.cfg.serve
     per_set = math.ceil(serve.num_requests / len(serve.prompt_sets))
-    pools = {name: load_prompts(name, limit=per_set, cache_dir=ctx.paths.cache / "datasets",
-                                local_dir=Path(local).expanduser() if local else None)
-             for name in serve.prompt_sets}
+    pools = {name: ctx.load_prompts(name, limit=per_set) for name in serve.prompt_sets}
     requests = []
     for index in range(serve.num_requests):
         name = serve.prompt_sets[index % len(serve.prompt_sets)]
@@ -57,25 +54,15 @@ def serve_requests(ctx: StageContext, target: Any) -> list:
     return requests
 
 
-def serve_calibration(ctx: StageContext, *, target: Any, drafter: Any, drafter_path: Path, payload: dict,
-                      block_size: int, prepared: PreparedData | None) -> Any:
+def serve_calibration(ctx: StageContext, trained: TrainedDrafter, *, prepared: PreparedData | None) -> Any:
     """The drafter's STS at decode.temperature whenever it has a confidence head (None otherwise).
 
     Whatever this cell's policy: the policy=fixed trace the simulator replays is recorded once and shared by every
     cell, and the confidence policies replay its calibrated confidences, so it must carry them even when the cell
     that records it (say mtp1) reads none. The fit is cached in drafter.pt, so it runs once per drafter."""
-    from dspark.decoding.proposers import build_proposer
-    from dspark.evaluation.calibrate import calibrate_drafter, calibration_prompt_ids
-
-    if getattr(drafter, "confidence_head", None) is None:
+    if not trained.has_confidence:
         return None
-    decode = ctx.cfg.decode
-    prompt_ids, _ = calibration_prompt_ids(target, held_out=held_out_prompts(ctx, prepared),
-                                           limit=decode.prompts_per_set * len(decode.eval_sets), seed=ctx.cfg.seed,
-                                           data=ctx.cfg.data)
-    report = calibrate_drafter(target=target, proposer=build_proposer(drafter), drafter_path=drafter_path,
-                               payload=payload, prompt_ids=prompt_ids, temperature=decode.temperature,
-                               max_new_tokens=decode.max_new_tokens, seed=ctx.cfg.seed, block_size=block_size)
+    report, _ = calibrate(ctx, trained, prepared=prepared)
     return report.sts
 
 
@@ -125,11 +112,9 @@ def run_serve(ctx: StageContext, drafter_path: str | Path, *, prepared: Prepared
     from dspark.serving import BatchedEngine, build_serve_policy
 
     cfg, serve = ctx.cfg, ctx.cfg.serve
-    target = ctx.load_target()
-    drafter, spec, payload = load_drafter(Path(drafter_path), target, block_size=cfg.model.block_size)
-    drafter = drafter.to(target.device)
-    calibration = serve_calibration(ctx, target=target, drafter=drafter, drafter_path=Path(drafter_path),
-                                    payload=payload, block_size=spec.block_size, prepared=prepared)
+    trained = open_trained_drafter(ctx, drafter_path)
+    target, drafter, spec = trained.target, trained.drafter, trained.spec
+    calibration = serve_calibration(ctx, trained, prepared=prepared)
     sps = serving_sps(ctx, target, block_size=spec.block_size)
     requests = serve_requests(ctx, target)
     policy = build_serve_policy(serve.policy, static_k=serve.static_k, threshold=serve.threshold, sps=sps)

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import yaml
 
+from dspark.markdown import markdown_table
 from dspark.tracking import TrackingStore
 
 
@@ -18,9 +19,9 @@ def log_parent_record(store: TrackingStore, parent_id: str, *, spec_text: str, c
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "sweep.yaml").write_text(spec_text)
     (out_dir / "cells.yaml").write_text(yaml.safe_dump(cells, sort_keys=False, allow_unicode=True))
-    table = ["| # | cell | run name | training key |", "|---|---|---|---|"]
-    table += [f"| {c['index']} | {c['cell']} | {c['run_name']} | {c['training_key']} |" for c in cells]
-    (out_dir / "cells.md").write_text("\n".join(table) + "\n")
+    table = markdown_table(["#", "cell", "run name", "training key"],
+                           [[c["index"], c["cell"], c["run_name"], c["training_key"]] for c in cells])
+    (out_dir / "cells.md").write_text(table + "\n")
     for name in ("sweep.yaml", "cells.yaml", "cells.md"):
         store.client.log_artifact(parent_id, str(out_dir / name), artifact_path="sweep")
 

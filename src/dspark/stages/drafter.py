@@ -1,0 +1,62 @@
+"""What `stage=eval` and `stage=serve` open with: the target and the trained drafter on its device, and the
+drafter's STS calibration at `decode.temperature` (fitted once on held-out prompts, then reused from drafter.pt)."""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from torch import nn
+
+from dspark.drafters.checkpoint import load_drafter
+from dspark.drafters.factory import DrafterSpec
+from dspark.stages.context import StageContext
+from dspark.stages.prepare import PreparedData, held_out_prompts
+
+if TYPE_CHECKING:
+    from dspark.evaluation.calibrate import CalibrationReport
+    from dspark.targets import Target
+
+log = logging.getLogger("dspark")
+
+
+@dataclass
+class TrainedDrafter:
+    """A trained drafter around its loaded target (eval mode, on the target's device)."""
+
+    target: Target
+    drafter: nn.Module
+    spec: DrafterSpec
+    payload: dict[str, Any]  # the whole drafter.pt (`dspark.drafters.checkpoint`)
+    path: Path
+
+    @property
+    def has_confidence(self) -> bool:
+        return getattr(self.drafter, "confidence_head", None) is not None
+
+
+def open_trained_drafter(ctx: StageContext, drafter_path: str | Path) -> TrainedDrafter:
+    """Load the target (once) and the drafter at `drafter_path`, checked against the target and model.block_size."""
+    target = ctx.load_target()
+    path = Path(drafter_path)
+    drafter, spec, payload = load_drafter(path, target, block_size=ctx.cfg.model.block_size)
+    return TrainedDrafter(target=target, drafter=drafter.to(target.device), spec=spec, payload=payload, path=path)
+
+
+def calibrate(ctx: StageContext, trained: TrainedDrafter, *, prepared: PreparedData | None, proposer: Any = None,
+              plot_path: Path | None = None) -> tuple[CalibrationReport, str]:
+    """STS at decode.temperature on decode.prompts_per_set × len(decode.eval_sets) held-out prompts (the calibration
+    split of `prepared`, topped up with unseen synthetic ones); returns the fit and where its prompts came from."""
+    from dspark.decoding.proposers import build_proposer
+    from dspark.evaluation.calibrate import calibrate_drafter, calibration_prompt_ids
+
+    decode = ctx.cfg.decode
+    prompt_ids, source = calibration_prompt_ids(trained.target, held_out=held_out_prompts(ctx, prepared),
+                                                limit=decode.prompts_per_set * len(decode.eval_sets),
+                                                seed=ctx.cfg.seed, data=ctx.cfg.data)
+    report = calibrate_drafter(target=trained.target, proposer=proposer or build_proposer(trained.drafter),
+                               drafter_path=trained.path, payload=trained.payload, prompt_ids=prompt_ids,
+                               temperature=decode.temperature, max_new_tokens=decode.max_new_tokens,
+                               seed=ctx.cfg.seed, block_size=trained.spec.block_size, plot_path=plot_path)
+    return report, source
