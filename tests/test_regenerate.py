@@ -162,16 +162,16 @@ def test_sample_responses_stops_and_appends_end_of_turn(tiny, monkeypatch) -> No
 def test_regenerate_batch_truncation_clipping_and_dropping(tiny, monkeypatch) -> None:
     eot, pad = tiny.tokenizer.eos_token_id, tiny.tokenizer.pad_token_id
     monkeypatch.setattr(tiny.model, "generate", fake_generate([[40] * 3 + [eot, pad], [41] * 5]))
-    sampling = dataclasses.replace(SAMPLING, multi_turn=False)
+    sampling = dict(sampling=SAMPLING, multi_turn=False)
     prompts = PROMPTS[:2]
-    rows, stats = regenerate_batch(tiny, prompts, sampling=sampling, seed=0, max_length=4096, min_loss_tokens=1)
+    rows, stats = regenerate_batch(tiny, prompts, **sampling, seed=0, max_length=4096, min_loss_tokens=1)
     assert [r.truncated for r in rows] == [False, True]
     assert [sum(r.loss_mask) for r in rows] == [4, 6]  # 3 tokens + eot; 5 tokens + appended eot
     assert stats["generated_tokens"] == 4 + 5
     prompt_len = len(tiny.chat_prompt_ids(prompts[1].prompt))
-    rows, _ = regenerate_batch(tiny, prompts, sampling=sampling, seed=0, max_length=prompt_len + 2, min_loss_tokens=1)
+    rows, _ = regenerate_batch(tiny, prompts, **sampling, seed=0, max_length=prompt_len + 2, min_loss_tokens=1)
     assert all(len(r.input_ids) <= prompt_len + 2 for r in rows) and rows[1].clipped
-    rows, stats = regenerate_batch(tiny, prompts, sampling=sampling, seed=0, max_length=4096, min_loss_tokens=5)
+    rows, stats = regenerate_batch(tiny, prompts, **sampling, seed=0, max_length=4096, min_loss_tokens=5)
     assert [r.prompt_id for r in rows] == ["b"] and stats["dropped"] == 1  # 4 loss tokens < 5
 
 

@@ -11,8 +11,8 @@ from pathlib import Path
 from typing import Any
 
 from dspark.config.loader import ConfigError, apply_overrides, load_yaml, parse_overrides
-from dspark.config.schema import (BUDGETS, DRAFTERS, HEADS, POLICIES, RESPONSE_MODES, SERVE_POLICIES, STAGES,
-                                  RunConfig)
+from dspark.config.schema import (BUDGETS, DRAFTERS, FIXED_HEAD, HEADS, POLICIES, RESPONSE_MODES, SERVE_POLICIES,
+                                  STAGES, RunConfig)
 from dspark.registry import unknown_name_message
 
 
@@ -79,15 +79,15 @@ def resolve_config(argv: list[str], *, cell_overrides: dict[str, Any] | None = N
 
 
 def apply_drafter_defaults(cfg: RunConfig, explicit: set[str]) -> None:
-    """drafter=dflash means head none, no confidence head, CE only (DeepSpec's baseline, METHOD §3)."""
+    """The head a drafter kind fixes (`FIXED_HEAD`: dflash and eagle3 have none) unless model.head was given (then
+    validation explains the clash); DFlash trains with CE only (DeepSpec's baseline, METHOD §3)."""
+    fixed = FIXED_HEAD.get(cfg.drafter)
+    if fixed is not None and "model.head" not in explicit:
+        cfg.model.head = fixed
     if cfg.drafter == "dflash":
-        if "model.head" not in explicit:
-            cfg.model.head = "none"
         for key, value in (("alpha_ce", 1.0), ("alpha_tv", 0.0), ("alpha_conf", 0.0)):
             if f"loss.{key}" not in explicit:
                 setattr(cfg.loss, key, value)
-    if cfg.drafter == "eagle3" and "model.head" not in explicit:
-        cfg.model.head = "none"
 
 
 def resolve_paths(cfg: RunConfig) -> None:
@@ -168,12 +168,12 @@ def _serve_rules(cfg: RunConfig) -> list[tuple[bool, str]]:
 
 
 def _drafter_errors(cfg: RunConfig, explicit: set[str]) -> list[str]:
-    if cfg.drafter == "dflash" and cfg.model.head != "none":
-        return [f"drafter=dflash has no sequential head (model.head={cfg.model.head}); use drafter=dspark "
-                f"model.head={cfg.model.head}, or drop model.head."]
-    if cfg.drafter == "eagle3" and cfg.model.head != "none":
-        return [f"drafter=eagle3 is autoregressive and takes no sequential head (model.head={cfg.model.head}); "
-                "drop model.head."]
-    if cfg.drafter == "dflash" and cfg.loss.alpha_conf > 0:
+    fixed, head = FIXED_HEAD.get(cfg.drafter), cfg.model.head
+    if fixed is not None and head != fixed and cfg.drafter == "eagle3":
+        return [f"drafter=eagle3 is autoregressive and takes no sequential head (model.head={head}); drop model.head."]
+    if fixed is not None and head != fixed:
+        return [f"drafter={cfg.drafter} has no sequential head (model.head={head}); use drafter=dspark "
+                f"model.head={head}, or drop model.head."]
+    if cfg.drafter == "dflash" and cfg.loss.alpha_conf > 0:  # EAGLE-3's loss has no confidence term to weigh
         return ["drafter=dflash has no confidence head: loss.alpha_conf must be 0."]
     return []

@@ -10,11 +10,21 @@ from typing import Optional
 
 DRAFTERS = ("dspark", "dflash", "eagle3")
 HEADS = ("markov", "rnn", "none")
+# What a drafter kind fixes whatever model.head says (the one place that says it): DFlash is DSpark without the
+# sequential and the confidence head (METHOD §3); EAGLE-3 drafts autoregressively, with neither. None: model.head.
+FIXED_HEAD = {"dspark": None, "dflash": "none", "eagle3": "none"}
+CONFIDENCE_HEAD = {"dspark": True, "dflash": False, "eagle3": False}
 BUDGETS = ("smoke", "cpu", "cpu-ref", "cpu-long", "paper")
 RESPONSE_MODES = ("regenerate", "reference", "mix")
 STAGES = ("prepare", "train", "eval", "all", "report", "profile", "serve")
 POLICIES = ("fixed", "threshold", "scheduler")
 SERVE_POLICIES = ("mtp1", "static", "fixed", "threshold", "scheduler", "async")
+
+
+def drafter_head(drafter: str, head: str) -> str:
+    """The sequential head of a `drafter` (dspark | dflash | eagle3) drafter when model.head is `head`."""
+    fixed = FIXED_HEAD[drafter]
+    return head if fixed is None else fixed
 
 
 @dataclass
@@ -54,7 +64,9 @@ class LossConfig:
 
 @dataclass
 class SamplingConfig:
-    """How the target regenerates training responses (METHOD §3; DeepSpec's recommended sampling)."""
+    """How the target regenerates training responses (METHOD §3; DeepSpec's recommended T 0.7, top-p 0.8, top-k 20,
+    min-p 0). The one sampling record: the config group `data.sampling` and what `dspark.data.regenerate` samples
+    with. Temperature 0 means greedy decoding. A value out of range is refused on construction."""
 
     temperature: float = 0.7
     top_p: float = 0.8
@@ -62,6 +74,18 @@ class SamplingConfig:
     max_new_tokens: int = 256
     batch_size: int = 8
     system_prompt: Optional[str] = None  #: None = whatever the target's chat template does by default
+
+    def __post_init__(self) -> None:
+        checks = [
+            (self.temperature >= 0, "temperature", "must be >= 0 (0 = greedy)"),
+            (0 < self.top_p <= 1, "top_p", "must be in (0, 1]"),
+            (self.top_k >= 0, "top_k", "must be >= 0 (0 = off)"),
+            (self.max_new_tokens >= 1, "max_new_tokens", "must be >= 1"),
+            (self.batch_size >= 1, "batch_size", "must be >= 1"),
+        ]
+        for ok, key, fix in checks:
+            if not ok:
+                raise ValueError(f"data.sampling.{key}={getattr(self, key)!r} {fix}")
 
 
 @dataclass

@@ -19,7 +19,7 @@ import os
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 import datasets
 import pyarrow as pa
@@ -27,6 +27,12 @@ import pyarrow.parquet as pq
 import torch
 from tqdm.auto import tqdm
 from transformers import GenerationConfig
+
+from dspark.config.schema import SamplingConfig
+
+if TYPE_CHECKING:
+    from dspark.data.prompts import PromptRecord
+    from dspark.targets import Target
 
 FORMAT_VERSION = 1  # bump when the on-disk layout or the sequence construction changes
 COMPLETE = "COMPLETE"
@@ -43,36 +49,6 @@ FEATURES = datasets.Features(
         "clipped": datasets.Value("bool"),
     }
 )
-
-
-@dataclass(frozen=True)
-class SamplingConfig:
-    """How the target samples responses (METHOD §3; DeepSpec's recommended T 0.7, top-p 0.8, top-k 20, min-p 0).
-
-    system_prompt None keeps the chat template's own default (SmolLM2 inserts a system turn; recorded in the
-    manifest as `template_default_system_prompt`). multi_turn regenerates later user turns one at a time.
-    temperature 0 means greedy decoding.
-    """
-
-    temperature: float = 0.7
-    top_p: float = 0.8
-    top_k: int = 20
-    max_new_tokens: int = 4096
-    batch_size: int = 8
-    system_prompt: str | None = None
-    multi_turn: bool = True
-
-    def __post_init__(self) -> None:
-        checks = [
-            (self.temperature >= 0, "temperature", "must be >= 0 (0 = greedy)"),
-            (0 < self.top_p <= 1, "top_p", "must be in (0, 1]"),
-            (self.top_k >= 0, "top_k", "must be >= 0 (0 = off)"),
-            (self.max_new_tokens >= 1, "max_new_tokens", "must be >= 1"),
-            (self.batch_size >= 1, "batch_size", "must be >= 1"),
-        ]
-        for ok, key, fix in checks:
-            if not ok:
-                raise ValueError(f"data.sampling.{key}={getattr(self, key)!r} {fix}")
 
 
 @dataclass
@@ -93,7 +69,13 @@ def derive_seed(*parts: Any) -> int:
     return int.from_bytes(digest[:8], "little") & (2**63 - 1)
 
 
-def end_of_turn_id(target: Any) -> int:
+def sampling_record(sampling: SamplingConfig, *, multi_turn: bool) -> dict[str, Any]:
+    """The sampling settings as the cache key and the manifest record them (`multi_turn` among them, as before the
+    config and the regeneration shared one SamplingConfig: existing caches keep their keys)."""
+    return asdict(sampling) | {"multi_turn": multi_turn}
+
+
+def end_of_turn_id(target: Target) -> int:
     """The id closing an assistant turn: the tokenizer's eos when it is a stop id, else the first stop id."""
     eos = target.tokenizer.eos_token_id
     return int(eos) if eos in target.stop_token_ids else int(target.stop_token_ids[0])
@@ -106,7 +88,8 @@ def user_turns(prompt: Any, *, multi_turn: bool) -> list[str]:
 
 
 def regen_cache_key(
-    target: Any, prompts: Sequence[Any], *, sampling: SamplingConfig, seed: int, max_length: int, min_loss_tokens: int
+    target: Target, prompts: Sequence[PromptRecord], *, sampling: SamplingConfig, seed: int, max_length: int,
+    min_loss_tokens: int, multi_turn: bool = True
 ) -> str:
     """sha256 over everything that determines the regenerated data."""
     payload = {
@@ -116,7 +99,7 @@ def regen_cache_key(
         "generation_config": {k: v for k, v in target.model.generation_config.to_diff_dict().items()
                               if k != "transformers_version"},
         "prompts": [[p.id, getattr(p, "domain", ""), p.prompt, list(getattr(p, "turns", None) or [])] for p in prompts],
-        "sampling": asdict(sampling),
+        "sampling": sampling_record(sampling, multi_turn=multi_turn),
         "seed": seed,
         "max_length": max_length,
         "min_loss_tokens": min_loss_tokens,
@@ -125,8 +108,8 @@ def regen_cache_key(
 
 
 def regenerate_responses(
-    target: Any,
-    prompts: Sequence[Any],
+    target: Target,
+    prompts: Sequence[PromptRecord],
     *,
     sampling: SamplingConfig,
     cache_dir: Path,
@@ -134,16 +117,20 @@ def regenerate_responses(
     max_length: int = 4096,
     min_loss_tokens: int = 14,
     show_progress: bool = True,
+    multi_turn: bool = True,
 ) -> Path:
     """Regenerate every prompt's response(s) with the target; return the cached dataset directory (resumable).
 
-    prompts: objects with `.id`, `.prompt`, optional `.turns` and `.domain` (PromptRecord). Finished shards of an
-    earlier run with the same key are kept; a finished directory is returned without generating anything.
+    prompts: objects with `.id`, `.prompt`, optional `.turns` and `.domain` (PromptRecord); later turns are
+    regenerated one at a time unless `multi_turn=False`. `sampling.system_prompt` None keeps the chat template's own
+    default (SmolLM2 inserts a system turn; the manifest records `template_default_system_prompt`). Finished shards of
+    an earlier run with the same key are kept; a finished directory is returned without generating anything.
     """
     if max_length < 2:
         raise ValueError(f"data.max_length={max_length} must be >= 2; set the sequence length cap")
     key = regen_cache_key(
-        target, prompts, sampling=sampling, seed=seed, max_length=max_length, min_loss_tokens=min_loss_tokens
+        target, prompts, sampling=sampling, seed=seed, max_length=max_length, min_loss_tokens=min_loss_tokens,
+        multi_turn=multi_turn,
     )
     out_dir = Path(cache_dir) / "regen" / key
     if (out_dir / COMPLETE).exists():
@@ -151,7 +138,8 @@ def regenerate_responses(
     out_dir.mkdir(parents=True, exist_ok=True)
     batches = [prompts[i : i + sampling.batch_size] for i in range(0, len(prompts), sampling.batch_size)]
     manifest = _manifest(target, key=key, sampling=sampling, seed=seed, max_length=max_length,
-                         min_loss_tokens=min_loss_tokens, num_prompts=len(prompts), num_shards=len(batches))
+                         min_loss_tokens=min_loss_tokens, num_prompts=len(prompts), num_shards=len(batches),
+                         multi_turn=multi_turn)
     _atomic_write_bytes(out_dir / MANIFEST, json.dumps(manifest, indent=2).encode())
     todo = [i for i in range(len(batches)) if not shard_path(out_dir, i).exists()]
     bar = tqdm(total=len(batches), initial=len(batches) - len(todo), unit="batch", desc="regenerate",
@@ -160,7 +148,7 @@ def regenerate_responses(
     for index in todo:
         started = time.perf_counter()
         rows, stats = regenerate_batch(target, batches[index], sampling=sampling, seed=derive_seed(seed, index),
-                                       max_length=max_length, min_loss_tokens=min_loss_tokens)
+                                       max_length=max_length, min_loss_tokens=min_loss_tokens, multi_turn=multi_turn)
         stats["seconds"] = time.perf_counter() - started
         _write_shard(shard_path(out_dir, index), rows, stats)
         tokens, seconds = tokens + stats["generated_tokens"], seconds + stats["seconds"]
@@ -173,12 +161,12 @@ def regenerate_responses(
     return out_dir
 
 
-def _manifest(target: Any, *, key: str, sampling: SamplingConfig, seed: int, max_length: int,
-              min_loss_tokens: int, num_prompts: int, num_shards: int) -> dict[str, Any]:
+def _manifest(target: Target, *, key: str, sampling: SamplingConfig, seed: int, max_length: int,
+              min_loss_tokens: int, num_prompts: int, num_shards: int, multi_turn: bool) -> dict[str, Any]:
     """What the directory holds and how it was made (recorded with runs)."""
     return {
         "key": key, "format": FORMAT_VERSION, "target": target.name, "target_fingerprint": target.fingerprint,
-        "sampling": asdict(sampling),
+        "sampling": sampling_record(sampling, multi_turn=multi_turn),
         "template_default_system_prompt": bool(getattr(target, "default_system_prompt", False)),
         "seed": seed, "max_length": max_length, "min_loss_tokens": min_loss_tokens,
         "num_prompts": num_prompts, "num_shards": num_shards,
@@ -191,11 +179,13 @@ def shard_path(out_dir: Path, index: int) -> Path:
 
 
 def regenerate_batch(
-    target: Any, prompts: Sequence[Any], *, sampling: SamplingConfig, seed: int, max_length: int, min_loss_tokens: int
+    target: Target, prompts: Sequence[PromptRecord], *, sampling: SamplingConfig, seed: int, max_length: int,
+    min_loss_tokens: int, multi_turn: bool = True
 ) -> tuple[list[RegeneratedSequence], dict[str, int]]:
-    """Sample one batch of prompts turn by turn; returns the kept sequences and counters for the manifest."""
+    """Sample one batch of prompts turn by turn (first turns only without `multi_turn`); returns the kept sequences
+    and counters for the manifest."""
     eot = end_of_turn_id(target)
-    turns = [user_turns(p, multi_turn=sampling.multi_turn) for p in prompts]
+    turns = [user_turns(p, multi_turn=multi_turn) for p in prompts]
     seqs = [RegeneratedSequence([], [], p.id, getattr(p, "domain", "")) for p in prompts]
     histories: list[list[dict[str, str]]] = [[] for _ in prompts]
     generated = 0
@@ -230,7 +220,7 @@ def _clip(seq: RegeneratedSequence, max_length: int) -> RegeneratedSequence:
     return seq
 
 
-def _next_prompt_ids(target: Any, history: list[dict[str, str]], user_text: str, *, sampling: SamplingConfig,
+def _next_prompt_ids(target: Target, history: list[dict[str, str]], user_text: str, *, sampling: SamplingConfig,
                      eot: int) -> list[int]:
     """Ids to append before the next response: the whole prompt for turn 1, else the text between the previous
     end-of-turn and the next assistant header (the template's newline, the user turn, the header)."""
@@ -244,14 +234,15 @@ def _next_prompt_ids(target: Any, history: list[dict[str, str]], user_text: str,
     cut = text.find(eot_text, start) if start >= 0 else -1
     if cut < 0:
         raise ValueError(
-            "data.sampling.multi_turn: the chat template does not close an assistant turn with the end-of-turn "
-            f"token {eot_text!r}; set data.sampling.multi_turn=false to regenerate first turns only"
+            "multi-turn regeneration: the chat template does not close an assistant turn with the end-of-turn "
+            f"token {eot_text!r}; regenerate first turns only (regenerate_responses(..., multi_turn=False)) or use "
+            "single-turn prompt sets in data.train_sets"
         )
     return list(target.tokenizer(text[cut + len(eot_text):], add_special_tokens=False)["input_ids"])
 
 
 def sample_responses(
-    target: Any, prompt_ids: Sequence[list[int]], *, sampling: SamplingConfig, eot: int
+    target: Target, prompt_ids: Sequence[list[int]], *, sampling: SamplingConfig, eot: int
 ) -> list[tuple[list[int], bool]]:
     """Batched sampling (left-padded). Returns per prompt (response ids through the first stop id, hit_stop);
     a response without a stop id has `eot` appended and hit_stop False."""
@@ -271,7 +262,7 @@ def sample_responses(
     return results
 
 
-def _generation_config(target: Any, sampling: SamplingConfig, *, pad: int) -> GenerationConfig:
+def _generation_config(target: Target, sampling: SamplingConfig, *, pad: int) -> GenerationConfig:
     """Every sampling knob set explicitly so the model's own generation defaults cannot leak in.
 
     The MASK row is suppressed: the data must never contain it (METHOD §2.1). A real target's MASK is a token it
@@ -285,12 +276,12 @@ def _generation_config(target: Any, sampling: SamplingConfig, *, pad: int) -> Ge
                             top_k=sampling.top_k, min_p=0.0, **common)
 
 
-def _pad_id(target: Any) -> int:
+def _pad_id(target: Target) -> int:
     pad = target.tokenizer.pad_token_id
     return int(pad) if pad is not None else end_of_turn_id(target)
 
 
-def _rng_devices(target: Any) -> list[int]:
+def _rng_devices(target: Target) -> list[int]:
     device = target.device
     return [device.index or 0] if device.type == "cuda" else []
 

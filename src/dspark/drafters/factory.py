@@ -12,6 +12,7 @@ from typing import Any, Callable
 import torch
 from torch import Tensor, nn
 
+from dspark.config.schema import CONFIDENCE_HEAD, drafter_head
 from dspark.registry import Registry
 
 
@@ -47,23 +48,16 @@ DRAFTER_BUILDERS: Registry[Callable[..., nn.Module]] = Registry("drafter")
 
 
 @DRAFTER_BUILDERS.register("dspark")
-def build_dspark(spec: DrafterSpec, target: Any, draft_vocab_ids: Tensor | None = None) -> nn.Module:
-    from dspark.drafters.dspark import DSparkDrafter
-
-    return DSparkDrafter(spec=target.layer_spec, num_feature_layers=len(spec.feature_layers), depth=spec.depth,
-                         block_size=spec.block_size, head=spec.head, markov_rank=spec.markov_rank, confidence=True,
-                         embed_tokens=target.embed_tokens, lm_head=target.lm_head, mask_token_id=spec.mask_token_id,
-                         draft_vocab_ids=draft_vocab_ids)
-
-
 @DRAFTER_BUILDERS.register("dflash")
-def build_dflash(spec: DrafterSpec, target: Any, draft_vocab_ids: Tensor | None = None) -> nn.Module:
+def build_dspark(spec: DrafterSpec, target: Any, draft_vocab_ids: Tensor | None = None) -> nn.Module:
+    """DSpark, or DFlash: the same drafter without the heads its kind lacks (`drafter_head`, `CONFIDENCE_HEAD`)."""
     from dspark.drafters.dspark import DSparkDrafter
 
+    head = drafter_head(spec.kind, spec.head)
     return DSparkDrafter(spec=target.layer_spec, num_feature_layers=len(spec.feature_layers), depth=spec.depth,
-                         block_size=spec.block_size, head="none", markov_rank=0, confidence=False,
-                         embed_tokens=target.embed_tokens, lm_head=target.lm_head, mask_token_id=spec.mask_token_id,
-                         draft_vocab_ids=draft_vocab_ids)
+                         block_size=spec.block_size, head=head, markov_rank=spec.markov_rank if head != "none" else 0,
+                         confidence=CONFIDENCE_HEAD[spec.kind], embed_tokens=target.embed_tokens,
+                         lm_head=target.lm_head, mask_token_id=spec.mask_token_id, draft_vocab_ids=draft_vocab_ids)
 
 
 @DRAFTER_BUILDERS.register("eagle3")
@@ -77,7 +71,7 @@ def build_eagle3(spec: DrafterSpec, target: Any, draft_vocab_ids: Tensor | None 
 
 def drafter_spec_for(*, kind: str, model_cfg: Any, target: Any) -> DrafterSpec:
     """The spec of a new drafter for `target` from the `model.*` config."""
-    head = "none" if kind in ("dflash", "eagle3") else model_cfg.head
+    head = drafter_head(kind, model_cfg.head)
     vocab = int(getattr(model_cfg, "draft_vocab_size", 0) or 0)
     return DrafterSpec(kind=kind, head=head, depth=model_cfg.depth, block_size=model_cfg.block_size,
                        markov_rank=model_cfg.markov_rank if head != "none" else 0,

@@ -37,6 +37,7 @@ from dspark.drafters.checkpoint import read_checkpoint, save_drafter
 from dspark.drafters.factory import DrafterSpec
 
 if TYPE_CHECKING:
+    from dspark.targets import Target
     from dspark.config.schema import DataConfig
     from dspark.data.prompts import PromptRecord
 
@@ -74,7 +75,7 @@ def rounds_to_arrays(rounds: Iterable[Any], *, block_size: int, num_prompts: int
                              .reshape(-1, block_size), num_prompts)
 
 
-def collect_calibration_rounds(*, target: Any, proposer: Any, prompt_ids: Sequence[list[int]], temperature: float,
+def collect_calibration_rounds(*, target: Target, proposer: Any, prompt_ids: Sequence[list[int]], temperature: float,
                                max_new_tokens: int, seed: int, block_size: int,
                                show_progress: bool = True) -> CalibrationRounds:
     """Decode every prompt with the fixed policy (ℓ = γ) and gather its rounds."""
@@ -187,7 +188,7 @@ def store_calibration(drafter_path: str | Path, report: CalibrationReport, round
                  metrics=payload.get("metrics") or {}, calibration=entries)
 
 
-def calibrate_drafter(*, target: Any, proposer: Any, drafter_path: str | Path, payload: dict,
+def calibrate_drafter(*, target: Target, proposer: Any, drafter_path: str | Path, payload: dict,
                       prompt_ids: Sequence[list[int]], temperature: float, max_new_tokens: int, seed: int,
                       block_size: int, plot_path: str | Path | None = None, refit: bool = False) -> CalibrationReport:
     """The drafter's STS at `temperature`: reused from drafter.pt when present (unless `refit`), else fitted on
@@ -208,7 +209,7 @@ def calibrate_drafter(*, target: Any, proposer: Any, drafter_path: str | Path, p
     return report
 
 
-def calibration_prompt_ids(target: Any, *, held_out: Sequence[PromptRecord], limit: int, seed: int,
+def calibration_prompt_ids(target: Target, *, held_out: Sequence[PromptRecord], limit: int, seed: int,
                            data: DataConfig) -> tuple[list[list[int]], str]:
     """`limit` held-out prompt ids for STS (chat template, no system prompt) and a line saying where they came
     from: `held_out` first (the regenerated data's calibration split, `regenerated_calibration_split`), topped up

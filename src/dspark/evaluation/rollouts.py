@@ -14,12 +14,15 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Iterable, Mapping, Sequence
 
 import torch
 from tqdm.auto import tqdm
 
 from dspark.data.regenerate import derive_seed
+
+if TYPE_CHECKING:
+    from dspark.targets import Target
 
 MODES = ("speculative", "target")
 
@@ -55,7 +58,7 @@ class PromptRollout:
         return len(self.new_tokens) / self.total_seconds if self.total_seconds > 0 else float("nan")
 
 
-def encode_prompts(target: Any, records_by_set: dict[str, Sequence[Any]], *, max_new_tokens: int,
+def encode_prompts(target: Target, records_by_set: dict[str, Sequence[Any]], *, max_new_tokens: int,
                    context_length: int | None = None) -> list[EvalPrompt]:
     """Apply the chat template (no system prompt) to every record; clear errors for unusable prompts.
 

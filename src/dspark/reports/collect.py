@@ -7,11 +7,14 @@ value parses as a number), and one column per metric (`summary/tau`, `eval/gsm8k
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import polars as pl
 
 from dspark.tracking.runs import COMPLETE_TAG, children, find_parent
+
+if TYPE_CHECKING:
+    from dspark.tracking import TrackingStore
 
 TAG_COLUMNS = ("cell", "cell.index", "drafter", "model.head", "seed", "target", "budget", "training.key",
                "optuna.trial", "optuna.state", "optuna.defaults", "git.commit")
@@ -75,7 +78,7 @@ def runs_frame(runs: list[Any]) -> pl.DataFrame:
     return frame.sort(order, nulls_last=True) if order else frame
 
 
-def collect_sweep_runs(store: Any, *, sweep: str, sweep_hash: str | None = None) -> SweepRuns:
+def collect_sweep_runs(store: TrackingStore, *, sweep: str, sweep_hash: str | None = None) -> SweepRuns:
     """The parent with this hash (else the newest parent of the sweep) and its completed children."""
     parent = find_parent(store, sweep=sweep, sweep_hash=sweep_hash) if sweep_hash else None
     note = f"parent run with sweep.hash={sweep_hash}" if parent is not None else ""

@@ -9,7 +9,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import polars as pl
 
@@ -18,6 +18,9 @@ from dspark.reports.collect import SweepRuns
 from dspark.reports.paper import DATASETS, DRAFTER_LABELS
 from dspark.reports.stats import Estimate, group_estimates
 from dspark.reports.writer import Section
+
+if TYPE_CHECKING:
+    from dspark.tracking import TrackingStore
 
 DOMAIN_ORDER = ("math", "code", "chat")
 TAU = "summary/tau"
@@ -34,7 +37,7 @@ class ReportContext:
     out_dir: Path
     paper_ref: str = ""
     description: str = ""
-    store: Any = None  # for artifact downloads (reliability diagrams)
+    store: TrackingStore | None = None  # for artifact downloads (reliability diagrams)
     spec: Any = None   # the SweepSpec (Optuna reports read the objective and the search space)
     _rows: dict = field(default_factory=dict, repr=False)
 

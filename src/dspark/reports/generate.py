@@ -7,7 +7,7 @@ from __future__ import annotations
 import datetime
 import logging
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from dspark.config import ResolvedConfig
 from dspark.reports import ablations, diagnostics, search, serving  # noqa: F401  (register the builders)
@@ -15,6 +15,9 @@ from dspark.reports.collect import SweepRuns, collect_sweep_runs, runs_frame
 from dspark.reports.context import REPORT_BUILDERS, ReportContext
 from dspark.reports.writer import Provenance, Section, no_runs_section, render_report
 from dspark.tracking.runs import COMPLETE_TAG, children
+
+if TYPE_CHECKING:
+    from dspark.tracking import TrackingStore
 
 log = logging.getLogger("dspark")
 
@@ -25,8 +28,8 @@ def builder_name(spec: Any) -> str:
     return spec.report if spec.report in REPORT_BUILDERS else "generic"
 
 
-def build_report(runs: SweepRuns, *, spec: Any, out_dir: Path, provenance: Provenance, store: Any = None,
-                 name: str | None = None) -> tuple[str, list[Path]]:
+def build_report(runs: SweepRuns, *, spec: Any, out_dir: Path, provenance: Provenance,
+                 store: TrackingStore | None = None, name: str | None = None) -> tuple[str, list[Path]]:
     """Render the markdown of a sweep's runs; returns it and the figures written (all under `out_dir`)."""
     name = name or spec.name
     ctx = ReportContext(name=name, runs=runs, out_dir=Path(out_dir), paper_ref=spec.paper_ref,
@@ -55,7 +58,7 @@ def runs_summary(runs: SweepRuns) -> str:
             "of one configuration (seeds are replicates) ± the 95% Student-t half-width, with n runs.")
 
 
-def write_sweep_report(rc: ResolvedConfig, spec: Any, *, store: Any, parent_id: str | None = None,
+def write_sweep_report(rc: ResolvedConfig, spec: Any, *, store: TrackingStore, parent_id: str | None = None,
                        sweep_hash: str | None = None, now: datetime.datetime | None = None) -> Path:
     """Collect (the given parent, else the parent of `sweep_hash`, else the newest), render, write, attach."""
     if parent_id is not None:
@@ -77,7 +80,7 @@ def write_sweep_report(rc: ResolvedConfig, spec: Any, *, store: Any, parent_id: 
     return path
 
 
-def collect_parent(store: Any, sweep: str, parent_id: str) -> SweepRuns:
+def collect_parent(store: TrackingStore, sweep: str, parent_id: str) -> SweepRuns:
     """The runs of a known parent (right after a sweep ran)."""
 
     parent = store.client.get_run(parent_id)

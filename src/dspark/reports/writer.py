@@ -3,7 +3,10 @@ from __future__ import annotations
 
 import datetime
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from dspark.tracking import TrackingStore
 
 
 @dataclass
@@ -29,7 +32,7 @@ class Provenance:
     extra: dict[str, str] = field(default_factory=dict)
 
     @classmethod
-    def from_runs(cls, runs: Any, *, store: Any, experiment: str, now: datetime.datetime | None = None,
+    def from_runs(cls, runs: Any, *, store: TrackingStore, experiment: str, now: datetime.datetime | None = None,
                   fallback: dict[str, str] | None = None) -> "Provenance":
         """Read the parent run's tags (`fallback` tags when there is no parent); `now` = generation time."""
         fallback = fallback or {}

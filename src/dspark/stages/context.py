@@ -6,12 +6,15 @@ import json
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from dspark.config import ResolvedConfig, RunConfig, repo_root, to_dict
 from dspark.tracking import TrackingStore, git_provenance
+
+if TYPE_CHECKING:
+    from dspark.targets import Target
 
 log = logging.getLogger("dspark")
 
@@ -58,7 +61,7 @@ class StageContext:
     paths: RunPaths
     store: TrackingStore | None = None
     run_id: str | None = None
-    target: Any = None
+    target: Target | None = None
     trainer_callbacks: list = field(default_factory=list)  # extra Lightning callbacks (e.g. Optuna pruning)
 
     @property
@@ -69,7 +72,7 @@ class StageContext:
     def run_dir(self) -> Path:
         return self.paths.runs / f"{run_name(self.cfg)}-{training_key(self.cfg)}"
 
-    def load_target(self) -> Any:
+    def load_target(self) -> Target:
         """Load (once) the frozen target named by `target=`."""
         if self.target is None:
             from dspark.targets import load_target

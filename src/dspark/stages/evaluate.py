@@ -13,7 +13,7 @@ import json
 import logging
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from dspark.config import to_dict
 from dspark.evaluation.calibrate import CalibrationReport
@@ -24,6 +24,10 @@ from dspark.evaluation.summary import flatten_metrics, report_markdown, summariz
 from dspark.stages.context import StageContext, run_name
 from dspark.stages.drafter import TrainedDrafter, calibrate, open_trained_drafter
 from dspark.stages.prepare import PreparedData
+
+if TYPE_CHECKING:
+    from dspark.drafters.factory import DrafterSpec
+    from dspark.targets import Target
 
 log = logging.getLogger("dspark")
 EVALS_DIR = "evals"
@@ -58,7 +62,7 @@ def report_paths(ctx: StageContext) -> dict[str, Path]:
             "reliability": reports / f"{stem}-reliability.png"}
 
 
-def load_eval_prompts(ctx: StageContext, target: Any) -> list:
+def load_eval_prompts(ctx: StageContext, target: Target) -> list:
     """decode.prompts_per_set prompts of each decode.eval_sets set, chat-templated, in the paper's order."""
     decode = ctx.cfg.decode
     records = {name: ctx.load_prompts(name, limit=decode.prompts_per_set) for name in decode.eval_sets}
@@ -138,7 +142,7 @@ def run_eval(ctx: StageContext, drafter_path: str | Path, *, prepared: PreparedD
     return report
 
 
-def eval_meta(ctx: StageContext, *, spec: Any, drafter_path: Path, out_dir: Path, sps_path: Path | None,
+def eval_meta(ctx: StageContext, *, spec: DrafterSpec, drafter_path: Path, out_dir: Path, sps_path: Path | None,
               calibration: CalibrationReport | None, calibration_source: str) -> dict:
     """What ran, for the report and for rebuilding it (`run_report`)."""
     tags = ctx.run_tags()

@@ -1,13 +1,15 @@
 """Stage `prepare`: training prompts → target-regenerated responses (cached, resumable) → optional feature cache."""
 from __future__ import annotations
 
+import dataclasses
 import logging
 import random
 from dataclasses import dataclass
 from pathlib import Path
 
 from dspark.data.prompts import PromptRecord
-from dspark.data.regenerate import SamplingConfig, load_regenerated, read_manifest, regenerate_responses
+from dspark.config.schema import SamplingConfig
+from dspark.data.regenerate import load_regenerated, read_manifest, regenerate_responses
 from dspark.stages.context import StageContext
 
 log = logging.getLogger("dspark")
@@ -73,9 +75,8 @@ def allocate_counts(sizes: list[int], weights: list[float], *, total: int) -> li
 
 
 def sampling_config(ctx: StageContext) -> SamplingConfig:
-    s = ctx.cfg.data.sampling
-    return SamplingConfig(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, max_new_tokens=s.max_new_tokens,
-                          batch_size=s.batch_size, system_prompt=s.system_prompt)
+    """`data.sampling`, copied and range-checked (a command-line override sets fields without the check)."""
+    return dataclasses.replace(ctx.cfg.data.sampling)
 
 
 def run_prepare(ctx: StageContext) -> PreparedData:

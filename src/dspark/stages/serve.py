@@ -23,18 +23,21 @@ import logging
 import math
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from dspark.stages.context import StageContext
 from dspark.stages.drafter import TrainedDrafter, calibrate, open_trained_drafter
 from dspark.stages.prepare import PreparedData
+
+if TYPE_CHECKING:
+    from dspark.targets import Target
 
 log = logging.getLogger("dspark")
 SERVE_DIR = "serve"
 SUMMARY_FIELDS = ("throughput", "user_speed", "budget", "tau")
 
 
-def serve_requests(ctx: StageContext, target: Any) -> list:
+def serve_requests(ctx: StageContext, target: Target) -> list:
     """serve.num_requests chat-templated prompts, round-robin over serve.prompt_sets (request ids 0..n-1)."""
     from dspark.serving import ServeRequest
 
@@ -66,7 +69,7 @@ def serve_calibration(ctx: StageContext, trained: TrainedDrafter, *, prepared: P
     return report.sts
 
 
-def serving_sps(ctx: StageContext, target: Any, *, block_size: int) -> Any:
+def serving_sps(ctx: StageContext, target: Target, *, block_size: int) -> Any:
     """SPS(B) of the batched verify forward of R = serve.concurrency rows, up to R·(γ+1) tokens (what the
     scheduler plans with, and what the simulator times this concurrency with)."""
     from dspark.serving.profile import load_or_profile_serving_sps

@@ -26,13 +26,16 @@ import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 from dspark.config import ConfigError, ResolvedConfig, parse_overrides, resolve_config, to_dict
 from dspark.sweeps import runs as sweep_runs
 from dspark.sweeps.identity import arg_key, hashable_config, parent_tags, sweep_dir
 from dspark.sweeps.spec import Cell, SweepSpec, coerce_value, load_sweep
 from dspark.tracking import runs as run_tree
+
+if TYPE_CHECKING:
+    from dspark.tracking import TrackingStore
 
 log = logging.getLogger("dspark")
 MAX_CELLS_ENV = "DSPARK_SWEEP_MAX_CELLS"
@@ -148,7 +151,7 @@ def cell_record(pc: PlannedCell) -> dict[str, Any]:
             "training_key": training_key(pc.rc.cfg), "config": to_dict(pc.rc.cfg)}
 
 
-def execute_grid(plan: SweepPlan, *, rc: ResolvedConfig, store: Any, max_cells: int | None = None) -> int:
+def execute_grid(plan: SweepPlan, *, rc: ResolvedConfig, store: TrackingStore, max_cells: int | None = None) -> int:
     """Run the plan's cells under one parent run (resuming it); write the report; return the exit code."""
     spec = plan.spec
     parent_id, reused = run_tree.open_parent(store, sweep=spec.name, sweep_hash=plan.sweep_hash,
@@ -178,7 +181,7 @@ def execute_grid(plan: SweepPlan, *, rc: ResolvedConfig, store: Any, max_cells: 
     return finish_sweep(rc, plan, store=store, parent_id=parent_id, outcomes=outcomes, out_dir=out_dir)
 
 
-def run_cell(pc: PlannedCell, *, plan: SweepPlan, store: Any, parent_id: str, attempt: str
+def run_cell(pc: PlannedCell, *, plan: SweepPlan, store: TrackingStore, parent_id: str, attempt: str
              ) -> sweep_runs.CellOutcome:
     """One cell in its own child run; exceptions become a FAILED cell, never the end of the sweep."""
     spec, cell = plan.spec, pc.cell
@@ -203,7 +206,7 @@ def run_cell(pc: PlannedCell, *, plan: SweepPlan, store: Any, parent_id: str, at
                                   seconds=time.perf_counter() - started, work_seconds=work)
 
 
-def backfill_training_metrics(store: Any, run_id: str, rc: ResolvedConfig) -> None:
+def backfill_training_metrics(store: TrackingStore, run_id: str, rc: ResolvedConfig) -> None:
     """A cell that reused a drafter trained earlier logs no train/ val/ metrics: copy the recorded ones."""
     from dspark.stages.train import recorded_training_metrics
 
@@ -233,7 +236,7 @@ def cell_runner(spec: SweepSpec) -> Callable[..., int]:
     return run_experiment
 
 
-def interrupted(store: Any, parent_id: str, *, attempt: str, cell: str, name: str,
+def interrupted(store: TrackingStore, parent_id: str, *, attempt: str, cell: str, name: str,
                 outcomes: list[sweep_runs.CellOutcome], kept: str, out_dir: Path) -> int:
     """Ctrl-C: the running cell (unless it had completed) and the parent become KILLED, the outcomes so far are
     logged, one line says what was kept; the next run of the same command resumes."""
@@ -252,7 +255,7 @@ def interrupted(store: Any, parent_id: str, *, attempt: str, cell: str, name: st
     return 130
 
 
-def finish_sweep(rc: ResolvedConfig, plan: SweepPlan, *, store: Any, parent_id: str,
+def finish_sweep(rc: ResolvedConfig, plan: SweepPlan, *, store: TrackingStore, parent_id: str,
                  outcomes: list[sweep_runs.CellOutcome], out_dir: Path) -> int:
     """Log outcomes, write the report, close the parent; 0 when every cell passed."""
     failed = [o.key for o in outcomes if o.status == "FAILED"]

@@ -20,7 +20,7 @@ import logging
 import sys
 import uuid
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import lightning as L
 
@@ -31,6 +31,9 @@ from dspark.sweeps.identity import HASH_EXCLUDED, arg_key, parent_tags, sweep_di
 from dspark.sweeps.optuna_study import StudyHandle, claim_trial, default_storage, mask, setup_study, trial_is_default
 from dspark.sweeps.spec import SweepSpec
 from dspark.tracking import runs as run_tree
+
+if TYPE_CHECKING:
+    from dspark.tracking import TrackingStore
 
 log = logging.getLogger("dspark")
 
@@ -128,7 +131,7 @@ def run_search(rc: ResolvedConfig, spec: SweepSpec, *, max_trials: int | None = 
     return finish_search(rc, spec, handle=handle, store=store, parent_id=parent_id, states=states)
 
 
-def run_trial(trial: Any, *, rc: ResolvedConfig, spec: SweepSpec, handle: StudyHandle, store: Any,
+def run_trial(trial: Any, *, rc: ResolvedConfig, spec: SweepSpec, handle: StudyHandle, store: TrackingStore,
               parent_id: str, digest: str) -> str:
     """Run one trial as a sweep cell and tell the study how it ended; returns the Optuna state name."""
     from optuna.trial import TrialState
@@ -158,7 +161,7 @@ def run_trial(trial: Any, *, rc: ResolvedConfig, spec: SweepSpec, handle: StudyH
     return state
 
 
-def evaluate_trial(trial: Any, *, rc: ResolvedConfig, spec: SweepSpec, params: dict, tags: dict, store: Any,
+def evaluate_trial(trial: Any, *, rc: ResolvedConfig, spec: SweepSpec, params: dict, tags: dict, store: TrackingStore,
                    parent_id: str, attempt: str) -> tuple[str, float | None]:
     """Run the trial's cell; (COMPLETE, objective) | (PRUNED, None) | (FAIL, None)."""
     from dspark.stages.experiment import run_experiment
@@ -182,7 +185,7 @@ def evaluate_trial(trial: Any, *, rc: ResolvedConfig, spec: SweepSpec, params: d
     return ("COMPLETE", value) if value is not None else ("FAIL", None)
 
 
-def objective_value(store: Any, *, attempt: str, metric: str, rc: ResolvedConfig) -> float | None:
+def objective_value(store: TrackingStore, *, attempt: str, metric: str, rc: ResolvedConfig) -> float | None:
     """The trial run's `metric`; a reused drafter's recorded training metrics count too; else a loud error."""
     run = run_tree.find_attempt(store, attempt)
     metrics = dict(run.data.metrics) if run is not None else {}
@@ -197,7 +200,7 @@ def objective_value(store: Any, *, attempt: str, metric: str, rc: ResolvedConfig
     return None
 
 
-def log_study_summary(store: Any, parent_id: str, handle: StudyHandle, *, out_dir: Path) -> None:
+def log_study_summary(store: TrackingStore, parent_id: str, handle: StudyHandle, *, out_dir: Path) -> None:
     """Best value / trial / params and parameter importances → parent metrics, tags and `study.json`."""
     import optuna
     from optuna.trial import TrialState
@@ -229,7 +232,7 @@ def log_study_summary(store: Any, parent_id: str, handle: StudyHandle, *, out_di
     store.client.log_artifact(parent_id, str(out_dir / "study.json"), artifact_path="sweep")
 
 
-def finish_search(rc: ResolvedConfig, spec: SweepSpec, *, handle: StudyHandle, store: Any, parent_id: str,
+def finish_search(rc: ResolvedConfig, spec: SweepSpec, *, handle: StudyHandle, store: TrackingStore, parent_id: str,
                   states: list[str]) -> int:
     """Summaries, report, parent status; 1 when a trial of this worker failed."""
     digest = store.client.get_run(parent_id).data.tags.get("sweep.hash", "")
