@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from dspark.config import RunConfig
+from dspark.config.schema import LossConfig, OptimConfig
 from dspark.data.blocks import sample_anchors
 from dspark.drafters.factory import build_drafter, drafter_spec_for
 from dspark.targets import load_target
@@ -37,9 +38,9 @@ def test_loss_goes_down_and_target_stays_frozen(tiny, kind, head, one_thread):
     if kind == "dflash":
         weights.update(alpha_ce=1.0, alpha_tv=0.0)
     module = DrafterModule(drafter=build_drafter(spec, tiny), target=tiny, drafter_kind=kind,
-                           block_size=spec.block_size, loss_weights=weights,
-                           optim={"lr": 3e-3, "beta1": 0.9, "beta2": 0.999, "weight_decay": 0.0,
-                                  "warmup_fraction": 0.0}, drafter_config=spec.to_dict())
+                           block_size=spec.block_size, loss=LossConfig(**weights),
+                           optim=OptimConfig(lr=3e-3, beta1=0.9, beta2=0.999, weight_decay=0.0, warmup_fraction=0.0),
+                           drafter_config=spec.to_dict())
     frozen_before = {k: v.clone() for k, v in tiny.model.state_dict().items()}
     assert not any(p is q for p in module.parameters() for q in tiny.model.parameters())
     optimizer = torch.optim.AdamW(module.drafter.parameters(), lr=3e-3)

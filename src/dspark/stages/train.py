@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from dspark.config import ResolvedConfig, to_dict
+from dspark.config import ResolvedConfig
 from dspark.drafters.checkpoint import DRAFTER_FILE, read_checkpoint, save_drafter
 from dspark.drafters.factory import DrafterSpec, build_drafter, drafter_spec_for
 from dspark.stages.context import RunPaths, StageContext
@@ -34,11 +34,8 @@ def build_datamodule(ctx: StageContext, data: PreparedData):
 def build_module(ctx: StageContext, spec: DrafterSpec, *, draft_vocab_ids=None) -> DrafterModule:
     target = ctx.load_target()
     drafter = build_drafter(spec, target, draft_vocab_ids=draft_vocab_ids)
-    loss = ctx.cfg.loss
-    weights = {"alpha_ce": loss.alpha_ce, "alpha_tv": loss.alpha_tv, "alpha_conf": loss.alpha_conf,
-               "decay": loss.decay}
     return DrafterModule(drafter=drafter, target=target, drafter_kind=spec.kind, block_size=spec.block_size,
-                         loss_weights=weights, optim=to_dict(ctx.cfg.optim), drafter_config=spec.to_dict())
+                         loss=ctx.cfg.loss, optim=ctx.cfg.optim, drafter_config=spec.to_dict())
 
 
 def build_trainer(ctx: StageContext, run_dir: Path):

@@ -5,16 +5,21 @@ checkpoints hold only the drafter's weights.
 """
 from __future__ import annotations
 
-from typing import Any
+from dataclasses import asdict
+from typing import TYPE_CHECKING, Any
 
 import lightning as L
 import torch
 from torch import nn
 from torchmetrics import MeanMetric
 
+from dspark.config.schema import LossConfig, OptimConfig
 from dspark.metrics import CumulativeCalibration, PositionCrossEntropy, TeacherForcedAcceptance
 from dspark.training.optim import build_optimizer
 from dspark.training.steps import TRAINING_STEPS, StepResult
+
+if TYPE_CHECKING:
+    from dspark.targets import Target
 
 
 class NonFiniteLossError(FloatingPointError):
@@ -24,15 +29,15 @@ class NonFiniteLossError(FloatingPointError):
 class DrafterModule(L.LightningModule):
     """Train `drafter` against the frozen `target` with the loss of METHOD §3 (or §4 for EAGLE-3)."""
 
-    def __init__(self, *, drafter: nn.Module, target: Any, drafter_kind: str, block_size: int,
-                 loss_weights: dict[str, float], optim: dict[str, Any], drafter_config: dict[str, Any]) -> None:
+    def __init__(self, *, drafter: nn.Module, target: Target, drafter_kind: str, block_size: int, loss: LossConfig,
+                 optim: OptimConfig, drafter_config: dict[str, Any]) -> None:
         super().__init__()
         self.drafter = drafter
         self.__dict__["target"] = target  # plain attribute: never in state_dict, never trained
         self.step_fn = TRAINING_STEPS.resolve(drafter_kind)
         self.block_size = block_size
-        self.loss_weights = dict(loss_weights)
-        self.optim_cfg = dict(optim)
+        self.loss_weights = asdict(loss)  # the step functions' keyword arguments (alpha_ce, ..., decay)
+        self.optim_cfg = asdict(optim)
         self.save_hyperparameters({"drafter_kind": drafter_kind, "block_size": block_size,
                                    "loss_weights": self.loss_weights, "optim": self.optim_cfg,
                                    "drafter_config": drafter_config, "target_fingerprint": target.fingerprint})
