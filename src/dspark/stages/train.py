@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -18,6 +18,9 @@ from dspark.stages.context import RunPaths, StageContext
 from dspark.stages.prepare import PreparedData
 from dspark.training.module import DrafterModule
 from dspark.training.optim import count_parameters
+
+if TYPE_CHECKING:
+    from dspark.targets import Target
 
 log = logging.getLogger("dspark")
 
@@ -99,7 +102,7 @@ def _fmt(value: float | None) -> str:
     return "n/a" if value is None else f"{value:.3f}"
 
 
-def draft_vocab_from_data(regen_dir: Path, indices: list[int], *, target: Any, size: int) -> torch.Tensor:
+def draft_vocab_from_data(regen_dir: Path, indices: list[int], *, target: Target, size: int) -> torch.Tensor:
     """The `size` most frequent target ids among the training split's supervised tokens (+ the stop ids)."""
     from dspark.data.regenerate import load_regenerated
     from dspark.drafters.vocab import build_draft_vocab
