@@ -127,7 +127,7 @@ def run_eval(ctx: StageContext, drafter_path: str | Path, *, prepared: PreparedD
     (out_dir / META_FILE).write_text(json.dumps(meta, indent=2))
     summary = summarize(rollouts, block_size=spec.block_size)
     metrics = flatten_metrics(summary) | (calibration.metrics() if calibration else {})
-    coverage = draft_vocab_coverage(target=target, drafter=drafter, prompts=prompts, rollouts=rollouts,
+    coverage = draft_vocab_coverage(target=target, drafter=trained.drafter, prompts=prompts, rollouts=rollouts,
                                     temperature=decode.temperature)
     if coverage:
         metrics |= {("eval/vocab_coverage" if d == "all" else f"eval/domain/{d}/vocab_coverage"): v
