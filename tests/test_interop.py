@@ -36,13 +36,15 @@ def targets(tmp_path_factory):
 
 
 def make_drafter(target, *, kind: str, head: str = "markov", rank: int = 8, depth: int = 2, block_size: int = 4,
-                 seed: int = 0):
-    """A drafter with every weight random (norms and biases too, so a swapped or dropped tensor shows)."""
+                 seed: int = 0, draft_vocab: int = 0):
+    """A drafter with every weight random (norms and biases too, so a swapped or dropped tensor shows);
+    `draft_vocab` > 0: a draft vocabulary of that many (every third, spread out) target ids."""
     spec = DrafterSpec(kind=kind, head=head if kind == "dspark" else "none", depth=depth, block_size=block_size,
                        markov_rank=rank if kind == "dspark" and head != "none" else 0,
                        feature_layers=tuple(target.feature_layer_ids), mask_token_id=target.mask_token_id,
-                       target_fingerprint=target.fingerprint)
-    drafter = build_drafter(spec, target)
+                       target_fingerprint=target.fingerprint, draft_vocab_size=draft_vocab)
+    ids = torch.arange(0, target.vocab_size, 3)[:draft_vocab] if draft_vocab else None
+    drafter = build_drafter(spec, target, draft_vocab_ids=ids)
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for p in drafter.parameters():
@@ -91,6 +93,23 @@ def test_dspark_round_trip_is_bit_identical(targets, tmp_path, one_thread, famil
     assert decode(target, drafter, prompt=prompt) == decode(target, imported, prompt=prompt)
     for a, b in zip(drafter.state_dict().values(), imported.state_dict().values()):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("layout, kind", [("deepspec", "dspark"), ("speculators", "dspark"), ("speculators", "eagle3")])
+def test_draft_vocabulary_round_trip(targets, tmp_path, one_thread, layout, kind):
+    """Vd < V: lm_head holds the draft rows, d2t the offsets (target id = j + d2t[j]), t2d the mask."""
+    target = targets["qwen3"]
+    drafter, spec = make_drafter(target, kind=kind, depth=1 if kind == "eagle3" else 2, draft_vocab=40)
+    export_drafter(drafter, spec, target, tmp_path, layout=layout)
+    tensors = load_file(str(tmp_path / "model.safetensors"))
+    ids = drafter.draft_to_target
+    assert torch.equal(torch.arange(40) + tensors["d2t"], ids) and torch.equal(tensors["t2d"].nonzero().flatten(), ids)
+    assert torch.equal(tensors["lm_head.weight"], target.lm_head.weight.detach()[ids])
+    assert json.loads((tmp_path / "config.json").read_text())["draft_vocab_size"] == 40
+    imported, imported_spec = import_drafter(tmp_path, target)
+    assert imported_spec == spec and torch.equal(imported.draft_to_target, ids)
+    prompt = target.chat_prompt_ids("Say hi.")
+    assert decode(target, drafter, prompt=prompt) == decode(target, imported, prompt=prompt)
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen3"])

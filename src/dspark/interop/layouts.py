@@ -53,8 +53,8 @@ EAGLE3_NAME_MAP = (
     (r"layer\.self_attn\.(q_proj|k_proj|v_proj|o_proj|q_norm|k_norm)\.weight", r"layers.0.self_attn.\1.weight"),
     (r"layer\.mlp\.(gate_proj|up_proj|down_proj)\.weight", r"layers.0.mlp.\1.weight"),
 )
-# Our buffers that are not weights of theirs (rebuilt on load, or written as d2t/t2d).
-OURS_NOT_EXPORTED = ("draft_to_target",)
+# Our buffers that are not weights of theirs: the draft vocabulary's ids, written as d2t / t2d instead.
+OURS_NOT_EXPORTED = ("draft_head.draft_to_target",)
 
 
 def _compile(pairs):

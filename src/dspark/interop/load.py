@@ -48,10 +48,12 @@ def import_drafter(path: str | Path, target: Any, *, block_size: int | None = No
     config = read_export_config(path)
     fields = describe(config, source=str(path))
     check_against_target(fields, target, block_size=block_size, source=str(path))
-    spec = _drafter_spec(fields, target)
-    drafter = build_drafter(spec, target)
     tensors = load_file(str(Path(path) / WEIGHTS_FILE))
-    check_frozen_tables(tensors, target, mask_token_id=fields["mask_token_id"], source=str(path))
+    ids = draft_vocab_from(tensors, fields, target, source=str(path))
+    spec = _drafter_spec(fields, target, draft_vocab_size=0 if ids is None else int(ids.numel()))
+    drafter = build_drafter(spec, target, draft_vocab_ids=ids)
+    check_frozen_tables(tensors, target, mask_token_id=fields["mask_token_id"], draft_vocab_ids=ids,
+                        source=str(path))
     state = _our_state_dict(drafter, tensors, kind=fields["kind"], mask_token_id=fields["mask_token_id"],
                             source=str(path))
     drafter.load_state_dict(state, strict=True)
@@ -173,15 +175,37 @@ def check_against_target(fields: dict[str, Any], target: Any, *, block_size: int
     if mask is not None and not 0 <= mask < target.vocab_size:
         raise ValueError(f"{source}: mask_token_id={mask} is outside the vocabulary [0, {target.vocab_size})")
     vd = fields["draft_vocab_size"]
-    if vd is not None and int(vd) != target.vocab_size:
-        raise ValueError(f"{source}: draft_vocab_size={vd} (a reduced draft vocabulary with d2t) is not "
-                         "supported by the importer yet; export or train with the full vocabulary")
+    if vd is not None and not 0 < int(vd) <= target.vocab_size:
+        raise ValueError(f"{source}: draft_vocab_size={vd} is outside 1..{target.vocab_size} (the target vocabulary)")
 
 
-def check_frozen_tables(tensors: dict[str, Tensor], target: Any, *, mask_token_id: int | None, source: str) -> None:
-    """The checkpoint's embedding and LM head must be the target's (up to the checkpoint's rounding), except the
-    MASK row; a drafter of another target with the same shapes is refused here."""
-    for name, table in (("embed_tokens.weight", target.embed_tokens.weight), ("lm_head.weight", target.lm_head.weight)):
+def draft_vocab_from(tensors: dict[str, Tensor], fields: dict[str, Any], target: Any, *, source: str) -> Tensor | None:
+    """The draft vocabulary's target ids [Vd] from `d2t` (offsets: id = j + d2t[j]), or None for the full one."""
+    vd = fields["draft_vocab_size"]
+    if vd is None or int(vd) >= target.vocab_size:
+        return None
+    if "d2t" not in tensors:
+        raise ValueError(f"{source}: draft_vocab_size={vd} < {target.vocab_size} but model.safetensors has no d2t "
+                         "mapping, so the draft ids cannot be turned into target ids")
+    d2t = tensors["d2t"].long()
+    if d2t.numel() != int(vd):
+        raise ValueError(f"{source}: d2t has {d2t.numel()} entries, draft_vocab_size is {vd}")
+    ids = torch.arange(d2t.numel()) + d2t
+    if int(ids.min()) < 0 or int(ids.max()) >= target.vocab_size or not bool((ids[1:] > ids[:-1]).all()):
+        raise ValueError(f"{source}: d2t does not map the draft ids to sorted, distinct target ids")
+    if "t2d" in tensors and not torch.equal(tensors["t2d"].bool().nonzero().flatten(), ids):
+        raise ValueError(f"{source}: t2d and d2t disagree on the draft vocabulary")
+    return ids
+
+
+def check_frozen_tables(tensors: dict[str, Tensor], target: Any, *, mask_token_id: int | None,
+                        draft_vocab_ids: Tensor | None = None, source: str) -> None:
+    """The checkpoint's embedding and LM head (its draft-vocabulary rows) must be the target's, up to the
+    checkpoint's rounding, except the MASK row; a drafter of another target with the same shapes is refused here."""
+    lm_head = target.lm_head.weight.detach()
+    if draft_vocab_ids is not None:
+        lm_head = lm_head[draft_vocab_ids.to(lm_head.device)]
+    for name, table in (("embed_tokens.weight", target.embed_tokens.weight), ("lm_head.weight", lm_head)):
         if name not in tensors:
             continue  # vLLM / speculators share the target's table when the checkpoint omits it
         theirs, ours = tensors[name].float(), table.detach().float().cpu()
@@ -199,14 +223,14 @@ def check_frozen_tables(tensors: dict[str, Tensor], target: Any, *, mask_token_i
 
 # ---- tensors ----
 
-def _drafter_spec(fields: dict[str, Any], target: Any):
+def _drafter_spec(fields: dict[str, Any], target: Any, *, draft_vocab_size: int):
     from dspark.drafters.factory import DrafterSpec
 
     return DrafterSpec(kind=fields["kind"], head=fields["head"], depth=fields["depth"],
                        block_size=fields["block_size"], markov_rank=fields["markov_rank"],
                        feature_layers=tuple(fields["feature_layers"]),
                        mask_token_id=target.mask_token_id if fields["mask_token_id"] is None else fields["mask_token_id"],
-                       target_fingerprint=target.fingerprint)
+                       target_fingerprint=target.fingerprint, draft_vocab_size=draft_vocab_size)
 
 
 def _our_state_dict(drafter: Any, tensors: dict[str, Tensor], *, kind: str, mask_token_id: int | None,
@@ -233,6 +257,6 @@ def _our_state_dict(drafter: Any, tensors: dict[str, Tensor], *, kind: str, mask
                              "is unknown")
         state["backbone.mask_embedding"] = tensors["embed_tokens.weight"][mask_token_id].to(
             ours["backbone.mask_embedding"].dtype)
-    for name in ours:  # buffers we own (e.g. draft_to_target) keep the values the builder gave them
+    for name in ours:  # buffers we own (the draft vocabulary's ids, from d2t) keep the values the builder gave them
         state.setdefault(name, ours[name])
     return state
