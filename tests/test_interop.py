@@ -36,13 +36,14 @@ def targets(tmp_path_factory):
 
 
 def make_drafter(target, *, kind: str, head: str = "markov", rank: int = 8, depth: int = 2, block_size: int = 4,
-                 seed: int = 0, draft_vocab: int = 0):
+                 seed: int = 0, draft_vocab: int = 0, confidence_with_markov: bool = True):
     """A drafter with every weight random (norms and biases too, so a swapped or dropped tensor shows);
     `draft_vocab` > 0: a draft vocabulary of that many (every third, spread out) target ids."""
     spec = DrafterSpec(kind=kind, head=head if kind == "dspark" else "none", depth=depth, block_size=block_size,
                        markov_rank=rank if kind == "dspark" and head != "none" else 0,
                        feature_layers=tuple(target.feature_layer_ids), mask_token_id=target.mask_token_id,
-                       target_fingerprint=target.fingerprint, draft_vocab_size=draft_vocab)
+                       target_fingerprint=target.fingerprint, draft_vocab_size=draft_vocab,
+                       confidence_with_markov=confidence_with_markov)
     ids = torch.arange(0, target.vocab_size, 3)[:draft_vocab] if draft_vocab else None
     drafter = build_drafter(spec, target, draft_vocab_ids=ids)
     generator = torch.Generator().manual_seed(seed)
@@ -70,16 +71,19 @@ def dspark_outputs(drafter, target, *, seed: int = 1):
                        prev_tokens=torch.randint(0, target.vocab_size, (2, 3, gamma), generator=g))
 
 
-CASES = [("llama", "deepspec", "dspark", "markov"), ("llama", "deepspec", "dspark", "rnn"),
-         ("llama", "deepspec", "dflash", "none"), ("qwen3", "deepspec", "dspark", "markov"),
+CASES = [("llama", "deepspec", "dspark", "markov"), ("llama", "deepspec", "dspark", "gated"),
+         ("llama", "deepspec", "dspark", "rnn"), ("llama", "deepspec", "dflash", "none"),
+         ("qwen3", "deepspec", "dspark", "markov"), ("qwen3", "deepspec", "dspark", "gated"),
          ("qwen3", "deepspec", "dspark", "rnn"), ("qwen3", "deepspec", "dflash", "none"),
+         ("qwen3", "deepspec", "dspark", "markov-conf-no-markov"), ("qwen3", "speculators", "dspark", "gated"),
          ("qwen3", "speculators", "dspark", "markov"), ("qwen3", "speculators", "dflash", "none")]
 
 
 @pytest.mark.parametrize("family, layout, kind, head", CASES, ids=["-".join(c) for c in CASES])
 def test_dspark_round_trip_is_bit_identical(targets, tmp_path, one_thread, family, layout, kind, head):
     target = targets[family]
-    drafter, spec = make_drafter(target, kind=kind, head=head)
+    with_markov = not head.endswith("-conf-no-markov")
+    drafter, spec = make_drafter(target, kind=kind, head=head.split("-")[0], confidence_with_markov=with_markov)
     export_drafter(drafter, spec, target, tmp_path / "out", layout=layout)
     imported, imported_spec = import_drafter(tmp_path / "out", target, block_size=spec.block_size)
     assert imported_spec == spec
@@ -157,6 +161,8 @@ DEEPSPEC_LAYER_NAMES = [
 DEEPSPEC_TOP_NAMES = ["embed_tokens.weight", "norm.weight", "fc.weight", "hidden_norm.weight", "lm_head.weight"]
 DEEPSPEC_HEAD_NAMES = {
     "markov": ["markov_head.markov_w1.weight", "markov_head.markov_w2.weight"],
+    "gated": ["markov_head.markov_w1.weight", "markov_head.markov_w2.weight", "markov_head.gate_proj.weight",
+              "markov_head.gate_proj.bias"],
     "rnn": ["markov_head.markov_w1.weight", "markov_head.markov_w2.weight", "markov_head.joint_proj.weight",
             "markov_head.joint_proj.bias"],
 }
@@ -195,7 +201,8 @@ def _expected_dspark_names(head: str, depth: int, *, confidence: bool) -> set[st
     return names | set(DEEPSPEC_HEAD_NAMES.get(head, [])) | (set(CONFIDENCE_NAMES) if confidence else set())
 
 
-@pytest.mark.parametrize("kind, head", [("dspark", "markov"), ("dspark", "rnn"), ("dflash", "none")])
+@pytest.mark.parametrize("kind, head", [("dspark", "markov"), ("dspark", "gated"), ("dspark", "rnn"),
+                                        ("dflash", "none")])
 def test_deepspec_names_and_fields_match_the_reference(targets, tmp_path, kind, head):
     target = targets["qwen3"]
     drafter, spec = make_drafter(target, kind=kind, head=head, depth=3)
@@ -211,7 +218,7 @@ def test_deepspec_names_and_fields_match_the_reference(targets, tmp_path, kind, 
     assert config["layer_types"] == ["full_attention"] * 3 and config["tie_word_embeddings"] is False
     if kind == "dspark":
         assert config["markov_rank"] == 8 and config["enable_confidence_head"] is True
-        assert config["markov_head_type"] == {"markov": "vanilla", "rnn": "rnn"}[head]
+        assert config["markov_head_type"] == {"markov": "vanilla", "gated": "gated", "rnn": "rnn"}[head]
         assert config["confidence_head_with_markov"] is True
     else:  # DeepSpec config/dflash/*.py: markov_rank=0, confidence_head_alpha=0 -> enable_confidence_head False
         assert config["markov_rank"] == 0 and config["enable_confidence_head"] is False

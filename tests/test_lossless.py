@@ -30,8 +30,8 @@ NUM_GENERATIONS = 300   # ≈ 4 s per drafter/policy pair on one core
 P_MIN = 1e-3
 # Slot j is admitted while Θ improves; for slot 1 that is a_1 > 0.5 (see tests/test_policies.py).
 SPS = SPSTable(batch_tokens=list(range(1, 10)), steps_per_second=[1 / (1 + (b - 1) / 2) for b in range(1, 10)])
-DRAFTERS = {"dspark-markov": ("dspark", "markov"), "dspark-rnn": ("dspark", "rnn"), "dflash": ("dflash", "none"),
-            "eagle3": ("eagle3", "none")}
+DRAFTERS = {"dspark-markov": ("dspark", "markov"), "dspark-gated": ("dspark", "gated"), "dspark-rnn": ("dspark", "rnn"),
+            "dflash": ("dflash", "none"), "eagle3": ("eagle3", "none")}
 POLICIES = ("fixed", "threshold", "scheduler")
 CASES = [(d, p) for d in DRAFTERS for p in POLICIES]
 

@@ -27,16 +27,23 @@ def _batch(target, *, batch=2, length=96, anchors=8) -> dict[str, torch.Tensor]:
             "anchors": picked, "anchor_valid": torch.ones_like(picked, dtype=torch.bool)}
 
 
-@pytest.mark.parametrize("kind, head", [("dspark", "markov"), ("dspark", "rnn"), ("dspark", "none"),
-                                        ("dflash", "none"), ("eagle3", "none")])
-def test_loss_goes_down_and_target_stays_frozen(tiny, kind, head, one_thread):
+@pytest.mark.parametrize("kind, head, objective", [
+    ("dspark", "markov", "paper"), ("dspark", "gated", "paper"), ("dspark", "rnn", "paper"),
+    ("dspark", "none", "paper"), ("dflash", "none", "paper"), ("eagle3", "none", "paper"),
+    ("dspark", "markov", "dpard"), ("dspark", "gated", "dpard"), ("dflash", "none", "dpard"),
+    ("dspark", "markov", "paper-conf-no-markov"),
+])
+def test_loss_goes_down_and_target_stays_frozen(tiny, kind, head, objective, one_thread):
     torch.manual_seed(0)
     cfg = RunConfig()
     cfg.model.head, cfg.model.depth, cfg.model.markov_rank = head, 1, 32
+    cfg.model.confidence_with_markov = objective != "paper-conf-no-markov"
     spec = drafter_spec_for(kind=kind, model_cfg=cfg.model, target=tiny)
     weights = {"alpha_ce": 0.1, "alpha_tv": 0.9, "alpha_conf": 1.0 if kind == "dspark" else 0.0, "decay": 4.0}
     if kind == "dflash":
         weights.update(alpha_ce=1.0, alpha_tv=0.0)
+    if objective == "dpard":
+        weights.update(kind="dpard", dpard_alpha=0.5)
     module = DrafterModule(drafter=build_drafter(spec, tiny), target=tiny, drafter_kind=kind,
                            block_size=spec.block_size, loss=LossConfig(**weights),
                            optim=OptimConfig(lr=3e-3, beta1=0.9, beta2=0.999, weight_decay=0.0, warmup_fraction=0.0),

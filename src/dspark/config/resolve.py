@@ -11,7 +11,8 @@ from pathlib import Path
 from typing import Any
 
 from dspark.config.loader import ConfigError, apply_overrides, load_yaml, parse_overrides
-from dspark.config.schema import (BUDGETS, DRAFTERS, FIXED_HEAD, HEADS, POLICIES, RESPONSE_MODES, SERVE_POLICIES,
+from dspark.config.schema import (BUDGETS, DRAFTERS, FIXED_HEAD, HEADS, LOSS_KINDS, POLICIES, RESPONSE_MODES,
+                                  SERVE_POLICIES,
                                   STAGES, RunConfig)
 from dspark.registry import unknown_name_message
 
@@ -111,7 +112,8 @@ def _name_errors(cfg: RunConfig) -> list[str]:
               ("stage", cfg.stage, STAGES), ("budget", cfg.budget, BUDGETS),
               ("decode.policy", cfg.decode.policy, POLICIES), ("serve.policy", cfg.serve.policy, SERVE_POLICIES),
               ("data.responses", cfg.data.responses, RESPONSE_MODES),
-              ("data.feature_precision", cfg.data.feature_precision, ("auto", "bf16", "fp32"))]
+              ("data.feature_precision", cfg.data.feature_precision, ("auto", "bf16", "fp32")),
+              ("loss.kind", cfg.loss.kind, LOSS_KINDS)]
     errors = [unknown_name_message(key, value, list(valid)) for key, value, valid in checks if value not in valid]
     if cfg.sweep and cfg.sweep not in available_sweeps():
         errors.append(unknown_name_message("sweep", cfg.sweep, available_sweeps()))
@@ -128,6 +130,7 @@ def _range_errors(cfg: RunConfig) -> list[str]:
         (0.0 <= d.threshold <= 1.0, f"decode.threshold must lie in [0, 1] (got {d.threshold})."),
         (d.temperature >= 0.0, f"decode.temperature must be ≥ 0 (got {d.temperature}); 0 = greedy."),
         (loss.decay > 0, f"loss.decay must be > 0 (got {loss.decay}); the paper uses 4."),
+        (0 < loss.dpard_alpha <= 1, f"loss.dpard_alpha must lie in (0, 1] (got {loss.dpard_alpha}); D-PARD uses 0.5."),
         (min(loss.alpha_ce, loss.alpha_tv, loss.alpha_conf) >= 0, "loss.alpha_* must be ≥ 0."),
         (loss.alpha_ce + loss.alpha_tv + loss.alpha_conf > 0, "at least one of loss.alpha_ce/alpha_tv/alpha_conf must be > 0."),
         (0 < cfg.data.val_fraction < 1, f"data.val_fraction must lie in (0, 1) (got {cfg.data.val_fraction})."),
@@ -176,4 +179,7 @@ def _drafter_errors(cfg: RunConfig, explicit: set[str]) -> list[str]:
                 f"model.head={head}, or drop model.head."]
     if cfg.drafter == "dflash" and cfg.loss.alpha_conf > 0:  # EAGLE-3's loss has no confidence term to weigh
         return ["drafter=dflash has no confidence head: loss.alpha_conf must be 0."]
+    if cfg.drafter == "eagle3" and cfg.loss.kind != "paper":
+        return [f"loss.kind={cfg.loss.kind} is a block-drafter objective (drafter=dspark or dflash); EAGLE-3 trains "
+                "with its TTT loss: drop loss.kind."]
     return []

@@ -9,7 +9,8 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 DRAFTERS = ("dspark", "dflash", "eagle3")
-HEADS = ("markov", "rnn", "none")
+HEADS = ("markov", "gated", "rnn", "none")
+LOSS_KINDS = ("paper", "dpard")
 # What a drafter kind fixes whatever model.head says (the one place that says it): DFlash is DSpark without the
 # sequential and the confidence head (METHOD §3); EAGLE-3 drafts autoregressively, with neither. None: model.head.
 FIXED_HEAD = {"dspark": None, "dflash": "none", "eagle3": "none"}
@@ -44,7 +45,7 @@ class TargetConfig:
 
 @dataclass
 class ModelConfig:
-    head: str = "markov"  #: sequential head: markov | rnn | none (METHOD §2.2); drafter=dflash forces none
+    head: str = "markov"  #: sequential head: markov | gated | rnn | none (METHOD §2.2); drafter=dflash forces none
     depth: int = 5  #: draft decoder layers (paper 5)
     block_size: int = 7  #: γ, drafts per round (paper 7)
     markov_rank: int = 256  #: r of the Markov/RNN head (paper 256); 0 = no head (DFlash logits exactly)
@@ -52,6 +53,8 @@ class ModelConfig:
     feature_layers: list[int] = field(default_factory=list)  #: target layer ids; [] = METHOD §2.1 default
     #: Vd, predict over the Vd most frequent training tokens only (EAGLE-3's draft_vocab_size); 0 = full vocabulary
     draft_vocab_size: int = 0
+    #: the confidence head also reads the Markov previous-token embedding W_1[x_{k-1}] (DeepSpec's default)
+    confidence_with_markov: bool = True
 
 
 @dataclass
@@ -60,6 +63,10 @@ class LossConfig:
     alpha_tv: float = 0.9
     alpha_conf: float = 1.0
     decay: float = 4.0  #: γ_w of the position weights exp(-(k-1)/γ_w); 4 produced Table 1
+    #: paper = α_ce·CE + α_tv·L1 + α_conf·BCE (METHOD §3); dpard = speculators' D-PARD (Rényi-½ actor with
+    #: detached acceptance-derived position weights, reach-weighted confidence BCE; alpha_ce/alpha_tv/decay unused)
+    kind: str = "paper"
+    dpard_alpha: float = 0.5  #: D-PARD's smoothing α ∈ (0, 1] of the position-credit recurrence
 
 
 @dataclass

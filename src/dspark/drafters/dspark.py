@@ -57,7 +57,8 @@ class DSparkDrafter(nn.Module):
 
     def __init__(self, *, spec: DraftLayerSpec, num_feature_layers: int, depth: int, block_size: int, head: str,
                  markov_rank: int, confidence: bool, embed_tokens: nn.Module, lm_head: nn.Module,
-                 mask_token_id: int, draft_vocab_ids: Tensor | None = None) -> None:
+                 mask_token_id: int, draft_vocab_ids: Tensor | None = None,
+                 confidence_with_markov: bool = True) -> None:
         super().__init__()
         validate_drafter_args(depth=depth, block_size=block_size, head=head, markov_rank=markov_rank,
                               num_feature_layers=num_feature_layers)
@@ -72,10 +73,13 @@ class DSparkDrafter(nn.Module):
         self.backbone = DSparkBackbone(spec=spec, num_feature_layers=num_feature_layers, depth=depth,
                                        embed_tokens=embed_tokens, mask_token_id=mask_token_id)
         self.draft_head = DraftVocabHead(lm_head, vocab_size=spec.vocab_size, draft_vocab_ids=draft_vocab_ids)
+        self.confidence_with_markov = bool(confidence_with_markov)
         self.head = build_sequential_head(head, hidden_size=spec.hidden_size, vocab_size=spec.vocab_size,
                                           rank=markov_rank, output_size=self.draft_head.size)
         self.confidence_head = (
-            ConfidenceHead(hidden_size=spec.hidden_size, rank=self.head.rank) if confidence else None
+            # confidence_with_markov=False: c_k from h_k alone (DeepSpec `confidence_head_with_markov`)
+            ConfidenceHead(hidden_size=spec.hidden_size, rank=self.head.rank if confidence_with_markov else 0)
+            if confidence else None
         )
 
     @property
@@ -123,6 +127,8 @@ class DSparkDrafter(nn.Module):
         """Confidence logits from h_k [..., d] and x_{k-1} [...] → [...], or None without a confidence head."""
         if self.confidence_head is None:
             return None
+        if self.confidence_head.rank == 0:  # no W_1 (head none) or model.confidence_with_markov=false
+            return self.confidence_head(hidden, None)
         return self.confidence_head(hidden, self.head.prev_token_embedding(prev_tokens))
 
     def sequential_step(self, *, hidden_k: Tensor, parallel_logits_k: Tensor, prev_token: Tensor,
@@ -149,6 +155,7 @@ class DSparkDrafter(nn.Module):
             "confidence": self.confidence_head is not None,
             "mask_token_id": self.mask_token_id,
             "draft_vocab_size": self.draft_vocab_size,
+            "confidence_with_markov": self.confidence_with_markov,
         }
 
     @classmethod

@@ -29,6 +29,7 @@ class DrafterSpec:
     mask_token_id: int
     target_fingerprint: str
     draft_vocab_size: int = 0  # Vd of the draft vocabulary; 0 = the full target vocabulary (older checkpoints)
+    confidence_with_markov: bool = True  # c_k also reads W_1[x_{k-1}] (DeepSpec confidence_head_with_markov)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self) | {"feature_layers": list(self.feature_layers)}
@@ -57,7 +58,8 @@ def build_dspark(spec: DrafterSpec, target: Any, draft_vocab_ids: Tensor | None 
     return DSparkDrafter(spec=target.layer_spec, num_feature_layers=len(spec.feature_layers), depth=spec.depth,
                          block_size=spec.block_size, head=head, markov_rank=spec.markov_rank if head != "none" else 0,
                          confidence=CONFIDENCE_HEAD[spec.kind], embed_tokens=target.embed_tokens,
-                         lm_head=target.lm_head, mask_token_id=spec.mask_token_id, draft_vocab_ids=draft_vocab_ids)
+                         lm_head=target.lm_head, mask_token_id=spec.mask_token_id, draft_vocab_ids=draft_vocab_ids,
+                         confidence_with_markov=spec.confidence_with_markov)
 
 
 @DRAFTER_BUILDERS.register("eagle3")
@@ -77,7 +79,8 @@ def drafter_spec_for(*, kind: str, model_cfg: Any, target: Any) -> DrafterSpec:
                        markov_rank=model_cfg.markov_rank if head != "none" else 0,
                        feature_layers=tuple(target.feature_layer_ids), mask_token_id=target.mask_token_id,
                        target_fingerprint=target.fingerprint,
-                       draft_vocab_size=0 if vocab >= target.vocab_size else vocab)
+                       draft_vocab_size=0 if vocab >= target.vocab_size else vocab,
+                       confidence_with_markov=bool(getattr(model_cfg, "confidence_with_markov", True)))
 
 
 def build_drafter(spec: DrafterSpec, target: Any, *, draft_vocab_ids: Tensor | None = None) -> nn.Module:

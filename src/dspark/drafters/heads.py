@@ -3,6 +3,7 @@
     p_k(v | x_0, x_<k) = softmax(U_k + B_k(x_0, x_<k))(v)
     none:    B_k = 0                                                  (DFlash)
     markov:  B_k = W_2 W_1[x_{k-1}]                                   W_1 ∈ R^{V×r}, W_2: r → V
+    gated:   B_k = W_2 (σ(A [h_k; W_1[x_{k-1}]] + b) ⊙ W_1[x_{k-1}])   A: d + r → r (DeepSpec GatedMarkovHead)
     rnn:     z_k = [s_{k-1}; W_1[x_{k-1}]; h_k],  (g, c, o) = A z_k + b,  s_0 = 0
              s_k = σ(g)⊙s_{k-1} + (1-σ(g))⊙tanh(c),  B_k = W_2 tanh(o)
     confidence: c_k = σ(w·[h_k ; W_1[x_{k-1}]] + b)   (h_k alone for `none`)
@@ -107,6 +108,36 @@ class MarkovHead(SequentialHead):
 
     def prev_token_embedding(self, prev_tokens: Tensor) -> Tensor:
         return self.w1(prev_tokens)
+
+
+@SEQUENTIAL_HEADS.register("gated")
+class GatedMarkovHead(SequentialHead):
+    """Markov bias whose r features are gated by the backbone state: B_k = W_2 (g_k ⊙ W_1[x_{k-1}]),
+    g_k = σ(A [h_k; W_1[x_{k-1}]] + b) — DeepSpec's `GatedMarkovHead` (markov_head.py, `gate_proj`, input columns
+    [h | W_1[x]]). Still memoryless in x (first order), but how much of the transition applies depends on h_k."""
+
+    def __init__(self, *, hidden_size: int, vocab_size: int, rank: int, output_size: int | None = None) -> None:
+        super().__init__()
+        self.rank = rank
+        self.w1 = nn.Embedding(vocab_size, rank)
+        self.gate = nn.Linear(hidden_size + rank, rank)  # input columns [h | W_1[x]]
+        self.w2 = nn.Linear(rank, output_size or vocab_size, bias=False)
+        self._decode_w2 = DecodeProjection()
+        init_new_weights(self)  # zero gate bias: every gate starts at σ(0) = ½
+
+    def teacher_forced_bias(self, hidden: Tensor, prev_tokens: Tensor) -> Tensor:
+        return self.w2(self._gated(hidden, self.w1(prev_tokens)))
+
+    def step(self, hidden_k: Tensor, prev_token: Tensor, state: Tensor | None) -> tuple[Tensor, None]:
+        return self._decode_w2(self.w2, self._gated(hidden_k, self.w1(prev_token))), None
+
+    def prev_token_embedding(self, prev_tokens: Tensor) -> Tensor:
+        return self.w1(prev_tokens)  # ungated, as DeepSpec's confidence input (get_prev_embeddings)
+
+    def _gated(self, hidden: Tensor, embedding: Tensor) -> Tensor:
+        """hidden [..., d], embedding W_1[x] [..., r] → g ⊙ W_1[x] [..., r]."""
+        gate = torch.sigmoid(self.gate(torch.cat([hidden.to(embedding.dtype), embedding], dim=-1)))
+        return gate * embedding
 
 
 @SEQUENTIAL_HEADS.register("rnn")

@@ -90,7 +90,8 @@ def _describe_speculators(config: dict[str, Any], *, source: str) -> dict[str, A
             raise ValueError(f"{source}: speculators EAGLE-3 option(s) {extras} are on; our EAGLE-3 layer has "
                              "none of them, so this drafter cannot be represented")
         aux = config.get("eagle_aux_hidden_state_layer_ids")
-        base = {"kind": "eagle3", "head": "none", "markov_rank": 0, "confidence": False, "depth": 1,
+        base = {"kind": "eagle3", "head": "none", "markov_rank": 0, "confidence": False,
+                "confidence_with_markov": True, "depth": 1,
                 "block_size": int(config["speculators_config"]["proposal_methods"][0]["speculative_tokens"]),
                 "mask_token_id": None}
         if int(layer_config.get("num_hidden_layers", 1)) != 1:
@@ -102,7 +103,7 @@ def _describe_speculators(config: dict[str, Any], *, source: str) -> dict[str, A
                              "predicts position a+k) cannot be represented: our blocks predict from the anchor on")
         aux = config.get("aux_hidden_state_layer_ids")
         heads = _heads(config, source=source) if kind == "dspark" else {
-            "kind": "dflash", "head": "none", "markov_rank": 0, "confidence": False}
+            "kind": "dflash", "head": "none", "markov_rank": 0, "confidence": False, "confidence_with_markov": True}
         base = heads | {"depth": int(layer_config["num_hidden_layers"]), "block_size": int(config["block_size"]),
                         "mask_token_id": int(config["mask_token_id"])}
     else:
@@ -126,14 +127,13 @@ def _heads(config: dict[str, Any], *, source: str) -> dict[str, Any]:
                              f"(known: {', '.join(MARKOV_TYPE_TO_HEAD)})")
         head = MARKOV_TYPE_TO_HEAD[kind_name]
     with_markov = bool(config.get("confidence_head_with_markov", False)) if confidence else False
-    if confidence and rank > 0 and not with_markov:
-        raise ValueError(f"{source}: a confidence head without the Markov embedding next to a Markov head "
-                         "(confidence_head_with_markov=false) cannot be represented yet")
     if rank > 0 and not confidence:
         raise ValueError(f"{source}: a Markov/RNN head without a confidence head cannot be represented (our "
                          "DSpark drafter always has one; DFlash has neither)")
     kind = "dspark" if (rank > 0 or confidence) else "dflash"
-    return {"kind": kind, "head": head, "markov_rank": rank, "confidence": confidence}
+    # without a W_1 table (rank 0) the flag means nothing: keep our default
+    return {"kind": kind, "head": head, "markov_rank": rank, "confidence": confidence,
+            "confidence_with_markov": with_markov if rank > 0 else True}
 
 
 # ---- checks against the loaded target ----
@@ -230,7 +230,8 @@ def _drafter_spec(fields: dict[str, Any], target: Any, *, draft_vocab_size: int)
                        block_size=fields["block_size"], markov_rank=fields["markov_rank"],
                        feature_layers=tuple(fields["feature_layers"]),
                        mask_token_id=target.mask_token_id if fields["mask_token_id"] is None else fields["mask_token_id"],
-                       target_fingerprint=target.fingerprint, draft_vocab_size=draft_vocab_size)
+                       target_fingerprint=target.fingerprint, draft_vocab_size=draft_vocab_size,
+                       confidence_with_markov=fields["confidence_with_markov"])
 
 
 def _our_state_dict(drafter: Any, tensors: dict[str, Tensor], *, kind: str, mask_token_id: int | None,

@@ -36,6 +36,7 @@ class DSparkLoss:
     tv: Tensor  # [] weighted-mean unhalved L1 distance to p_t
     conf: Tensor  # [] weighted-mean BCE of the confidence logits against c*
     c_star: Tensor | None  # [B, N, γ] detached c*_k (0 on unsupervised slots); None without a target distribution
+    renyi: Tensor | None = None  # [] D-PARD's credit-weighted Rényi-½ actor term (loss.kind=dpard, losses/dpard.py)
 
 
 def position_weights(block_size: int, decay: float) -> Tensor:

@@ -67,6 +67,8 @@ class DrafterModule(L.LightningModule):
         self._update_metrics(result, split)
         parts = {f"{split}/loss": result.loss.total, f"{split}/loss_ce": result.loss.ce,
                  f"{split}/loss_tv": result.loss.tv, f"{split}/loss_conf": result.loss.conf}
+        if result.loss.renyi is not None:  # loss.kind=dpard
+            parts[f"{split}/loss_renyi"] = result.loss.renyi
         self.log_dict({k: v.detach() for k, v in parts.items()}, prog_bar=(split == "train"),
                       on_step=(split == "train"), on_epoch=(split == "val"), batch_size=result.num_blocks,
                       sync_dist=(split == "val"))

@@ -14,7 +14,7 @@ from torch import Tensor
 from torch.nn import functional as F
 
 from dspark.data.blocks import build_blocks
-from dspark.losses.dspark import compute_dspark_loss
+from dspark.losses import BLOCK_OBJECTIVES
 from dspark.registry import Registry
 
 
@@ -24,6 +24,7 @@ class LossParts:
     ce: Tensor
     tv: Tensor
     conf: Tensor
+    renyi: Tensor | None = None  # loss.kind=dpard only
 
 
 @dataclass
@@ -109,8 +110,9 @@ def _zero(like: Tensor) -> Tensor:
 
 
 def dspark_step(*, drafter, target, batch: dict[str, Tensor], block_size: int, alpha_ce: float, alpha_tv: float,
-                alpha_conf: float, decay: float) -> StepResult:
-    """DSpark / DFlash (METHOD §2.1 table, §3): blocks from anchors, p_t from the target's final-norm hidden."""
+                alpha_conf: float, decay: float, kind: str = "paper", dpard_alpha: float = 0.5) -> StepResult:
+    """DSpark / DFlash (METHOD §2.1 table, §3): blocks from anchors, p_t from the target's final-norm hidden;
+    `kind` picks the objective (`loss.kind`: paper | dpard)."""
     features, final_hidden = target_features(target, batch)
     blocks = build_blocks(batch["input_ids"], batch["loss_mask"], batch["anchors"], batch["anchor_valid"],
                           block_size=block_size, mask_token_id=target.mask_token_id)
@@ -120,16 +122,18 @@ def dspark_step(*, drafter, target, batch: dict[str, Tensor], block_size: int, a
     with torch.no_grad():
         p_t = target_distribution(drafter, target, batch, final_hidden, blocks.target_positions)
     labels, in_vocab = drafter.draft_head.to_draft_ids(blocks.labels)
-    loss = compute_dspark_loss(out, labels=labels, label_valid=blocks.label_valid, target_probs=p_t.probs,
-                               label_in_vocab=in_vocab, alpha_ce=alpha_ce, alpha_tv=alpha_tv,
-                               alpha_conf=alpha_conf, decay=decay)
+    extra = {"dpard_alpha": dpard_alpha} if kind == "dpard" else {}
+    loss = BLOCK_OBJECTIVES.resolve(kind)(out, labels=labels, label_valid=blocks.label_valid,
+                                               target_probs=p_t.probs, label_in_vocab=in_vocab, alpha_ce=alpha_ce,
+                                               alpha_tv=alpha_tv, alpha_conf=alpha_conf, decay=decay, **extra)
     with torch.no_grad():
         logp = torch.log_softmax(out.logits.float(), dim=-1)
         nll = -logp.gather(-1, labels.unsqueeze(-1)).squeeze(-1)
         conf = torch.sigmoid(out.confidence_logits.float()) if out.confidence_logits is not None else None
         c_star = loss.c_star if loss.c_star is not None else _analytic_acceptance(logp, p_t.probs)
     zero = _zero(loss.total)
-    parts = LossParts(total=loss.total, ce=_or(loss.ce, zero), tv=_or(loss.tv, zero), conf=_or(loss.conf, zero))
+    parts = LossParts(total=loss.total, ce=_or(loss.ce, zero), tv=_or(loss.tv, zero), conf=_or(loss.conf, zero),
+                      renyi=None if loss.renyi is None else loss.renyi.detach())
     return StepResult(loss=parts, c_star=c_star.detach(), label_valid=blocks.label_valid, nll=nll,
                       confidence=conf, num_blocks=int(batch["anchor_valid"].sum()),
                       nll_valid=blocks.label_valid & in_vocab, coverage=p_t.coverage)
@@ -149,7 +153,8 @@ TRAINING_STEPS.add("dflash", dspark_step)
 
 
 def eagle3_step(*, drafter, target, batch: dict[str, Tensor], block_size: int, alpha_ce: float = 0.0,
-                alpha_tv: float = 0.0, alpha_conf: float = 0.0, decay: float = 4.0) -> StepResult:
+                alpha_tv: float = 0.0, alpha_conf: float = 0.0, decay: float = 4.0, kind: str = "paper",
+                dpard_alpha: float = 0.5) -> StepResult:
     """EAGLE-3 training-time test (METHOD §4): soft CE against p_t with step weights 0.8^k.
 
     Supervised at the batch's sampled anchors, like DSpark: anchor a (the last committed token x_a) is TTT
@@ -160,6 +165,8 @@ def eagle3_step(*, drafter, target, batch: dict[str, Tensor], block_size: int, a
     The α weights do not apply (EAGLE-3 has its own loss); they are accepted so one config drives every drafter.
     Metrics treat each sampled position as a "block" whose slot k is TTT step k−1.
     """
+    if kind != "paper":  # loss.kind is the block drafters' objective; config validation refuses it for EAGLE-3
+        raise ValueError(f"loss.kind={kind} is for drafter=dspark/dflash; EAGLE-3 trains with its TTT loss")
     from dspark.losses.eagle3 import (compute_eagle3_sampled_acceptance, compute_eagle3_sampled_loss,
                                       sampled_step_targets)
 
