@@ -15,7 +15,7 @@ from dspark.sweeps import load_sweep, parse_sweep
 from dspark.sweeps.driver import plan_grid, run_sweep
 
 ALL_SWEEPS = ["main", "depth", "block_size", "head", "threshold", "calibration", "latency", "loss_weights", "rank",
-              "serving"]
+              "serving", "objective"]
 # optim.epochs=1: faster, and a training key of its own (drafters of other test files are never reused here)
 FAST = ["budget=smoke", "optim.epochs=1", "decode.prompts_per_set=1", "decode.max_new_tokens=8"]
 

@@ -269,7 +269,7 @@ def block_gains(ctx: ReportContext, groups: list[Group], sizes: list[int], domai
 
 @REPORT_BUILDERS.register("head")
 def build_head(ctx: ReportContext) -> list[Section]:
-    """Heads none / markov / rnn at fixed depth and γ, gains over no head."""
+    """Heads none / markov / gated / rnn at fixed depth and γ, gains over no head."""
     groups = sorted(ctx.group_dicts(), key=sort_key())
     reference = next((g for g in groups if (g.get("axis.model.head") or g.get("model.head")) == "none"), None)
     column, ylabel = headline_metric(ctx)
@@ -289,10 +289,36 @@ def head_claim(ctx: ReportContext, groups: list[Group], reference: Group | None)
     gain = lambda a, b: pct(ratio_gain(est(ctx, a, col), est(ctx, b, col)))  # noqa: E731
     if reference is not None:
         lines += [f"Ours ({col}): {head} vs none {gain(by_head[head], reference)}."
-                  for head in ("markov", "rnn") if head in by_head]
-    if "markov" in by_head and "rnn" in by_head:
-        lines.append(f"Ours: rnn vs markov {gain(by_head['rnn'], by_head['markov'])}.")
+                  for head in ("markov", "gated", "rnn") if head in by_head]
+    lines += [f"Ours: {head} vs markov {gain(by_head[head], by_head['markov'])}."
+              for head in ("gated", "rnn") if head in by_head and "markov" in by_head]
     return lines
+
+
+# ---- objective ----
+
+def objective_label(group: Group) -> str:
+    kind = str(group.get("axis.loss.kind") or group.get("loss.kind") or "paper")
+    return f"{variant_label(group)}, {'D-PARD' if kind == 'dpard' else 'paper loss'}"
+
+
+@REPORT_BUILDERS.register("objective")
+def build_objective(ctx: ReportContext) -> list[Section]:
+    """loss.kind=paper vs dpard at fixed depth and γ: τ per objective and D-PARD's gain over the paper's loss."""
+    groups = sorted(ctx.group_dicts(), key=sort_key())
+    by_kind = {str(g.get("axis.loss.kind") or g.get("loss.kind") or "paper"): g for g in groups}
+    reference = by_kind.get("paper")
+    column, ylabel = headline_metric(ctx)
+    panels = {title: {objective_label(g): est(ctx, g, col) for g in groups} for title, col in domain_panels(ctx)}
+    path = plot_bars(panels, ctx.png("objective"), ylabel=ylabel, title="Training objective at fixed depth and γ")
+    col = "eval/all/tau" if eval_domains(ctx.frame) else TAU_PROB
+    claims = ([f"Ours ({col}): D-PARD vs the paper's loss "
+               f"{pct(ratio_gain(est(ctx, by_kind['dpard'], col), est(ctx, reference, col)))}."]
+              if reference is not None and "dpard" in by_kind else [])
+    return [Section("How to read", tau_note(ctx)),
+            Section("τ by training objective", config_table(ctx, groups, label=objective_label, reference=reference)
+                    + f"\n\n![objectives]({path.name})"),
+            Section("Findings", "\n".join(f"- {line}" for line in claims) or "Needs both objectives' runs.")]
 
 
 # ---- any other grid sweep ----
