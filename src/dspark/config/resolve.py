@@ -11,9 +11,8 @@ from pathlib import Path
 from typing import Any
 
 from dspark.config.loader import ConfigError, apply_overrides, load_yaml, parse_overrides
-from dspark.config.schema import (BUDGETS, DRAFTERS, FIXED_HEAD, HEADS, LOSS_KINDS, POLICIES, RESPONSE_MODES,
-                                  SERVE_POLICIES,
-                                  STAGES, RunConfig)
+from dspark.config.schema import (BUDGETS, DRAFTERS, EXPORT_DTYPES, EXPORT_LAYOUTS, FIXED_HEAD, HEADS, LOSS_KINDS,
+                                  POLICIES, RESPONSE_MODES, SERVE_POLICIES, STAGES, RunConfig)
 from dspark.registry import unknown_name_message
 
 
@@ -113,7 +112,8 @@ def _name_errors(cfg: RunConfig) -> list[str]:
               ("decode.policy", cfg.decode.policy, POLICIES), ("serve.policy", cfg.serve.policy, SERVE_POLICIES),
               ("data.responses", cfg.data.responses, RESPONSE_MODES),
               ("data.feature_precision", cfg.data.feature_precision, ("auto", "bf16", "fp32")),
-              ("loss.kind", cfg.loss.kind, LOSS_KINDS)]
+              ("loss.kind", cfg.loss.kind, LOSS_KINDS), ("export.layout", cfg.export.layout, EXPORT_LAYOUTS),
+              ("export.dtype", cfg.export.dtype, EXPORT_DTYPES)]
     errors = [unknown_name_message(key, value, list(valid)) for key, value, valid in checks if value not in valid]
     if cfg.sweep and cfg.sweep not in available_sweeps():
         errors.append(unknown_name_message("sweep", cfg.sweep, available_sweeps()))
@@ -132,7 +132,8 @@ def _range_errors(cfg: RunConfig) -> list[str]:
         (loss.decay > 0, f"loss.decay must be > 0 (got {loss.decay}); the paper uses 4."),
         (0 < loss.dpard_alpha <= 1, f"loss.dpard_alpha must lie in (0, 1] (got {loss.dpard_alpha}); D-PARD uses 0.5."),
         (min(loss.alpha_ce, loss.alpha_tv, loss.alpha_conf) >= 0, "loss.alpha_* must be ≥ 0."),
-        (loss.alpha_ce + loss.alpha_tv + loss.alpha_conf > 0, "at least one of loss.alpha_ce/alpha_tv/alpha_conf must be > 0."),
+        (loss.kind != "paper" or loss.alpha_ce + loss.alpha_tv + loss.alpha_conf > 0,
+         "at least one of loss.alpha_ce/alpha_tv/alpha_conf must be > 0."),
         (0 < cfg.data.val_fraction < 1, f"data.val_fraction must lie in (0, 1) (got {cfg.data.val_fraction})."),
         (cfg.data.max_anchors >= 1, f"data.max_anchors must be ≥ 1 (got {cfg.data.max_anchors})."),
         (cfg.data.num_train_prompts >= 2, "data.num_train_prompts must be ≥ 2 (one for validation)."),

@@ -15,9 +15,11 @@ LOSS_KINDS = ("paper", "dpard")
 # sequential and the confidence head (METHOD §3); EAGLE-3 drafts autoregressively, with neither. None: model.head.
 FIXED_HEAD = {"dspark": None, "dflash": "none", "eagle3": "none"}
 CONFIDENCE_HEAD = {"dspark": True, "dflash": False, "eagle3": False}
+EXPORT_LAYOUTS = ("deepspec", "speculators")  # dspark.interop.layouts.LAYOUTS
+EXPORT_DTYPES = ("float32", "bfloat16", "float16")
 BUDGETS = ("smoke", "cpu", "cpu-ref", "cpu-long", "paper")
 RESPONSE_MODES = ("regenerate", "reference", "mix")
-STAGES = ("prepare", "train", "eval", "all", "report", "profile", "serve")
+STAGES = ("prepare", "train", "eval", "all", "report", "profile", "serve", "export")
 POLICIES = ("fixed", "threshold", "scheduler")
 SERVE_POLICIES = ("mtp1", "static", "fixed", "threshold", "scheduler", "async")
 
@@ -55,6 +57,9 @@ class ModelConfig:
     draft_vocab_size: int = 0
     #: the confidence head also reads the Markov previous-token embedding W_1[x_{k-1}] (DeepSpec's default)
     confidence_with_markov: bool = True
+    #: a drafter checkpoint directory (DeepSpec / vLLM / speculators layout, or stage=export's output) evaluated or
+    #: served instead of training one; "" = train (docs/INTEROP.md)
+    import_from: str = ""
 
 
 @dataclass
@@ -185,6 +190,16 @@ class OptunaConfig:
 
 
 @dataclass
+class ExportConfig:
+    """stage=export: write a trained drafter in another tool's layout (docs/INTEROP.md)."""
+
+    run_dir: str = ""  #: a run directory with drafter.pt; "" = the run this config trains
+    layout: str = "deepspec"  #: deepspec (DeepSpec / vLLM Qwen3DSparkModel) | speculators (dspark, dflash, eagle3)
+    out_dir: str = ""  #: where config.json + model.safetensors go; "" = <run_dir>/export-<layout>
+    dtype: str = "float32"  #: float32 (bit-exact round trip) | bfloat16 | float16
+
+
+@dataclass
 class RunConfig:
     target: str = "smollm2-135m"  #: built-in name (smollm2-135m, tiny), hub id or local path
     drafter: str = "dspark"  #: dspark | dflash | eagle3
@@ -203,3 +218,4 @@ class RunConfig:
     serve: ServeConfig = field(default_factory=ServeConfig)
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
     optuna: OptunaConfig = field(default_factory=OptunaConfig)
+    export: ExportConfig = field(default_factory=ExportConfig)

@@ -20,6 +20,9 @@ log = logging.getLogger("dspark")
 
 # Keys that change what a trained drafter is; everything else (decode.*, stage, tracking, paths) does not.
 TRAINING_GROUPS = ("target", "drafter", "seed", "model", "loss", "data", "optim", "target_options")
+# (group, key, default) of training keys added after runs were cached: left out of the hash at their default
+HASH_NEUTRAL_DEFAULTS = (("model", "confidence_with_markov", True), ("model", "import_from", ""),
+                         ("loss", "kind", "paper"), ("loss", "dpard_alpha", 0.5))
 
 
 @dataclass
@@ -43,6 +46,9 @@ def training_key(cfg: RunConfig) -> str:
     """Hash of everything that determines a trained drafter: equal keys share one run directory and checkpoint."""
     tree = to_dict(cfg)
     payload = {k: tree[k] for k in TRAINING_GROUPS}
+    for group, key, default in HASH_NEUTRAL_DEFAULTS:  # keys added later: at their default, old run dirs stay valid
+        if payload[group].get(key) == default:
+            payload[group].pop(key)
     payload["trainer"] = {k: tree["trainer"][k] for k in ("precision",)}
     return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:12]
 

@@ -47,6 +47,9 @@ def preflight(rc: ResolvedConfig) -> None:
             {"data.train_sets": cfg.data.train_sets, "decode.eval_sets": cfg.decode.eval_sets,
              "serve.prompt_sets": cfg.serve.prompt_sets},
             local_dir=cfg.data.local_dir, cache_dir=Path(cfg.paths.root) / "cache" / "datasets")
+    from dspark.stages.export import preflight_errors as interop_errors
+
+    errors += interop_errors(cfg)  # export.* and model.import_from
     looks_local = cfg.target.startswith(("/", ".", "~")) or cfg.target.endswith(".gguf")
     if cfg.target not in TARGETS and looks_local and not Path(cfg.target).expanduser().exists():
         errors.append(f"target={cfg.target}: no such file or directory; give a local model directory, a .gguf "
@@ -117,6 +120,16 @@ def run_stages(ctx: StageContext) -> None:
 
         run_profile(ctx)
         return
+    if stage == "export":
+        from dspark.stages.export import run_export
+
+        run_export(ctx)
+        return
+    if ctx.cfg.model.import_from and stage in ("eval", "all", "serve"):  # an exported drafter instead of training
+        from dspark.stages.export import import_to_run_dir
+
+        _evaluate_or_serve(ctx, import_to_run_dir(ctx), prepared=None)
+        return
     data = run_prepare(ctx)
     ctx.store.log_metrics(ctx.run_id, {"data/sequences": data.num_sequences} | {
         f"data/{k}": float(v) for k, v in data.stats.items() if isinstance(v, (int, float))})
@@ -125,14 +138,18 @@ def run_stages(ctx: StageContext) -> None:
     drafter_path = run_train(ctx, data)
     if stage == "train" or is_ddp_worker():
         return
-    if stage == "serve":
+    _evaluate_or_serve(ctx, drafter_path, prepared=data)
+
+
+def _evaluate_or_serve(ctx: StageContext, drafter_path, *, prepared) -> None:
+    if ctx.cfg.stage == "serve":
         from dspark.stages.serve import run_serve
 
-        run_serve(ctx, drafter_path, prepared=data)
+        run_serve(ctx, drafter_path, prepared=prepared)
         return
     from dspark.stages.evaluate import run_eval
 
-    run_eval(ctx, drafter_path, prepared=data)
+    run_eval(ctx, drafter_path, prepared=prepared)
 
 
 def kept_after_interrupt(ctx: StageContext) -> str:
