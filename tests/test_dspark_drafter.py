@@ -132,7 +132,7 @@ def test_single_block_call_matches_batched_forward():
         torch.testing.assert_close(hidden[0, 0], base.hidden[bi, n], atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("head", ["markov", "rnn"])
+@pytest.mark.parametrize("head", ["markov", "gated", "rnn"])
 def test_rank_zero_is_exactly_dflash(head):
     dflash, inputs = make_drafter("none", rank=0, confidence=False), make_inputs()
     ranked_none = make_drafter("none", rank=8, confidence=False)  # rank ignored by `none`
@@ -144,7 +144,7 @@ def test_rank_zero_is_exactly_dflash(head):
     assert out.confidence_logits is None
 
 
-@pytest.mark.parametrize("head", ["none", "markov", "rnn"])
+@pytest.mark.parametrize("head", ["none", "markov", "gated", "rnn"])
 def test_confidence_and_logits_never_see_the_current_token(head):
     """prev_tokens[..., j] is x_j, the label of slot j (1-based): slots 1..j (indices < j) must ignore it."""
     drafter, inputs = make_drafter(head), make_inputs()
@@ -160,7 +160,7 @@ def test_confidence_and_logits_never_see_the_current_token(head):
             assert not torch.allclose(out.confidence_logits[..., j], base.confidence_logits[..., j])
 
 
-@pytest.mark.parametrize("head", ["none", "markov", "rnn"])
+@pytest.mark.parametrize("head", ["none", "markov", "gated", "rnn"])
 def test_step_loop_reproduces_teacher_forced_outputs(head):
     drafter, inputs = make_drafter(head), make_inputs()
     base = run(drafter, inputs)
@@ -234,13 +234,15 @@ def test_forward_rejects_blocks_of_another_size():
 
 
 def test_registry_and_rank_zero_rule():
-    assert SEQUENTIAL_HEADS.names() == ["markov", "none", "rnn"]
+    assert SEQUENTIAL_HEADS.names() == ["gated", "markov", "none", "rnn"]
+    for name in ("gated", "markov"):
+        assert build_sequential_head(name, hidden_size=D, vocab_size=VOCAB, rank=0).rank == 0
     head = build_sequential_head("rnn", hidden_size=D, vocab_size=VOCAB, rank=0)
     assert head.rank == 0 and head.prev_token_embedding(torch.zeros(2, dtype=torch.long)) is None
     assert sum(p.numel() for p in head.parameters()) == 0
 
 
-@pytest.mark.parametrize("head", ["markov", "rnn"])
+@pytest.mark.parametrize("head", ["markov", "gated", "rnn"])
 def test_decode_projection_cache_matches_the_layer_and_follows_weight_updates(head):
     """The decoding loop's cached [r, V] copy of W_2 gives the layer's numbers and is rebuilt after the weights change."""
     from dspark.drafters.heads import build_sequential_head
