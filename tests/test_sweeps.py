@@ -183,11 +183,11 @@ def test_failed_cell_is_marked_and_the_sweep_goes_on(shared_root, monkeypatch, o
     _, cells = _sweep_runs(shared_root, experiment, "head")
     status = {r.data.tags["cell"]: r.info.status for r in cells}
     assert status == {"model.head=none seed=0": "FINISHED", "model.head=markov seed=0": "FAILED",
-                      "model.head=rnn seed=0": "FINISHED"}
+                      "model.head=gated seed=0": "FINISHED", "model.head=rnn seed=0": "FINISHED"}
     monkeypatch.setattr(train_stage, "run_train", real_train)
     assert run_sweep(resolve_config(argv)) == 0  # only the failed cell runs again
     _, cells = _sweep_runs(shared_root, experiment, "head")
-    assert len(_finished(cells)) == 3 and len(cells) == 4
+    assert len(_finished(cells)) == 4 and len(cells) == 5
 
 
 def test_report_of_a_sweep_without_finished_runs_says_so(shared_root, tmp_path):
