@@ -78,7 +78,6 @@ def run_export(ctx: StageContext) -> Path:
     if ctx.store is not None and ctx.run_id is not None:
         ctx.store.client.log_artifacts(ctx.run_id, str(out_dir), artifact_path=f"export/{cfg.layout}")
         ctx.store.client.set_tag(ctx.run_id, "export.dir", str(out_dir))
-    ctx.results["export"] = out_dir
     return out_dir
 
 
