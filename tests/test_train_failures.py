@@ -8,8 +8,6 @@ from mlflow.tracking import MlflowClient
 
 import dspark.training.steps as steps
 from dspark.cli import main
-from dspark.losses import BLOCK_OBJECTIVES
-from dspark.registry import Registry
 
 
 def _runs(root: Path):
@@ -20,7 +18,7 @@ def _runs(root: Path):
 
 def test_nan_loss_fails_run_keeps_checkpoint_then_resume(tmp_path, monkeypatch, capsys, one_thread):
     argv = ["stage=train", "budget=smoke", f"paths.root={tmp_path}", "optim.epochs=3", "data.num_train_prompts=12"]
-    real_loss = steps.BLOCK_OBJECTIVES.resolve("paper")
+    real_loss = steps.compute_dspark_loss
     calls = {"n": 0}
 
     def poisoned(*args, **kwargs):
@@ -30,9 +28,7 @@ def test_nan_loss_fails_run_keeps_checkpoint_then_resume(tmp_path, monkeypatch, 
             out.total = out.total * float("nan")
         return out
 
-    objectives = Registry("loss.kind")
-    objectives.add("paper", poisoned)
-    monkeypatch.setattr(steps, "BLOCK_OBJECTIVES", objectives)
+    monkeypatch.setattr(steps, "compute_dspark_loss", poisoned)
     assert main(argv) == 1
     assert "NonFiniteLossError" in capsys.readouterr().err
     runs = _runs(tmp_path)
@@ -44,7 +40,7 @@ def test_nan_loss_fails_run_keeps_checkpoint_then_resume(tmp_path, monkeypatch, 
     assert all(torch.isfinite(v).all() for v in saved["state_dict"].values() if v.is_floating_point())
     resumed_from = saved["global_step"]
 
-    monkeypatch.setattr(steps, "BLOCK_OBJECTIVES", BLOCK_OBJECTIVES)
+    monkeypatch.setattr(steps, "compute_dspark_loss", real_loss)
     assert main(argv) == 0
     runs = _runs(tmp_path)
     assert [r.info.status for r in runs] == ["FAILED", "FINISHED"]
