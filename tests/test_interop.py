@@ -116,11 +116,11 @@ def test_draft_vocabulary_round_trip(targets, tmp_path, one_thread, layout, kind
     assert decode(target, drafter, prompt=prompt) == decode(target, imported, prompt=prompt)
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen3"])
-def test_eagle3_round_trip_is_bit_identical(targets, tmp_path, one_thread, family):
+@pytest.mark.parametrize("family, layout", [("llama", "speculators"), ("qwen3", "speculators"), ("qwen3", "deepspec")])
+def test_eagle3_round_trip_is_bit_identical(targets, tmp_path, one_thread, family, layout):
     target = targets[family]
     drafter, spec = make_drafter(target, kind="eagle3", depth=1)  # EAGLE-3 is one layer; the spec's depth unused
-    export_drafter(drafter, spec, target, tmp_path / "out", layout="speculators")
+    export_drafter(drafter, spec, target, tmp_path / "out", layout=layout)
     imported, imported_spec = import_drafter(tmp_path / "out", target, block_size=spec.block_size)
     assert imported_spec == spec
     g = torch.Generator().manual_seed(2)
@@ -249,6 +249,25 @@ def test_speculators_names_and_fields_match_the_reference(targets, tmp_path):
     assert config["eagle_aux_hidden_state_layer_ids"] == [i + 1 for i in target.feature_layer_ids]
 
 
+# deepseek-ai/DeepSpec deepspec/modeling/eagle3/qwen3/config.py build_draft_config and modeling.py Qwen3Eagle3Model
+# (embed_tokens, fc, layers.{i}.{hidden_norm, input_layernorm, self_attn.*, post_attention_layernorm, mlp.*}, norm,
+# lm_head): the same tensor names as speculators' EAGLE-3, full vocabulary, DeepSpec's target_layer_ids convention.
+DEEPSPEC_EAGLE3_FIELDS = ["architectures", "num_target_layers", "num_hidden_layers", "layer_types",
+                          "target_model_name_or_path", "target_layer_ids", "ttt_length", "step_loss_decay",
+                          "draft_num_hidden_layers", "tie_word_embeddings"]
+
+
+def test_deepspec_eagle3_names_and_fields_match_the_reference(targets, tmp_path):
+    target = targets["qwen3"]
+    eagle, spec = make_drafter(target, kind="eagle3", depth=1)
+    export_drafter(eagle, spec, target, tmp_path, layout="deepspec")
+    assert set(load_file(str(tmp_path / "model.safetensors"))) == set(EAGLE3_NAMES)
+    config = json.loads((tmp_path / "config.json").read_text())
+    assert set(DEEPSPEC_EAGLE3_FIELDS) <= set(config) and config["architectures"] == ["Qwen3Eagle3Model"]
+    assert config["ttt_length"] == spec.block_size and config["target_layer_ids"] == list(target.feature_layer_ids)
+    assert config["num_hidden_layers"] == config["draft_num_hidden_layers"] == 1
+
+
 def test_mask_embedding_is_the_mask_row_of_embed_tokens(targets, tmp_path):
     target = targets["llama"]
     drafter, spec = make_drafter(target, kind="dspark")
@@ -267,8 +286,8 @@ def test_unrepresentable_exports_are_refused(targets, tmp_path):
     drafter, spec = make_drafter(llama, kind="dspark")
     with pytest.raises(ValueError, match="Llama-shaped target cannot be represented.*export.layout=deepspec"):
         export_drafter(drafter, spec, llama, tmp_path, layout="speculators")
-    eagle, eagle_spec = make_drafter(llama, kind="eagle3")
-    with pytest.raises(ValueError, match="export.layout=speculators"):
+    eagle, eagle_spec = make_drafter(llama, kind="eagle3", draft_vocab=40)
+    with pytest.raises(ValueError, match="full vocabulary.*export.layout=speculators"):
         export_drafter(eagle, eagle_spec, llama, tmp_path, layout="deepspec")
     with pytest.raises(ValueError, match="export.layout='vllm' is not one of"):
         export_drafter(drafter, spec, llama, tmp_path, layout="vllm")

@@ -50,9 +50,6 @@ def export_drafter(drafter: Any, spec: Any, target: Any, out_dir: str | Path, *,
         raise ValueError(f"export.layout={layout!r} is not one of {', '.join(LAYOUTS)}")
     if dtype not in EXPORT_DTYPES:
         raise ValueError(f"export.dtype={dtype!r} is not one of {', '.join(EXPORT_DTYPES)}")
-    if spec.kind == "eagle3" and layout != "speculators":
-        raise ValueError("export.layout=deepspec holds DSpark / DFlash drafters only; export EAGLE-3 with "
-                         "export.layout=speculators (the speculators EAGLE-3 layout vLLM serves)")
     _check_lm_head(target)
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -155,10 +152,15 @@ def _heads_fields(drafter: Any, spec: Any) -> dict[str, Any]:
     return fields
 
 
+DEEPSPEC_EAGLE3_STEP_LOSS_DECAY = 0.8  # DeepSpec config/eagle3/*.py; a training setting its config must carry
+
+
 def _deepspec_config(drafter: Any, spec: Any, target: Any, *, dtype: str, num_anchors: int) -> dict[str, Any]:
     """deepspec/modeling/dspark/qwen3/config.py `build_draft_config`: target config + these fields."""
-    config = _layer_config(target.layer_spec, target, depth=spec.depth)
     family = "Qwen3" if target.layer_spec.qk_norm else "Llama"  # DeepSpec and vLLM ship Qwen3 (and Gemma4) only
+    if spec.kind == "eagle3":
+        return _deepspec_eagle3_config(drafter, spec, target, dtype=dtype, family=family)
+    config = _layer_config(target.layer_spec, target, depth=spec.depth)
     config.update(
         architectures=[f"{family}DSparkModel"], num_target_layers=target.num_layers,
         block_size=spec.block_size, mask_token_id=spec.mask_token_id, target_layer_ids=list(spec.feature_layers),
@@ -167,6 +169,19 @@ def _deepspec_config(drafter: Any, spec: Any, target: Any, *, dtype: str, num_an
     ids = draft_vocab_ids(drafter, target.vocab_size)
     if ids is not None:  # vLLM qwen3_dspark.py reads draft_vocab_size + d2t; DeepSpec itself has no draft vocab
         config["draft_vocab_size"] = int(ids.numel())
+    return config
+
+
+def _deepspec_eagle3_config(drafter: Any, spec: Any, target: Any, *, dtype: str, family: str) -> dict[str, Any]:
+    """deepspec/modeling/eagle3/qwen3/config.py `build_draft_config`: one Eagle3 layer over the full vocabulary."""
+    if draft_vocab_ids(drafter, target.vocab_size) is not None:
+        raise ValueError("export.layout=deepspec: DeepSpec's EAGLE-3 predicts over the full vocabulary, so a drafter "
+                         "with a draft vocabulary cannot be represented; use export.layout=speculators (d2t/t2d)")
+    config = _layer_config(target.layer_spec, target, depth=1)
+    config.update(architectures=[f"{family}Eagle3Model"], num_target_layers=target.num_layers,
+                  target_layer_ids=list(spec.feature_layers), ttt_length=spec.block_size,
+                  step_loss_decay=DEEPSPEC_EAGLE3_STEP_LOSS_DECAY, draft_num_hidden_layers=1,
+                  target_model_name_or_path=target.name, dtype=dtype)
     return config
 
 

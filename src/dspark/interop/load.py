@@ -69,6 +69,8 @@ def describe(config: dict[str, Any], *, source: str) -> dict[str, Any]:
     if "speculators_model_type" in config:
         return _describe_speculators(config, source=source)
     architectures = config.get("architectures") or []
+    if any(str(a).endswith("Eagle3Model") for a in architectures) and "target_layer_ids" in config:
+        return _describe_deepspec_eagle3(config, source=source)
     if not any(str(a).endswith("DSparkModel") for a in architectures) or "target_layer_ids" not in config:
         raise ValueError(f"{source}: config.json is neither a DeepSpec DSpark/DFlash config (architectures "
                          "*DSparkModel with target_layer_ids) nor a speculators one (speculators_model_type)")
@@ -79,6 +81,17 @@ def describe(config: dict[str, Any], *, source: str) -> dict[str, Any]:
         "num_target_layers": config.get("num_target_layers"), "layer_config": config,
         "draft_vocab_size": config.get("draft_vocab_size"),
     }
+
+
+def _describe_deepspec_eagle3(config: dict[str, Any], *, source: str) -> dict[str, Any]:
+    """deepspec/modeling/eagle3/qwen3 `Qwen3Eagle3Model`: ttt_length drafts, target_layer_ids as DSpark's."""
+    if int(config.get("num_hidden_layers", 1)) != 1:
+        raise ValueError(f"{source}: a {config['num_hidden_layers']}-layer EAGLE-3 drafter cannot be represented "
+                         "(ours has one layer)")
+    return {"kind": "eagle3", "head": "none", "markov_rank": 0, "confidence": False, "confidence_with_markov": True,
+            "layout": "deepspec", "depth": 1, "block_size": int(config["ttt_length"]), "mask_token_id": None,
+            "feature_layers": [int(i) for i in config["target_layer_ids"]],
+            "num_target_layers": config.get("num_target_layers"), "layer_config": config, "draft_vocab_size": None}
 
 
 def _describe_speculators(config: dict[str, Any], *, source: str) -> dict[str, Any]:
