@@ -34,8 +34,10 @@ def test_export_then_import_and_evaluate(shared_root, tmp_path, one_thread):
     assert main(["stage=eval", *TRAIN, f"paths.root={root}", f"model.import_from={out}",
                  f"model.block_size={config['block_size']}"]) == 0
     client, evals = _runs(root, "eval")
-    assert any("summary/tau" in r.data.metrics for r in evals)
-    assert not any(r.data.metrics.get("data/sequences") for r in evals)
+    imported = [r for r in evals if r.data.tags.get("import.from") == str(out)]
+    assert imported and "summary/tau" in imported[0].data.metrics and "data/sequences" not in imported[0].data.metrics
+    assert imported[0].data.tags["import.kind"] == "dspark" and imported[0].data.tags["import.head"] == "markov"
+    assert imported[0].info.run_name.startswith("imported-deepspec")
 
 
 def test_bad_import_and_export_settings_exit_2(capsys, tmp_path):

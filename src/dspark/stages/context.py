@@ -55,6 +55,8 @@ def training_key(cfg: RunConfig) -> str:
 
 def run_name(cfg: RunConfig) -> str:
     m = cfg.model
+    if m.import_from:  # the drafter's own kind/head/depth come from the checkpoint, not from model.*
+        return f"imported-{Path(m.import_from).name or 'drafter'}-g{m.block_size}-s{cfg.seed}"
     head = f"-{m.head}" if cfg.drafter == "dspark" else ""
     return f"{cfg.drafter}{head}-d{m.depth}-g{m.block_size}-s{cfg.seed}"
 

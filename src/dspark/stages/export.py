@@ -83,18 +83,22 @@ def run_export(ctx: StageContext) -> Path:
 
 def import_to_run_dir(ctx: StageContext) -> Path:
     """`model.import_from`: import the checkpoint for this run's target once into `<run_dir>/drafter.pt`."""
-    from dspark.drafters.checkpoint import save_drafter
+    from dspark.drafters.checkpoint import read_checkpoint, save_drafter
     from dspark.interop import import_drafter
 
     source = Path(ctx.cfg.model.import_from).expanduser()
     path = ctx.run_dir / DRAFTER_FILE
     if path.is_file():  # imported before (and maybe calibrated since): the run key includes model.import_from
         log.info("reusing the imported drafter %s (from %s)", path, source)
-        return path
-    target = ctx.load_target()
-    drafter, spec = import_drafter(source, target, block_size=ctx.cfg.model.block_size)
-    ctx.run_dir.mkdir(parents=True, exist_ok=True)
-    save_drafter(path, spec=spec, state_dict=drafter.state_dict(), metrics={}, calibration=None)
-    log.info("imported %s as %s (%s, head %s, depth %d, γ %d)", source, path, spec.kind, spec.head, spec.depth,
-             spec.block_size)
+    else:
+        drafter, spec = import_drafter(source, ctx.load_target(), block_size=ctx.cfg.model.block_size)
+        ctx.run_dir.mkdir(parents=True, exist_ok=True)
+        save_drafter(path, spec=spec, state_dict=drafter.state_dict(), metrics={}, calibration=None)
+        log.info("imported %s as %s (%s, head %s, depth %d, γ %d)", source, path, spec.kind, spec.head, spec.depth,
+                 spec.block_size)
+    if ctx.store is not None and ctx.run_id is not None:  # what was imported (the model.* tags describe the config)
+        spec = read_checkpoint(path)["spec"]
+        for key, value in (("import.from", source), ("import.kind", spec["kind"]), ("import.head", spec["head"]),
+                           ("import.depth", spec["depth"])):
+            ctx.store.client.set_tag(ctx.run_id, key, str(value))
     return path
