@@ -163,7 +163,7 @@ def test_dpard_trained_gated_drafter_decodes_losslessly(tiny, one_thread):
     batch = _batch(tiny)
     for _ in range(6):
         result = dspark_step(drafter=drafter, target=tiny, batch=batch, block_size=3, alpha_ce=0.0, alpha_tv=0.0,
-                             alpha_conf=1.0, decay=4.0, loss_kind="dpard", dpard_alpha=0.5)
+                             alpha_conf=1.0, decay=4.0, kind="dpard", dpard_alpha=0.5)
         optimizer.zero_grad()
         result.loss.total.backward()
         optimizer.step()
