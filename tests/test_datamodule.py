@@ -169,6 +169,14 @@ def test_feature_cache_matches_online_and_feeds_batches(tiny, regen_dir, tmp_pat
     _, cached_h = cache[6]
     torch.testing.assert_close(cache.log_normalizer(6),
                                torch.logsumexp(tiny.lm_head(cached_h.float()).float(), dim=-1), atol=1e-5, rtol=1e-5)
+    # the expected token mass: Σ p_t over the positions that predict a supervised token, over every sequence
+    expected = torch.zeros(tiny.vocab_size)
+    for index in range(len(cache)):
+        _, hidden = cache[index]
+        probs = torch.softmax(tiny.lm_head(hidden.float()).float(), dim=-1)
+        mask = torch.tensor(data[index]["loss_mask"]).bool()
+        expected += probs[:-1][mask[1:]].sum(0)
+    torch.testing.assert_close(cache.target_mass(), expected, atol=1e-3, rtol=1e-4)
     batch = next(iter(make_dm(regen_dir, feature_dir=feature_dir).train_dataloader()))
     B, T = batch["input_ids"].shape
     assert batch["features"].shape == (B, T, m * d) and batch["final_hidden"].shape == (B, T, d)

@@ -12,7 +12,10 @@ fingerprint, the feature layer ids and the prefill precision; a rerun skips fini
 
 `log_normalizer` [T] fp32 is log Σ_V exp(z) of the target's full-vocabulary logits z = lm_head(final_hidden), computed
 from the *stored* (fp16-rounded) final hidden state, so a training step with a draft vocabulary gets exact p_t over
-its Vd ids (exp(z_Vd − log Z)) without any full-vocabulary product.
+its Vd ids (exp(z_Vd − log Z)) without any full-vocabulary product. Each shard also holds `target_mass` [V] fp32,
+Σ p_t over the positions that predict a supervised token: the target's *expected* token counts, from which the draft
+vocabulary is chosen (what the target would write there, not what the reference text wrote: on SmolLM2 an 8k
+vocabulary counted on reference tokens covered only 0.83 of p_t on the target's own chat generations).
 
 Prefill runs batched by length (sequences of a shard sorted by length, batches capped by a token budget, so padding
 is small) and, on CPUs with AMX-BF16, under bf16 autocast (~2.5× faster here; features are stored in fp16 anyway;
@@ -35,7 +38,7 @@ from tqdm.auto import tqdm
 
 from dspark.data.regenerate import COMPLETE, MANIFEST, load_regenerated, read_manifest
 
-FEATURE_FORMAT_VERSION = 2  # 2: log_normalizer per position, length-batched (optionally bf16) prefill
+FEATURE_FORMAT_VERSION = 3  # 2: log_normalizer per position, length-batched (optionally bf16) prefill; 3: target_mass
 STORE_DTYPE = torch.float16
 PREFILL_PRECISIONS = ("auto", "bf16", "fp32")
 
@@ -94,7 +97,7 @@ def cache_features(
     out_dir = Path(cache_dir) / "features" / key
     if (out_dir / COMPLETE).exists():
         return out_dir
-    dataset = load_regenerated(regen_dir).with_format("torch", columns=["input_ids"])
+    dataset = load_regenerated(regen_dir).with_format("torch", columns=["input_ids", "loss_mask"])
     num_shards = -(-len(dataset) // shard_size)
     out_dir.mkdir(parents=True, exist_ok=True)
     info = {"key": key, "regen_key": manifest["key"], "target_fingerprint": target.fingerprint,
@@ -109,9 +112,10 @@ def cache_features(
     started, done = time.perf_counter(), 0
     for shard in todo:
         start = shard * shard_size
-        rows = [dataset[i]["input_ids"] for i in range(start, min(start + shard_size, len(dataset)))]
+        items = [dataset[i] for i in range(start, min(start + shard_size, len(dataset)))]
+        rows = [item["input_ids"] for item in items]
         tensors = _shard_tensors(target, rows, first_index=start, batch_size=batch_size, token_budget=token_budget,
-                                 precision=precision)
+                                 precision=precision, loss_masks=[item["loss_mask"].bool() for item in items])
         _atomic_write(_shard_path(out_dir, shard), lambda tmp: save_file(tensors, str(tmp)))
         tokens = sum(len(r) for r in rows)
         done += tokens
@@ -142,8 +146,9 @@ def length_batches(lengths: list[int], *, batch_size: int, token_budget: int) ->
 
 
 def _shard_tensors(target: Any, rows: list[Tensor], *, first_index: int, batch_size: int, token_budget: int,
-                   precision: str) -> dict[str, Tensor]:
+                   precision: str, loss_masks: list[Tensor] | None = None) -> dict[str, Tensor]:
     tensors: dict[str, Tensor] = {}
+    mass = torch.zeros(target.vocab_size, dtype=torch.float32)
     device = target.device
     use_bf16 = precision == "bf16"
     for chunk_index in length_batches([len(r) for r in rows], batch_size=batch_size, token_budget=token_budget):
@@ -156,21 +161,42 @@ def _shard_tensors(target: Any, rows: list[Tensor], *, first_index: int, batch_s
             stored_hidden = final_hidden[b, : len(row)].to("cpu", STORE_DTYPE).contiguous()
             tensors[f"features.{index}"] = features[b, : len(row)].to("cpu", STORE_DTYPE).contiguous()
             tensors[f"final_hidden.{index}"] = stored_hidden
-            tensors[f"log_normalizer.{index}"] = log_normalizer(target, stored_hidden)
+            predicts_label = None
+            if loss_masks is not None:  # position i predicts token i + 1: count where that token is supervised
+                predicts_label = torch.zeros(len(row), dtype=torch.bool)
+                predicts_label[:-1] = loss_masks[j][1:]
+            log_z, row_mass = log_normalizer_and_mass(target, stored_hidden, mass_rows=predicts_label)
+            tensors[f"log_normalizer.{index}"] = log_z
+            mass += row_mass
+    tensors["target_mass"] = mass
     return tensors
 
 
 @torch.no_grad()
 def log_normalizer(target: Any, final_hidden: Tensor, *, chunk: int = 1024) -> Tensor:
     """log Σ_V exp(lm_head(h)) per row of final_hidden [T, d], fp32, in chunks (a [T, V] fp32 block is large)."""
+    return log_normalizer_and_mass(target, final_hidden, chunk=chunk)[0]
+
+
+@torch.no_grad()
+def log_normalizer_and_mass(target: Any, final_hidden: Tensor, *, mass_rows: Tensor | None = None,
+                            chunk: int = 1024) -> tuple[Tensor, Tensor]:
+    """(log Σ_V exp z per row [T] fp32, Σ_{rows in mass_rows} softmax(z) [V] fp32) from final_hidden [T, d].
+
+    mass_rows [T] bool selects the rows whose p_t is summed (None: none, a zero vector)."""
     weight = target.lm_head.weight
     bias = getattr(target.lm_head, "bias", None)
-    out = []
+    out, mass = [], torch.zeros(weight.shape[0], dtype=torch.float32)
     for start in range(0, final_hidden.shape[0], chunk):
         h = final_hidden[start:start + chunk].to(weight.device, torch.float32)
         logits = torch.nn.functional.linear(h, weight.float(), None if bias is None else bias.float())
-        out.append(torch.logsumexp(logits, dim=-1).cpu())
-    return torch.cat(out) if out else torch.zeros(0)
+        log_z = torch.logsumexp(logits, dim=-1)
+        out.append(log_z.cpu())
+        if mass_rows is not None:
+            keep = mass_rows[start:start + chunk].to(logits.device)
+            if bool(keep.any()):
+                mass += torch.exp(logits[keep] - log_z[keep].unsqueeze(-1)).sum(0).cpu()
+    return (torch.cat(out) if out else torch.zeros(0)), mass
 
 
 def pad_right(rows: list[Tensor], *, pad_id: int) -> tuple[Tensor, Tensor]:
@@ -215,6 +241,17 @@ class FeatureCache:
     def __getitem__(self, index: int) -> tuple[Tensor, Tensor]:
         handle = self._handle(index)
         return handle.get_tensor(f"features.{index}"), handle.get_tensor(f"final_hidden.{index}")
+
+    def target_mass(self) -> Tensor | None:
+        """Σ p_t over every supervised position of the cache [V] fp32 (None in caches before format 3)."""
+        total = None
+        for shard in range(int(self.manifest["num_shards"])):
+            with safe_open(str(_shard_path(self.dir, shard)), framework="pt") as handle:
+                if "target_mass" not in handle.keys():
+                    return None
+                part = handle.get_tensor("target_mass")
+            total = part if total is None else total + part
+        return total
 
     def log_normalizer(self, index: int) -> Tensor | None:
         """log Σ_V exp(z) per position [T_i] fp32 (None in caches written before format 2)."""

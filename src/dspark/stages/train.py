@@ -82,7 +82,7 @@ def run_train(ctx: StageContext, data: PreparedData) -> Path:
     if spec.draft_vocab_size:
         datamodule.setup("fit")
         vocab_ids = draft_vocab_from_data(data.regen_dir, datamodule.split_index["train"], target=target,
-                                          size=spec.draft_vocab_size)
+                                          size=spec.draft_vocab_size, feature_dir=data.feature_dir)
     module = build_module(ctx, spec, draft_vocab_ids=vocab_ids)
     log.info("training %s: %.2fM trainable parameters, draft vocabulary %d of %d", spec.kind,
              count_parameters(module.drafter) / 1e6, module.drafter.draft_vocab_size, target.vocab_size)
@@ -102,11 +102,24 @@ def _fmt(value: float | None) -> str:
     return "n/a" if value is None else f"{value:.3f}"
 
 
-def draft_vocab_from_data(regen_dir: Path, indices: list[int], *, target: Target, size: int) -> torch.Tensor:
-    """The `size` most frequent target ids among the training split's supervised tokens (+ the stop ids)."""
+def draft_vocab_from_data(regen_dir: Path, indices: list[int], *, target: Target, size: int,
+                          feature_dir: Path | None = None) -> torch.Tensor:
+    """The `size` target ids the drafter predicts over (+ the stop ids).
+
+    With a feature cache that holds the target's expected token mass (Σ p_t over the supervised positions), the ids
+    of largest mass: what the target itself would write in these contexts — the quantity a draft vocabulary must
+    cover, since acceptance at a position is bounded by Σ_{x ∈ Vd} p_t(x). Otherwise the most frequent supervised
+    tokens of the training split."""
     from dspark.data.regenerate import load_regenerated
     from dspark.drafters.vocab import build_draft_vocab
 
+    if feature_dir is not None:
+        from dspark.data.features import FeatureCache
+
+        mass = FeatureCache(feature_dir).target_mass()
+        if mass is not None:
+            log.info("draft vocabulary: the %d ids of largest expected target mass", size)
+            return build_draft_vocab(mass, size=size, always=target.stop_token_ids)
     rows = load_regenerated(regen_dir).select(indices).with_format("torch", columns=["input_ids", "loss_mask"])
     counts = torch.zeros(target.vocab_size, dtype=torch.long)
     for row in rows:
