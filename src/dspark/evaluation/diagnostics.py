@@ -97,7 +97,7 @@ def threshold_sweep(*, target: Any, proposer: Any, prompts: Sequence[EvalPrompt]
 
     rows = []
     for threshold in thresholds:
-        policy = build_policy("threshold", threshold=float(threshold), sps=None, calibration=calibration)
+        policy = build_policy("threshold", threshold=float(threshold))  # raw c_k (Fig. 5); c̃ is recorded
         engine = SpeculativeEngine(target=target, proposer=proposer, policy=policy, temperature=temperature,
                                    max_new_tokens=max_new_tokens, calibration=calibration)
         rollouts = run_rollouts({"speculative": engine}, prompts, seed=seed, desc=f"threshold {threshold:g}",
