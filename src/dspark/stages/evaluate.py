@@ -51,7 +51,8 @@ def report_stem(ctx: StageContext) -> str:
     """`eval-<run directory>-<policy>[-th<θ>]-T<temperature>`: the run directory name carries the training-config
     hash, so drafters of different budgets (or sweeps) and different decode settings never overwrite each other."""
     decode = ctx.cfg.decode
-    threshold = f"-th{decode.threshold:g}" if decode.policy == "threshold" else ""
+    threshold = (f"-th{decode.threshold:g}" if "threshold" in decode.policy else
+                 f"-k{decode.static_k}" if decode.policy == "static" else "")
     return f"eval-{ctx.run_dir.name}-{decode.policy}{threshold}-T{decode.temperature:g}"
 
 
