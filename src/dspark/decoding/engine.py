@@ -49,9 +49,9 @@ from dspark.decoding.shared import (
     sample_first,
     step_confidences,
     stop_reason,
-    sync,
 )
 from dspark.decoding.verify import probs_from_logits, verify_drafts
+from dspark.timing import synchronize
 
 __all__ = ["STOP_EOS", "STOP_MAX_NEW_TOKENS", "SpeculativeEngine", "commit_verified"]
 KEY = "decode"
@@ -155,7 +155,7 @@ class SpeculativeEngine:
         block = torch.tensor([[anchor, *drafts[:num_verified]]], dtype=torch.long, device=self.target.device)
         forward = self.target.forward(block, cache=state.cache)
         target_probs = probs_from_logits(self.target.logits_from_hidden(forward.final_hidden[0]), self.temperature)
-        sync(target_probs.device)
+        synchronize(target_probs.device)
         verify_seconds = time.perf_counter() - verify_start
         # 5. The one verifier.
         result = verify_drafts(draft_tokens=proposal.tokens[:num_verified],
@@ -175,7 +175,7 @@ class SpeculativeEngine:
                 extend_start = time.perf_counter()
                 self.proposer.extend(features=forward.features[:, :len(accepted) + 1],
                                      token_ids=[anchor, *accepted])
-                sync(target_probs.device)
+                synchronize(target_probs.device)
                 extend_seconds = time.perf_counter() - extend_start
             state.anchor, state.position = extra, keep
         total = time.perf_counter() - start

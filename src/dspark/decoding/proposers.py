@@ -35,6 +35,7 @@ from dspark.decoding.verify import probs_from_logits, sample_from_probs
 from dspark.drafters.backbone import ExtendKV
 from dspark.drafters.dspark import DSparkDrafter
 from dspark.drafters.eagle3 import Eagle3Drafter
+from dspark.timing import synchronize
 
 PolicyHook = Callable[[Tensor], bool]  # c_1..c_k [k] → True: slot k will not be verified, stop before sampling x_k
 
@@ -67,11 +68,6 @@ class Proposer(Protocol):
                 policy_hook: PolicyHook | None = None) -> Proposal:
         """Draft after `anchor_token` at `anchor_position` (== the number of context positions)."""
 
-
-def _sync(device: torch.device) -> None:
-    # Host timers see queued CUDA work only after a sync.
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def _sample(logits: Tensor, temperature: float, generator: torch.Generator | None) -> tuple[Tensor, Tensor]:
@@ -180,12 +176,12 @@ class DSparkProposer:
         start = time.perf_counter()
         hidden = self.block_hidden(anchor_token, anchor_position)  # [γ, d] float32
         parallel_logits = self.stage.logits(hidden)  # [γ, Vd] float32
-        _sync(device)
+        synchronize(device)
         middle = time.perf_counter()
         tokens, probs, confidences = self._sequential(hidden, parallel_logits, anchor_token=anchor_token,
                                                       temperature=temperature, generator=generator,
                                                       stop_ids=stop_ids, policy_hook=policy_hook)
-        _sync(device)
+        synchronize(device)
         return Proposal(tokens, probs, confidences, seconds_parallel=middle - start,
                         seconds_sequential=time.perf_counter() - middle)
 
@@ -305,7 +301,7 @@ class Eagle3Proposer:
                                      sample_fn=sample, stop_ids=stop_ids)
         except _UnusableSlot:
             pass  # the drafts before the faulty step stand (each was sampled from its own, usable p_d)
-        _sync(features.device)
+        synchronize(features.device)
         tokens_, probs_, _ = _stack_proposal(tokens, probs, None, self._draft_vocab, features.device)
         return Proposal(tokens_, to_target_probs(probs_.float(), self._ids, self.vocab_size), None,
                         seconds_sequential=time.perf_counter() - start)

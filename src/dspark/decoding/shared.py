@@ -94,9 +94,3 @@ def step_confidences(policy: VerificationPolicy | None, raw: Tensor | None, cali
     raw = raw.float()
     calibrated = None if calibration is None else calibrate_confidences(calibration, raw)
     return calibrated, policy_confidences(policy, raw=raw, calibrated=calibrated)
-
-
-def sync(device: torch.device) -> None:
-    """Host timers see queued CUDA work only after a sync."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)

@@ -46,9 +46,9 @@ from dspark.decoding.shared import (
     sample_first,
     step_confidences,
     stop_reason,
-    sync,
 )
 from dspark.decoding.verify import probs_from_logits, verify_drafts
+from dspark.timing import synchronize
 from dspark.serving.kv import BatchedKVCache, check_concurrency, kv_budget, prefill
 from dspark.serving.proposer import BatchedDSparkProposer, BatchProposal, check_serving_drafter
 from dspark.serving.records import RequestResult, ServeRound, ServeStep, ServeSummary, summarize_serving
@@ -245,7 +245,7 @@ class BatchedEngine:
         verify_start = time.perf_counter()
         forward = self.kv.forward(ids, position_ids=block_positions, input_valid=block_valid)
         target_probs = probs_from_logits(self.target.logits_from_hidden(forward.final_hidden), self.temperature)
-        sync(device)
+        synchronize(device)
         verified = time.perf_counter()
         # 4.–5. Verify and commit row by row; keep the KV of p..p+A_r; extend the drafter's context.
         rounds, keep = [], []

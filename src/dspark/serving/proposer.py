@@ -32,6 +32,7 @@ from dspark.decoding.drafting import (
 )
 from dspark.decoding.verify import draw_uniforms, probs_from_logits, sample_from_probs
 from dspark.drafters.dspark import DSparkDrafter
+from dspark.timing import synchronize
 
 MIN_CAPACITY = 64  # context columns allocated at least (capacity doubles when full)
 
@@ -153,11 +154,11 @@ class BatchedDSparkProposer:
         start = time.perf_counter()
         hidden = self.block_hidden(anchor_tokens, anchor_positions)  # [R, γ, d] float32
         parallel_logits = self.stage.logits(hidden)                   # [R, γ, Vd] float32
-        _sync(self.device)
+        synchronize(self.device)
         middle = time.perf_counter()
         proposal = self._sequential(hidden, parallel_logits, anchor_tokens=anchor_tokens, temperature=temperature,
                                     generators=generators, stop_ids=stop_ids)
-        _sync(self.device)
+        synchronize(self.device)
         proposal.seconds_parallel, proposal.seconds_sequential = middle - start, time.perf_counter() - middle
         return proposal
 
@@ -229,8 +230,3 @@ def _sample_rows(probs: Tensor, drafting: Tensor, *, temperature: float,
     tokens[active] = sample_from_probs(probs[active], uniforms=uniforms)
     return tokens
 
-
-def _sync(device: torch.device) -> None:
-    # Host timers see queued CUDA work only after a sync.
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
