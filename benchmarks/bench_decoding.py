@@ -1,20 +1,25 @@
-"""End-to-end decoding speed on this machine: our engine with each drafter vs target-only vs transformers' own.
+"""Decoding speed side by side on this machine, in one run: our engine with each drafter under every policy vs
+target-only vs transformers' own decoding (issue 11).
 
-On the same chat-templated prompts (the first `--prompts` of gsm8k, humaneval and mt-bench), temperature 1, the modes
-run interleaved prompt by prompt (so load drift hits all alike), each after one warm-up call:
-- `target-only`: our engine without a proposer (one target forward per token, the same sampler);
-- each drafter: trained ones found under `--runs` (every `drafter.pt` trained for this target), else untrained
-  DSpark-markov, DFlash (head none) and EAGLE-3 drafters — then τ ≈ 1 and the numbers measure only overheads;
-- `HF sample` / `HF prompt-lookup`: `target.model.generate(do_sample=True, temperature=1, top_k=0, top_p=1)`, plain
-  and with `prompt_lookup_num_tokens=γ` (transformers' own lossless speculative decoding, no drafter model).
-Then: the sequential loop's cost (markov vs none, γ = 7, share of the round) and the Python overhead per round
-(`seconds_other`: policy, verifier, rollback, context update), and the latency breakdown of paper Fig. 4 right
-(untrained heads none/markov/rnn × γ 3/7/11/15 × contexts), and — for trained drafters with a confidence head —
-the static threshold sweep of paper Fig. 5. Writes benchmarks/results/decoding.md (+ figures) with the command.
+Modes, on the same chat-templated prompts (the first `--prompts` of each default eval set), interleaved prompt by
+prompt (so load drift hits all alike), each after one warm-up call, at every `--temperatures` value:
+- `target-only`: our engine without a proposer (one target forward per token, the same sampler and verifier);
+- `HF generate`: `target.model.generate` (sampling with top_k=0, top_p=1 at T > 0; greedy at T = 0);
+- `HF prompt lookup`: the same with `prompt_lookup_num_tokens=γ` (transformers' lossless n-gram drafting);
+- each drafter (`--drafter NAME=RUN_DIR_OR_DRAFTER_PT`, repeatable; without any, untrained DSpark-markov, DFlash and
+  EAGLE-3 stand-ins of `--depth` / `--block-size` / `--draft-vocab`, which measure round costs only: τ ≈ 1) under
+  `fixed` (ℓ = γ), every static ℓ = 1..γ−1 and `scheduler` (this machine's SPS(B) profile, cached, and the STS
+  calibration stored in the drafter.pt at that temperature when there is one; raw confidences otherwise).
+Columns: tokens/s (prefill included), ratio to target-only, τ, mean ℓ, and ms per round split into verify / draft
+parallel (block forward + LM head + context update) / draft sequential (Markov loop; all of EAGLE-3's chain) / other
+(policy, verifier, commit, rollback: the engine's Python overhead). The round-cost section reads the γ = 7 DSpark
+rows: the sequential loop's share of a round and the drafter's round against one plain target step.
+Writes `--output` (benchmarks/results/decoding.md) with the command, machine (CPU model, AMX or not, drafter
+precision), load averages and git commit.
 
-    .venv/bin/python benchmarks/bench_decoding.py                          # smollm2-135m, a few minutes
-    .venv/bin/python benchmarks/bench_decoding.py --runs outputs/runs      # trained drafters
-    .venv/bin/python benchmarks/bench_decoding.py --target tiny --max-new-tokens 16 --contexts 64   # seconds
+    .venv/bin/python benchmarks/bench_decoding.py --quick                                  # minutes: round costs
+    .venv/bin/python benchmarks/bench_decoding.py --drafter dspark=outputs/runs/<run> --drafter dflash=... \\
+        --drafter eagle3=...                                                                # the full comparison
 """
 from __future__ import annotations
 
@@ -22,224 +27,285 @@ import argparse
 import os
 import platform
 import shlex
+import subprocess
 import sys
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 import torch
 
-from dspark.data.prompts import load_prompts
-from dspark.drafters.factory import DrafterSpec, build_drafter
-from dspark.evaluation.diagnostics import (
-    latency_breakdown,
-    latency_markdown,
-    sweep_markdown,
-    threshold_sweep,
-    untrained_dspark,
-    write_latency_breakdown,
-    write_threshold_sweep,
-)
-from dspark.evaluation.rollouts import encode_prompts, prompt_generator
-from dspark.evaluation.summary import fmt
-from dspark.targets import load_target
-
-RESULTS = Path(__file__).resolve().parent / "results"
-TARGET_CACHE = Path("/work/main/outputs/cache")
-SETS = ("gsm8k", "humaneval", "mt-bench")
+REPO = Path(__file__).resolve().parent.parent
+RESULTS = REPO / "benchmarks" / "results"
+TARGET_CACHE = Path(os.environ.get("DSPARK_BENCH_CACHE", "/work/main/outputs/cache"))
+PHASES = (("seconds_verify", "verify"), ("seconds_draft_parallel", "draft parallel"),
+          ("seconds_draft_sequential", "draft sequential"), ("seconds_other", "other"))
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
+    from dspark.config.schema import DecodeConfig
+
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--target", default="smollm2-135m")
-    parser.add_argument("--cache-dir", type=Path, default=TARGET_CACHE, help="where targets are cached")
-    parser.add_argument("--runs", type=Path, default=None, help="directory searched for trained drafter.pt files")
-    parser.add_argument("--prompts", type=int, default=1, help="prompts per set (gsm8k, humaneval, mt-bench)")
-    parser.add_argument("--max-new-tokens", type=int, default=32)
+    parser.add_argument("--cache-dir", type=Path, default=TARGET_CACHE, help="targets, SPS tables")
+    parser.add_argument("--drafter", action="append", default=[], metavar="NAME=PATH",
+                        help="a trained drafter: run directory or drafter.pt (repeatable)")
+    parser.add_argument("--sets", nargs="+", default=DecodeConfig().eval_sets)
+    parser.add_argument("--prompts", type=int, default=10, help="prompts per set")
+    parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--temperatures", type=float, nargs="+", default=[1.0, 0.0])
+    parser.add_argument("--static", type=int, nargs="*", default=None, help="static ℓ values (default 1..γ-1)")
+    parser.add_argument("--no-scheduler", action="store_true")
     parser.add_argument("--block-size", type=int, default=7, help="γ of untrained drafters and of prompt lookup")
     parser.add_argument("--depth", type=int, default=5, help="draft layers of untrained DSpark/DFlash drafters")
-    parser.add_argument("--contexts", type=int, nargs="+", default=[256, 1024], help="latency-breakdown contexts")
-    parser.add_argument("--latency-rounds", type=int, default=4)
-    parser.add_argument("--thresholds", type=float, nargs="+", default=[0.0, 0.3, 0.5, 0.7, 0.9],
-                        help="static threshold sweep (paper Fig. 5), run for trained drafters with a confidence head")
+    parser.add_argument("--draft-vocab", type=int, default=8192, help="Vd of untrained drafters (0 = full V)")
+    parser.add_argument("--precision", default="auto", help="decode.drafter_precision: auto | fp32 | bf16")
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--quick", action="store_true",
+                        help="2 prompts per set, 24 tokens, T = 1, static ℓ 1 and 3: round costs in minutes")
     parser.add_argument("--output", type=Path, default=RESULTS / "decoding.md")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.prompts, args.max_new_tokens, args.temperatures = min(args.prompts, 2), min(args.max_new_tokens, 24), [1.0]
+        args.static = [1, 3] if args.static is None else args.static
+    return args
 
 
-def find_drafters(target, args) -> tuple[dict, bool]:
-    """name → drafter module: trained ones under --runs for this target, else untrained stand-ins."""
+# ---- drafters and modes ----
+
+@dataclass
+class Drafter:
+    name: str
+    module: torch.nn.Module
+    trained: bool
+    payload: dict = field(default_factory=dict)
+
+
+def trained_drafters(target, specs: list[str]) -> list[Drafter]:
     from dspark.drafters.checkpoint import load_drafter
 
-    drafters = {}
-    for path in sorted(args.runs.glob("**/drafter.pt")) if args.runs else []:
-        try:
-            drafter, spec, _ = load_drafter(path, target)
-        except ValueError as err:  # trained for another target: not comparable here
-            print(f"skip {path}: {err}", file=sys.stderr)
-            continue
-        drafters[f"{spec.kind}-{spec.head}-d{spec.depth}-g{spec.block_size} ({path.parent.name})"] = drafter
-    if drafters:
-        return drafters, True
-    common = dict(block_size=args.block_size, depth=args.depth, markov_rank=256)
-    eagle = DrafterSpec(kind="eagle3", head="none", depth=1, block_size=args.block_size, markov_rank=0,
-                        feature_layers=tuple(target.feature_layer_ids), mask_token_id=target.mask_token_id,
-                        target_fingerprint=target.fingerprint)
-    torch.manual_seed(0)
-    return {f"dspark-markov-d{args.depth} (untrained)": untrained_dspark(target, head="markov", **common),
-            f"dflash-d{args.depth} (untrained)": untrained_dspark(target, head="none", **common),
-            "eagle3 (untrained)": build_drafter(eagle, target).eval()}, False
+    drafters = []
+    for item in specs:
+        name, _, path = item.partition("=")
+        if not path:
+            raise SystemExit(f"--drafter expects NAME=PATH (a run directory or drafter.pt), got {item!r}")
+        path = Path(path) / "drafter.pt" if Path(path).is_dir() else Path(path)
+        module, spec, payload = load_drafter(path, target)
+        drafters.append(Drafter(f"{name} ({spec.kind}-{spec.head}-d{spec.depth}-g{spec.block_size}, "
+                                f"Vd {getattr(module, 'draft_vocab_size', target.vocab_size)})",
+                                module.to(target.device).eval(), True, payload))
+    return drafters
 
 
-def hf_generate(target, prompt_ids: list[int], *, max_new_tokens: int, lookup: int | None, seed: int) -> dict:
-    """transformers' own sampling (lookup=None) or prompt-lookup speculative decoding; wall time and tokens."""
-    ids = torch.tensor([prompt_ids], device=target.device)
-    extra = {"prompt_lookup_num_tokens": lookup} if lookup else {}
-    torch.manual_seed(seed)
-    start = time.perf_counter()
-    out = target.model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=True, temperature=1.0, top_k=0,
-                                top_p=1.0, max_new_tokens=max_new_tokens, pad_token_id=target.stop_token_ids[0],
-                                **extra)
-    return {"tokens": int(out.shape[1] - ids.shape[1]), "seconds": time.perf_counter() - start, "rounds": []}
+def untrained_drafters(target, args) -> list[Drafter]:
+    """Random-weight stand-ins (timing does not depend on the weights; the draft ids are the first Vd)."""
+    from dspark.drafters.factory import DrafterSpec, build_drafter
+
+    vd = args.draft_vocab if 0 < args.draft_vocab < target.vocab_size else 0
+    ids = torch.arange(vd) if vd else None
+    out = []
+    for kind, head, depth, rank in (("dspark", "markov", args.depth, 256), ("dflash", "none", args.depth, 0),
+                                    ("eagle3", "none", 1, 0)):
+        spec = DrafterSpec(kind=kind, head=head, depth=depth, block_size=args.block_size, markov_rank=rank,
+                           feature_layers=tuple(target.feature_layer_ids), mask_token_id=target.mask_token_id,
+                           target_fingerprint=target.fingerprint, draft_vocab_size=vd)
+        torch.manual_seed(args.seed)
+        module = build_drafter(spec, target, draft_vocab_ids=ids).to(target.device).eval()
+        label = f"{kind}-{head}-d{depth}" if kind != "eagle3" else "eagle3"
+        out.append(Drafter(f"{label} (untrained, Vd {vd or target.vocab_size})", module, False))
+    return out
 
 
-def build_modes(target, drafters: dict, args) -> dict:
-    """mode name → callable(prompt) → {tokens, seconds, rounds}."""
-    from dspark.decoding.engine import SpeculativeEngine
-    from dspark.decoding.policies import build_policy
-    from dspark.decoding.proposers import build_proposer
+def calibration_for(drafter: Drafter, temperature: float):
+    """The STS fit stored in drafter.pt at this temperature, or None (then the scheduler reads raw c_k)."""
+    from dspark.evaluation.calibrate import calibration_key, entry_to_report
 
-    def engine_mode(drafter):
-        engine = SpeculativeEngine(target=target, proposer=build_proposer(drafter), policy=build_policy("fixed"),
-                                   temperature=1.0, max_new_tokens=args.max_new_tokens)
+    entry = (drafter.payload.get("calibration") or {}).get(calibration_key(temperature))
+    return entry_to_report(entry)[0].sts if entry else None
 
-        def run(prompt, max_new_tokens=None):
-            result = engine.generate(prompt.input_ids, max_new_tokens=max_new_tokens,
-                                     generator=prompt_generator(seed=0, prompt=prompt, device=target.device))
-            return {"tokens": len(result.new_tokens), "seconds": result.total_seconds, "rounds": result.rounds}
-        return run
 
-    modes = {"target-only (our engine)": engine_mode(None)}
-    modes.update({name: engine_mode(drafter) for name, drafter in drafters.items()})
-    for name, lookup in (("HF sample", None), (f"HF prompt-lookup ({args.block_size})", args.block_size)):
-        modes[name] = (lambda lookup: lambda prompt, max_new_tokens=None: hf_generate(
-            target, prompt.input_ids, max_new_tokens=max_new_tokens or args.max_new_tokens, lookup=lookup,
-            seed=0))(lookup)
+Mode = Callable[[object], dict]  # prompt → {"tokens", "seconds", "rounds"}
+
+
+def engine_mode(target, drafter: Drafter | None, policy: str, *, temperature: float, args, sps=None,
+                static_k: int = 0) -> Mode:
+    from dspark.decoding import SpeculativeEngine, build_policy, build_proposer
+    from dspark.evaluation.rollouts import prompt_generator
+
+    calibration = calibration_for(drafter, temperature) if drafter is not None and policy == "scheduler" else None
+    engine = SpeculativeEngine(
+        target=target, proposer=None if drafter is None else build_proposer(drafter.module, precision=args.precision),
+        policy=build_policy(policy, static_k=static_k, sps=sps), temperature=temperature,
+        max_new_tokens=args.max_new_tokens, calibration=calibration)
+
+    def run(prompt, max_new_tokens=None):
+        result = engine.generate(prompt.input_ids, max_new_tokens=max_new_tokens,
+                                 generator=prompt_generator(seed=args.seed, prompt=prompt, device=target.device))
+        return {"tokens": len(result.new_tokens), "seconds": result.total_seconds, "rounds": result.rounds}
+    return run
+
+
+def hf_mode(target, *, temperature: float, lookup: int | None, args) -> Mode:
+    def run(prompt, max_new_tokens=None):
+        ids = torch.tensor([prompt.input_ids], device=target.device)
+        sampling = {"do_sample": True, "temperature": temperature, "top_k": 0, "top_p": 1.0} if temperature > 0 \
+            else {"do_sample": False}
+        extra = {"prompt_lookup_num_tokens": lookup} if lookup else {}
+        torch.manual_seed(args.seed)
+        start = time.perf_counter()
+        out = target.model.generate(ids, attention_mask=torch.ones_like(ids), pad_token_id=target.stop_token_ids[0],
+                                    eos_token_id=list(target.stop_token_ids),
+                                    max_new_tokens=max_new_tokens or args.max_new_tokens, **sampling, **extra)
+        return {"tokens": int(out.shape[1] - ids.shape[1]), "seconds": time.perf_counter() - start, "rounds": []}
+    return run
+
+
+def build_modes(target, drafters: list[Drafter], *, temperature: float, args, sps) -> dict[str, Mode]:
+    modes = {"target-only (our engine)": engine_mode(target, None, "fixed", temperature=temperature, args=args),
+             "HF generate": hf_mode(target, temperature=temperature, lookup=None, args=args),
+             f"HF prompt lookup ({args.block_size})": hf_mode(target, temperature=temperature,
+                                                              lookup=args.block_size, args=args)}
+    for drafter in drafters:
+        gamma = drafter.module.block_size
+        modes[f"{drafter.name} · fixed ℓ={gamma}"] = engine_mode(target, drafter, "fixed", temperature=temperature,
+                                                                 args=args)
+        for k in (args.static if args.static is not None else range(1, gamma)):
+            if 0 < k < gamma:
+                modes[f"{drafter.name} · static ℓ={k}"] = engine_mode(target, drafter, "static", static_k=k,
+                                                                      temperature=temperature, args=args)
+        if not args.no_scheduler and getattr(drafter.module, "confidence_head", None) is not None:
+            modes[f"{drafter.name} · scheduler"] = engine_mode(target, drafter, "scheduler", sps=sps,
+                                                               temperature=temperature, args=args)
     return modes
 
 
-def run_end_to_end(modes: dict, prompts: list) -> dict:
-    """Interleaved runs; per mode Σ tokens, Σ seconds and all rounds."""
+def run_interleaved(modes: dict[str, Mode], prompts: list, *, label: str) -> dict[str, dict]:
     for run in modes.values():
-        run(prompts[0], max_new_tokens=4)  # warm-up
+        run(prompts[0], max_new_tokens=4)  # warm-up (first-call allocations, lazy caches)
     totals = {name: {"tokens": 0, "seconds": 0.0, "rounds": []} for name in modes}
     for index, prompt in enumerate(prompts):
         for name, run in modes.items():
             out = run(prompt)
-            totals[name]["tokens"] += out["tokens"]
-            totals[name]["seconds"] += out["seconds"]
-            totals[name]["rounds"] += out["rounds"]
-            print(f"prompt {index + 1}/{len(prompts)} {name}: {out['tokens']} tokens in {out['seconds']:.1f} s",
-                  file=sys.stderr, flush=True)
+            for key in ("tokens", "seconds", "rounds"):
+                totals[name][key] += out[key]
+        print(f"{label}: prompt {index + 1}/{len(prompts)} done", file=sys.stderr, flush=True)
     return totals
 
 
-def end_to_end_table(totals: dict) -> str:
+# ---- tables ----
+
+def mean_ms(rounds, attribute: str) -> float:
+    return 1000 * sum(getattr(r, attribute) for r in rounds) / len(rounds) if rounds else float("nan")
+
+
+def fmt(value: float, digits: int = 2) -> str:
+    return "–" if value != value else f"{value:.{digits}f}"
+
+
+def speed_table(totals: dict[str, dict]) -> str:
     base = totals["target-only (our engine)"]
     base_rate = base["tokens"] / base["seconds"]
-    lines = ["| mode | tokens | seconds | tok/s | vs target-only | τ pooled | rounds | ms / round | "
-             "Python overhead ms / round |", "|---|---|---|---|---|---|---|---|---|"]
+    head = ("| mode | tokens | tok/s | × target-only | τ | mean ℓ | rounds | ms / round | verify | draft parallel | "
+            "draft sequential | other |")
+    lines = [head, "|" + "---|" * 12]
     for name, t in totals.items():
         rate, rounds = t["tokens"] / t["seconds"], t["rounds"]
         tau = sum(r.committed for r in rounds) / len(rounds) if rounds else float("nan")
-        per_round = 1000 * sum(r.seconds for r in rounds) / len(rounds) if rounds else float("nan")
-        other = 1000 * sum(r.seconds_other for r in rounds) / len(rounds) if rounds else float("nan")
-        lines.append(f"| {name} | {t['tokens']} | {t['seconds']:.1f} | {rate:.1f} | {rate / base_rate:.2f}× | "
-                     f"{fmt(tau)} | {len(rounds) or '–'} | {fmt(per_round, 1)} | {fmt(other, 2)} |")
+        ell = sum(r.num_verified for r in rounds) / len(rounds) if rounds else float("nan")
+        phases = " | ".join(fmt(mean_ms(rounds, attribute)) for attribute, _ in PHASES)
+        lines.append(f"| {name} | {t['tokens']} | {rate:.1f} | {rate / base_rate:.2f}× | {fmt(tau)} | {fmt(ell)} | "
+                     f"{len(rounds) or '–'} | {fmt(mean_ms(rounds, 'seconds'), 1)} | {phases} |")
     return "\n".join(lines)
 
 
-def sequential_overhead(rows: list[dict], *, block_size: int) -> str:
-    """markov vs none at γ: extra ms per round and the sequential loop's share of the round, per context."""
-    lines = []
-    for context in sorted({r["context_length"] for r in rows}):
-        cell = {r["head"]: r for r in rows if r["context_length"] == context and r["block_size"] == block_size}
-        if {"none", "markov"} <= set(cell):
-            markov, none = cell["markov"], cell["none"]
-            lines.append(f"- context {context}, γ={block_size}: sequential loop {markov['draft_sequential_ms']:.2f} ms"
-                         f" = {100 * markov['sequential_share']:.1f}% of a {markov['round_ms']:.1f} ms markov round "
-                         f"(head none: {none['draft_sequential_ms']:.2f} ms, {100 * none['sequential_share']:.1f}%); "
-                         f"round time markov − none = {markov['round_ms'] - none['round_ms']:+.1f} ms "
-                         f"({100 * (markov['round_ms'] - none['round_ms']) / none['round_ms']:+.1f}%)")
-    return "\n".join(lines)
-
-
-def run_threshold_sweeps(target, drafters: dict, prompts: list, args) -> list[str]:
-    """Paper Fig. 5 for every trained drafter with a confidence head; markdown lines for the results file."""
-    from dspark.decoding.proposers import build_proposer
-
-    lines = []
-    for index, (name, drafter) in enumerate(drafters.items()):
-        if getattr(drafter, "confidence_head", None) is None:
+def round_costs(totals: dict[str, dict]) -> list[str]:
+    """The issue's two targets on the fixed-ℓ = γ rounds of every drafter: sequential share, drafter vs target step."""
+    plain = totals["target-only (our engine)"]["rounds"]
+    step_ms = mean_ms(plain, "seconds")
+    lines = [f"- one plain target step (target-only round, our engine): {step_ms:.1f} ms "
+             f"(verify {mean_ms(plain, 'seconds_verify'):.1f} ms, other {mean_ms(plain, 'seconds_other'):.2f} ms)"]
+    for name, t in totals.items():
+        if "· fixed" not in name or not t["rounds"]:
             continue
-        rows = threshold_sweep(target=target, proposer=build_proposer(drafter), prompts=prompts,
-                               thresholds=args.thresholds, temperature=1.0, max_new_tokens=args.max_new_tokens,
-                               seed=0)
-        png, _ = write_threshold_sweep(rows, args.output.parent, stem=f"{args.output.stem}-sweep-{index}")
-        lines += [f"### {name}", "", f"![sweep]({png.name})", "", sweep_markdown(rows), ""]
+        rounds = t["rounds"]
+        total, sequential = mean_ms(rounds, "seconds"), mean_ms(rounds, "seconds_draft_sequential")
+        drafting = mean_ms(rounds, "seconds_draft_parallel") + sequential
+        lines.append(f"- {name}: round {total:.1f} ms; sequential loop {sequential:.2f} ms = "
+                     f"{100 * sequential / total:.1f}% of the round (target ≤ 5%); drafter round {drafting:.1f} ms = "
+                     f"{100 * drafting / step_ms:.0f}% of a plain target step (target ≤ 20%); Python overhead "
+                     f"{mean_ms(rounds, 'seconds_other'):.2f} ms per round (target ≤ 1 ms)")
     return lines
 
 
-def markov_note(target, *, rank: int = 256) -> str:
-    """Why the Markov loop costs what it does at batch 1: W_2 (r × V) is read once per drafted slot."""
-    megabytes = rank * target.vocab_size * 4 / 1e6
-    return (f"Reading: the Markov bias B_k = W_2ᵀ W_1[x_(k-1)] needs W_2 (r × V = {rank} × {target.vocab_size}, "
-            f"{megabytes:.0f} MB in fp32) once per slot, because x_(k-1) is only known after slot k-1 is sampled; at "
-            "batch 1 that is a memory-bound matrix-vector product per slot, while the parallel stage reads the LM "
-            "head once for all γ slots. The paper's 0.2–1.3% (METHOD §9) is at batch 128 on accelerators, where one "
-            "read of W_2 serves every request of the batch.")
+def machine_line(args) -> str:
+    from dspark.decoding.drafting import resolve_precision
+    from dspark.hardware import cpu_has_amx_bf16
+
+    model = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                  if line.startswith("model name")), platform.processor() or platform.machine())
+    precision = resolve_precision(args.precision)
+    return (f"{model}, {os.cpu_count()} cores, AMX-BF16 {'yes' if cpu_has_amx_bf16() else 'no'}; torch "
+            f"{torch.__version__}, {args.threads} threads; target fp32, drafter parallel stage "
+            f"{str(precision).replace('torch.', '')} (decode.drafter_precision={args.precision})")
+
+
+def git_commit() -> str:
+    try:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True,
+                                check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO,
+                               capture_output=True, text=True, check=True).stdout.strip()
+        return commit + (" (with uncommitted changes)" if dirty else "")
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
 
 
 def main(argv: list[str]) -> int:
+    from dspark.data.prompts import load_prompts
+    from dspark.evaluation.diagnostics import load_or_profile_sps, sps_markdown
+    from dspark.evaluation.rollouts import encode_prompts
+    from dspark.targets import load_target
+
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
-    started, load_start = time.time(), os.getloadavg()[0]
+    started, load_start = time.time(), os.getloadavg()
     target = load_target(args.target, cache_dir=args.cache_dir)
-    records = {name: load_prompts(name, limit=args.prompts) for name in SETS}
+    records = {name: load_prompts(name, limit=args.prompts) for name in args.sets}
     prompts = encode_prompts(target, records, max_new_tokens=args.max_new_tokens)
-    drafters, trained = find_drafters(target, args)
-    totals = run_end_to_end(build_modes(target, drafters, args), prompts)
-    blocks = sorted({3, 7, 11, 15} | {args.block_size})
-    rows = latency_breakdown(target=target, block_sizes=blocks, context_lengths=args.contexts,
-                             rounds=args.latency_rounds, depth=args.depth)
-    png, _ = write_latency_breakdown(rows, args.output.parent, stem=f"{args.output.stem}-latency")
-    sweeps = run_threshold_sweeps(target, drafters, prompts, args) if trained else [
-        "Skipped: a static threshold on an untrained confidence head says nothing (pass --runs)."]
-    command = "python benchmarks/bench_decoding.py " + shlex.join(argv)
-    note = ("trained drafters from " + str(args.runs)) if trained else (
-        "**untrained drafters** (no trained drafter for this target was given with --runs): their τ ≈ 1, so these "
-        "rows measure only the drafting and verification overheads, not a speed-up")
+    drafters = trained_drafters(target, args.drafter) if args.drafter else untrained_drafters(target, args)
+    gamma = max(d.module.block_size for d in drafters)
+    sps, sps_path = load_or_profile_sps(target=target, cache_dir=args.cache_dir, block_size=gamma)
+    sections = []
+    for temperature in args.temperatures:
+        modes = build_modes(target, drafters, temperature=temperature, args=args, sps=sps)
+        totals = run_interleaved(modes, prompts, label=f"T={temperature:g}")
+        sections += [f"## Temperature {temperature:g}", "", speed_table(totals), "", "Round costs (fixed ℓ = γ):", "",
+                     *round_costs(totals), ""]
+    trained = all(d.trained for d in drafters)
+    note = ("trained drafters: " + ", ".join(args.drafter)) if trained else (
+        "**untrained drafters** (no --drafter given): τ ≈ 1, so their rows measure round costs, not a speed-up; "
+        "the scheduler reads raw confidences of an untrained head (σ ≈ 0.5)")
+    loads = f"{load_start[0]:.1f} / {os.getloadavg()[0]:.1f}"
     text = "\n".join([
-        f"# Decoding speed — {args.target}", "",
-        f"Command: `{command}` ({time.time() - started:.0f} s in all)  ",
-        f"Machine: {platform.node()} {platform.machine()}, torch {torch.__version__}, {args.threads} threads, "
-        f"fp32; {time.strftime('%Y-%m-%d %H:%M')}. Shared machine: 1-min load average {load_start:.1f} at the start, "
-        f"{os.getloadavg()[0]:.1f} at the end on {os.cpu_count()} cores (a load above the core count means other "
-        "jobs competed for the CPU: absolute times are then inflated, ratios between interleaved modes less so).", "",
-        f"## End to end (temperature 1, {len(prompts)} prompts: first {args.prompts} of {', '.join(SETS)}; "
-        f"max_new_tokens {args.max_new_tokens}; fixed ℓ = γ)", "",
-        f"Drafters: {note}. tok/s include prefill; modes interleaved per prompt after a warm-up call.", "",
-        end_to_end_table(totals), "",
-        "## Sequential loop and Python overhead", "",
-        sequential_overhead(rows, block_size=args.block_size), "", markov_note(target), "",
-        "Python overhead per round = the engine's `seconds_other` (policy, verifier, rollback, context update) — "
-        "last column of the end-to-end table.", "",
-        f"## Latency per round (paper Fig. 4 right; untrained drafters, depth {args.depth}, fixed ℓ = γ)", "",
-        f"![latency]({png.name})", "", latency_markdown(rows), "",
-        "## Static threshold sweep (paper Fig. 5; verify the prefix before the first raw c_k < θ)", "", *sweeps, ""])
+        f"# Decoding speed side by side — {args.target}", "",
+        f"Command: `python benchmarks/bench_decoding.py {shlex.join(argv)}` ({time.time() - started:.0f} s in all)  ",
+        f"Machine: {machine_line(args)}  ",
+        f"Git commit {git_commit()}; {time.strftime('%Y-%m-%d %H:%M %Z')}; 1-min load average {loads} at the start / "
+        f"end on {os.cpu_count()} cores (above the core count other jobs competed: absolute times are inflated, "
+        "ratios between interleaved modes less so).", "",
+        f"Prompts: the first {args.prompts} of {', '.join(args.sets)} ({len(prompts)} in all), chat-templated; "
+        f"max_new_tokens {args.max_new_tokens}; modes interleaved per prompt after a warm-up call; tok/s include "
+        f"prefill. Drafters: {note}.", "",
+        *sections,
+        f"SPS(B) used by the scheduler (`{sps_path}`; R = 1, 256-token cache):", "", sps_markdown(sps), ""])
+    args.output.parent.mkdir(parents=True, exist_ok=True)
     args.output.write_text(text)
     print(text)
     return 0
 
 
 if __name__ == "__main__":
+    sys.path.insert(0, str(REPO / "src"))
     sys.exit(main(sys.argv[1:]))

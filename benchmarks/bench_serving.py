@@ -24,7 +24,9 @@ from pathlib import Path
 import torch
 
 from dspark.data.prompts import load_prompts
-from dspark.evaluation.diagnostics import untrained_dspark
+from dspark.decoding.drafting import resolve_precision
+from dspark.drafters.factory import DrafterSpec, build_drafter
+from dspark.hardware import cpu_has_amx_bf16
 from dspark.serving import BatchedEngine, ServeRequest, build_serve_policy
 from dspark.targets import load_target
 
@@ -43,6 +45,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--max-new-tokens", type=int, default=24)
     parser.add_argument("--block-size", type=int, default=7)
     parser.add_argument("--depth", type=int, default=5)
+    parser.add_argument("--draft-vocab", type=int, default=8192, help="Vd of the untrained drafters (0 = full V)")
+    parser.add_argument("--precision", default="auto", help="decode.drafter_precision: auto | fp32 | bf16")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--output", type=Path, default=RESULTS / "serving.md")
     return parser.parse_args(argv)
@@ -72,11 +76,20 @@ class ForwardCounter:
         self.target.forward = self._forward
 
 
+def untrained_drafter(target, *, head: str, args: argparse.Namespace):
+    """A random-weight DSpark drafter (timing does not depend on the weights) over the first --draft-vocab ids."""
+    vd = args.draft_vocab if 0 < args.draft_vocab < target.vocab_size else 0
+    spec = DrafterSpec(kind="dspark", head=head, depth=args.depth, block_size=args.block_size,
+                       markov_rank=256 if head != "none" else 0, feature_layers=tuple(target.feature_layer_ids),
+                       mask_token_id=target.mask_token_id, target_fingerprint=target.fingerprint, draft_vocab_size=vd)
+    torch.manual_seed(0)
+    return build_drafter(spec, target, draft_vocab_ids=torch.arange(vd) if vd else None).eval()
+
+
 def bench_cell(target, *, head: str, concurrency: int, args: argparse.Namespace) -> dict:
-    drafter = untrained_dspark(target, head=head, block_size=args.block_size, depth=args.depth, markov_rank=256,
-                               seed=0)
+    drafter = untrained_drafter(target, head=head, args=args)
     engine = BatchedEngine(target=target, drafter=drafter, policy=build_serve_policy("fixed"), temperature=1.0,
-                           max_new_tokens=args.max_new_tokens)
+                           max_new_tokens=args.max_new_tokens, precision=args.precision)
     requests = make_requests(target, concurrency * args.waves, args.max_new_tokens)
     engine.serve(requests[:concurrency], concurrency=concurrency, seed=1, progress=False)  # warm-up
     with ForwardCounter(target) as counter:
@@ -120,9 +133,12 @@ def markdown(rows: list[dict], args: argparse.Namespace, argv: list[str], starte
     lines = ["# Batched serving step benchmark", "",
              f"Command: `.venv/bin/python benchmarks/bench_serving.py {shlex.join(argv)}`", "",
              f"Date: {started}. Machine: {os.cpu_count()} CPUs ({platform.machine()}), torch {torch.__version__}, "
-             f"{args.threads} thread(s), fp32. Load average after: {load[0]:.2f}, {load[1]:.2f}, {load[2]:.2f} "
+             f"{args.threads} thread(s), AMX-BF16 {'yes' if cpu_has_amx_bf16() else 'no'}; target fp32, drafter "
+             f"parallel stage {str(resolve_precision(args.precision)).replace('torch.', '')} "
+             f"(--precision {args.precision}). Load average after: {load[0]:.2f}, {load[1]:.2f}, {load[2]:.2f} "
              "(other jobs on the machine add noise; ratios within a row group are the point).", "",
-             f"Target {args.target}; untrained DSpark drafters (depth {args.depth}, γ = {args.block_size}, rank 256), "
+             f"Target {args.target}; untrained DSpark drafters (depth {args.depth}, γ = {args.block_size}, rank 256, "
+             f"draft vocabulary {args.draft_vocab or 'full'}), "
              f"policy fixed (every step verifies γ drafts per request), temperature 1, {args.max_new_tokens} new "
              f"tokens per request, {args.waves} × R requests. Medians over steady steps (R active, no joins).", "",
              "| head | R | steps | step ms | draft parallel ms | sequential loop ms | verify ms | other ms | "

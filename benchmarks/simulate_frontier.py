@@ -22,7 +22,7 @@ from pathlib import Path
 
 RESULTS = Path(__file__).resolve().parent / "results"
 ROOT = Path(__file__).resolve().parents[1] / "outputs"
-POLICIES = ("mtp1", "static", "fixed", "threshold", "scheduler", "async")
+POLICIES = ("mtp1", "static", "fixed", "threshold", "calibrated_threshold", "scheduler", "async")
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:

@@ -9,6 +9,11 @@ forward; the randomised probability integral transform u = F(x_k⁻) + V·p_t(x_
 V ~ U(0, 1)) is then exactly U(0, 1) under losslessness, independently across samples. Each position's u's
 go through a 10-bin chi-square test. `test_the_test_can_fail` shows the same test catching a verifier whose
 correction ignores the residual.
+
+Also covered: a draft vocabulary (Vd = 256 of the tiny target's 512 ids, so p_t has mass the drafter can never
+propose) under every policy of the one family, with an STS calibration so `calibrated_threshold`, `scheduler` and
+`async` read other numbers than `threshold`; the bf16 parallel stage; and a faulty drafter (NaN, all −inf and
+all-zero logits at slots chosen by x_{k-1}, NaN confidences), whose unusable slots are never proposed.
 """
 from __future__ import annotations
 
@@ -18,6 +23,7 @@ import numpy as np
 import pytest
 import torch
 
+from dspark.calibration.sts import STSCalibration
 from dspark.decoding import SpeculativeEngine, build_policy, build_proposer
 from dspark.decoding import engine as engine_module
 from dspark.drafters.factory import DrafterSpec, build_drafter
@@ -30,10 +36,24 @@ NUM_GENERATIONS = 300   # ≈ 4 s per drafter/policy pair on one core
 P_MIN = 1e-3
 # Slot j is admitted while Θ improves; for slot 1 that is a_1 > 0.5 (see tests/test_policies.py).
 SPS = SPSTable(batch_tokens=list(range(1, 10)), steps_per_second=[1 / (1 + (b - 1) / 2) for b in range(1, 10)])
+# name → (kind, head); a "-vd" suffix drafts over DRAFT_VOCAB, "-bf16" runs the parallel stage in bf16.
 DRAFTERS = {"dspark-markov": ("dspark", "markov"), "dspark-gated": ("dspark", "gated"), "dspark-rnn": ("dspark", "rnn"),
-            "dflash": ("dflash", "none"), "eagle3": ("eagle3", "none")}
+            "dflash": ("dflash", "none"), "eagle3": ("eagle3", "none"), "dspark-markov-vd": ("dspark", "markov"),
+            "dflash-vd": ("dflash", "none"), "eagle3-vd": ("eagle3", "none"), "dspark-rnn-vd-bf16": ("dspark", "rnn")}
 POLICIES = ("fixed", "threshold", "scheduler")
-CASES = [(d, p) for d in DRAFTERS for p in POLICIES]
+ALL_POLICIES = ("fixed", "mtp1", "static", "threshold", "calibrated_threshold", "scheduler", "async")
+CASES = ([(d, p) for d in ("dspark-markov", "dspark-gated", "dspark-rnn", "dflash", "eagle3") for p in POLICIES]
+         + [("dspark-markov-vd", p) for p in ALL_POLICIES]
+         + [("dflash-vd", "fixed"), ("eagle3-vd", "fixed"), ("dspark-rnn-vd-bf16", "scheduler")])
+# Uneven per-slot temperatures: calibrated confidences differ from the raw ones in both directions.
+CALIBRATION = STSCalibration(temperatures=[2.0, 0.5, 1.0], grid=[0.5, 1.0, 2.0], n_bins=20, ece_before=[],
+                             ece_after=[])
+EXPECTED_LENGTHS = {"fixed": {GAMMA}, "mtp1": {1}, "static": {2}}  # others: every ℓ in 0..2 at least
+
+
+def draft_vocab(target) -> torch.Tensor:
+    """256 of the 512 target ids (fixed seed), sorted: the drafter can never propose the other half."""
+    return torch.randperm(target.vocab_size, generator=torch.Generator().manual_seed(5))[:256].sort().values
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tiny tensors: one thread (tests/conftest.py)
@@ -61,11 +81,12 @@ def make_drafter(target, name):
     previous token — the very dependence on x_{k-1} that makes a look-ahead policy biased (METHOD §6) — and the
     threshold and scheduler choose every ℓ in 0..γ."""
     kind, head = DRAFTERS[name]
+    ids = draft_vocab(target) if "-vd" in name else None
     spec = DrafterSpec(kind=kind, head=head, depth=1, block_size=GAMMA, markov_rank=8 if head != "none" else 0,
                        feature_layers=tuple(target.feature_layer_ids), mask_token_id=target.mask_token_id,
-                       target_fingerprint=target.fingerprint)
+                       target_fingerprint=target.fingerprint, draft_vocab_size=0 if ids is None else len(ids))
     torch.manual_seed(0)
-    drafter = build_drafter(spec, target)
+    drafter = build_drafter(spec, target, draft_vocab_ids=ids)
     with torch.no_grad():
         for param_name, param in drafter.named_parameters():
             if "norm" not in param_name and "confidence" not in param_name:
@@ -79,11 +100,13 @@ def make_drafter(target, name):
     return drafter.eval()
 
 
-def make_engine(target, drafter_name, policy, *, temperature=1.0, max_new_tokens=NEW_TOKENS):
-    proposer = build_proposer(make_drafter(target, drafter_name))
+def make_engine(target, drafter_name, policy, *, temperature=1.0, max_new_tokens=NEW_TOKENS, drafter=None):
+    drafter = make_drafter(target, drafter_name) if drafter is None else drafter
+    proposer = build_proposer(drafter, precision="bf16" if drafter_name.endswith("-bf16") else "fp32")
+    calibration = CALIBRATION if "-vd" in drafter_name and proposer.has_confidence else None
     return SpeculativeEngine(target=target, proposer=proposer,
-                             policy=build_policy(policy, threshold=0.5, sps=SPS, calibration=None),
-                             temperature=temperature, max_new_tokens=max_new_tokens)
+                             policy=build_policy(policy, threshold=0.5, static_k=2, sps=SPS),
+                             temperature=temperature, max_new_tokens=max_new_tokens, calibration=calibration)
 
 
 def sample_generations(engine, prompt, num, seed=0):
@@ -109,8 +132,53 @@ def test_sampling_matches_the_target_distribution(target, prompt, drafter_name, 
     results = sample_generations(make_engine(target, drafter_name, policy), prompt, NUM_GENERATIONS)
     rounds = [r for result in results for r in result.rounds]
     assert any(r.num_accepted > 0 for r in rounds) and any(r.num_accepted < r.num_verified for r in rounds)
-    if policy != "fixed":
-        assert {0, 1, 2} <= {r.num_verified for r in rounds}  # the policy really truncates, differently per round
+    expected = EXPECTED_LENGTHS.get(policy, {0, 1, 2})
+    assert expected <= {r.num_verified for r in rounds}  # the policy really truncates, differently per round
+    if "-vd" in drafter_name:
+        allowed = set(draft_vocab(target).tolist())
+        assert all(set(r.drafts) <= allowed for r in rounds)
+        outside = [t for result in results for t in result.new_tokens[1:] if t not in allowed]
+        assert outside  # the target still emits tokens the drafter cannot propose (via corrections and bonuses)
+    p_values = chi_square_p_values(target, prompt, results)
+    assert len(p_values) == NEW_TOKENS and min(p_values.values()) > P_MIN, p_values
+
+
+def faulty(drafter):
+    """Wrap `sequential_step`: by x_{k-1} mod 4 the slot's logits are NaN (0), all −inf (2), all zero (1, a valid
+    uniform distribution) or the drafter's own (3); NaN confidences at 0. Works for [1] and [R] previous tokens."""
+    step = drafter.sequential_step
+
+    def broken(*, hidden_k, parallel_logits_k, prev_token, state):
+        logits, confidence, state = step(hidden_k=hidden_k, parallel_logits_k=parallel_logits_k,
+                                         prev_token=prev_token, state=state)
+        mod = (prev_token % 4).unsqueeze(-1)
+        logits = torch.where(mod == 0, float("nan"), logits)
+        logits = torch.where(mod == 2, float("-inf"), logits)
+        logits = torch.where(mod == 1, 0.0, logits)
+        if confidence is not None:
+            confidence = torch.where(mod[..., 0] == 0, float("nan"), confidence)
+        return logits, confidence, state
+
+    drafter.sequential_step = broken
+    return drafter
+
+
+def usable_prefix(anchor, drafts) -> bool:
+    """Every proposed slot k had an odd x_{k-1}: no slot with unusable logits was ever sampled or verified."""
+    return all(token % 2 == 1 for token in [anchor, *drafts][:len(drafts)])
+
+
+@pytest.mark.parametrize(("drafter_name", "policy"), [("dspark-markov-vd", "fixed"), ("dspark-rnn", "scheduler")])
+def test_faulty_drafter_slots_are_never_proposed_and_the_output_is_still_the_targets(target, prompt, drafter_name,
+                                                                                     policy):
+    engine = make_engine(target, drafter_name, policy, drafter=faulty(make_drafter(target, drafter_name)))
+    results = sample_generations(engine, prompt, NUM_GENERATIONS)
+    rounds = [(result, r) for result in results for r in result.rounds]
+    sequences = {id(result): [*prompt, *result.new_tokens] for result in results}
+    assert all(usable_prefix(sequences[id(res)][r.anchor_position], r.drafts) for res, r in rounds)
+    assert any(len(r.drafts) == 0 for _, r in rounds) and any(len(r.drafts) == GAMMA for _, r in rounds)
+    assert any(r.num_accepted > 0 for _, r in rounds)  # the remaining drafts (uniform ones included) still work
+    assert all(c == c for _, r in rounds for c in (r.confidences or []))  # NaN confidences were read as 0
     p_values = chi_square_p_values(target, prompt, results)
     assert len(p_values) == NEW_TOKENS and min(p_values.values()) > P_MIN, p_values
 

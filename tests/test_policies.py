@@ -1,4 +1,5 @@
-"""Verification policies (dspark.decoding.policies, METHOD §6) on hand-made confidence vectors."""
+"""Verification policies (dspark.decoding.policies, METHOD §6) on hand-made confidence vectors, one request at a time
+(R = 1, as the single-request engine calls them; tests/test_serving_policies.py covers R > 1)."""
 from __future__ import annotations
 
 import pytest
@@ -7,11 +8,12 @@ import torch
 from dspark.calibration.sts import STSCalibration
 from dspark.decoding.policies import (
     POLICIES,
-    FixedPolicy,
     SchedulerPolicy,
+    StaticPolicy,
     ThresholdPolicy,
     build_policy,
     calibrate_confidences,
+    policy_confidences,
 )
 from dspark.scheduling import SPSTable
 
@@ -24,12 +26,20 @@ def conf(*values: float) -> torch.Tensor:
     return torch.tensor(values, dtype=torch.float32)
 
 
+def choose1(policy, confidences, num_drafts: int) -> int:
+    """ℓ of one request through the batched contract ([1, γ] confidences, [1] counts → [1])."""
+    batch = None if confidences is None else confidences.reshape(1, -1)
+    lengths = policy.choose(confidences=batch, num_drafts=torch.tensor([num_drafts]))
+    assert lengths.shape == (1,) and lengths.dtype == torch.long
+    return int(lengths[0])
+
+
 def test_fixed_verifies_everything_and_ignores_confidences():
     policy = build_policy("fixed")
-    assert isinstance(policy, FixedPolicy) and not policy.needs_confidences
-    assert policy.choose(confidences=None, num_drafts=5) == 5
-    assert policy.choose(confidences=conf(0.0, 0.0), num_drafts=2) == 2
-    assert policy.choose(confidences=None, num_drafts=0) == 0
+    assert isinstance(policy, StaticPolicy) and policy.name == "fixed" and not policy.needs_confidences
+    assert choose1(policy, None, 5) == 5
+    assert choose1(policy, conf(0.0, 0.0), 2) == 2
+    assert choose1(policy, None, 0) == 0
 
 
 @pytest.mark.parametrize(("values", "threshold", "expected"), [
@@ -43,7 +53,7 @@ def test_fixed_verifies_everything_and_ignores_confidences():
 ])
 def test_threshold_prefix_before_first_low_confidence(values, threshold, expected):
     policy = ThresholdPolicy(threshold)
-    assert policy.choose(confidences=conf(*values), num_drafts=len(values)) == expected
+    assert choose1(policy, conf(*values), len(values)) == expected
 
 
 @pytest.mark.parametrize("bad", [-0.1, 1.5])
@@ -52,14 +62,14 @@ def test_threshold_outside_unit_interval_raises(bad):
         build_policy("threshold", threshold=bad)
 
 
-@pytest.mark.parametrize("name", ["threshold", "scheduler"])
+@pytest.mark.parametrize("name", ["threshold", "calibrated_threshold", "scheduler", "async"])
 def test_confidence_policies_refuse_missing_confidences(name):
     policy = build_policy(name, threshold=0.5, sps=SPS)
     assert policy.needs_confidences
     with pytest.raises(ValueError, match="confidence head"):
-        policy.choose(confidences=None, num_drafts=3)
-    with pytest.raises(ValueError, match="3 confidences for 2 drafts"):
-        policy.choose(confidences=conf(0.5, 0.5, 0.5), num_drafts=2)
+        choose1(policy, None, 3)
+    with pytest.raises(ValueError, match="2 confidences for 3 drafts"):
+        choose1(policy, conf(0.5, 0.5), 3)
 
 
 @pytest.mark.parametrize(("values", "expected"), [
@@ -71,29 +81,48 @@ def test_confidence_policies_refuse_missing_confidences(name):
 ])
 def test_scheduler_is_algorithm_1_with_early_stop(values, expected):
     policy = build_policy("scheduler", sps=SPS)
-    assert policy.choose(confidences=conf(*values), num_drafts=len(values)) == expected
+    assert choose1(policy, conf(*values), len(values)) == expected
 
 
 def test_scheduler_without_sps_table_says_to_profile():
-    with pytest.raises(ValueError, match="stage=profile"):
+    with pytest.raises(ValueError, match=r"decode\.policy=scheduler.*SPS\(B\).*stage=profile"):
         build_policy("scheduler", sps=None)
     with pytest.raises(ValueError, match="stage=profile"):
         SchedulerPolicy(None)
 
 
-def test_scheduler_uses_the_calibration():
-    """Survivals a_j are products of calibrated c̃: sharpening (T = 0.25) and damping (T = 8) move ℓ both ways."""
+def test_scheduler_reads_calibrated_confidences_and_threshold_raw_ones():
+    """The engine calibrates once, before the policy (`policy_confidences`): the scheduler's survivals a_j are
+    products of calibrated c̃ — sharpening (T = 0.25) and damping (T = 8) move ℓ both ways — while `threshold`
+    compares the raw c_k and `calibrated_threshold` the calibrated ones."""
     sharpen = STSCalibration(temperatures=[0.25] * 3, grid=[0.25], n_bins=20, ece_before=[], ece_after=[])
     dampen = STSCalibration(temperatures=[8.0] * 3, grid=[8.0], n_bins=20, ece_before=[], ece_after=[])
-    raw = build_policy("scheduler", sps=SPS)
+    scheduler = build_policy("scheduler", sps=SPS)
+
+    def read(policy, values, sts):
+        return policy_confidences(policy, raw=values, calibrated=None if sts is None else
+                                  calibrate_confidences(sts, values))
+
     # raw a = 0.9, 0.54, 0.32: Θ = 1, 1.27, 1.22 → ℓ = 1; c̃ ≈ 0.9998, 0.835, 0.835 → Θ = 1, 1.33, 1.42, 1.41 → 2
     values = conf(0.9, 0.6, 0.6)
-    assert raw.choose(confidences=values, num_drafts=3) == 1
-    assert build_policy("scheduler", sps=SPS, calibration=sharpen).choose(confidences=values, num_drafts=3) == 2
+    assert choose1(scheduler, read(scheduler, values, None), 3) == 1
+    assert choose1(scheduler, read(scheduler, values, sharpen), 3) == 2
     # raw a = 0.9, 0.81, 0.73: Θ keeps rising → 3; c̃ ≈ 0.57 each → Θ = 1, 1.05, 0.95 → 1
     values = conf(0.9, 0.9, 0.9)
-    assert raw.choose(confidences=values, num_drafts=3) == 3
-    assert build_policy("scheduler", sps=SPS, calibration=dampen).choose(confidences=values, num_drafts=3) == 1
+    assert choose1(scheduler, read(scheduler, values, None), 3) == 3
+    assert choose1(scheduler, read(scheduler, values, dampen), 3) == 1
+    raw_threshold = build_policy("threshold", threshold=0.7)
+    calibrated_threshold = build_policy("calibrated_threshold", threshold=0.7)
+    assert raw_threshold.reads == "raw" and calibrated_threshold.reads == "calibrated"
+    assert choose1(raw_threshold, read(raw_threshold, values, dampen), 3) == 3      # raw 0.9 ≥ 0.7
+    assert choose1(calibrated_threshold, read(calibrated_threshold, values, dampen), 3) == 0  # c̃ ≈ 0.57 < 0.7
+    assert choose1(calibrated_threshold, read(calibrated_threshold, values, None), 3) == 3  # no calibration: raw
+
+
+def test_policies_no_longer_take_a_calibration():
+    sts = STSCalibration(temperatures=[1.0] * 3, grid=[1.0], n_bins=20, ece_before=[], ece_after=[])
+    with pytest.raises(ValueError, match="engine applies the STS calibration"):
+        build_policy("scheduler", sps=SPS, calibration=sts)
 
 
 def test_calibrate_confidences_handles_short_proposals():
@@ -112,15 +141,23 @@ def test_stop_drafting_agrees_with_choose_on_every_prefix():
     generator = torch.Generator().manual_seed(0)
     for _ in range(200):
         values = torch.rand(6, generator=generator)
-        full = policy.choose(confidences=values, num_drafts=6)
+        full = choose1(policy, values, 6)
         stop_at = next((k for k in range(1, 7) if policy.stop_drafting(values[:k])), None)
         assert (stop_at - 1 if stop_at else 6) == full
-        assert policy.choose(confidences=values[:full], num_drafts=full) == full
+        assert choose1(policy, values[:full], full) == full
 
 
 def test_registry_lists_policies_and_rejects_unknown_names():
-    assert POLICIES.names() == ["fixed", "scheduler", "threshold"]
+    names = ["async", "calibrated_threshold", "fixed", "mtp1", "scheduler", "static", "threshold"]
+    assert POLICIES.names() == names
     with pytest.raises(ValueError, match=r"Unknown decode\.policy 'treshold'.*Did you mean 'threshold'"):
         build_policy("treshold")
-    with pytest.raises(ValueError, match="Valid: fixed, scheduler, threshold"):
+    with pytest.raises(ValueError, match="Valid: " + ", ".join(names)):
         build_policy("adaptive")
+
+
+def test_config_lists_the_one_policy_family_for_decode_and_serve():
+    from dspark.config.schema import POLICIES as DECODE_NAMES
+    from dspark.config.schema import SERVE_POLICIES as SERVE_NAMES
+
+    assert sorted(DECODE_NAMES) == sorted(SERVE_NAMES) == POLICIES.names()

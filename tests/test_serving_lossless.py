@@ -10,6 +10,11 @@ leave all the time. Every generated token's randomised PIT under the exact condi
 u = F(x⁻) + V·p_t(x), is U(0, 1) under losslessness; a request leaking into another's row (wrong KV row, wrong
 context, wrong generator) makes the PITs non-uniform. `test_the_test_can_fail` catches a verifier whose
 correction ignores the residual.
+
+Also covered: a draft vocabulary (Vd = 256 of 512) under every policy of the one family with an STS calibration (so
+calibrated and raw policies read different numbers), requests that join and leave at every step (alternating
+max_new_tokens 2 and 4: a 2-token request leaves after its first step), and a faulty drafter whose NaN / all −inf
+slots are never proposed (tests/test_lossless.py `faulty`).
 """
 from __future__ import annotations
 
@@ -19,12 +24,14 @@ import numpy as np
 import pytest
 import torch
 
+from dspark.calibration.sts import STSCalibration
 from dspark.decoding import DSparkProposer, SpeculativeEngine, build_policy
 from dspark.drafters.factory import DrafterSpec, build_drafter
 from dspark.scheduling import SPSTable
 from dspark.serving import BatchedEngine, BatchedKVCache, ServeRequest, build_serve_policy, request_generator
 from dspark.serving import engine as engine_module
 from lossless_checks import pit_values, residual_ignoring_verifier, uniformity_p_values
+from test_lossless import draft_vocab, faulty, usable_prefix
 
 GAMMA = 3
 NEW_TOKENS = 4           # token 1 comes from the prefill; 2..4 from rounds
@@ -35,7 +42,9 @@ TEXTS = ("What is 2+2?", "Hi", "Write a short poem about the sea and the wind, p
 # Admitting candidate n of the scheduler's order pays off while its survival is large enough (see
 # tests/test_policies.py): with R = 3 rows B starts at 3 and the steps shrink slowly, so ℓ varies from 0 to γ.
 SPS = SPSTable(batch_tokens=list(range(1, 17)), steps_per_second=[1 / (1 + (b - 1) / 6) for b in range(1, 17)])
-POLICIES = ("mtp1", "static", "fixed", "threshold", "scheduler", "async")
+POLICIES = ("mtp1", "static", "fixed", "threshold", "calibrated_threshold", "scheduler", "async")
+CALIBRATION = STSCalibration(temperatures=[2.0, 0.5, 1.0], grid=[0.5, 1.0, 2.0], n_bins=20, ece_before=[],
+                             ece_after=[])
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tiny tensors: one thread (tests/conftest.py)
@@ -59,15 +68,15 @@ def prompts(target):
     return prompts
 
 
-@pytest.fixture(scope="module")
-def drafter(target):
+def build_test_drafter(target, ids=None):
     """Weights ×5 and a ×6 LM-head input (peaked p_d); the confidence head reads only W_1[x_{k-1}] (logit std ≈ 2,
-    bias 0.5), so c_k varies with the previous token and the confidence policies pick every ℓ in 0..γ."""
+    bias 0.5), so c_k varies with the previous token and the confidence policies pick every ℓ in 0..γ.
+    ids: a draft vocabulary (None = the full one)."""
     spec = DrafterSpec(kind="dspark", head="markov", depth=1, block_size=GAMMA, markov_rank=8,
                        feature_layers=tuple(target.feature_layer_ids), mask_token_id=target.mask_token_id,
-                       target_fingerprint=target.fingerprint)
+                       target_fingerprint=target.fingerprint, draft_vocab_size=0 if ids is None else len(ids))
     torch.manual_seed(0)
-    drafter = build_drafter(spec, target)
+    drafter = build_drafter(spec, target, draft_vocab_ids=ids)
     with torch.no_grad():
         for name, param in drafter.named_parameters():
             if "norm" not in name and "confidence" not in name:
@@ -80,14 +89,26 @@ def drafter(target):
     return drafter.eval()
 
 
-def make_engine(target, drafter, policy, *, temperature=1.0, max_new_tokens=NEW_TOKENS):
+@pytest.fixture(scope="module")
+def drafter(target):
+    return build_test_drafter(target)
+
+
+@pytest.fixture(scope="module")
+def vocab_drafter(target):
+    return build_test_drafter(target, draft_vocab(target))
+
+
+def make_engine(target, drafter, policy, *, temperature=1.0, max_new_tokens=NEW_TOKENS, calibration=None):
     serve_policy = None if drafter is None else build_serve_policy(policy, static_k=2, threshold=0.5, sps=SPS)
     return BatchedEngine(target=target, drafter=drafter, policy=serve_policy, temperature=temperature,
-                         max_new_tokens=max_new_tokens)
+                         max_new_tokens=max_new_tokens, calibration=calibration)
 
 
-def interleaved_requests(prompts, num):
-    return [ServeRequest(request_id=i, prompt_ids=prompts[i % len(prompts)]) for i in range(num)]
+def interleaved_requests(prompts, num, limits=None):
+    """Request i uses prompt i mod 3 and, when `limits` is given, max_new_tokens limits[i mod len(limits)]."""
+    return [ServeRequest(request_id=i, prompt_ids=prompts[i % len(prompts)],
+                         max_new_tokens=None if limits is None else limits[i % len(limits)]) for i in range(num)]
 
 
 def chi_square_p_values(target, prompts, requests, results) -> dict[str, float]:
@@ -120,6 +141,49 @@ def test_sampling_matches_the_target_distribution(target, prompts, drafter, poli
     assert expected <= lengths, lengths  # the policy really chooses per request (drafted stop ids aside)
     p_values = chi_square_p_values(target, prompts, requests, result.requests)
     assert len(p_values) == NEW_TOKENS and min(p_values.values()) > P_MIN, p_values
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_draft_vocabulary_with_joins_and_leaves_at_every_step(target, prompts, vocab_drafter, policy):
+    """Vd < V, calibrated confidences, and requests alternating max_new_tokens 2 and 4: the set of active requests
+    changes at (nearly) every step, and every request's tokens still follow its own prompt's target conditionals."""
+    requests = interleaved_requests(prompts, NUM_REQUESTS, limits=(2, 4))
+    result = serve(make_engine(target, vocab_drafter, policy, calibration=CALIBRATION), requests)
+    rounds = [r for step in result.steps for r in step.rounds]
+    allowed = set(draft_vocab(target).tolist())
+    sequences = {r.request_id: [*r.prompt_ids, *r.new_tokens] for r in result.requests}
+    assert all(set(accepted_drafts(sequences[r.request_id], r)) <= allowed for r in rounds)
+    active = [{r.request_id for r in step.rounds} for step in result.steps]
+    changes = sum(a != b for a, b in zip(active, active[1:])) / max(1, len(active) - 1)
+    assert changes > 0.95, changes  # a join or a leave between (almost) every two steps
+    assert any(r.num_accepted > 0 for r in rounds) and any(r.num_accepted < r.num_verified for r in rounds)
+    assert {"mtp1": {1}, "static": {2}, "fixed": {GAMMA}}.get(policy, {0, 1, 2}) <= {r.num_verified for r in rounds}
+    p_values = chi_square_p_values(target, prompts, requests, result.requests)
+    assert len(p_values) == NEW_TOKENS and min(p_values.values()) > P_MIN, p_values
+
+
+def test_faulty_drafter_rows_are_never_proposed_and_stay_lossless(target, prompts):
+    drafter = faulty(build_test_drafter(target, draft_vocab(target)))
+    requests = interleaved_requests(prompts, NUM_REQUESTS)
+    result = serve(make_engine(target, drafter, "scheduler", calibration=CALIBRATION), requests)
+    sequences = {r.request_id: [*r.prompt_ids, *r.new_tokens] for r in result.requests}
+    rounds = [r for step in result.steps for r in step.rounds]
+    for r in rounds:  # no slot after an even x_{k-1} (NaN / all −inf logits) was drafted
+        known = [sequences[r.request_id][r.anchor_position], *accepted_drafts(sequences[r.request_id], r)]
+        first_faulty = next((k for k, token in enumerate(known) if token % 2 == 0), None)
+        assert first_faulty is None or r.num_drafted <= first_faulty
+        assert usable_prefix(known[0], known[1:])
+    assert any(r.num_drafted == 0 for r in rounds) and any(r.num_drafted == GAMMA for r in rounds)
+    assert any(r.num_accepted > 0 for r in rounds)
+    assert all(c == c for r in rounds for c in (r.confidences or []))  # NaN confidences read as 0
+    p_values = chi_square_p_values(target, prompts, requests, result.requests)
+    assert len(p_values) == NEW_TOKENS and min(p_values.values()) > P_MIN, p_values
+
+
+def accepted_drafts(sequence, round_):
+    """x_1..x_A of a round: the accepted drafts are the committed tokens right after its anchor."""
+    start = round_.anchor_position + 1
+    return sequence[start:start + round_.num_accepted]
 
 
 def test_the_test_can_fail(target, prompts, drafter, monkeypatch):

@@ -28,6 +28,7 @@ def test_static_policies():
 def test_threshold_cuts_each_request_at_its_first_low_confidence():
     assert choose("threshold", threshold=0.75) == [2, 0, 2]
     assert choose("threshold", threshold=0.0) == [4, 4, 2]
+    assert choose("calibrated_threshold", threshold=0.75) == [2, 0, 2]  # the same rule on what it is given
 
 
 def test_scheduler_is_algorithm_1_over_all_requests_with_undrafted_slots_excluded():
@@ -55,7 +56,7 @@ def test_async_uses_the_capacity_of_two_steps_ago():
         schedule_verification(masked_high, sps=SPS).tolist()
 
 
-@pytest.mark.parametrize("name", ["threshold", "scheduler", "async"])
+@pytest.mark.parametrize("name", ["threshold", "calibrated_threshold", "scheduler", "async"])
 def test_confidence_policies_need_confidences(name):
     with pytest.raises(ValueError, match="confidence head"):
         choose(name, confidences=None)
@@ -70,4 +71,5 @@ def test_bad_settings_name_the_key():
         build_serve_policy("scheduler", sps=None)
     with pytest.raises(ValueError, match="Unknown serve.policy 'mtp2'"):
         build_serve_policy("mtp2")
-    assert SERVE_POLICIES.names() == sorted(["mtp1", "static", "fixed", "threshold", "scheduler", "async"])
+    assert SERVE_POLICIES.names() == sorted(["mtp1", "static", "fixed", "threshold", "calibrated_threshold",
+                                             "scheduler", "async"])

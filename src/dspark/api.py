@@ -47,7 +47,7 @@ def speculative_generate(target, drafter: nn.Module | None, prompt: str | list[i
     else:
         prompt_ids = [int(t) for t in prompt]
     engine = SpeculativeEngine(target=target, proposer=build_proposer(drafter),
-                               policy=build_policy(policy, threshold=threshold, sps=sps, calibration=calibration),
+                               policy=build_policy(policy, threshold=threshold, sps=sps),
                                temperature=temperature, max_new_tokens=max_new_tokens, calibration=calibration)
     generator = torch.Generator(device=target.device).manual_seed(seed)
     return engine.generate(prompt_ids, generator=generator)

@@ -12,7 +12,7 @@ from typing import Any
 
 from dspark.config.loader import ConfigError, apply_overrides, load_yaml, parse_overrides
 from dspark.config.schema import (BUDGETS, DRAFTERS, EXPORT_DTYPES, EXPORT_LAYOUTS, FIXED_HEAD, HEADS, LOSS_KINDS,
-                                  POLICIES, RESPONSE_MODES, SERVE_POLICIES, STAGES, RunConfig)
+                                  POLICIES, PRECISIONS, RESPONSE_MODES, SERVE_POLICIES, STAGES, RunConfig)
 from dspark.registry import unknown_name_message
 
 
@@ -113,7 +113,8 @@ def _name_errors(cfg: RunConfig) -> list[str]:
               ("data.responses", cfg.data.responses, RESPONSE_MODES),
               ("data.feature_precision", cfg.data.feature_precision, ("auto", "bf16", "fp32")),
               ("loss.kind", cfg.loss.kind, LOSS_KINDS), ("export.layout", cfg.export.layout, EXPORT_LAYOUTS),
-              ("export.dtype", cfg.export.dtype, EXPORT_DTYPES)]
+              ("export.dtype", cfg.export.dtype, EXPORT_DTYPES),
+              ("decode.drafter_precision", cfg.decode.drafter_precision, PRECISIONS)]
     errors = [unknown_name_message(key, value, list(valid)) for key, value, valid in checks if value not in valid]
     if cfg.sweep and cfg.sweep not in available_sweeps():
         errors.append(unknown_name_message("sweep", cfg.sweep, available_sweeps()))
@@ -160,6 +161,7 @@ def _serve_rules(cfg: RunConfig) -> list[tuple[bool, str]]:
         (s.num_requests >= 1, f"serve.num_requests must be ≥ 1 (got {s.num_requests})."),
         (s.max_new_tokens >= 1, f"serve.max_new_tokens must be ≥ 1 (got {s.max_new_tokens})."),
         (s.static_k >= 0, f"serve.static_k must be ≥ 0 (got {s.static_k})."),
+        (cfg.decode.static_k >= 0, f"decode.static_k must be ≥ 0 (got {cfg.decode.static_k})."),
         (0.0 <= s.threshold <= 1.0, f"serve.threshold must lie in [0, 1] (got {s.threshold})."),
         (s.trace_concurrency >= 1, f"serve.trace_concurrency must be ≥ 1 (got {s.trace_concurrency})."),
         (all(int(r) >= 1 for r in s.simulate_concurrency),

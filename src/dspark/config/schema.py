@@ -20,8 +20,10 @@ EXPORT_DTYPES = ("float32", "bfloat16", "float16")
 BUDGETS = ("smoke", "cpu", "cpu-ref", "cpu-long", "paper")
 RESPONSE_MODES = ("regenerate", "reference", "mix")
 STAGES = ("prepare", "train", "eval", "all", "report", "profile", "serve", "export")
-POLICIES = ("fixed", "threshold", "scheduler")
-SERVE_POLICIES = ("mtp1", "static", "fixed", "threshold", "scheduler", "async")
+# One policy family for decode.policy and serve.policy (dspark.decoding.policies; tests pin the two lists equal).
+POLICIES = ("fixed", "mtp1", "static", "threshold", "calibrated_threshold", "scheduler", "async")
+SERVE_POLICIES = POLICIES
+PRECISIONS = ("auto", "fp32", "bf16")
 
 
 def drafter_head(drafter: str, head: str) -> str:
@@ -147,8 +149,12 @@ class TrainerConfig:
 
 @dataclass
 class DecodeConfig:
-    policy: str = "fixed"  #: fixed | threshold | scheduler (METHOD §6)
-    threshold: float = 0.5
+    #: fixed | mtp1 | static | threshold (raw c_k) | calibrated_threshold (c̃_k) | scheduler | async (METHOD §6)
+    policy: str = "fixed"
+    threshold: float = 0.5  #: θ of threshold / calibrated_threshold
+    static_k: int = 2  #: drafts verified per round by decode.policy=static
+    #: the drafter's parallel stage: auto (bf16 on AMX CPUs, else fp32) | fp32 | bf16; decode.* and serve.* alike
+    drafter_precision: str = "auto"
     temperature: float = 1.0  #: 0 = greedy verification
     max_new_tokens: int = 128
     eval_sets: list[str] = field(default_factory=lambda: ["gsm8k", "humaneval", "mt-bench"])
@@ -160,10 +166,10 @@ class DecodeConfig:
 class ServeConfig:
     """Serving under load (`stage=serve`, `sweep=serving`; METHOD §6–§7, paper §5.2, §7)."""
 
-    policy: str = "scheduler"  #: mtp1 | static | fixed | threshold | scheduler | async
+    policy: str = "scheduler"  #: the decode.policy names (one family): mtp1 | static | fixed | threshold | ...
     concurrency: int = 4  #: R, requests kept active at once (closed loop, continuous batching)
     static_k: int = 2  #: drafts verified per request by serve.policy=static
-    threshold: float = 0.5  #: serve.policy=threshold: verify the prefix before the first c̃_k < θ
+    threshold: float = 0.5  #: serve.policy=threshold: prefix before the first raw c_k < θ (calibrated_threshold: c̃_k)
     num_requests: int = 16  #: requests served per run (round-robin over prompt_sets)
     max_new_tokens: int = 64  #: tokens per request
     prompt_sets: list[str] = field(default_factory=lambda: ["gsm8k", "humaneval", "mt-bench"])  #: the prompt mix

@@ -1,128 +1,247 @@
-"""How many drafts to verify per round: fixed, threshold and the hardware-aware scheduler (METHOD §6).
+"""How many drafts to verify: the one policy family of `decode.policy` and `serve.policy` (METHOD §6, paper §5.2).
 
-A policy maps the raw per-slot confidences c_1..c_γ' of one proposal to ℓ ∈ [0, γ']. Losslessness (METHOD §5)
-needs the decision "verify slot k" to depend only on what was known before x_k was sampled, i.e. on c_1..c_k
-(c_k depends on x_<k, never on x_k). All three policies here are prefix rules of that kind:
+One batched contract. A policy maps the confidences of one engine step to ℓ_r for each of its R requests; the
+single-request engine calls it with R = 1:
 
-    fixed       ℓ = γ'
-    threshold   ℓ = number of slots before the first raw c_k < θ (not cumulative, not calibrated; ℓ = 0 allowed)
-    scheduler   Algorithm 1 for R = 1 request with the early stop, on calibrated c̃_k (raw c_k without a
-                calibration): admit slot j while Θ_j = (1 + Σ_{i≤j} a_i)·SPS(1 + j) improves, a_j = Π_{i≤j} c̃_i
+    confidences [R, γ] float   what the policy `reads` (below); columns k ≥ num_drafts[r] are ignored
+    num_drafts  [R] long       γ'_r ≤ γ (drafting stopped early: a drafted stop id, a policy stop, a faulty slot)
+    →           [R] long       ℓ_r ∈ [0, γ'_r]
 
-The threshold policy also offers `stop_drafting(c_1..c_k)`: slot k will not be verified whatever comes later,
-so the proposer stops before sampling x_k (the rule gives the same ℓ on the shorter proposal). The scheduler
-has none on purpose: re-running Algorithm 1 per slot costs more than the sampling it would save.
+    fixed                 ℓ_r = γ'_r                                  verify everything (the paper's offline setting)
+    mtp1                  ℓ_r = min(1, γ'_r)                          the paper's production baseline
+    static                ℓ_r = min(k, γ'_r)                          k = decode.static_k / serve.static_k
+    threshold             prefix before the first RAW c_k < θ          METHOD §6, the paper's Fig. 5 sweep
+    calibrated_threshold  prefix before the first calibrated c̃_k < θ  (serve.policy=threshold before the merge)
+    scheduler             Algorithm 1 over all R requests with the early stop, on calibrated survival
+                          a_{r,j} = Π_{i≤j} c̃_{r,i} and this machine's SPS(B)
+    async                 capacity K = Σℓ of the full search on the calibrated confidences of two steps ago,
+                          filled with the K best current candidates; the first two steps use `scheduler`
+
+What a policy reads (`reads`): "raw" c_k = σ(confidence logit), or "calibrated" c̃_k. Calibration is applied in one
+place, by the engine, before the policy (`policy_confidences`): a calibrated policy on an engine without an STS
+calibration reads the raw c_k. So `threshold` compares the same numbers in `decode.*` and `serve.*`, and a θ means
+the same thing in the Fig. 5 sweep, in evaluation and under load.
+
+All are prefix rules whose decision on slot k depends on c_{≤k} only (or on stale confidences), so verification
+stays lossless (METHOD §5, Appendix A). `threshold` also offers `stop_drafting(c_1..c_k)`: slot k will not be verified
+whatever comes later, so the single-request proposer stops before sampling x_k (same ℓ on the shorter proposal).
+Policies with history (`async`) are reset by the engines when a generation / a serve call starts.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections import deque
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
 from torch import Tensor
 
 from dspark.calibration.sts import STSCalibration
-from dspark.registry import Registry
-from dspark.scheduling.scheduler import schedule_verification
+from dspark.registry import Registry, unknown_name_message
+from dspark.scheduling.scheduler import async_capacity_schedule, schedule_verification
 from dspark.scheduling.sps import SPSTable
 
-POLICY_KEY = "decode.policy"
+RAW, CALIBRATED = "raw", "calibrated"
 
 
 class VerificationPolicy(Protocol):
-    """Chooses ℓ from a proposal's raw confidences [γ'] (None for drafters without a confidence head)."""
+    """ℓ_r [R] from confidences [R, γ] (what `reads` names) and γ'_r [R] (module docstring)."""
 
     name: str
     needs_confidences: bool
+    reads: str  # "raw" | "calibrated"
 
-    def choose(self, *, confidences: Tensor | None, num_drafts: int) -> int: ...
+    def choose(self, *, confidences: Tensor | None, num_drafts: Tensor) -> Tensor: ...
+
+    def reset(self) -> None: ...
 
 
-def _require_confidences(policy: str, confidences: Tensor | None, num_drafts: int) -> Tensor:
+def as_counts(num_drafts: Tensor | int) -> Tensor:
+    """γ'_r as [R] long on the CPU (an int is one request)."""
+    return torch.as_tensor(num_drafts, dtype=torch.long).reshape(-1).cpu()
+
+
+def _check(name: str, confidences: Tensor | None, num_drafts: Tensor, *, key: str) -> Tensor:
+    """confidences [R, γ] float64 on the CPU with the ignored columns zeroed; clear errors otherwise."""
     if confidences is None:
-        raise ValueError(f"{POLICY_KEY}={policy} needs per-slot confidences, but this drafter has no confidence "
-                         f"head (dflash, eagle3); use {POLICY_KEY}=fixed or drafter=dspark")
-    confidences = confidences.detach().reshape(-1)
-    if confidences.numel() != num_drafts:
-        raise ValueError(f"{POLICY_KEY}={policy}: got {confidences.numel()} confidences for {num_drafts} drafts")
-    return confidences
+        raise ValueError(f"{key}.policy={name} needs per-slot confidences, but this drafter has no confidence head "
+                         f"(dflash, eagle3); use {key}.policy=fixed, mtp1 or static, or drafter=dspark")
+    if confidences.dim() == 1:
+        confidences = confidences.unsqueeze(0)
+    if confidences.dim() != 2 or confidences.shape[0] != num_drafts.shape[0]:
+        raise ValueError(f"{key}.policy={name}: confidences must be [R, γ] with R = {num_drafts.shape[0]}, got "
+                         f"{tuple(confidences.shape)}")
+    if bool((num_drafts > confidences.shape[1]).any()):
+        raise ValueError(f"{key}.policy={name}: got {confidences.shape[1]} confidences for "
+                         f"{int(num_drafts.max())} drafts")
+    values = torch.nan_to_num(confidences.detach().to(device="cpu", dtype=torch.float64), nan=0.0)
+    drafted = torch.arange(values.shape[1]).unsqueeze(0) < num_drafts.unsqueeze(1)
+    return torch.where(drafted, values, 0.0)
+
+
+def _cap(lengths: Tensor, num_drafts: Tensor) -> Tensor:
+    return torch.minimum(lengths.to(torch.long).cpu(), num_drafts)
+
+
+@dataclass
+class StaticPolicy:
+    """ℓ_r = min(k, γ'_r): `mtp1` is k = 1, `fixed` is k = None (γ'_r)."""
+
+    k: int | None
+    name: str = "static"
+    key: str = "decode"
+    needs_confidences = False
+    reads = RAW
+
+    def __post_init__(self) -> None:
+        if self.k is not None and int(self.k) < 0:
+            raise ValueError(f"{self.key}.static_k={self.k} must be >= 0 (drafts verified per request)")
+
+    def choose(self, *, confidences: Tensor | None, num_drafts: Tensor | int) -> Tensor:
+        num_drafts = as_counts(num_drafts)
+        return num_drafts.clone() if self.k is None else num_drafts.clamp(max=int(self.k))
+
+    def reset(self) -> None:
+        pass
+
+
+@dataclass
+class ThresholdPolicy:
+    """Per request, the prefix before the first c_k < θ; `reads` raw (`threshold`) or calibrated
+    (`calibrated_threshold`). Per slot, not cumulative; c_k = θ is kept; ℓ = 0 allowed."""
+
+    threshold: float
+    name: str = "threshold"
+    reads: str = RAW
+    key: str = "decode"
+    needs_confidences = True
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= float(self.threshold) <= 1.0:
+            raise ValueError(f"{self.key}.threshold={self.threshold} must lie in [0, 1] (it is compared with the "
+                             f"confidence c_k = σ(·)); e.g. {self.key}.threshold=0.5")
+
+    def choose(self, *, confidences: Tensor | None, num_drafts: Tensor | int) -> Tensor:
+        num_drafts = as_counts(num_drafts)
+        values = _check(self.name, confidences, num_drafts, key=self.key)
+        passing = (values >= self.threshold).to(torch.long).cumprod(dim=1)  # 1 up to the first failure
+        return _cap(passing.sum(dim=1), num_drafts)
+
+    def stop_drafting(self, confidences: Tensor) -> bool:
+        """confidences [k] = c_1..c_k of one request (what `reads` names, known before x_k is sampled) → True
+        when slot k will not be verified."""
+        return bool((torch.nan_to_num(confidences, nan=0.0) < self.threshold).any())
+
+    def reset(self) -> None:
+        pass
+
+
+def _require_sps(name: str, sps: SPSTable | None, key: str) -> None:
+    if sps is None:
+        raise ValueError(f"{key}.policy={name} needs the target's SPS(B) table (the forward rate per batch size); "
+                         "stage=eval / stage=profile profile it for decode.*, stage=serve for serve.* — or choose "
+                         f"{key}.policy=fixed, mtp1, static or threshold")
+
+
+@dataclass
+class SchedulerPolicy:
+    """Algorithm 1 over all R requests with the early stop (lossless), on calibrated survival."""
+
+    sps: SPSTable | None
+    key: str = "decode"
+    name = "scheduler"
+    needs_confidences = True
+    reads = CALIBRATED
+
+    def __post_init__(self) -> None:
+        _require_sps(self.name, self.sps, self.key)
+
+    def choose(self, *, confidences: Tensor | None, num_drafts: Tensor | int) -> Tensor:
+        num_drafts = as_counts(num_drafts)
+        values = _check(self.name, confidences, num_drafts, key=self.key)
+        if values.numel() == 0:
+            return torch.zeros(values.shape[0], dtype=torch.long)
+        return _cap(schedule_verification(values, sps=self.sps), num_drafts)
+
+    def reset(self) -> None:
+        pass
+
+
+@dataclass
+class AsyncPolicy:
+    """Capacity from confidences two steps old, filled by the best current candidates (paper §5.2)."""
+
+    sps: SPSTable | None
+    key: str = "decode"
+    name = "async"
+    needs_confidences = True
+    reads = CALIBRATED
+    _history: deque = field(default_factory=lambda: deque(maxlen=2), repr=False)
+
+    def __post_init__(self) -> None:
+        _require_sps(self.name, self.sps, self.key)
+
+    def choose(self, *, confidences: Tensor | None, num_drafts: Tensor | int) -> Tensor:
+        num_drafts = as_counts(num_drafts)
+        values = _check(self.name, confidences, num_drafts, key=self.key)
+        if values.numel() == 0:
+            lengths = torch.zeros(values.shape[0], dtype=torch.long)
+        elif len(self._history) == 2 and self._history[0].shape == values.shape:
+            lengths = async_capacity_schedule(self._history[0], values, sps=self.sps)
+        else:  # no stale confidences of this shape yet: the synchronous scheduler is the safe fallback
+            lengths = schedule_verification(values, sps=self.sps)
+        self._history.append(values)
+        return _cap(lengths, num_drafts)
+
+    def reset(self) -> None:
+        self._history.clear()
+
+
+POLICIES: Registry = Registry("decode.policy / serve.policy")
+POLICIES.add("fixed", lambda *, static_k, threshold, sps, key: StaticPolicy(None, name="fixed", key=key))
+POLICIES.add("mtp1", lambda *, static_k, threshold, sps, key: StaticPolicy(1, name="mtp1", key=key))
+POLICIES.add("static", lambda *, static_k, threshold, sps, key: StaticPolicy(static_k, name="static", key=key))
+POLICIES.add("threshold", lambda *, static_k, threshold, sps, key: ThresholdPolicy(threshold, key=key))
+POLICIES.add("calibrated_threshold", lambda *, static_k, threshold, sps, key: ThresholdPolicy(
+    threshold, name="calibrated_threshold", reads=CALIBRATED, key=key))
+POLICIES.add("scheduler", lambda *, static_k, threshold, sps, key: SchedulerPolicy(sps, key=key))
+POLICIES.add("async", lambda *, static_k, threshold, sps, key: AsyncPolicy(sps, key=key))
+
+
+def build_policy(name: str, *, threshold: float = 0.5, static_k: int = 2, sps: SPSTable | None = None,
+                 key: str = "decode", calibration: None = None) -> VerificationPolicy:
+    """The policy named by `decode.policy` (key "decode") or `serve.policy` (key "serve"); errors name that key.
+
+    Policies never calibrate: pass the STS calibration to the engine (`SpeculativeEngine(calibration=...)`,
+    `BatchedEngine(calibration=...)`), which applies it before the policy. `calibration` is accepted only as None
+    (older callers passed it here).
+    """
+    if calibration is not None:
+        raise ValueError("build_policy(calibration=...) is gone: the engine applies the STS calibration before the "
+                         "policy; pass it as SpeculativeEngine(calibration=...) or BatchedEngine(calibration=...)")
+    if name not in POLICIES:
+        raise ValueError(unknown_name_message(f"{key}.policy", name, POLICIES.names()))
+    return POLICIES.resolve(name)(static_k=static_k, threshold=threshold, sps=sps, key=key)
 
 
 def calibrate_confidences(calibration: STSCalibration, confidences: Tensor) -> Tensor:
-    """c̃ [γ'] from raw c [γ'], γ' ≤ the γ the calibration was fitted for (a short proposal uses T_1..T_γ')."""
+    """c̃ [..., γ'] from raw c [..., γ'], γ' ≤ the γ the calibration was fitted for (a short proposal uses
+    T_1..T_γ'; the padding columns of a batched proposal are calibrated and then ignored by every policy)."""
     block = len(calibration.temperatures)
     count = confidences.shape[-1]
     if count > block:
         raise ValueError(f"the STS calibration was fitted for block_size={block} but the drafter proposed {count} "
                          "tokens; refit the calibration for this drafter")
-    padded = torch.cat([confidences, confidences.new_zeros(block - count)]) if count < block else confidences
-    return calibration.apply(padded)[:count]
+    if count == block:
+        return calibration.apply(confidences)
+    padded = torch.cat([confidences, confidences.new_zeros(*confidences.shape[:-1], block - count)], dim=-1)
+    return calibration.apply(padded)[..., :count]
 
 
-@dataclass
-class FixedPolicy:
-    """ℓ = γ': verify every draft (the paper's offline evaluation)."""
-
-    name = "fixed"
-    needs_confidences = False
-
-    def choose(self, *, confidences: Tensor | None, num_drafts: int) -> int:
-        return num_drafts
-
-
-@dataclass
-class ThresholdPolicy:
-    """Verify the prefix before the first raw c_k < θ (diagnostic; METHOD §6)."""
-
-    threshold: float
-    name = "threshold"
-    needs_confidences = True
-
-    def __post_init__(self) -> None:
-        if not 0.0 <= float(self.threshold) <= 1.0:
-            raise ValueError(f"decode.threshold={self.threshold} must lie in [0, 1] (it is compared with the "
-                             "confidence c_k = σ(·)); e.g. decode.threshold=0.5")
-
-    def choose(self, *, confidences: Tensor | None, num_drafts: int) -> int:
-        confidences = _require_confidences(self.name, confidences, num_drafts)
-        below = torch.nonzero(confidences < self.threshold)
-        return int(below[0, 0]) if below.numel() else num_drafts
-
-    def stop_drafting(self, confidences: Tensor) -> bool:
-        """confidences [k] = c_1..c_k (known before x_k is sampled) → True when slot k will not be verified."""
-        return bool((confidences < self.threshold).any())
-
-
-@dataclass
-class SchedulerPolicy:
-    """Algorithm 1 for one request with the early stop (lossless); `calibration` None uses raw c_k."""
-
-    sps: SPSTable | None
-    calibration: STSCalibration | None = None
-    name = "scheduler"
-    needs_confidences = True
-
-    def __post_init__(self) -> None:
-        if self.sps is None:
-            raise ValueError(f"{POLICY_KEY}=scheduler needs the target's SPS(B) table; run stage=profile first "
-                             "(it measures the forward rate per batch size) or choose another decode.policy")
-
-    def choose(self, *, confidences: Tensor | None, num_drafts: int) -> int:
-        confidences = _require_confidences(self.name, confidences, num_drafts)
-        if num_drafts == 0:
-            return 0
-        if self.calibration is not None:
-            confidences = calibrate_confidences(self.calibration, confidences)
-        return int(schedule_verification(confidences.unsqueeze(0), sps=self.sps)[0])
-
-
-POLICIES: Registry = Registry(POLICY_KEY)
-POLICIES.add("fixed", lambda *, threshold, sps, calibration: FixedPolicy())
-POLICIES.add("threshold", lambda *, threshold, sps, calibration: ThresholdPolicy(threshold))
-POLICIES.add("scheduler", lambda *, threshold, sps, calibration: SchedulerPolicy(sps, calibration))
-
-
-def build_policy(name: str, *, threshold: float = 0.5, sps: SPSTable | None = None,
-                 calibration: STSCalibration | None = None) -> VerificationPolicy:
-    """The policy named by `decode.policy` (unknown names list the valid ones)."""
-    return POLICIES.resolve(name)(threshold=threshold, sps=sps, calibration=calibration)
+def policy_confidences(policy: VerificationPolicy | None, *, raw: Tensor | None,
+                       calibrated: Tensor | None) -> Tensor | None:
+    """What `policy` reads: the calibrated confidences when it `reads` them and the engine has a calibration,
+    else the raw ones (the one place, shared by both engines, where the choice is made)."""
+    if policy is not None and getattr(policy, "reads", RAW) == CALIBRATED and calibrated is not None:
+        return calibrated
+    return raw

@@ -22,12 +22,20 @@ from typing import Protocol
 
 import torch
 from torch import Tensor, nn
-from torch.nn import functional as F
 
+from dspark.decoding.drafting import (
+    ParallelStage,
+    clean_confidences,
+    draft_to_target,
+    resolve_precision,
+    to_target_probs,
+    usable_logits,
+)
 from dspark.decoding.verify import probs_from_logits, sample_from_probs
+from dspark.drafters.backbone import ExtendKV
 from dspark.drafters.dspark import DSparkDrafter
 from dspark.drafters.eagle3 import Eagle3Drafter
-from dspark.drafters.layers import apply_rotary
+from dspark.timing import synchronize
 
 PolicyHook = Callable[[Tensor], bool]  # c_1..c_k [k] → True: slot k will not be verified, stop before sampling x_k
 
@@ -60,11 +68,6 @@ class Proposer(Protocol):
                 policy_hook: PolicyHook | None = None) -> Proposal:
         """Draft after `anchor_token` at `anchor_position` (== the number of context positions)."""
 
-
-def _sync(device: torch.device) -> None:
-    # Host timers see queued CUDA work only after a sync.
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def _sample(logits: Tensor, temperature: float, generator: torch.Generator | None) -> tuple[Tensor, Tensor]:
@@ -114,12 +117,18 @@ class GrowingBuffer:
 
 
 class DSparkProposer:
-    """DSpark/DFlash proposer with cached H_ctx and per-layer context keys/values (see module docstring)."""
+    """DSpark/DFlash proposer with cached H_ctx and per-layer context keys/values (see module docstring).
 
-    def __init__(self, drafter: DSparkDrafter) -> None:
+    `precision` is `decode.drafter_precision` (auto | fp32 | bf16; `dspark.decoding.drafting`): the parallel
+    stage's dtype. fp32 by default so that library callers get the drafter's own numbers unless they ask.
+    """
+
+    def __init__(self, drafter: DSparkDrafter, *, precision: str = "fp32") -> None:
         self.drafter = drafter.eval()
         self.block_size = drafter.block_size
         self.has_confidence = drafter.confidence_head is not None
+        self.vocab_size = drafter.spec.vocab_size
+        self.stage = ParallelStage(drafter, resolve_precision(precision, drafter.backbone.mask_embedding.device))
         self._reset()
 
     def _reset(self) -> None:
@@ -145,15 +154,15 @@ class DSparkProposer:
     @torch.no_grad()
     def extend(self, *, features: Tensor, token_ids: list[int] | None = None) -> None:
         """Fuse the new positions once and project them to every layer's keys/values (token ids unused)."""
-        backbone = self.drafter.backbone
+        backbone = self.stage.backbone
         fused = backbone.fuse_context(features)  # [1, n, d]
         start = self.context_length
         positions = torch.arange(start, start + fused.shape[1], device=fused.device)
-        cos, sin = backbone.rotary(positions.unsqueeze(0))
+        rope = backbone.rotary(positions.unsqueeze(0))
         for layer, keys, values in zip(backbone.layers, self._keys, self._values):
-            attn = layer.self_attn
-            keys.append(apply_rotary(attn._heads(fused, attn.k_proj, attn.num_kv_heads, attn.k_norm), cos, sin))
-            values.append(attn._heads(fused, attn.v_proj, attn.num_kv_heads))
+            k, v = layer.context_kv(fused, rope)
+            keys.append(k)
+            values.append(v)
         self._context.append(fused)
 
     @torch.no_grad()
@@ -165,74 +174,73 @@ class DSparkProposer:
                              f"{self.context_length} positions; it must hold exactly the positions before the anchor")
         device = self.drafter.backbone.mask_embedding.device
         start = time.perf_counter()
-        hidden = self.block_hidden(anchor_token, anchor_position)  # [γ, d]
-        parallel_logits = self.drafter.project(hidden)  # [γ, V]
-        _sync(device)
+        hidden = self.block_hidden(anchor_token, anchor_position)  # [γ, d] float32
+        parallel_logits = self.stage.logits(hidden)  # [γ, Vd] float32
+        synchronize(device)
         middle = time.perf_counter()
         tokens, probs, confidences = self._sequential(hidden, parallel_logits, anchor_token=anchor_token,
                                                       temperature=temperature, generator=generator,
                                                       stop_ids=stop_ids, policy_hook=policy_hook)
-        _sync(device)
+        synchronize(device)
         return Proposal(tokens, probs, confidences, seconds_parallel=middle - start,
                         seconds_sequential=time.perf_counter() - middle)
 
     def block_hidden(self, anchor_token: int, anchor_position: int) -> Tensor:
-        """h_k [γ, d] of the block [x_0, MASK×(γ−1)] at positions anchor..anchor+γ−1 over the cached context."""
-        backbone, gamma = self.drafter.backbone, self.block_size
+        """h_k [γ, d] (float32) of the block [x_0, MASK×(γ−1)] at positions anchor..anchor+γ−1 over the cached
+        context (one forward of γ queries; the context is never re-projected)."""
+        backbone, gamma = self.stage.backbone, self.block_size
         device = backbone.mask_embedding.device
         ids = torch.full((1, 1, gamma), self.drafter.mask_token_id, dtype=torch.long, device=device)
         ids[0, 0, 0] = anchor_token
         hidden = backbone.embed_block(ids).flatten(1, 2)  # [1, γ, d]
         positions = torch.arange(anchor_position, anchor_position + gamma, device=device)
-        cos, sin = backbone.rotary(positions.unsqueeze(0))
+        rope = backbone.rotary(positions.unsqueeze(0))
         for layer, keys, values in zip(backbone.layers, self._keys, self._values):
-            hidden = self._layer(layer, hidden, keys, values, rope=(cos, sin))
-        return backbone.norm(hidden)[0]
-
-    @staticmethod
-    def _layer(layer: nn.Module, hidden: Tensor, keys: GrowingBuffer, values: GrowingBuffer, *,
-               rope: tuple[Tensor, Tensor]) -> Tensor:
-        """One draft layer for the block: queries from the block, keys/values = [cached context ; block].
-
-        The block's keys/values are written into the buffers' spare room (not committed), so the context is
-        never copied; every context position is before the anchor, so no mask is needed.
-        """
-        attn, (cos, sin) = layer.self_attn, rope
-        x = layer.input_layernorm(hidden)
-        q = apply_rotary(attn._heads(x, attn.q_proj, attn.num_heads, attn.q_norm), cos, sin)
-        k = apply_rotary(attn._heads(x, attn.k_proj, attn.num_kv_heads, attn.k_norm), cos, sin)
-        v = attn._heads(x, attn.v_proj, attn.num_kv_heads)
-        length = k.shape[2]
-        for buffer, block in ((keys, k), (values, v)):
-            buffer.reserve(length, block)
-            buffer.view(length).narrow(2, buffer.length, length).copy_(block)
-        out = F.scaled_dot_product_attention(q, keys.view(length), values.view(length),
-                                             enable_gqa=attn.num_heads != attn.num_kv_heads)
-        hidden = hidden + attn.o_proj(out.transpose(1, 2).flatten(-2))
-        return hidden + layer.mlp(layer.post_attention_layernorm(hidden))
+            hidden = layer.forward_cached(hidden, rope=rope, extend_kv=_spare_room(keys, values))
+        return backbone.norm(hidden)[0].float()
 
     def _sequential(self, hidden: Tensor, parallel_logits: Tensor, *, anchor_token: int, temperature: float,
                     generator: torch.Generator | None, stop_ids: Collection[int],
                     policy_hook: PolicyHook | None) -> tuple[Tensor, Tensor, Tensor | None]:
-        """Left-to-right sampling: x_k from U_k + B_k(x_{k-1}); c_k before x_k (so a hook may stop first)."""
+        """Left-to-right sampling over the draft vocabulary: x_k from U_k + B_k(x_{k-1}); c_k before x_k (so a hook
+        may stop first); a slot with unusable logits ends the proposal before it is sampled (fault guard)."""
+        ids = self.stage.ids
         prev = torch.tensor([anchor_token], device=hidden.device)
         state, tokens, probs = None, [], []
         confidences: list[Tensor] | None = [] if self.has_confidence else None
         for k in range(self.block_size):
             logits, conf_logit, state = self.drafter.sequential_step(
                 hidden_k=hidden[k:k + 1], parallel_logits_k=parallel_logits[k:k + 1], prev_token=prev, state=state)
+            if not bool(usable_logits(logits)):
+                break
             if confidences is not None:
-                confidences.append(torch.sigmoid(conf_logit.float()))
+                confidences.append(clean_confidences(torch.sigmoid(conf_logit.float())))
                 if policy_hook is not None and policy_hook(torch.cat(confidences)):
                     break
-            draft_id, p = _sample(logits, temperature, generator)  # over the draft vocabulary (Vd)
-            head = self.drafter.draft_head
-            prev = head.to_target_ids(draft_id)  # the drafted target token feeds the next slot and the verifier
+            index, p = _sample(logits, temperature, generator)
+            prev = index if ids is None else ids[index]
             tokens.append(prev)
-            probs.append(head.expand(p))  # p_d over the full V, exactly 0 outside the draft vocabulary
+            probs.append(p)  # over Vd; expanded to V (zero outside the draft vocabulary) once, below
             if int(prev) in stop_ids:
                 break
-        return _stack_proposal(tokens, probs, confidences, self.drafter.spec.vocab_size, hidden.device)
+        tokens_, probs_, confidences_ = _stack_proposal(tokens, probs, confidences, parallel_logits.shape[-1],
+                                                        hidden.device)
+        return tokens_, to_target_probs(probs_, ids, self.vocab_size), confidences_
+
+
+def _spare_room(keys: GrowingBuffer, values: GrowingBuffer) -> ExtendKV:
+    """`extend_kv` for one layer: the block's keys/values go into the buffers' spare room past the committed
+    context (not committed, so the next round overwrites them) and the attended keys are a view, never a copy;
+    every context position is before the anchor, so no mask is needed."""
+
+    def extend(k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        length = k.shape[2]
+        for buffer, block in ((keys, k), (values, v)):
+            buffer.reserve(length, block)
+            buffer.view(length).narrow(2, buffer.length, length).copy_(block)
+        return keys.view(length), values.view(length)
+
+    return extend
 
 
 class Eagle3Proposer:
@@ -240,9 +248,15 @@ class Eagle3Proposer:
 
     has_confidence = False
 
-    def __init__(self, drafter: Eagle3Drafter) -> None:
+    def __init__(self, drafter: Eagle3Drafter, *, precision: str = "fp32") -> None:
         self.drafter = drafter.eval()
         self.block_size = drafter.block_size
+        self.vocab_size = drafter.spec.vocab_size
+        self._ids = draft_to_target(drafter)
+        self._draft_vocab = self.vocab_size if self._ids is None else int(self._ids.numel())
+        # EAGLE-3's chain is one layer re-run over the prefix: no bf16 copy (precision is accepted for symmetry and
+        # checked, but the chain stays in the drafter's dtype).
+        resolve_precision(precision)
         self._features = GrowingBuffer(dim=1)
         self._tokens: list[int] = []
 
@@ -264,28 +278,46 @@ class Eagle3Proposer:
     def propose(self, *, anchor_token: int, anchor_position: int, temperature: float,
                 generator: torch.Generator | None, stop_ids: Collection[int],
                 policy_hook: PolicyHook | None = None) -> Proposal:
-        """`policy_hook` is unused: EAGLE-3 has no confidences. All drafting time counts as sequential."""
+        """`policy_hook` is unused: EAGLE-3 has no confidences. All drafting time counts as sequential. Sampling is
+        over the draft vocabulary; a step with unusable logits ends the chain before it (`drafting` module)."""
         if anchor_position != self.context_length:
             raise ValueError(f"Eagle3Proposer: anchor at position {anchor_position} but the context holds "
                              f"{self.context_length} positions; it must hold exactly the positions before the anchor")
         features = self._features.view()
         start = time.perf_counter()
         ids = torch.tensor([[*self._tokens, anchor_token]], device=features.device)
-        draft = self.drafter.draft_chain(context_features=features, context_ids=ids, num_tokens=self.block_size,
-                                         sample_fn=lambda logits: _sample(logits, temperature, generator),
-                                         stop_ids=stop_ids)
-        _sync(features.device)
-        return Proposal(draft.tokens[0], draft.probs[0].float(), None,
+        tokens, probs = [], []
+
+        def sample(logits: Tensor) -> tuple[Tensor, Tensor]:
+            if not bool(usable_logits(logits).all()):
+                raise _UnusableSlot
+            index, p = _sample(logits, temperature, generator)  # a draft id; the chain maps it to a target id
+            tokens.append((index if self._ids is None else self._ids[index]).reshape(1))
+            probs.append(p.reshape(1, -1))
+            return index, p
+
+        try:
+            self.drafter.draft_chain(context_features=features, context_ids=ids, num_tokens=self.block_size,
+                                     sample_fn=sample, stop_ids=stop_ids)
+        except _UnusableSlot:
+            pass  # the drafts before the faulty step stand (each was sampled from its own, usable p_d)
+        synchronize(features.device)
+        tokens_, probs_, _ = _stack_proposal(tokens, probs, None, self._draft_vocab, features.device)
+        return Proposal(tokens_, to_target_probs(probs_.float(), self._ids, self.vocab_size), None,
                         seconds_sequential=time.perf_counter() - start)
 
 
-def build_proposer(drafter: nn.Module | None) -> DSparkProposer | Eagle3Proposer | None:
-    """The proposer of a drafter module (None → None: target-only decoding)."""
+class _UnusableSlot(Exception):
+    """Raised inside EAGLE-3's chain to stop it at a step whose logits define no distribution."""
+
+
+def build_proposer(drafter: nn.Module | None, *, precision: str = "fp32") -> DSparkProposer | Eagle3Proposer | None:
+    """The proposer of a drafter module (None → None: target-only decoding); `precision` = decode.drafter_precision."""
     if drafter is None:
         return None
     if isinstance(drafter, DSparkDrafter):
-        return DSparkProposer(drafter)
+        return DSparkProposer(drafter, precision=precision)
     if isinstance(drafter, Eagle3Drafter):
-        return Eagle3Proposer(drafter)
+        return Eagle3Proposer(drafter, precision=precision)
     raise ValueError(f"no proposer for a {type(drafter).__name__}; expected a DSparkDrafter (dspark, dflash) or an "
                      "Eagle3Drafter (eagle3), e.g. from dspark.api.load_trained_drafter")

@@ -26,10 +26,10 @@ class RoundRecord:
     num_accepted: int                 # A
     committed: int                    # τ: tokens committed this round (extra token included; EOS rule §5)
     extra_token: int | None           # the target's correction or bonus; None when an accepted draft was a stop id
-    seconds_draft_parallel: float = 0.0    # drafter's parallel forward (backbone + LM head)
+    seconds_draft_parallel: float = 0.0    # drafter's parallel forward (backbone + LM head) + context update
     seconds_draft_sequential: float = 0.0  # drafter's sequential sampling loop (all of EAGLE-3's chain)
     seconds_verify: float = 0.0            # the target's verify forward and its probabilities
-    seconds_other: float = 0.0             # the rest of the round: policy, verifier, rollback, context update
+    seconds_other: float = 0.0             # the rest of the round: policy, verifier, commit, rollback (overhead)
 
     @property
     def seconds(self) -> float:

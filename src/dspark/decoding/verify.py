@@ -90,15 +90,21 @@ def sample_from_probs(probs: Tensor, generator: torch.Generator | None = None, *
             raise ValueError("sample_from_probs needs a torch.Generator or pre-drawn uniforms")
         uniforms = draw_uniforms(tuple(probs.shape[:-1]), generator, probs.device)
     weights = probs.to(torch.float64)
-    if bool((weights.sum(-1) <= 0).any()) or bool((weights < 0).any()):
-        raise ValueError("sample_from_probs: every row needs non-negative weights with positive mass")
     cdf = weights.cumsum(-1)
-    target = (uniforms.to(torch.float64) * cdf[..., -1]).unsqueeze(-1)
+    total = cdf[..., -1]
+    # One host sync for both checks (total mass ≤ 0 or NaN, any negative weight): this runs once per drafted slot.
+    if bool(((total <= 0) | total.isnan() | (weights.amin(-1) < 0)).any()):
+        raise ValueError("sample_from_probs: every row needs non-negative weights with positive mass")
+    target = (uniforms.to(torch.float64) * total).unsqueeze(-1)
     index = torch.searchsorted(cdf.contiguous(), target.contiguous(), right=True).squeeze(-1)
-    # x·total can round up to total itself; clamp to the last index that has weight.
-    positions = torch.arange(weights.shape[-1], device=weights.device)
-    last_positive = torch.where(weights > 0, positions, -1).amax(-1)
-    return torch.minimum(index, last_positive)
+    # searchsorted(right=True) lands on an index of positive weight unless x·total rounds up to total itself (index
+    # V, or past the last positive weight): only then clamp to the last index that has weight.
+    index = index.clamp_(max=weights.shape[-1] - 1)
+    if bool((weights.gather(-1, index.unsqueeze(-1)).squeeze(-1) <= 0).any()):
+        positions = torch.arange(weights.shape[-1], device=weights.device)
+        last_positive = torch.where(weights > 0, positions, -1).amax(-1)
+        index = torch.minimum(index, last_positive)
+    return index
 
 
 def _extra_token_weights(target_row: Tensor, draft_row: Tensor | None) -> Tensor:

@@ -14,6 +14,7 @@ Shape symbols: B sequences, T context length, N blocks per sequence, γ block si
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -21,6 +22,9 @@ from torch import Tensor, nn
 from torch.nn import functional as F
 
 from dspark.drafters.layers import DraftLayerSpec, RMSNorm, RotaryEmbedding, SwiGLU, apply_rotary, init_new_weights
+
+# (block keys, block values) [B, H_kv, L, hd] → keys/values to attend [B, H_kv, T+L, hd] (cached context first)
+ExtendKV = Callable[[Tensor, Tensor], tuple[Tensor, Tensor]]
 
 
 def create_block_mask(*, anchor_positions: Tensor, context_valid: Tensor, block_size: int) -> Tensor:
@@ -132,6 +136,29 @@ class KVInjectionAttention(nn.Module):
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # [B, H, L, hd]
         return self.o_proj(out.transpose(1, 2).flatten(-2))
 
+    # ---- cached decoding (dspark.decoding.proposers, dspark.serving.proposer) ----
+
+    def context_kv(self, context: Tensor, rope: tuple[Tensor, Tensor]) -> tuple[Tensor, Tensor]:
+        """Keys (k-norm, RoPE) and values of fused context rows: context [B, T, d] (H_ctx), rope (cos, sin)
+        [B, T, hd] at their absolute positions → ([B, H_kv, T, hd], [B, H_kv, T, hd]). Each row depends on its
+        own position only, so a decoder computes it once per committed position and caches it."""
+        cos, sin = rope
+        return (apply_rotary(self._heads(context, self.k_proj, self.num_kv_heads, self.k_norm), cos, sin),
+                self._heads(context, self.v_proj, self.num_kv_heads))
+
+    def forward_cached(self, block: Tensor, *, rope: tuple[Tensor, Tensor], extend_kv: ExtendKV,
+                       mask: Tensor | None = None) -> Tensor:
+        """`forward` over cached context keys/values: block [B, L, d] (already input-normed), rope (cos, sin)
+        [B, L, hd] of the block positions; `extend_kv(k, v)` receives the block's keys/values [B, H_kv, L, hd]
+        and returns the keys/values to attend, [cached context ; block] ([B, H_kv, T+L, hd]; how they are
+        stored is the caller's choice); mask [B, 1, L, T+L] bool or None (attend to all) → [B, L, d]."""
+        cos, sin = rope
+        q = apply_rotary(self._heads(block, self.q_proj, self.num_heads, self.q_norm), cos, sin)
+        keys, values = extend_kv(*self.context_kv(block, rope))
+        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask,
+                                             enable_gqa=self.num_heads != self.num_kv_heads)
+        return self.o_proj(out.transpose(1, 2).flatten(-2))
+
 
 class DraftDecoderLayer(nn.Module):
     """Pre-norm decoder layer of the target's family with KV injection; the context skips its norms."""
@@ -146,6 +173,18 @@ class DraftDecoderLayer(nn.Module):
     def forward(self, hidden: Tensor, context: Tensor, *, rope: tuple[Tensor, Tensor], mask: Tensor) -> Tensor:
         """hidden [B, L, d] block stream, context [B, T, d] → new block stream [B, L, d]."""
         hidden = hidden + self.self_attn(self.input_layernorm(hidden), context, rope=rope, mask=mask)
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+    def context_kv(self, context: Tensor, rope: tuple[Tensor, Tensor]) -> tuple[Tensor, Tensor]:
+        """This layer's cacheable keys/values of fused context rows (`KVInjectionAttention.context_kv`)."""
+        return self.self_attn.context_kv(context, rope)
+
+    def forward_cached(self, hidden: Tensor, *, rope: tuple[Tensor, Tensor], extend_kv: ExtendKV,
+                       mask: Tensor | None = None) -> Tensor:
+        """`forward` for a block over cached context keys/values (`KVInjectionAttention.forward_cached`):
+        hidden [B, L, d] block stream → [B, L, d]; equal to `forward` with the context the cache was built from."""
+        hidden = hidden + self.self_attn.forward_cached(self.input_layernorm(hidden), rope=rope, extend_kv=extend_kv,
+                                                        mask=mask)
         return hidden + self.mlp(self.post_attention_layernorm(hidden))
 
 

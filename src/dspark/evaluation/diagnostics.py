@@ -2,9 +2,9 @@
 per-round latency breakdown (paper Fig. 4 right).
 
 - SPS(B) (METHOD §6): one target forward of B = 1..γ+1 new tokens appended to a ~256-token KV cache (rolled back
-  after every call), median of 5 timed calls. Cached per target and machine at
-  `<cache>/sps/<target fingerprint[:16]>-<machine hash>.json`; a table whose recorded target or machine differs is
-  re-profiled with a warning.
+  after every call), median of 5 timed calls — the R = 1 case of the one cached profile (`scheduling.profile`,
+  `<cache>/sps/serving-<target>-<machine>-r1-c256.json`); a table whose recorded target or machine differs, or that
+  does not reach γ+1, is re-profiled with a warning.
 - Threshold sweep: for each θ in a grid, decode the prompts with the threshold policy (verify the prefix before the
   first c_k < θ) and report, per domain (rounds pooled over its prompts), accepted and rejected drafts per round and
   the verify rate Σ τ / Σ (ℓ_eff + 1).
@@ -14,7 +14,6 @@ per-round latency breakdown (paper Fig. 4 right).
 """
 from __future__ import annotations
 
-import hashlib
 import logging
 import statistics
 from pathlib import Path
@@ -26,7 +25,8 @@ from tqdm.auto import tqdm
 
 from dspark.evaluation.plots import plot_latency_breakdown, plot_threshold_sweep
 from dspark.evaluation.rollouts import EvalPrompt, run_rollouts
-from dspark.scheduling import SPSTable, machine_fingerprint, profile_sps
+from dspark.scheduling import SPSTable
+from dspark.scheduling.profile import load_or_profile_serving_sps, profile_serving_sps, serving_sps_path
 
 log = logging.getLogger("dspark")
 SPS_CONTEXT_TOKENS = 256
@@ -37,47 +37,23 @@ TIMES = {"seconds_verify": "verify_ms", "seconds_draft_parallel": "draft_paralle
 # ---- SPS(B) for the scheduler ----
 
 def sps_table_path(cache_dir: str | Path, target: Any) -> Path:
-    """`<cache>/sps/<target fingerprint[:16]>-<machine hash>.json`."""
-    machine = hashlib.sha256(machine_fingerprint().encode()).hexdigest()[:12]
-    return Path(cache_dir) / "sps" / f"{target.fingerprint[:16]}-{machine}.json"
+    """Where the single-request table is cached: the R = 1, 256-token-context file of `scheduling.profile`."""
+    return serving_sps_path(cache_dir, target, num_rows=1, context_length=SPS_CONTEXT_TOKENS)
 
 
 def profile_target_sps(target: Any, *, max_tokens: int, context_tokens: int = SPS_CONTEXT_TOKENS,
                        repeats: int = 5, seed: int = 0) -> SPSTable:
-    """Time one target forward of B = 1..max_tokens tokens appended to a `context_tokens` cache."""
-    generator = torch.Generator().manual_seed(seed)
-    context = torch.randint(0, target.vocab_size, (1, context_tokens), generator=generator).to(target.device)
-    cache = target.new_cache()
-    target.forward(context, cache=cache)
-
-    def forward_fn(tokens: int) -> None:
-        ids = torch.randint(0, target.vocab_size, (1, tokens), generator=generator).to(target.device)
-        target.forward(ids, cache=cache)
-        target.rollback(cache, keep=context_tokens)  # every call sees the same cache length
-
-    return profile_sps(forward_fn, batch_tokens=range(1, max_tokens + 1), repeats=repeats,
-                       target_fingerprint=target.fingerprint)
+    """Time one target forward of B = 1..max_tokens tokens (and p_t at each) appended to a `context_tokens` cache."""
+    return profile_serving_sps(target, max_batch_tokens=max_tokens, num_rows=1, context_length=context_tokens,
+                               repeats=repeats, seed=seed, batch_tokens=list(range(1, max_tokens + 1)))
 
 
 def load_or_profile_sps(*, target: Any, cache_dir: str | Path, block_size: int,
                         refresh: bool = False) -> tuple[SPSTable, Path]:
-    """The cached SPS table of this target and machine covering B = 1..γ+1, profiling it when missing / stale."""
-    path = sps_table_path(cache_dir, target)
-    if path.exists() and not refresh:
-        table = SPSTable.load(path)
-        if not table.matches(target.fingerprint, machine_fingerprint()):
-            log.warning("SPS table %s was profiled for another target or machine (%s); re-profiling", path,
-                        table.machine)
-        elif table.batch_tokens[-1] < block_size + 1:
-            log.warning("SPS table %s covers B <= %d but γ+1 = %d; re-profiling", path, table.batch_tokens[-1],
-                        block_size + 1)
-        else:
-            return table, path
-    log.info("profiling the target's steps/s SPS(B) for B = 1..%d tokens on a %d-token cache (once per target and "
-             "machine) → %s", block_size + 1, SPS_CONTEXT_TOKENS, path)
-    table = profile_target_sps(target, max_tokens=block_size + 1)
-    table.save(path)
-    return table, path
+    """The cached SPS table of this target and machine covering B = 1..γ+1 (R = 1), profiling it when missing or
+    stale — the one cache of `dspark.scheduling.profile`, shared with serving."""
+    return load_or_profile_serving_sps(target, cache_dir=cache_dir, max_batch_tokens=block_size + 1, num_rows=1,
+                                       context_length=SPS_CONTEXT_TOKENS, repeats=5, refresh=refresh)
 
 
 def sps_markdown(table: SPSTable) -> str:
@@ -97,7 +73,7 @@ def threshold_sweep(*, target: Any, proposer: Any, prompts: Sequence[EvalPrompt]
 
     rows = []
     for threshold in thresholds:
-        policy = build_policy("threshold", threshold=float(threshold), sps=None, calibration=calibration)
+        policy = build_policy("threshold", threshold=float(threshold))  # raw c_k (Fig. 5); c̃ is recorded
         engine = SpeculativeEngine(target=target, proposer=proposer, policy=policy, temperature=temperature,
                                    max_new_tokens=max_new_tokens, calibration=calibration)
         rollouts = run_rollouts({"speculative": engine}, prompts, seed=seed, desc=f"threshold {threshold:g}",

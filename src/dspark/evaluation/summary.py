@@ -216,7 +216,8 @@ def report_markdown(meta: dict, summary: EvalSummary, *, cond_plot: str, calibra
                     reliability_plot: str | None = None) -> str:
     """The evaluation report: what ran, the command, the tables and the figures (relative file names)."""
     decode = meta["decode"]
-    policy = decode["policy"] + (f" (θ = {decode['threshold']:g})" if decode["policy"] == "threshold" else "")
+    policy = decode["policy"] + (f" (θ = {decode['threshold']:g})" if "threshold" in decode["policy"] else
+                                 f" (ℓ = {decode.get('static_k')})" if decode["policy"] == "static" else "")
     lines = [
         f"# Evaluation — {meta['run_name']}", "",
         f"- command: `{meta['command']}`",

@@ -19,7 +19,7 @@ from dspark.reports.stats import estimate
 from dspark.reports.writer import Section
 from dspark.serving.records import ServeSummary
 
-POLICY_ORDER = ("mtp1", "static", "fixed", "threshold", "scheduler", "async")
+POLICY_ORDER = ("mtp1", "static", "fixed", "threshold", "calibrated_threshold", "scheduler", "async")
 FIELDS = ("throughput", "user_speed", "budget", "tau")
 POLICY_AXIS, CONCURRENCY_AXIS = "axis.serve.policy", "axis.serve.concurrency"
 _SIM = re.compile(r"^sim/R(\d+)/throughput$")

@@ -31,14 +31,31 @@ from torch import Tensor
 from tqdm.auto import tqdm
 
 from dspark.calibration.sts import STSCalibration
-from dspark.decoding.engine import commit_verified
+from dspark.decoding.policies import VerificationPolicy, build_policy
+from dspark.decoding.shared import (
+    STOP_EOS,
+    STOP_MAX_NEW_TOKENS,
+    STOP_REJECTED,
+    check_calibration,
+    check_max_new_tokens,
+    check_policy_drafter,
+    check_temperature,
+    commit_verified,
+    is_done,
+    prompt_error,
+    sample_first,
+    step_confidences,
+    stop_reason,
+)
 from dspark.decoding.verify import probs_from_logits, verify_drafts
+from dspark.timing import synchronize
 from dspark.serving.kv import BatchedKVCache, check_concurrency, kv_budget, prefill
-from dspark.serving.policies import ServePolicy, StaticPolicy
 from dspark.serving.proposer import BatchedDSparkProposer, BatchProposal, check_serving_drafter
 from dspark.serving.records import RequestResult, ServeRound, ServeStep, ServeSummary, summarize_serving
 
-STOP_EOS, STOP_MAX_NEW_TOKENS, STOP_REJECTED = "eos", "max_new_tokens", "rejected"
+__all__ = ["STOP_EOS", "STOP_MAX_NEW_TOKENS", "STOP_REJECTED", "BatchedEngine", "ServeRequest", "ServeResult",
+           "request_generator"]
+KEY = "serve"
 
 
 @dataclass
@@ -109,24 +126,21 @@ class BatchedEngine:
     """Continuous-batching speculative decoding for DSpark/DFlash drafters (numbered steps: module docstring).
 
     drafter None serves target-only (ℓ = 0 for every row, policy unused). policy None with a drafter = `fixed`.
+    `calibration` (STS) is applied before policies that read calibrated confidences (`decoding.policies`) and
+    recorded either way; `precision` is decode.drafter_precision (`decoding.drafting`).
     """
 
-    def __init__(self, *, target, drafter, policy: ServePolicy | None, temperature: float, max_new_tokens: int,
-                 calibration: STSCalibration | None = None) -> None:
-        if temperature < 0:
-            raise ValueError(f"serve.temperature={temperature} must be >= 0 (0 = greedy verification)")
-        if int(max_new_tokens) < 1:
-            raise ValueError(f"serve.max_new_tokens={max_new_tokens} must be >= 1")
+    def __init__(self, *, target, drafter, policy: VerificationPolicy | None, temperature: float,
+                 max_new_tokens: int, calibration: STSCalibration | None = None, precision: str = "fp32") -> None:
+        temperature = check_temperature(temperature, KEY)
+        max_new_tokens = check_max_new_tokens(max_new_tokens, KEY)
         drafter = check_serving_drafter(drafter)
-        policy = policy if policy is not None or drafter is None else StaticPolicy(None, name="fixed")
-        if drafter is not None and getattr(policy, "needs_confidences", False) and drafter.confidence_head is None:
-            raise ValueError(f"serve.policy={policy.name} needs a drafter with a confidence head (drafter=dspark); "
-                             "dflash has none: use serve.policy=mtp1, static or fixed")
-        if calibration is not None and drafter is not None and len(calibration.temperatures) != drafter.block_size:
-            raise ValueError(f"the STS calibration was fitted for block_size={len(calibration.temperatures)} but the "
-                             f"drafter has block_size={drafter.block_size}; refit the calibration for this drafter")
+        policy = policy if policy is not None or drafter is None else build_policy("fixed", key=KEY)
+        if drafter is not None:
+            check_policy_drafter(policy, has_confidence=drafter.confidence_head is not None, key=KEY)
+            check_calibration(calibration, block_size=drafter.block_size)
         self.target, self.drafter, self.policy, self.calibration = target, drafter, policy, calibration
-        self.temperature, self.max_new_tokens = float(temperature), int(max_new_tokens)
+        self.temperature, self.max_new_tokens, self.precision = temperature, max_new_tokens, precision
         self.stop_ids = frozenset(int(t) for t in target.stop_token_ids)
         self.max_positions = getattr(target.hf_config, "max_position_embeddings", None)
         self.kv: BatchedKVCache | None = None
@@ -147,7 +161,8 @@ class BatchedEngine:
         if self.policy is not None and hasattr(self.policy, "reset"):
             self.policy.reset()
         self.kv = BatchedKVCache(self.target)
-        self.proposer = BatchedDSparkProposer(self.drafter) if self.drafter is not None else None
+        self.proposer = (BatchedDSparkProposer(self.drafter, precision=self.precision)
+                         if self.drafter is not None else None)
         steps: list[ServeStep] = []
         bar = tqdm(total=len(requests), desc="serving", unit="request", disable=not progress)
         run = _Run(queue=deque(requests), seed=seed, start=time.perf_counter(), bar=bar)
@@ -176,18 +191,8 @@ class BatchedEngine:
 
     def _reject_reason(self, request: ServeRequest) -> str | None:
         """Why this request cannot be served (None when it can)."""
-        prompt, limit = request.prompt_ids, self._limit(request)
-        if not prompt:
-            return "the prompt is empty: give at least one token (e.g. the chat-templated user turn)"
-        if limit < 1:
-            return f"max_new_tokens={limit} must be >= 1"
-        if any(not 0 <= int(t) < self.target.vocab_size for t in prompt):
-            return f"the prompt has token ids outside the target vocabulary [0, {self.target.vocab_size})"
-        if self.max_positions is not None and len(prompt) + limit > self.max_positions:
-            return (f"prompt of {len(prompt)} tokens + max_new_tokens={limit} exceeds the target's context of "
-                    f"{self.max_positions} positions (max_position_embeddings); shorten the prompt or lower "
-                    "serve.max_new_tokens")
-        return None
+        return prompt_error(list(request.prompt_ids), limit=self._limit(request), vocab_size=self.target.vocab_size,
+                            max_positions=self.max_positions, key=KEY)
 
     def _admit(self, run: _Run, concurrency: int) -> float:
         """0. Fill free slots from the queue: one prefill forward for all joiners; returns its seconds."""
@@ -210,7 +215,7 @@ class BatchedEngine:
         states = []
         for j, request in enumerate(joiners):
             generator = request_generator(run.seed, request.request_id)
-            first = self._sample_first(probs[j:j + 1], generator)
+            first = sample_first(probs[j:j + 1], generator, greedy=self.greedy)
             state = _Active(request=request, generator=generator, limit=self._limit(request), anchor=first,
                             position=len(request.prompt_ids), joined_at=joined_at, new_tokens=[first])
             state.done = first in self.stop_ids or state.limit <= 1
@@ -225,12 +230,6 @@ class BatchedEngine:
                 self._finish(run, state)
         return time.perf_counter() - start
 
-    def _sample_first(self, target_probs: Tensor, generator: torch.Generator) -> int:
-        """The token after the prompt from p_t [1, V], through the verifier with no drafts (one uniform)."""
-        no_drafts = torch.zeros(0, dtype=torch.long, device=target_probs.device)
-        return verify_drafts(draft_tokens=no_drafts, draft_probs=target_probs.new_zeros(0, target_probs.shape[-1]),
-                             target_probs=target_probs, generator=generator, greedy=self.greedy).next_token
-
     def _step(self, run: _Run, *, index: int, prefill_seconds: float) -> ServeStep:
         start, active, device = time.perf_counter(), run.active, self.target.device
         anchors = torch.tensor([s.anchor for s in active], dtype=torch.long, device=device)
@@ -239,14 +238,14 @@ class BatchedEngine:
         proposal = self._propose(run, anchors, positions)
         drafted = time.perf_counter()
         # 2. Calibrated confidences → ℓ_r.
-        calibrated = self._calibrate(proposal.confidences)
-        lengths = self._choose(proposal, calibrated, positions)
+        calibrated, policy_input = step_confidences(self.policy, proposal.confidences, self.calibration)
+        lengths = self._choose(proposal, policy_input, positions)
         # 3. One target forward over the padded verify blocks.
         ids, block_positions, block_valid = _verify_block(anchors, positions, proposal.tokens, lengths)
         verify_start = time.perf_counter()
         forward = self.kv.forward(ids, position_ids=block_positions, input_valid=block_valid)
         target_probs = probs_from_logits(self.target.logits_from_hidden(forward.final_hidden), self.temperature)
-        _sync(device)
+        synchronize(device)
         verified = time.perf_counter()
         # 4.–5. Verify and commit row by row; keep the KV of p..p+A_r; extend the drafter's context.
         rounds, keep = [], []
@@ -277,17 +276,11 @@ class BatchedEngine:
         return self.proposer.propose(anchor_tokens=anchors, anchor_positions=positions, temperature=self.temperature,
                                      generators=[s.generator for s in run.active], stop_ids=self.stop_ids)
 
-    def _calibrate(self, confidences: Tensor | None) -> Tensor | None:
-        if confidences is None or self.calibration is None:
-            return None
-        return self.calibration.apply(confidences)
-
-    def _choose(self, proposal: BatchProposal, calibrated: Tensor | None, positions: Tensor) -> Tensor:
-        """ℓ_r [R] long (CPU) = min(policy's ℓ_r, room left in the target's context)."""
+    def _choose(self, proposal: BatchProposal, confidences: Tensor | None, positions: Tensor) -> Tensor:
+        """ℓ_r [R] long (CPU) = min(policy's ℓ_r on what it reads, room left in the target's context)."""
         num_drafts = proposal.num_drafts.cpu()
         if self.proposer is None:
             return torch.zeros_like(num_drafts)
-        confidences = calibrated if calibrated is not None else proposal.confidences
         chosen = torch.as_tensor(self.policy.choose(confidences=confidences, num_drafts=num_drafts)).long().cpu()
         if chosen.shape != num_drafts.shape or bool((chosen < 0).any()) or bool((chosen > num_drafts).any()):
             raise ValueError(f"serve.policy={self.policy.name} returned ℓ={chosen.tolist()}, outside [0, γ'] for "
@@ -306,7 +299,7 @@ class BatchedEngine:
         accepted, committed, extra = commit_verified(result, self.stop_ids)
         state.new_tokens.extend(committed)
         state.num_rounds += 1
-        state.done = extra is None or extra in self.stop_ids or len(state.new_tokens) >= state.limit
+        state.done = is_done(extra, stop_ids=self.stop_ids, committed=len(state.new_tokens), limit=state.limit)
         if not state.done:
             state.anchor, state.position = extra, anchor_position + len(accepted) + 1
         num_drafted = int(proposal.num_drafts[row])
@@ -334,7 +327,7 @@ class BatchedEngine:
 
     def _finish(self, run: _Run, state: _Active) -> None:
         new_tokens = state.new_tokens[:state.limit]
-        reason = STOP_EOS if new_tokens[-1] in self.stop_ids else STOP_MAX_NEW_TOKENS
+        reason = stop_reason(new_tokens, self.stop_ids)
         request = state.request
         run.finish(RequestResult(request_id=request.request_id, prompt_ids=list(request.prompt_ids),
                                  new_tokens=new_tokens, stop_reason=reason, error=None, joined_at=state.joined_at,
@@ -352,8 +345,3 @@ def _verify_block(anchors: Tensor, positions: Tensor, drafts: Tensor,
     if width > 1:
         ids[:, 1:] = torch.where(valid[:, 1:], drafts[:, :width - 1].to(anchors.device), ids[:, 1:])
     return ids, positions.unsqueeze(1) + columns, valid
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)

@@ -20,7 +20,7 @@ from matplotlib.figure import Figure
 from dspark.plotting import save_figure
 from dspark.serving.records import ServeSummary
 
-POLICY_ORDER = ("mtp1", "static", "fixed", "threshold", "scheduler", "async")
+POLICY_ORDER = ("mtp1", "static", "fixed", "threshold", "calibrated_threshold", "scheduler", "async")
 
 
 def _series(summaries: Sequence[ServeSummary]) -> list[tuple[str, bool, list[ServeSummary]]]:

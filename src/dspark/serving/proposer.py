@@ -22,11 +22,17 @@ from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
-from torch.nn import functional as F
 
+from dspark.decoding.drafting import (
+    ParallelStage,
+    clean_confidences,
+    resolve_precision,
+    to_target_probs,
+    usable_logits,
+)
 from dspark.decoding.verify import draw_uniforms, probs_from_logits, sample_from_probs
 from dspark.drafters.dspark import DSparkDrafter
-from dspark.drafters.layers import apply_rotary
+from dspark.timing import synchronize
 
 MIN_CAPACITY = 64  # context columns allocated at least (capacity doubles when full)
 
@@ -55,14 +61,16 @@ def check_serving_drafter(drafter: nn.Module | None) -> DSparkDrafter | None:
 class BatchedDSparkProposer:
     """Cached context keys/values of R requests and batched drafting (see the module docstring)."""
 
-    def __init__(self, drafter: DSparkDrafter) -> None:
+    def __init__(self, drafter: DSparkDrafter, *, precision: str = "fp32") -> None:
         self.drafter = check_serving_drafter(drafter).eval()
         self.block_size = drafter.block_size
         self.has_confidence = drafter.confidence_head is not None
+        self.vocab_size = drafter.spec.vocab_size
         attn = drafter.backbone.layers[0].self_attn
         self._kv_shape = (attn.num_kv_heads, attn.head_dim)
-        weight = drafter.backbone.fc.weight
-        self.device, self.dtype = weight.device, weight.dtype
+        self.device = drafter.backbone.fc.weight.device
+        self.stage = ParallelStage(drafter, resolve_precision(precision, self.device))
+        self.dtype = self.stage.backbone.fc.weight.dtype  # of the cached keys/values
         self.lengths = torch.zeros(0, dtype=torch.long, device=self.device)  # [R] context positions per row
         self._keys = [self._empty(0, 0) for _ in drafter.backbone.layers]    # [R, H_kv, C, hd], RoPE applied
         self._values = [self._empty(0, 0) for _ in drafter.backbone.layers]  # [R, H_kv, C, hd]
@@ -117,14 +125,13 @@ class BatchedDSparkProposer:
         flat_rows = rows.unsqueeze(1).expand_as(selected)[selected]                       # [N]
         columns = (self.lengths[rows].unsqueeze(1) + torch.arange(features.shape[1], device=self.device))[selected]
         self._reserve(int(columns.max()) + 1)
-        backbone = self.drafter.backbone
+        backbone = self.stage.backbone
         fused = backbone.fuse_context(features.to(self.device)[selected].unsqueeze(0))    # [1, N, d]
-        cos, sin = backbone.rotary(columns.unsqueeze(0))
+        rope = backbone.rotary(columns.unsqueeze(0))
         for layer, keys, values in zip(backbone.layers, self._keys, self._values):
-            attn = layer.self_attn
-            k = apply_rotary(attn._heads(fused, attn.k_proj, attn.num_kv_heads, attn.k_norm), cos, sin)
+            k, v = layer.context_kv(fused, rope)                                           # [1, H_kv, N, hd]
             keys[flat_rows, :, columns] = k[0].transpose(0, 1)                             # [N, H_kv, hd]
-            values[flat_rows, :, columns] = attn._heads(fused, attn.v_proj, attn.num_kv_heads)[0].transpose(0, 1)
+            values[flat_rows, :, columns] = v[0].transpose(0, 1)
         self.lengths = self.lengths.index_add(0, rows, counts)
 
     def _reserve(self, needed: int) -> None:
@@ -145,19 +152,19 @@ class BatchedDSparkProposer:
                              f"contexts hold {self.lengths.tolist()}; each must hold exactly the positions before "
                              "its anchor")
         start = time.perf_counter()
-        hidden = self.block_hidden(anchor_tokens, anchor_positions)  # [R, γ, d]
-        parallel_logits = self.drafter.project(hidden)                # [R, γ, V]
-        _sync(self.device)
+        hidden = self.block_hidden(anchor_tokens, anchor_positions)  # [R, γ, d] float32
+        parallel_logits = self.stage.logits(hidden)                   # [R, γ, Vd] float32
+        synchronize(self.device)
         middle = time.perf_counter()
         proposal = self._sequential(hidden, parallel_logits, anchor_tokens=anchor_tokens, temperature=temperature,
                                     generators=generators, stop_ids=stop_ids)
-        _sync(self.device)
+        synchronize(self.device)
         proposal.seconds_parallel, proposal.seconds_sequential = middle - start, time.perf_counter() - middle
         return proposal
 
     def block_hidden(self, anchor_tokens: Tensor, anchor_positions: Tensor) -> Tensor:
-        """h [R, γ, d] of the blocks [x_0, MASK×(γ−1)] over each row's cached context (one forward)."""
-        backbone, gamma = self.drafter.backbone, self.block_size
+        """h [R, γ, d] (float32) of the blocks [x_0, MASK×(γ−1)] over each row's cached context (one forward)."""
+        backbone, gamma = self.stage.backbone, self.block_size
         ids = torch.full((self.num_rows, 1, gamma), self.drafter.mask_token_id, dtype=torch.long, device=self.device)
         ids[:, 0, 0] = anchor_tokens
         hidden = backbone.embed_block(ids).flatten(1, 2)  # [R, γ, d]
@@ -167,17 +174,19 @@ class BatchedDSparkProposer:
         in_context = torch.arange(width, device=self.device).unsqueeze(0) < self.lengths.unsqueeze(1)  # [R, C]
         mask = torch.cat([in_context, in_context.new_ones(self.num_rows, gamma)], dim=1)[:, None, None, :]
         for layer, keys, values in zip(backbone.layers, self._keys, self._values):
-            hidden = _block_layer(layer, hidden, keys[:, :, :width], values[:, :, :width], rope=rope, mask=mask)
-        return backbone.norm(hidden)
+            hidden = layer.forward_cached(hidden, rope=rope, extend_kv=_after(keys[:, :, :width], values[:, :, :width]),
+                                          mask=mask)
+        return backbone.norm(hidden).float()
 
     def _sequential(self, hidden: Tensor, parallel_logits: Tensor, *, anchor_tokens: Tensor, temperature: float,
                     generators: list[torch.Generator | None], stop_ids: Collection[int]) -> BatchProposal:
-        """Slot by slot for all rows: c_k from x_{k-1} first, then x_k; rows stop after a drafted stop id."""
-        rows, gamma = parallel_logits.shape[:2]
-        vocab, head = self.drafter.spec.vocab_size, self.drafter.draft_head  # p_d over the full V for the verifier
+        """Slot by slot for all rows, over the draft vocabulary: c_k from x_{k-1} first, then x_k; a row stops
+        after a drafted stop id, or before a slot whose logits are unusable (fault guard, `decoding.drafting`)."""
+        rows, gamma, _ = parallel_logits.shape
+        ids = self.stage.ids
         stops = torch.tensor(sorted(int(s) for s in stop_ids), dtype=torch.long, device=self.device)
         tokens = torch.zeros(rows, gamma, dtype=torch.long, device=self.device)
-        probs = torch.zeros(rows, gamma, vocab, dtype=torch.float32, device=self.device)
+        probs = torch.zeros(rows, gamma, self.vocab_size, dtype=torch.float32, device=self.device)
         confidences = torch.zeros(rows, gamma, dtype=torch.float32, device=self.device) if self.has_confidence else None
         drafting = torch.ones(rows, dtype=torch.bool, device=self.device)
         num_drafts = torch.zeros(rows, dtype=torch.long, device=self.device)
@@ -185,10 +194,13 @@ class BatchedDSparkProposer:
         for k in range(gamma):
             logits, conf_logit, state = self.drafter.sequential_step(
                 hidden_k=hidden[:, k], parallel_logits_k=parallel_logits[:, k], prev_token=prev, state=state)
+            drafting &= usable_logits(logits)
             if confidences is not None:
-                confidences[:, k] = torch.where(drafting, torch.sigmoid(conf_logit.float()), 0.0)
-            probs[:, k] = head.expand(probs_from_logits(logits, temperature))  # exactly 0 outside the draft vocab
-            prev = _sample_rows(probs[:, k], drafting, temperature=temperature, generators=generators)
+                confidences[:, k] = torch.where(drafting, clean_confidences(torch.sigmoid(conf_logit.float())), 0.0)
+            slot_probs = torch.where(drafting.unsqueeze(1), probs_from_logits(logits, temperature), 0.0)
+            probs[:, k] = to_target_probs(slot_probs, ids, self.vocab_size)
+            index = _sample_rows(slot_probs, drafting, temperature=temperature, generators=generators)
+            prev = index if ids is None else ids[index]
             tokens[:, k] = prev
             num_drafts += drafting.long()
             drafting &= ~torch.isin(prev, stops)
@@ -197,19 +209,9 @@ class BatchedDSparkProposer:
         return BatchProposal(tokens, probs, confidences, num_drafts)
 
 
-def _block_layer(layer: nn.Module, hidden: Tensor, keys: Tensor, values: Tensor, *,
-                 rope: tuple[Tensor, Tensor], mask: Tensor) -> Tensor:
-    """One draft layer for R blocks: queries from the blocks, keys/values [cached context ; block] under `mask`
-    [R, 1, 1, C+γ] (context padding False; the block is bidirectional, as in training)."""
-    attn, (cos, sin) = layer.self_attn, rope
-    x = layer.input_layernorm(hidden)
-    q = apply_rotary(attn._heads(x, attn.q_proj, attn.num_heads, attn.q_norm), cos, sin)
-    k = apply_rotary(attn._heads(x, attn.k_proj, attn.num_kv_heads, attn.k_norm), cos, sin)
-    v = attn._heads(x, attn.v_proj, attn.num_kv_heads)
-    out = F.scaled_dot_product_attention(q, torch.cat([keys, k], dim=2), torch.cat([values, v], dim=2),
-                                         attn_mask=mask, enable_gqa=attn.num_heads != attn.num_kv_heads)
-    hidden = hidden + attn.o_proj(out.transpose(1, 2).flatten(-2))
-    return hidden + layer.mlp(layer.post_attention_layernorm(hidden))
+def _after(keys: Tensor, values: Tensor):
+    """`extend_kv` for one layer: [cached context ; block] along the position axis."""
+    return lambda k, v: (torch.cat([keys, k], dim=2), torch.cat([values, v], dim=2))
 
 
 def _sample_rows(probs: Tensor, drafting: Tensor, *, temperature: float,
@@ -228,8 +230,3 @@ def _sample_rows(probs: Tensor, drafting: Tensor, *, temperature: float,
     tokens[active] = sample_from_probs(probs[active], uniforms=uniforms)
     return tokens
 
-
-def _sync(device: torch.device) -> None:
-    # Host timers see queued CUDA work only after a sync.
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)

@@ -224,7 +224,11 @@ class _Active:
 
 
 def _confidence_source(trace: ServeTrace, policy: ServePolicy, calibrated: bool | None) -> str | None:
-    if calibrated is None:
+    """Which recorded confidences the policy reads: raw for policies that read raw c_k (`threshold`), else the
+    calibrated ones when every round has them (as the engine does: `decoding.policies.policy_confidences`)."""
+    if getattr(policy, "reads", "raw") != "calibrated":
+        calibrated = False
+    elif calibrated is None:
         calibrated = trace.has("calibrated")
     source = "calibrated" if calibrated else "confidences"
     if trace.has(source):

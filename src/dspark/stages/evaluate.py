@@ -33,7 +33,8 @@ log = logging.getLogger("dspark")
 EVALS_DIR = "evals"
 ROUNDS_FILE = "rounds.jsonl"
 META_FILE = "meta.json"
-CONFIDENCE_POLICIES = ("threshold", "scheduler")
+CONFIDENCE_POLICIES = ("threshold", "calibrated_threshold", "scheduler", "async")  # read c_k: calibrate for them
+SPS_POLICIES = ("scheduler", "async")
 
 
 def check_decode_config(decode: Any) -> None:
@@ -50,7 +51,8 @@ def report_stem(ctx: StageContext) -> str:
     """`eval-<run directory>-<policy>[-th<θ>]-T<temperature>`: the run directory name carries the training-config
     hash, so drafters of different budgets (or sweeps) and different decode settings never overwrite each other."""
     decode = ctx.cfg.decode
-    threshold = f"-th{decode.threshold:g}" if decode.policy == "threshold" else ""
+    threshold = (f"-th{decode.threshold:g}" if "threshold" in decode.policy else
+                 f"-k{decode.static_k}" if decode.policy == "static" else "")
     return f"eval-{ctx.run_dir.name}-{decode.policy}{threshold}-T{decode.temperature:g}"
 
 
@@ -104,13 +106,13 @@ def run_eval(ctx: StageContext, drafter_path: str | Path, *, prepared: PreparedD
     check_decode_config(decode)
     trained = open_trained_drafter(ctx, drafter_path)
     target, spec, drafter_path = trained.target, trained.spec, trained.path
-    proposer = build_proposer(trained.drafter)
+    proposer = build_proposer(trained.drafter, precision=decode.drafter_precision)
     calibration, calibration_source = maybe_calibrate(ctx, trained, proposer=proposer, prepared=prepared)
     sts = calibration.sts if calibration else None
     sps, sps_path = (None, None)
-    if decode.policy == "scheduler":
+    if decode.policy in SPS_POLICIES:
         sps, sps_path = load_or_profile_sps(target=target, cache_dir=ctx.paths.cache, block_size=spec.block_size)
-    policy = build_policy(decode.policy, threshold=decode.threshold, sps=sps, calibration=sts)
+    policy = build_policy(decode.policy, threshold=decode.threshold, static_k=decode.static_k, sps=sps)
     prompts = load_eval_prompts(ctx, target)
     log.info("evaluating %s on %d prompts (%s), policy %s, temperature %g", drafter_path, len(prompts),
              ", ".join(decode.eval_sets), decode.policy, decode.temperature)

@@ -122,7 +122,8 @@ def run_serve(ctx: StageContext, drafter_path: str | Path, *, prepared: Prepared
     requests = serve_requests(ctx, target)
     policy = build_serve_policy(serve.policy, static_k=serve.static_k, threshold=serve.threshold, sps=sps)
     engine = BatchedEngine(target=target, drafter=drafter, policy=policy, temperature=cfg.decode.temperature,
-                           max_new_tokens=serve.max_new_tokens, calibration=calibration)
+                           max_new_tokens=serve.max_new_tokens, calibration=calibration,
+                           precision=cfg.decode.drafter_precision)
     log.info("serving %d requests (%s) with serve.policy=%s at concurrency %d", len(requests),
              ", ".join(serve.prompt_sets), serve.policy, serve.concurrency)
     result = engine.serve(requests, concurrency=serve.concurrency, seed=cfg.seed)
@@ -133,7 +134,8 @@ def run_serve(ctx: StageContext, drafter_path: str | Path, *, prepared: Prepared
     metrics = metrics_of(summary, "serve") | {
         "serve/num_requests": float(summary.num_requests), "serve/rejected": float(rejected),
         "serve/steps": float(summary.num_steps), "serve/wall_seconds": float(summary.wall_seconds)}
-    metrics |= simulate_levels(ctx, engine_args={"target": target, "drafter": drafter, "calibration": calibration},
+    metrics |= simulate_levels(ctx, engine_args={"target": target, "drafter": drafter, "calibration": calibration,
+                                                   "precision": cfg.decode.drafter_precision},
                                requests=requests, real=result, real_summary=summary, sps=sps)
     if ctx.store is not None:
         ctx.store.log_metrics(ctx.run_id, metrics)
@@ -148,7 +150,8 @@ def trace_key(ctx: StageContext) -> str:
     cfg = ctx.cfg
     payload = {"requests": cfg.serve.num_requests, "max_new_tokens": cfg.serve.max_new_tokens,
                "sets": cfg.serve.prompt_sets, "concurrency": cfg.serve.trace_concurrency,
-               "temperature": cfg.decode.temperature, "seed": cfg.seed, "calibrated": True}  # older traces lacked c̃
+               "temperature": cfg.decode.temperature, "seed": cfg.seed, "calibrated": True,
+               "precision": cfg.decode.drafter_precision}  # older traces lacked c̃
     return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:12]
 
 

@@ -1,0 +1,148 @@
+"""One decoding vocabulary (issue 12) and the lean round (issue 11) on the tiny target:
+
+- decode.policy=X and serve.policy=X on the same drafter, θ and calibration verify the same prefix lengths on the
+  same confidences (X = threshold, calibrated_threshold, scheduler): one family, calibration in one place;
+- the cached-context round (per-layer context keys/values extended only by committed positions) drafts exactly
+  what a full recomputation from the raw features drafts, for a fixed seed, with and without a draft vocabulary;
+- the drafter's precision: `auto` follows the AMX detection (never assumed), bf16 stays close to fp32.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dspark.calibration.sts import STSCalibration
+from dspark.decoding import DSparkProposer, SpeculativeEngine, build_policy
+from dspark.decoding import drafting
+from dspark.decoding.drafting import ParallelStage, resolve_precision
+from dspark.scheduling import SPSTable
+from dspark.serving import BatchedEngine, ServeRequest, build_serve_policy
+from test_lossless import draft_vocab
+from test_serving_lossless import build_test_drafter
+
+GAMMA = 3
+SPS = SPSTable(batch_tokens=list(range(1, 10)), steps_per_second=[1 / (1 + (b - 1) / 2) for b in range(1, 10)])
+CALIBRATION = STSCalibration(temperatures=[2.0, 0.5, 1.0], grid=[0.5, 1.0, 2.0], n_bins=20, ece_before=[],
+                             ece_after=[])
+TEXTS = ("What is 2+2?", "Hi", "Write a short poem about the sea and the wind, please.")
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+@pytest.fixture(scope="module")
+def target(tmp_path_factory):
+    from dspark.targets import load_target
+
+    target = load_target("tiny", cache_dir=tmp_path_factory.mktemp("cache"), seed=1)
+    with torch.no_grad():
+        target.model.get_decoder().norm.weight.mul_(12.0)
+    target.stop_token_ids = []  # long generations: many rounds per prompt
+    return target
+
+
+@pytest.fixture(scope="module")
+def prompts(target):
+    return [target.chat_prompt_ids(text) for text in TEXTS]
+
+
+@pytest.mark.parametrize("policy", ["threshold", "calibrated_threshold", "scheduler"])
+def test_decode_and_serve_policies_verify_the_same_prefix_lengths(target, prompts, policy):
+    """Greedy (deterministic drafts): the single-request engine and the batched one at R = 1 see the same raw
+    confidences round by round and verify the same ℓ; the calibration changes what calibrated policies read."""
+    drafter = build_test_drafter(target)
+    single = SpeculativeEngine(target=target, proposer=DSparkProposer(drafter),
+                               policy=build_policy(policy, threshold=0.5, sps=SPS), temperature=0.0,
+                               max_new_tokens=24, calibration=CALIBRATION)
+    batched = BatchedEngine(target=target, drafter=drafter,
+                            policy=build_serve_policy(policy, threshold=0.5, sps=SPS), temperature=0.0,
+                            max_new_tokens=24, calibration=CALIBRATION)
+    lengths = set()
+    for index, prompt in enumerate(prompts):
+        solo = single.generate(prompt, generator=None)
+        served = batched.serve([ServeRequest(request_id=index, prompt_ids=prompt)], concurrency=1, seed=0,
+                               progress=False)
+        rounds = [r for step in served.steps for r in step.rounds]
+        assert served.requests[0].new_tokens == solo.new_tokens
+        assert [r.num_verified for r in rounds] == [r.num_verified for r in solo.rounds]
+        for mine, theirs in zip(solo.rounds, rounds):
+            # The single engine stops drafting where threshold rules stop verifying; the verified prefix agrees.
+            seen = mine.num_verified
+            torch.testing.assert_close(torch.tensor(mine.confidences[:seen]), torch.tensor(theirs.confidences[:seen]))
+            torch.testing.assert_close(torch.tensor(mine.calibrated[:seen]), torch.tensor(theirs.calibrated[:seen]))
+        lengths |= {r.num_verified for r in solo.rounds}
+    assert len(lengths) > 1  # the policy really decides per round
+
+
+def test_threshold_reads_raw_and_calibrated_threshold_calibrated_confidences(target, prompts):
+    """The same engine, θ and calibration: the two named behaviours differ, each equal to its rule on the record."""
+    drafter = build_test_drafter(target)
+    for name, field in (("threshold", "confidences"), ("calibrated_threshold", "calibrated")):
+        engine = SpeculativeEngine(target=target, proposer=DSparkProposer(drafter),
+                                   policy=build_policy(name, threshold=0.5), temperature=1.0, max_new_tokens=24,
+                                   calibration=CALIBRATION)
+        for prompt in prompts:
+            result = engine.generate(prompt, generator=torch.Generator().manual_seed(0))
+            for r in result.rounds:
+                values = getattr(r, field)
+                expected = next((k for k, c in enumerate(values) if c < 0.5), len(values))
+                assert r.num_verified == min(expected, len(r.drafts))
+
+
+class FullRecomputation(DSparkProposer):
+    """The reference: keeps the raw target features and recomputes the whole drafter context every round with the
+    training-time forward (`DSparkBackbone.forward`: fusion, context keys/values and the block in one pass)."""
+
+    def start(self, *, features, token_ids=None):
+        self.features = features[:, :0]  # DSparkProposer.start extends with the prompt's features
+        super().start(features=features, token_ids=token_ids)
+
+    def extend(self, *, features, token_ids=None):
+        self.features = torch.cat([self.features, features], dim=1)
+        super().extend(features=features, token_ids=token_ids)
+
+    def block_hidden(self, anchor_token, anchor_position):
+        block = torch.full((1, 1, self.block_size), self.drafter.mask_token_id, dtype=torch.long)
+        block[0, 0, 0] = anchor_token
+        hidden = self.drafter.backbone(self.features, block_input_ids=block,
+                                       anchor_positions=torch.tensor([[anchor_position]]))
+        return hidden[0, 0]
+
+
+@pytest.mark.parametrize("vocabulary", ["full", "draft"])
+@pytest.mark.parametrize("temperature", [1.0, 0.0])
+def test_cached_context_round_drafts_what_a_full_recomputation_drafts(target, prompts, vocabulary, temperature):
+    drafter = build_test_drafter(target, draft_vocab(target) if vocabulary == "draft" else None)
+    engines = [SpeculativeEngine(target=target, proposer=proposer(drafter), policy=build_policy("fixed"),
+                                 temperature=temperature, max_new_tokens=32)
+               for proposer in (DSparkProposer, FullRecomputation)]
+    rounds = 0
+    for index, prompt in enumerate(prompts):
+        cached, full = (engine.generate(prompt, generator=torch.Generator().manual_seed(index)) for engine in engines)
+        assert [r.drafts for r in cached.rounds] == [r.drafts for r in full.rounds]
+        assert cached.new_tokens == full.new_tokens
+        rounds += len(cached.rounds)
+    assert rounds > 20
+
+
+def test_auto_precision_follows_the_detected_hardware(monkeypatch):
+    monkeypatch.setattr(drafting, "cpu_has_amx_bf16", lambda: True)
+    assert resolve_precision("auto", "cpu") == torch.bfloat16
+    monkeypatch.setattr(drafting, "cpu_has_amx_bf16", lambda: False)
+    assert resolve_precision("auto", "cpu") == torch.float32
+    assert resolve_precision("fp32") == torch.float32 and resolve_precision("bf16") == torch.bfloat16
+    with pytest.raises(ValueError, match=r"decode\.drafter_precision='fp16'.*auto"):
+        resolve_precision("fp16")
+
+
+def test_bf16_parallel_stage_is_a_close_copy_and_leaves_the_drafter_alone(target):
+    drafter = build_test_drafter(target, draft_vocab(target))
+    before = {name: p.clone() for name, p in drafter.named_parameters()}
+    stage = ParallelStage(drafter, torch.bfloat16)
+    assert stage.backbone is not drafter.backbone and stage.backbone.embed_tokens is drafter.backbone.embed_tokens
+    assert all(p.dtype == torch.float32 for p in drafter.parameters())
+    assert all(torch.equal(p, before[name]) for name, p in drafter.named_parameters())
+    hidden = torch.randn(4, target.hidden_size)
+    reference = drafter.project(hidden)
+    logits = stage.logits(hidden)
+    assert logits.dtype == torch.float32 and logits.shape == (4, 256)
+    assert (logits - reference).abs().max() < 0.02 * reference.abs().max()
