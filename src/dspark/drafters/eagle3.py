@@ -272,7 +272,7 @@ class Eagle3Drafter(nn.Module):
             # the chain feeds back and returns target ids; p_d goes back over the full V (0 outside Vd)
             tokens.append(self.draft_head.to_target_ids(token.reshape(1)))
             probs.append(self.draft_head.expand(prob.reshape(1, -1)))
-            if int(token.reshape(-1)[0]) in stops:
+            if int(tokens[-1].reshape(-1)[0]) in stops:  # the target id, not the draft id
                 break
         return Eagle3Draft(tokens=torch.stack(tokens, dim=1), probs=torch.stack(probs, dim=1))
 
