@@ -426,3 +426,22 @@ def test_sampled_positions_pick_the_right_rows_and_mask_invalid_ones():
     assert index[0].tolist() == [[6, 7], [2, 3], [8, 8]]  # i+k+1, clamped to T-1
     # the third position is marked invalid, so none of its steps is supervised
     assert supervised[0].tolist() == [[True, True], [True, True], [False, False]]
+
+
+def test_draft_chain_over_a_draft_vocabulary_returns_and_stops_on_target_ids():
+    """With Vd < V the sampled index is a draft id: the chain must feed back, return and stop on target ids
+    (a bug compared the stop set with the draft index)."""
+    torch.manual_seed(0)
+    ids = torch.arange(1, VOCAB, 2)  # odd target ids only: draft index j is target 2j + 1
+    drafter = Eagle3Drafter(spec=make_spec(), num_feature_layers=M, block_size=4, embed_tokens=nn.Embedding(VOCAB, HIDDEN),
+                            lm_head=nn.Linear(HIDDEN, VOCAB, bias=False), draft_vocab_ids=ids)
+    features, input_ids = make_batch(1, 6)
+    greedy = lambda logits: (logits.argmax(-1), torch.softmax(logits, -1))  # noqa: E731
+    free = drafter.draft_chain(context_features=features[:, :5], context_ids=input_ids, num_tokens=4, sample_fn=greedy)
+    assert free.tokens.shape == (1, 4) and bool((free.tokens % 2 == 1).all())  # target ids, all in Vd
+    assert free.probs.shape == (1, 4, VOCAB) and bool((free.probs[..., ::2] == 0).all())  # p_d is 0 outside Vd
+    stop = int(free.tokens[0, 1])
+    stopped = drafter.draft_chain(context_features=features[:, :5], context_ids=input_ids, num_tokens=4,
+                                  sample_fn=greedy, stop_ids=[stop])
+    first = int((free.tokens[0] == stop).nonzero()[0])
+    assert stopped.tokens[0].tolist() == free.tokens[0, :first + 1].tolist()
