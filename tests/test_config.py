@@ -107,3 +107,68 @@ def test_schema_keys_are_documented_in_default_yaml():
                 "budget", "stage", "paths.root", "data.local_dir"]:
         assert key in keys
     assert isinstance(RunConfig().model.feature_layers, list)
+
+
+# Defect 2 of issue 14: PyYAML's YAML 1.1 resolver read `1e-4` (no dot) as a string, so every float key refused it.
+FLOAT_FORMS = ["1e-4", "3e-3", "1E-4", "1e4", "+2.5E-1", "-0.5e+0", ".5", "5.", "0.25", "1_0.5e-1", "7", " 1e-4 ",
+               "inf", "-Infinity", "1e-04"]
+
+
+def _float_keys() -> list[str]:
+    from dspark.sweeps.spec import schema_type
+
+    return [k for k in valid_keys() if schema_type(k) in (float, float | None)]
+
+
+def test_float_keys_exist():
+    assert {"optim.lr", "loss.decay", "decode.threshold", "serve.threshold"} <= set(_float_keys())
+
+
+@pytest.mark.parametrize("form", FLOAT_FORMS)
+def test_every_python_float_form_works_for_every_float_key(form):
+    from dspark.config.loader import apply_overrides
+
+    keys = _float_keys()
+    cfg = apply_overrides(RunConfig(), parse_overrides([f"{k}={form}" for k in keys]), source="command line")
+    for key in keys:
+        node = cfg
+        for part in key.split("."):
+            node = getattr(node, part)
+        assert node == float(form) and isinstance(node, float), (key, form, node)
+
+
+@pytest.mark.parametrize("form", ["1e-4", "3e-3", "1E-4", "2.5e-4"])
+def test_scientific_lr_on_the_command_line_and_in_files(form, tmp_path):
+    assert resolve_config([f"optim.lr={form}"]).cfg.optim.lr == float(form)
+    path = tmp_path / "overlay.yaml"
+    path.write_text(f"optim:\n  lr: {form}   # scientific notation without a dot\nloss: {{decay: {form}}}\n")
+    flat = load_yaml(path)
+    assert flat == {"optim.lr": float(form), "loss.decay": float(form)}
+    assert resolve_config([f"{k}={v}" for k, v in flat.items()]).cfg.optim.lr == float(form)
+
+
+def test_numbers_follow_python_not_yaml_1_1():
+    """`010` is ten (YAML 1.1: octal eight); words, dates and bad literals are unchanged."""
+    from dspark.config.loader import safe_load
+
+    assert [safe_load(t) for t in ["010", "1_000", "0x1f", "1e5", ".inf", "-.inf"]] == [10, 1000, 31, 1e5,
+                                                                                        float("inf"), float("-inf")]
+    assert [safe_load(t) for t in ["1e", "e5", "1__0", "nan", "yes", "null"]] == ["1e", "e5", "1__0", "nan", True, None]
+    assert resolve_config(["model.depth=1e0", "seed=1_0"]).cfg.model.depth == 1
+
+
+def test_scientific_floats_in_sweep_files():
+    from dspark.sweeps.spec import parse_sweep
+
+    spec = parse_sweep("t", "fixed: {optim.lr: 1e-4}\ngrid:\n  - {loss.decay: [1e0, 4E0]}\n")
+    assert spec.fixed == {"optim.lr": 1e-4} and spec.grid == [{"loss.decay": [1.0, 4.0]}]
+    search = parse_sweep("t", "optuna:\n  params: {optim.lr: {type: float, low: 1e-5, high: 1e-3, log: true}}\n"
+                              "  defaults: {optim.lr: 6e-4}\n").optuna
+    assert (search.params[0].low, search.params[0].high, search.defaults) == (1e-5, 1e-3, {"optim.lr": 6e-4})
+
+
+@pytest.mark.parametrize("argv", [["optim.lr=nan"], ["optim.beta2=NaN"], ["loss.alpha_tv=.nan"]])
+def test_nan_is_refused_with_the_key(argv):
+    key = argv[0].split("=")[0]
+    with pytest.raises(ConfigError, match=f"{key} is NaN"):
+        resolve_config(argv)

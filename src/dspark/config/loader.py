@@ -2,11 +2,16 @@
 
 Values on the command line are parsed as YAML scalars/lists (`model.depth=3`, `model.feature_layers=[1,8,14]`,
 `data.local_dir=null`). Every key is checked against the dataclass schema before anything runs.
+
+Numbers follow Python, not YAML 1.1: PyYAML's resolver reads `1e-4` (no dot) as a string and `010` as octal, so
+`safe_load` here resolves ints and floats with Python's literal grammar (`1e-4`, `3E-3`, `1_000`, `.5`, `5.`), and
+a float key also accepts any string `float()` accepts (`inf`, `nan`, ` 1e-4 `); NaN is then refused by validation.
 """
 from __future__ import annotations
 
 import dataclasses
 import difflib
+import re
 import types
 import typing
 from pathlib import Path
@@ -19,6 +24,44 @@ from dspark.config.schema import RunConfig
 
 class ConfigError(ValueError):
     """A configuration problem; the message names the key and what to do."""
+
+
+_INT_TAG, _FLOAT_TAG = "tag:yaml.org,2002:int", "tag:yaml.org,2002:float"
+_DIGITS = r"[0-9](?:_?[0-9])*"  # Python's digitpart: underscores only between digits
+_INT_RE = re.compile(rf"^[-+]?(?:{_DIGITS}|0[xX][0-9a-fA-F](?:_?[0-9a-fA-F])*|0[oO][0-7](?:_?[0-7])*"
+                     r"|0[bB][01](?:_?[01])*)$")
+_FLOAT_RE = re.compile(rf"^[-+]?(?:(?:{_DIGITS}\.(?:{_DIGITS})?|\.{_DIGITS})(?:[eE][-+]?{_DIGITS})?"
+                       rf"|{_DIGITS}[eE][-+]?{_DIGITS})$|^[-+]?\.(?:inf|Inf|INF)$|^\.(?:nan|NaN|NAN)$")
+
+
+class _Loader(yaml.SafeLoader):
+    """SafeLoader whose ints and floats are Python literals (YAML 1.2 core schema plus underscores)."""
+
+
+_Loader.yaml_implicit_resolvers = {
+    first: [(tag, regexp) for tag, regexp in resolvers if tag not in (_INT_TAG, _FLOAT_TAG)]
+    for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()}
+_Loader.add_implicit_resolver(_INT_TAG, _INT_RE, list("-+0123456789"))
+_Loader.add_implicit_resolver(_FLOAT_TAG, _FLOAT_RE, list("-+0123456789."))
+
+
+def _construct_int(loader: yaml.SafeLoader, node: yaml.ScalarNode) -> int:
+    text = loader.construct_scalar(node)
+    return int(text, 0) if re.match(r"^[-+]?0[xXoObB]", text) else int(text, 10)  # "010" is ten, as in Python
+
+
+def _construct_float(loader: yaml.SafeLoader, node: yaml.ScalarNode) -> float:
+    text = loader.construct_scalar(node)
+    return float(text.lower().replace(".inf", "inf").replace(".nan", "nan"))
+
+
+_Loader.add_constructor(_INT_TAG, _construct_int)
+_Loader.add_constructor(_FLOAT_TAG, _construct_float)
+
+
+def safe_load(text: str) -> Any:
+    """`yaml.safe_load` with Python's number grammar (see the module docstring); used for every config file."""
+    return yaml.load(text, Loader=_Loader)
 
 
 def parse_overrides(argv: Iterable[str]) -> dict[str, Any]:
@@ -34,7 +77,7 @@ def parse_overrides(argv: Iterable[str]) -> dict[str, Any]:
 
 def _parse_value(raw: str) -> Any:
     try:
-        value = yaml.safe_load(raw) if raw != "" else ""
+        value = safe_load(raw) if raw != "" else ""
     except yaml.YAMLError:
         return raw
     return raw if isinstance(value, (dict, set)) else value
@@ -42,7 +85,7 @@ def _parse_value(raw: str) -> Any:
 
 def load_yaml(path: Path) -> dict[str, Any]:
     """Read a YAML mapping and flatten it to dotted keys."""
-    data = yaml.safe_load(Path(path).read_text()) or {}
+    data = safe_load(Path(path).read_text()) or {}
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: expected a mapping of config keys at the top level.")
     return flatten(data)
@@ -138,19 +181,33 @@ def coerce(value: Any, hint: Any, *, key: str) -> Any:
             return value
         raise ConfigError(f"'{key}' expects true/false; got {value!r}.")
     if hint is int:
+        value = _number_from_text(value, int)
         if isinstance(value, int) and not isinstance(value, bool):
             return value
         if isinstance(value, float) and value.is_integer():
             return int(value)
         raise ConfigError(f"'{key}' expects an integer; got {value!r}.")
     if hint is float:
+        value = _number_from_text(value, float)
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             return float(value)
-        raise ConfigError(f"'{key}' expects a number; got {value!r}.")
+        raise ConfigError(f"'{key}' expects a number, e.g. {key}=1e-4 or 0.5; got {value!r}.")
     if hint is str:
         if value is None or isinstance(value, (dict, list)):
             raise ConfigError(f"'{key}' expects a string; got {value!r}.")
         return str(value)
+    return value
+
+
+def _number_from_text(value: Any, kind: type) -> Any:
+    """A string Python's `int()`/`float()` reads becomes that number (YAML leaves e.g. `inf` a string)."""
+    if not isinstance(value, str):
+        return value
+    for parse in (int, float) if kind is int else (float,):
+        try:
+            return parse(value)
+        except ValueError:
+            continue
     return value
 
 

@@ -5,6 +5,8 @@ problem at once, before any work starts.
 """
 from __future__ import annotations
 
+import dataclasses
+import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -101,9 +103,23 @@ def resolve_paths(cfg: RunConfig) -> None:
 
 def validate_config(cfg: RunConfig, *, explicit_keys: set[str] = frozenset()) -> None:
     """Range and name checks on the merged config; all problems reported together."""
-    errors = [e for e in _name_errors(cfg) + _range_errors(cfg) + _drafter_errors(cfg, explicit_keys) if e]
+    errors = [e for e in _nan_errors(cfg) + _name_errors(cfg) + _range_errors(cfg) + _drafter_errors(cfg, explicit_keys)
+              if e]
     if errors:
         raise ConfigError("Invalid configuration:\n  - " + "\n  - ".join(errors))
+
+
+def _nan_errors(node: object, prefix: str = "") -> list[str]:
+    """NaN parses as a float (`float("nan")`) but no key means anything by it; range rules cannot see it."""
+    errors = []
+    for f in dataclasses.fields(node):
+        value = getattr(node, f.name)
+        if dataclasses.is_dataclass(value):
+            errors += _nan_errors(value, f"{prefix}{f.name}.")
+        elif any(isinstance(v, float) and math.isnan(v) for v in (value if isinstance(value, list) else [value])):
+            errors.append(f"{prefix}{f.name} is NaN; give a number (e.g. {prefix}{f.name}=1e-4), or drop the key "
+                          "for its default.")
+    return errors
 
 
 def _name_errors(cfg: RunConfig) -> list[str]:

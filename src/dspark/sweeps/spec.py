@@ -35,10 +35,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from dspark.config import ConfigError, RunConfig, valid_keys
-from dspark.config.loader import coerce, flatten
+from dspark.config.loader import coerce, flatten, safe_load
 from dspark.config.resolve import available_sweeps, sweeps_dir
 from dspark.registry import unknown_name_message
 
@@ -276,7 +274,7 @@ def load_sweep(name: str) -> SweepSpec:
 def parse_sweep(name: str, text: str, *, path: Path | None = None) -> SweepSpec:
     """Validate the YAML text of a sweep (see the module docstring for the schema)."""
     where = f"sweeps/{name}.yaml"
-    raw = yaml.safe_load(text) or {}
+    raw = safe_load(text) or {}
     if not isinstance(raw, dict):
         raise ConfigError(f"{where}: expected a mapping at the top level.")
     unknown = set(raw) - TOP_LEVEL
