@@ -306,7 +306,7 @@ def test_bad_local_files_raise_with_the_schema(tmp_path, no_default_data, cache_
     with pytest.raises(ValueError, match="is empty"):
         load_prompts("mt-bench", local_dir=tmp_path, cache_dir=cache_dir)
     write_jsonl(tmp_path / "mtbench.jsonl", [{"id": "a", "text": "no prompt field"}])
-    with pytest.raises(ValueError, match="mtbench.jsonl row 0: no `prompt`"):
+    with pytest.raises(ValueError, match="mtbench.jsonl line 1: no `prompt`"):
         load_prompts("mt-bench", local_dir=tmp_path, cache_dir=cache_dir)
 
 

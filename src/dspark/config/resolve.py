@@ -13,8 +13,9 @@ from pathlib import Path
 from typing import Any
 
 from dspark.config.loader import ConfigError, apply_overrides, load_yaml, parse_overrides
-from dspark.config.schema import (BUDGETS, DRAFTERS, EXPORT_DTYPES, EXPORT_LAYOUTS, FIXED_HEAD, HEADS, LOSS_KINDS,
-                                  POLICIES, PRECISIONS, RESPONSE_MODES, SERVE_POLICIES, STAGES, RunConfig)
+from dspark.config.schema import (BUDGETS, CONFIDENCE_HEAD, CONFIDENCE_POLICIES, DRAFTERS, EXPORT_DTYPES,
+                                  EXPORT_LAYOUTS, FIXED_HEAD, HEADS, LOSS_KINDS, POLICIES, PRECISIONS, RESPONSE_MODES,
+                                  SERVE_CONFIDENCE_POLICIES, SERVE_POLICIES, STAGES, RunConfig)
 from dspark.registry import unknown_name_message
 
 
@@ -104,7 +105,7 @@ def resolve_paths(cfg: RunConfig) -> None:
 def validate_config(cfg: RunConfig, *, explicit_keys: set[str] = frozenset()) -> None:
     """Range and name checks on the merged config; all problems reported together."""
     errors = [e for e in _nan_errors(cfg) + _name_errors(cfg) + _range_errors(cfg) + _drafter_errors(cfg, explicit_keys)
-              if e]
+              + _policy_errors(cfg) if e]
     if errors:
         raise ConfigError("Invalid configuration:\n  - " + "\n  - ".join(errors))
 
@@ -202,3 +203,18 @@ def _drafter_errors(cfg: RunConfig, explicit: set[str]) -> list[str]:
         return [f"loss.kind={cfg.loss.kind} is a block-drafter objective (drafter=dspark or dflash); EAGLE-3 trains "
                 "with its TTT loss: drop loss.kind."]
     return []
+
+
+def _policy_errors(cfg: RunConfig) -> list[str]:
+    """A policy that reads c_k needs a drafter with a confidence head; without this the run failed after
+    prepare and training, when the evaluation built the policy."""
+    if CONFIDENCE_HEAD.get(cfg.drafter, True):  # an unknown drafter is reported by the name check
+        return []
+    errors = []
+    if cfg.stage in ("eval", "all") and cfg.decode.policy in CONFIDENCE_POLICIES:
+        errors.append(f"decode.policy={cfg.decode.policy} reads the confidence head's c_k, but drafter={cfg.drafter} "
+                      "has no confidence head; use decode.policy=fixed, or drafter=dspark.")
+    if cfg.stage == "serve" and cfg.serve.policy in SERVE_CONFIDENCE_POLICIES:
+        errors.append(f"serve.policy={cfg.serve.policy} reads the confidence head's c_k, but drafter={cfg.drafter} "
+                      "has no confidence head; use serve.policy=mtp1, static or fixed, or drafter=dspark.")
+    return errors

@@ -15,6 +15,7 @@ length, so a staged file's `paper_eval_rank` column and a fresh shuffle of the h
 """
 from __future__ import annotations
 
+import json
 import os
 import random
 import re
@@ -310,6 +311,38 @@ def hub_unreachable_reason(hub_id: str, *, cache_dir: str | Path | None, timeout
     return None
 
 
+def check_prompt_file(path: Path, *, keep_row: Callable[[Mapping[str, Any]], bool] | None = None) -> int:
+    """Validate a JSONL prompt file line by line and return its row count. Each non-blank line must be one JSON
+    object with a `prompt` string (or a `turns` list); blank lines are skipped, as `datasets` does. Rows that
+    `keep_row` drops are not checked for a prompt. The error names the file, the line and what to fix."""
+    path, rows = Path(path), 0
+    try:
+        lines = path.read_text(encoding="utf-8").split("\n")  # not splitlines(): U+2028 etc. may sit in strings
+    except UnicodeDecodeError as err:
+        raise ValueError(f"{path} is not UTF-8 text ({err}); prompt files are UTF-8 JSONL ({SCHEMA_HINT}).") from err
+    for number, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as err:
+            raise ValueError(f"{path} line {number}: not valid JSON ({err.msg}, column {err.colno}); each non-blank "
+                             f"line must be {SCHEMA_HINT}.") from err
+        if not isinstance(row, dict):
+            raise ValueError(f"{path} line {number}: a JSON {type(row).__name__}, not an object; each non-blank "
+                             f"line must be {SCHEMA_HINT}.")
+        rows += 1
+        if keep_row is not None and not keep_row(row):
+            continue
+        prompt, turns = row.get("prompt"), row.get("turns")
+        if not (isinstance(prompt, str) and prompt) and not (prompt is None and isinstance(turns, list) and turns):
+            raise ValueError(f"{path} line {number}: no `prompt` string (nor a `turns` list); prompt files need "
+                             f"{SCHEMA_HINT}.")
+    if rows == 0:
+        raise ValueError(f"{path} is empty (no non-blank lines); a prompt file needs {SCHEMA_HINT}.")
+    return rows
+
+
 # ---- loading ----
 
 def load_prompts(
@@ -405,15 +438,14 @@ def _read_jsonl(path: Path, *, cache_dir) -> list[dict]:
     """Rows of a JSONL file through `datasets`' json builder (Arrow cache in cache_dir, never beside the data)."""
     import datasets
 
-    if path.stat().st_size == 0:
-        raise ValueError(f"{path} is empty; a prompt file needs {SCHEMA_HINT}.")
+    check_prompt_file(path)  # line-numbered errors; what datasets would choke on is caught here
     try:
         ds = datasets.load_dataset(
             "json", data_files=str(path), split="train", cache_dir=None if cache_dir is None else str(cache_dir))
     except Exception as exc:  # pyarrow / ujson parse errors: report the file and the schema, not a stack of frames
         raise ValueError(
-            f"Could not read {path} as JSONL ({type(exc).__name__}: {str(exc)[:300]}). It needs {SCHEMA_HINT}, "
-            "with no blank lines.") from exc
+            f"Could not read {path} as JSONL ({type(exc).__name__}: {str(exc)[:300]}). Each non-blank line needs "
+            f"{SCHEMA_HINT}.") from exc
     return ds.to_list()
 
 
@@ -458,10 +490,11 @@ def _read_hub(spec: PromptSetSpec, *, cache_dir) -> list[PromptRecord]:
 def prompt_set_errors(
     keyed_sets: Mapping[str, list[str]], *, local_dir: str | Path | None, cache_dir: str | Path | None
 ) -> list[str]:
-    """One message per set that cannot be loaded, for every (config key, set names) pair, without reading any file.
+    """One message per set that cannot be loaded, for every (config key, set names) pair, reading local files only.
 
-    Unknown names, a missing data.local_dir, a set with no local file and no hub copy, and a hub-only set while the
-    hub is unreachable (and the set is not cached) each give `<key>: <why>. Fix: <how>`. Used by preflight so that a
+    Unknown names, a missing data.local_dir, a local file that is not valid JSONL of prompts (`check_prompt_file`),
+    a set with no local file and no hub copy, and a hub-only set while the hub is unreachable (and the set is not
+    cached) each give `<key>: <why>. Fix: <how>`. Used by preflight so that a
     run stops in seconds instead of after regeneration and training.
     """
     errors, probed = [], {}
@@ -475,6 +508,11 @@ def prompt_set_errors(
             except ValueError as err:
                 errors.append(f"{key}: {err}")
                 continue
+            if source.kind == "file":  # read now (~0.1 s for the default sets): a malformed line fails here
+                try:
+                    check_prompt_file(source.path, keep_row=PROMPT_SETS.resolve(name).keep_local_row)
+                except ValueError as err:
+                    errors.append(f"{key}: {err}")
             if source.kind != "hub":
                 continue
             if source.hub_id not in probed:

@@ -16,6 +16,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from dspark.targets.base import Target, resolve_feature_layer_ids
 from dspark.targets.builtin import TARGET_KEY, TARGETS, TargetSource
+from dspark.targets.checks import check_gguf_file, check_model_dir, looks_like_path
 from dspark.targets.storage import convert_gguf, gguf_cache_name, materialize, targets_cache_root
 
 MASK_KEY = "target_options.mask_token_id"
@@ -61,7 +62,7 @@ def resolve_source(name_or_path: str, *, cache_dir: Path, seed: int) -> TargetSo
         return TARGETS.resolve(name_or_path)(cache_dir=cache_dir, seed=seed)
     path = Path(name_or_path).expanduser()
     if not path.exists():
-        if _looks_like_path(name_or_path):
+        if looks_like_path(name_or_path):
             raise ValueError(
                 f"{TARGET_KEY}: local path '{name_or_path}' does not exist; give an existing save_pretrained "
                 f"directory or .gguf file, a hub id, or a built-in name ({', '.join(TARGETS.names())})"
@@ -69,19 +70,18 @@ def resolve_source(name_or_path: str, *, cache_dir: Path, seed: int) -> TargetSo
         return TargetSource(name=name_or_path, location=name_or_path, is_hub=True, load_hint=_hub_hint(name_or_path))
     path = path.resolve()
     if path.is_file() and path.suffix == ".gguf":
-        converted = materialize(targets_cache_root(cache_dir) / gguf_cache_name(path), lambda t: convert_gguf(path, t))
+        converted = materialize(targets_cache_root(cache_dir) / gguf_cache_name(path), lambda t: _convert(path, t))
         return TargetSource(name=str(path), location=str(converted))
-    if not (path / "config.json").is_file():
-        raise ValueError(
-            f"{TARGET_KEY}: '{path}' is neither a .gguf file nor a model directory with config.json; "
-            "point it at a save_pretrained directory (config.json, safetensors, tokenizer files) or a .gguf file"
-        )
+    if not path.is_dir():
+        raise ValueError(f"{TARGET_KEY}: '{path}' is neither a .gguf file nor a model directory; point it at a "
+                         "save_pretrained directory (config.json, safetensors, tokenizer files) or a .gguf file")
+    check_model_dir(path)
     return TargetSource(name=str(path), location=str(path))
 
 
-def _looks_like_path(text: str) -> bool:
-    """Hub ids are `name` or `org/name`; anything else that is not on disk was meant as a local path."""
-    return text.startswith(("/", ".", "~")) or text.endswith(".gguf") or text.count("/") > 1 or "\\" in text
+def _convert(gguf_path: Path, out_dir: Path) -> None:
+    check_gguf_file(gguf_path)  # a cut-off file fails here with its name, not deep in the GGUF parser
+    convert_gguf(gguf_path, out_dir)
 
 
 def _hub_hint(hub_id: str) -> str:
