@@ -6,12 +6,15 @@ from pathlib import Path
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
+from dspark.files import atomic_output
+
 
 def save_figure(fig: Figure, path: str | Path, *, dpi: int = 120) -> Path:
-    """Render `fig` with the Agg canvas (no global backend change) and write it as a PNG, creating the folder."""
+    """Render `fig` with the Agg canvas (no global backend change) and write it as a PNG, creating the folder
+    (all-or-nothing: `dspark.files.atomic_output`)."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
     FigureCanvasAgg(fig)
     fig.tight_layout()
-    fig.savefig(path, dpi=dpi)
+    with atomic_output(path) as handle:
+        fig.savefig(handle, dpi=dpi, format="png")
     return path

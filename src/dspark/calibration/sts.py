@@ -21,6 +21,8 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
+from dspark.files import atomic_output
+
 DEFAULT_GRID_SIZE = 81
 DEFAULT_GRID_RANGE = (0.25, 4.0)
 
@@ -219,6 +221,6 @@ def plot_reliability(before: ReliabilityCurves, after: ReliabilityCurves, path: 
     axes[0][0].set_ylabel("empirical prefix-accept rate")
     fig.tight_layout()
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
+    with atomic_output(path) as handle:
+        fig.savefig(handle, dpi=120, format=path.suffix.lstrip(".") or "png")
     return path

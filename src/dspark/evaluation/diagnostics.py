@@ -25,6 +25,7 @@ from tqdm.auto import tqdm
 
 from dspark.evaluation.plots import plot_latency_breakdown, plot_threshold_sweep
 from dspark.evaluation.rollouts import EvalPrompt, run_rollouts
+from dspark.files import atomic_write_text
 from dspark.scheduling import SPSTable
 from dspark.scheduling.profile import load_or_profile_serving_sps, profile_serving_sps, serving_sps_path
 
@@ -112,7 +113,7 @@ def write_threshold_sweep(rows: Sequence[dict], out_dir: str | Path, *, stem: st
     out_dir = Path(out_dir)
     png = plot_threshold_sweep([r for r in rows if r["domain"] != "all"] or list(rows), out_dir / f"{stem}.png")
     table = out_dir / f"{stem}.md"
-    table.write_text(f"# Static threshold sweep (paper Fig. 5)\n\n![sweep]({png.name})\n\n{sweep_markdown(rows)}\n")
+    atomic_write_text(table, f"# Static threshold sweep (paper Fig. 5)\n\n![sweep]({png.name})\n\n{sweep_markdown(rows)}\n")
     return png, table
 
 
@@ -201,6 +202,6 @@ def write_latency_breakdown(rows: Sequence[dict], out_dir: str | Path, *, stem: 
     out_dir = Path(out_dir)
     png = plot_latency_breakdown(rows, out_dir / f"{stem}.png")
     table = out_dir / f"{stem}.md"
-    table.write_text("# Latency per round (paper Fig. 4 right; untrained drafters, fixed ℓ = γ)\n\n"
-                     f"![latency]({png.name})\n\n{latency_markdown(rows)}\n")
+    atomic_write_text(table, "# Latency per round (paper Fig. 4 right; untrained drafters, fixed ℓ = γ)\n\n"
+                      f"![latency]({png.name})\n\n{latency_markdown(rows)}\n")
     return png, table

@@ -20,6 +20,7 @@ import torch
 from tqdm.auto import tqdm
 
 from dspark.data.regenerate import derive_seed
+from dspark.files import atomic_output
 
 if TYPE_CHECKING:
     from dspark.targets import Target
@@ -139,12 +140,9 @@ def run_rollouts(engines: Mapping[str, Any], prompts: Sequence[EvalPrompt], *, s
 def write_rollouts_jsonl(path: str | Path, rollouts: Iterable[PromptRollout]) -> Path:
     """One JSON object per rollout (its rounds inside); written to a temp file, then renamed."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp")
-    with tmp.open("w") as handle:
+    with atomic_output(path, mode="w") as handle:
         for rollout in rollouts:
             handle.write(json.dumps(asdict(rollout)) + "\n")
-    tmp.replace(path)
     return path
 
 

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from dspark.config import ResolvedConfig
+from dspark.files import atomic_write_text
 from dspark.reports import ablations, diagnostics, search, serving  # noqa: F401  (register the builders)
 from dspark.reports.collect import SweepRuns, collect_sweep_runs, runs_frame
 from dspark.reports.context import REPORT_BUILDERS, ReportContext
@@ -72,8 +73,7 @@ def write_sweep_report(rc: ResolvedConfig, spec: Any, *, store: TrackingStore, p
     provenance = Provenance.from_runs(runs, store=store, experiment=rc.cfg.tracking.experiment, now=now,
                                       fallback=fallback)
     text, figures = build_report(runs, spec=spec, out_dir=out_dir, provenance=provenance, store=store)
-    path = out_dir / f"{spec.name}.md"
-    path.write_text(text)
+    path = atomic_write_text(out_dir / f"{spec.name}.md", text, key="paths.reports")
     if runs.parent is not None:
         for item in [path, *figures]:
             store.client.log_artifact(runs.parent.info.run_id, str(item), artifact_path="report")

@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 import lightning as L
 
 from dspark.config import ConfigError, ResolvedConfig, resolve_config
+from dspark.files import atomic_write_text
 from dspark.stages.train import recorded_training_metrics
 from dspark.sweeps import runs as sweep_runs
 from dspark.sweeps.identity import HASH_EXCLUDED, arg_key, parent_tags, sweep_dir
@@ -228,7 +229,7 @@ def log_study_summary(store: TrackingStore, parent_id: str, handle: StudyHandle,
         metrics |= {f"importance/{k}": float(v) for k, v in importances.items()}
     store.log_metrics(parent_id, metrics)
     out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "study.json").write_text(json.dumps(summary, indent=1, default=str))
+    atomic_write_text(out_dir / "study.json", json.dumps(summary, indent=1, default=str))
     store.client.log_artifact(parent_id, str(out_dir / "study.json"), artifact_path="sweep")
 
 

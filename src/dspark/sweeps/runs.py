@@ -9,6 +9,7 @@ from pathlib import Path
 
 import yaml
 
+from dspark.files import atomic_write_text
 from dspark.markdown import markdown_table
 from dspark.tracking import TrackingStore
 
@@ -17,11 +18,11 @@ def log_parent_record(store: TrackingStore, parent_id: str, *, spec_text: str, c
                       out_dir: Path) -> None:
     """Attach the sweep file and every cell's resolved config to the parent (before any cell runs)."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "sweep.yaml").write_text(spec_text)
-    (out_dir / "cells.yaml").write_text(yaml.safe_dump(cells, sort_keys=False, allow_unicode=True))
+    atomic_write_text(out_dir / "sweep.yaml", spec_text)
+    atomic_write_text(out_dir / "cells.yaml", yaml.safe_dump(cells, sort_keys=False, allow_unicode=True))
     table = markdown_table(["#", "cell", "run name", "training key"],
                            [[c["index"], c["cell"], c["run_name"], c["training_key"]] for c in cells])
-    (out_dir / "cells.md").write_text(table + "\n")
+    atomic_write_text(out_dir / "cells.md", table + "\n")
     for name in ("sweep.yaml", "cells.yaml", "cells.md"):
         store.client.log_artifact(parent_id, str(out_dir / name), artifact_path="sweep")
 
@@ -50,5 +51,5 @@ def log_outcomes(store: TrackingStore, parent_id: str, outcomes: list[CellOutcom
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / "outcomes.json"
     stamp = datetime.datetime.now().isoformat(timespec="seconds")
-    path.write_text(json.dumps({"finished": stamp, "cells": [o.__dict__ for o in outcomes]}, indent=1))
+    atomic_write_text(path, json.dumps({"finished": stamp, "cells": [o.__dict__ for o in outcomes]}, indent=1))
     store.client.log_artifact(parent_id, str(path), artifact_path="sweep")

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from dspark.config import ConfigError, RunConfig, to_yaml
+from dspark.files import atomic_write_text
 
 
 def tracking_uri_for(cfg: RunConfig) -> str:
@@ -57,9 +58,7 @@ class TrackingStore:
 
     def log_config(self, run_id: str, cfg: RunConfig, *, run_dir: Path) -> None:
         """Write the resolved config next to the run's results and attach it as an artifact; flat params too."""
-        run_dir.mkdir(parents=True, exist_ok=True)
-        path = run_dir / "config.yaml"
-        path.write_text(to_yaml(cfg))
+        path = atomic_write_text(run_dir / "config.yaml", to_yaml(cfg))
         self.client.log_artifact(run_id, str(path))
         params = _flat_params(cfg)
         from mlflow.entities import Param
