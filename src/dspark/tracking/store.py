@@ -91,18 +91,27 @@ def open_store(cfg: RunConfig) -> TrackingStore:
     os.environ["MLFLOW_TRACKING_URI"] = uri  # Lightning reads it at import; keep them in agreement
     from mlflow.tracking import MlflowClient
 
-    if uri.startswith("sqlite:"):
-        Path(cfg.paths.root).mkdir(parents=True, exist_ok=True)
-    client = MlflowClient(tracking_uri=uri)
+    if not uri.startswith("sqlite:"):
+        client = MlflowClient(tracking_uri=uri)
+        return TrackingStore(uri=uri, experiment_id=_experiment_id(client, cfg, artifacts=None), client=client)
+    Path(cfg.paths.root).mkdir(parents=True, exist_ok=True)
+    from filelock import FileLock
+
+    # Two processes opening a new sqlite store at once race in MLflow's schema migration, which the client runs
+    # when it is built ("Online migration expected to match one row ... 0 found"), and in create_experiment; the
+    # first opener does both while the others wait.
+    with FileLock(str(Path(cfg.paths.root).resolve() / ".mlflow.db.lock")):
+        client = MlflowClient(tracking_uri=uri)
+        artifacts = (Path(cfg.paths.root).resolve() / "mlartifacts").as_uri()
+        return TrackingStore(uri=uri, experiment_id=_experiment_id(client, cfg, artifacts=artifacts), client=client)
+
+
+def _experiment_id(client: Any, cfg: RunConfig, *, artifacts: str | None) -> str:
+    """The id of experiment `tracking.experiment`, created (with `artifacts` as its artifact root) if absent."""
     exp = client.get_experiment_by_name(cfg.tracking.experiment)
-    if exp is None:
-        artifacts = None
-        if uri.startswith("sqlite:"):
-            artifacts = (Path(cfg.paths.root).resolve() / "mlartifacts").as_uri()
-        exp_id = client.create_experiment(cfg.tracking.experiment, artifact_location=artifacts)
-    else:
-        exp_id = exp.experiment_id
-    return TrackingStore(uri=uri, experiment_id=exp_id, client=client)
+    if exp is not None:
+        return exp.experiment_id
+    return client.create_experiment(cfg.tracking.experiment, artifact_location=artifacts)
 
 
 def git_provenance(repo: Path) -> dict[str, str]:
