@@ -220,3 +220,48 @@ def test_config_lists_of_confidence_policies_match_the_policy_classes():
     needs = {n for n in POLICIES if offline.build_policy(n, sps=sps).needs_confidences}
     serve_needs = {n for n in SERVE_POLICIES if serving.build_serve_policy(n, sps=sps).needs_confidences}
     assert needs == set(CONFIDENCE_POLICIES) and serve_needs == set(SERVE_CONFIDENCE_POLICIES)
+
+
+# ---- the same inputs through the command line: exit 2 in preflight, nothing ran ----
+
+def _cli_refuses(argv: list[str], root: Path, needle: str, capsys) -> str:
+    from dspark.cli import main
+
+    start = time.perf_counter()
+    assert main(argv + [f"paths.root={root}"]) == 2
+    seconds = time.perf_counter() - start
+    err = capsys.readouterr().err
+    assert needle in err, err
+    assert not (root / "mlflow.db").exists() and seconds < 10, seconds  # refused before the store or any loading
+    return err
+
+
+def test_cli_refuses_a_directory_that_is_not_a_model(tmp_path, capsys):
+    (tmp_path / "notes").mkdir()
+    _cli_refuses(["budget=smoke", f"target={tmp_path / 'notes'}"], tmp_path / "root", "no config.json", capsys)
+
+
+def test_cli_refuses_a_truncated_gguf_naming_the_file(tmp_path, capsys):
+    data = _write_gguf(tmp_path / "full.gguf").read_bytes()
+    (tmp_path / "cut.gguf").write_bytes(data[:32])
+    err = _cli_refuses(["budget=smoke", f"target={tmp_path / 'cut.gguf'}"], tmp_path / "root", "download it again",
+                       capsys)
+    assert str(tmp_path / "cut.gguf") in err and "unpack_from" not in err.split("(")[0]
+
+
+def test_cli_refuses_a_scheduler_on_dflash_before_prepare(tmp_path, capsys):
+    _cli_refuses(["budget=smoke", "drafter=dflash", "decode.policy=scheduler"], tmp_path / "root",
+                 "decode.policy=scheduler reads the confidence head", capsys)
+
+
+def test_cli_refuses_a_read_only_output_directory(tmp_path, capsys):
+    """paths.root under a regular file cannot be created: the portable stand-in for a read-only disk here (the
+    real read-only directory is tested in test_output_files.py)."""
+    (tmp_path / "file").write_text("not a directory")
+    root = tmp_path / "file" / "root"
+    from dspark.cli import main
+
+    assert main(["budget=smoke", f"paths.root={root}"]) == 2
+    assert f"paths.root={root} is not writable" in capsys.readouterr().err
+    assert main(["budget=smoke", "stage=report", f"paths.root={tmp_path}", f"paths.reports={root}"]) == 2
+    assert f"paths.reports={root} is not writable" in capsys.readouterr().err

@@ -156,3 +156,75 @@ def test_a_read_only_directory_is_named_and_its_files_survive(read_only_dir):
 def test_a_writable_directory_passes_and_is_created(tmp_path):
     assert check_writable_dir(tmp_path / "a" / "b", key="paths.root") is None
     assert (tmp_path / "a" / "b").is_dir() and _leftovers(tmp_path / "a" / "b") == []
+
+
+# ---- Lightning's last.ckpt before resuming ----
+
+def _checkpoint(folder: Path) -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    real = folder / "epoch=3-step=12.ckpt"
+    torch.save({"state_dict": {"w": torch.arange(50_000, dtype=torch.float32)}, "epoch": 3}, real)
+    (folder / "last.ckpt").symlink_to(real.name)
+    return folder / "last.ckpt"
+
+
+def test_a_whole_checkpoint_is_resumed(tmp_path, caplog):
+    from dspark.stages.train import resumable_checkpoint
+
+    last = _checkpoint(tmp_path / "checkpoints")
+    with caplog.at_level("INFO", logger="dspark"):
+        assert resumable_checkpoint(last) == last
+    assert "resuming training from" in caplog.text
+
+
+@pytest.mark.parametrize("damage", ["cut", "bit-flip", "dangling"])
+def test_a_damaged_checkpoint_is_set_aside_and_training_starts_over(damage, tmp_path, caplog):
+    from dspark.stages.train import resumable_checkpoint
+
+    last = _checkpoint(tmp_path / "checkpoints")
+    real = last.resolve()
+    data = bytearray(real.read_bytes())
+    if damage == "cut":
+        real.write_bytes(bytes(data[: len(data) // 2]))
+    elif damage == "bit-flip":  # inside the tensor's bytes: the zip still opens, its CRC does not match
+        data[len(data) // 2] ^= 0x10
+        real.write_bytes(bytes(data))
+    else:
+        real.unlink()
+    with caplog.at_level("WARNING", logger="dspark"):
+        assert resumable_checkpoint(last) is None
+    assert not last.exists() and not last.is_symlink()  # Lightning relinks it at the next save
+    if damage != "dangling":
+        assert "is damaged" in caplog.text and (real.parent / (real.name + ".damaged")).exists()
+    else:
+        assert "missing checkpoint" in caplog.text
+
+
+def test_disk_full_when_exporting_the_drafter_fails_cleanly_and_the_rerun_exports(tmp_path, monkeypatch, capsys,
+                                                                                 caplog, one_thread):
+    """The run fails naming drafter.pt and the fix, leaves no drafter.pt or temp file, keeps last.ckpt; the rerun
+    resumes from it and exports."""
+    from dspark.cli import main
+
+    real_open = open
+
+    def open_filling_drafter(path, *args, **kwargs):
+        handle = real_open(path, *args, **kwargs)
+        return _FillingDisk(handle, 2000) if ".drafter.pt." in str(path) else handle
+
+    monkeypatch.setattr(files, "open", open_filling_drafter, raising=False)
+    argv = ["stage=train", "budget=smoke", f"paths.root={tmp_path}", "optim.epochs=1"]
+    assert main(argv) == 1
+    err = capsys.readouterr().err
+    (run_dir,) = (tmp_path / "runs").iterdir()
+    assert f"could not write {run_dir / 'drafter.pt'}" in err and "No space left" in err, err
+    assert not (run_dir / "drafter.pt").exists() and _leftovers(run_dir) == []
+    assert (run_dir / "checkpoints" / "last.ckpt").exists()
+
+    monkeypatch.setattr(files, "open", real_open, raising=False)
+    with caplog.at_level("INFO", logger="dspark"):
+        assert main(argv) == 0
+    assert "resuming training from" in caplog.text
+    from dspark.drafters.checkpoint import read_checkpoint
+
+    assert read_checkpoint(run_dir / "drafter.pt")["state_dict"]

@@ -7,7 +7,6 @@ final training metrics, floats) and `calibration` (STS fits keyed by decoding te
 """
 from __future__ import annotations
 
-import os
 import pickle
 import re
 from pathlib import Path
@@ -17,6 +16,7 @@ import torch
 from torch import nn
 
 from dspark.drafters.factory import DrafterSpec, build_drafter, check_spec_matches
+from dspark.files import atomic_output
 
 DRAFTER_FILE = "drafter.pt"
 
@@ -29,12 +29,12 @@ def drafter_file(run_dir_or_path: str | Path) -> Path:
 
 def save_drafter(path: Path, *, spec: DrafterSpec, state_dict: dict, metrics: dict[str, float],
                  calibration: dict | None = None) -> None:
-    """Atomically write the exported drafter (spec + weights [+ STS temperatures])."""
+    """Write the exported drafter (spec + weights [+ STS temperatures]) all-or-nothing (`dspark.files`): a full
+    disk or a read-only directory raises `OutputError` naming the path, and any previous drafter.pt is unchanged."""
     payload = {"spec": spec.to_dict(), "state_dict": {k: v.cpu() for k, v in state_dict.items()},
                "metrics": metrics, "calibration": calibration}
-    tmp = path.with_suffix(".tmp")
-    torch.save(payload, tmp)
-    os.replace(tmp, path)
+    with atomic_output(path) as handle:
+        torch.save(payload, handle)
 
 
 def read_checkpoint(path: str | Path) -> dict[str, Any]:

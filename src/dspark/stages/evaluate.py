@@ -21,6 +21,7 @@ from dspark.evaluation.diagnostics import load_or_profile_sps, sps_markdown
 from dspark.evaluation.plots import plot_conditional_acceptance
 from dspark.evaluation.rollouts import encode_prompts, read_rollouts_jsonl, run_rollouts, write_rollouts_jsonl
 from dspark.evaluation.summary import flatten_metrics, report_markdown, summarize
+from dspark.files import atomic_write_text
 from dspark.stages.context import StageContext, run_name
 from dspark.stages.drafter import TrainedDrafter, calibrate, open_trained_drafter
 from dspark.stages.prepare import PreparedData
@@ -126,7 +127,7 @@ def run_eval(ctx: StageContext, drafter_path: str | Path, *, prepared: PreparedD
     write_rollouts_jsonl(out_dir / ROUNDS_FILE, rollouts)
     meta = eval_meta(ctx, spec=spec, drafter_path=drafter_path, out_dir=out_dir, sps_path=sps_path,
                      calibration=calibration, calibration_source=calibration_source)
-    (out_dir / META_FILE).write_text(json.dumps(meta, indent=2))
+    atomic_write_text(out_dir / META_FILE, json.dumps(meta, indent=2))
     summary = summarize(rollouts, block_size=spec.block_size)
     metrics = flatten_metrics(summary) | (calibration.metrics() if calibration else {})
     coverage = draft_vocab_coverage(target=target, drafter=trained.drafter, prompts=prompts, rollouts=rollouts,
@@ -172,8 +173,9 @@ def write_report(ctx: StageContext, meta: dict, summary: Any) -> Path:
     calibration_md = meta.get("calibration_md")
     if calibration_md:
         calibration_md = f"Held-out prompts: {meta['calibration_source']}.\n\n{calibration_md}"
-    paths["report"].write_text(report_markdown(meta, summary, cond_plot=paths["cond"].name,
-                                               calibration_md=calibration_md, reliability_plot=reliability))
+    atomic_write_text(paths["report"], report_markdown(meta, summary, cond_plot=paths["cond"].name,
+                                                       calibration_md=calibration_md, reliability_plot=reliability),
+                      key="paths.reports")
     if ctx.store is not None:
         for key in ("report", "cond") + (("reliability",) if reliability else ()):
             ctx.store.client.log_artifact(ctx.run_id, str(paths[key]), artifact_path="eval")

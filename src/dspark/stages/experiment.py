@@ -33,11 +33,16 @@ class RunInterrupted(KeyboardInterrupt):
 
 def preflight(rc: ResolvedConfig) -> None:
     """Cheap checks of names and paths that would otherwise fail after minutes of work."""
-    cfg, errors = rc.cfg, []
+    from dspark.files import check_writable_dir
+
+    cfg = rc.cfg
+    outputs = {"paths.reports": cfg.paths.reports} | ({} if cfg.stage == "report" else {"paths.root": cfg.paths.root})
+    errors = [e for key, path in outputs.items() if (e := check_writable_dir(path, key=key))]
     if cfg.stage == "report":  # reports read the tracking store only; skip imports of torch/transformers
+        _raise(errors)
         return
     from dspark.data.prompts import prompt_set_errors
-    from dspark.targets import TARGETS
+    from dspark.targets.checks import check_target
 
     if cfg.data.local_dir and not Path(cfg.data.local_dir).expanduser().is_dir():
         errors.append(f"data.local_dir={cfg.data.local_dir} does not exist; point it at a directory of JSONL prompt "
@@ -50,13 +55,17 @@ def preflight(rc: ResolvedConfig) -> None:
     from dspark.stages.export import preflight_errors as interop_errors
 
     errors += interop_errors(cfg)  # export.* and model.import_from
-    looks_local = cfg.target.startswith(("/", ".", "~")) or cfg.target.endswith(".gguf")
-    if cfg.target not in TARGETS and looks_local and not Path(cfg.target).expanduser().exists():
-        errors.append(f"target={cfg.target}: no such file or directory; give a local model directory, a .gguf "
-                      f"file, a hub id, or a built-in name ({', '.join(TARGETS.names())}).")
+    try:  # file headers only: a directory that is not a model or a cut-off .gguf fails here, not after loading
+        check_target(cfg.target, cache_dir=Path(cfg.paths.root) / "cache")
+    except ValueError as err:
+        errors.append(str(err))
     if cfg.serve.sps_table and not Path(cfg.serve.sps_table).expanduser().is_file():
         errors.append(f"serve.sps_table={cfg.serve.sps_table}: no such file; give an SPS(B) JSON written by "
                       "dspark.serving.profile (e.g. profiled on a GPU), or drop the key to use this machine's table.")
+    _raise(errors)
+
+
+def _raise(errors: list[str]) -> None:
     if errors:
         raise ConfigError("Invalid configuration:\n  - " + "\n  - ".join(errors))
 

@@ -25,6 +25,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from dspark.files import atomic_output, atomic_write_text
 from dspark.stages.context import StageContext
 from dspark.stages.drafter import TrainedDrafter, calibrate, open_trained_drafter
 from dspark.stages.prepare import PreparedData
@@ -91,14 +92,10 @@ def write_steps(path: Path, result: Any) -> Path:
     """The run's step records (one JSON object per line) and request results, written atomically."""
     from dataclasses import asdict
 
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    with tmp.open("w") as handle:
+    with atomic_output(path, mode="w") as handle:
         for step in result.steps:
             handle.write(json.dumps(step.to_dict()) + "\n")
-    tmp.replace(path)
-    requests = path.with_name("requests.jsonl")
-    requests.write_text("".join(json.dumps(asdict(r)) + "\n" for r in result.requests))
+    atomic_write_text(path.with_name("requests.jsonl"), "".join(json.dumps(asdict(r)) + "\n" for r in result.requests))
     return path
 
 

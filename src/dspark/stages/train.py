@@ -6,6 +6,7 @@ a finished drafter, and an interrupted one resumes from `checkpoints/last.ckpt`.
 from __future__ import annotations
 
 import logging
+import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -87,8 +88,8 @@ def run_train(ctx: StageContext, data: PreparedData) -> Path:
     log.info("training %s: %.2fM trainable parameters, draft vocabulary %d of %d", spec.kind,
              count_parameters(module.drafter) / 1e6, module.drafter.draft_vocab_size, target.vocab_size)
     trainer = build_trainer(ctx, run_dir)
-    last = run_dir / "checkpoints" / "last.ckpt"
-    fit_interruptibly(trainer, module, datamodule=datamodule, ckpt_path=str(last) if last.exists() else None)
+    last = resumable_checkpoint(run_dir / "checkpoints" / "last.ckpt")
+    fit_interruptibly(trainer, module, datamodule=datamodule, ckpt_path=None if last is None else str(last))
     if trainer.global_rank == 0:
         metrics = {k: float(v) for k, v in trainer.callback_metrics.items() if v.numel() == 1}
         log.info("trained: held-out teacher-forced τ_prob %s, slot-1 acceptance %s, slot-2 %s, draft-vocabulary "
@@ -96,6 +97,36 @@ def run_train(ctx: StageContext, data: PreparedData) -> Path:
                                                                         "val/accept/pos2", "val/vocab_coverage")))
         save_drafter(exported, spec=spec, state_dict=module.drafter.state_dict(), metrics=metrics)
     return exported
+
+
+def resumable_checkpoint(last: Path) -> Path | None:
+    """`last.ckpt` when it holds a whole checkpoint (logged: training resumes there), else None (train from the
+    start). Lightning writes checkpoints through a transaction, but a kill between saving and relinking leaves
+    `last.ckpt` dangling, and a damaged disk or copy leaves a cut-off or bit-flipped zip: both are refused with
+    a warning here instead of failing the load (or, worse, resuming from garbage); a damaged file is kept aside."""
+    import zipfile
+
+    if not last.exists():
+        if last.is_symlink():
+            log.warning("%s points at a missing checkpoint (%s); training from the start", last, os.readlink(last))
+            last.unlink()
+        return None
+    try:
+        with zipfile.ZipFile(last) as archive:
+            damage = archive.testzip()  # reads every member and checks its CRC
+    except (zipfile.BadZipFile, OSError, EOFError) as err:
+        damage = f"{type(err).__name__}: {err}"
+    if damage is None:
+        log.info("resuming training from %s", last.resolve())
+        return last
+    real = last.resolve()
+    kept = real.with_name(real.name + ".damaged")
+    os.replace(real, kept)
+    if last.is_symlink():
+        last.unlink()
+    log.warning("checkpoint %s is damaged (bad member: %s); training from the start, the file is kept as %s",
+                real, damage, kept)
+    return None
 
 
 def _fmt(value: float | None) -> str:
