@@ -113,7 +113,8 @@ def write_threshold_sweep(rows: Sequence[dict], out_dir: str | Path, *, stem: st
     out_dir = Path(out_dir)
     png = plot_threshold_sweep([r for r in rows if r["domain"] != "all"] or list(rows), out_dir / f"{stem}.png")
     table = out_dir / f"{stem}.md"
-    atomic_write_text(table, f"# Static threshold sweep (paper Fig. 5)\n\n![sweep]({png.name})\n\n{sweep_markdown(rows)}\n")
+    atomic_write_text(table, f"# Static threshold sweep (paper Fig. 5)\n\n![sweep]({png.name})\n\n"
+                             f"{sweep_markdown(rows)}\n")
     return png, table
 
 

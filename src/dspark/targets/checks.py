@@ -19,7 +19,8 @@ from dspark.targets.storage import gguf_cache_name, targets_cache_root
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
                 "pytorch_model.bin.index.json")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "vocab.json", "spiece.model")
-MODEL_DIR_HINT = "a save_pretrained directory holds config.json, model.safetensors (or shards + index) and tokenizer files"
+MODEL_DIR_HINT = ("a save_pretrained directory holds config.json, model.safetensors (or shards + index) and "
+                  "tokenizer files")
 
 
 def check_target(name_or_path: str, *, cache_dir: Path | None = None) -> None:
@@ -127,7 +128,8 @@ def check_gguf_file(path: Path) -> None:
             raise ValueError(f"it starts with {magic!r}, not the GGUF magic b'GGUF'")
         reader = GGUFReader(str(path))
     except Exception as err:  # the reader fails with struct/index/reshape errors on a cut-off file
-        raise ValueError(f"{TARGET_KEY}={path}: not a readable GGUF file ({type(err).__name__}: {err}); {fix}.") from err
+        raise ValueError(f"{TARGET_KEY}={path}: not a readable GGUF file ({type(err).__name__}: {err}); "
+                         f"{fix}.") from err
     end = max((t.data_offset + int(t.n_bytes) for t in reader.tensors), default=0)
     if not reader.tensors or end > size:
         raise ValueError(f"{TARGET_KEY}={path}: truncated GGUF ({size:,} bytes, its tensor table needs {end:,}); "
