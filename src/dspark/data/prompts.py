@@ -494,8 +494,8 @@ def prompt_set_errors(
 
     Unknown names, a missing data.local_dir, a local file that is not valid JSONL of prompts (`check_prompt_file`),
     a set with no local file and no hub copy, and a hub-only set while the hub is unreachable (and the set is not
-    cached) each give `<key>: <why>. Fix: <how>`. Used by preflight so that a
-    run stops in seconds instead of after regeneration and training.
+    cached) each give `<key>: <why>. Fix: <how>`. Used by preflight so that a run stops in seconds instead of after
+    regeneration and training.
     """
     errors, probed = [], {}
     for key, names in keyed_sets.items():
