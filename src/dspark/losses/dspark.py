@@ -10,7 +10,9 @@ exactly into Σ_{x ∈ Vd} |p_d − p_t| + (1 − Σ_{x ∈ Vd} p_t): `target_pr
 probabilities of the Vd draft ids (summing to the covered mass, not 1), and labels outside Vd carry no CE term.
 
 Sums run over the supervised (block, slot) pairs of the whole batch (DeepSpec's pooled normalisation, not per
-block); `p_d_k` is the sequentially corrected (teacher-forced) draft distribution softmax(U_k + B_k). Only c* is
+block), and under data parallelism over every rank: `normalizer` maps this batch's Σ w to the denominator (the
+training module passes the all-reduced Σ w over the world size, so DDP's gradient average is ∇ Σ_all w·ℓ / Σ_all w).
+`p_d_k` is the sequentially corrected (teacher-forced) draft distribution softmax(U_k + B_k). Only c* is
 detached: the confidence loss also trains the backbone and W_1. Terms with α = 0 are not computed.
 
 Shape symbols: B sequences, N blocks, γ block size, V vocabulary.
@@ -19,6 +21,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 from torch import Tensor
@@ -48,7 +51,7 @@ def position_weights(block_size: int, decay: float) -> Tensor:
 
 def compute_dspark_loss(output: DSparkOutput, *, labels: Tensor, label_valid: Tensor,
                         target_probs: Tensor | None = None, target_logits: Tensor | None = None,
-                        label_in_vocab: Tensor | None = None,
+                        label_in_vocab: Tensor | None = None, normalizer: Callable[[Tensor], Tensor] | None = None,
                         alpha_ce: float, alpha_tv: float, alpha_conf: float, decay: float) -> DSparkLoss:
     """Weighted DSpark loss over the supervised slots.
 
@@ -56,13 +59,15 @@ def compute_dspark_loss(output: DSparkOutput, *, labels: Tensor, label_valid: Te
     label_in_vocab [B, N, γ] bool (default all True): False where x*_k lies outside the draft vocabulary (no CE
     term there); exactly one of target_probs [B, N, γ, Vd] (p_t at temperature 1 on the draft ids, possibly
     summing to less than 1) / target_logits [B, N, γ, V] (full vocabulary only), needed when α_tv or α_conf > 0
-    and used for `c_star` whenever given. With no supervised slot every term is 0, still attached to the graph (the
+    and used for `c_star` whenever given. normalizer: Σ w [] of this batch → the denominator of every term
+    (default: itself). With no supervised slot every term is 0, still attached to the graph (the
     selections are empty), so a rank without labels still takes part in a data-parallel backward.
     """
     _validate(output, target_probs=target_probs, target_logits=target_logits,
               alphas={"alpha_ce": alpha_ce, "alpha_tv": alpha_tv, "alpha_conf": alpha_conf})
     weights = position_weights(labels.shape[-1], decay).to(output.logits.device).expand(labels.shape)[label_valid]
-    weight_sum = weights.sum().clamp_min(torch.finfo(torch.float32).tiny)  # avoid 0/0 on an empty batch
+    weight_sum = weights.sum() if normalizer is None else normalizer(weights.sum())
+    weight_sum = weight_sum.clamp_min(torch.finfo(torch.float32).tiny)  # avoid 0/0 on an empty batch
     log_p_d = F.log_softmax(output.logits[label_valid].float(), dim=-1)  # [M, V] supervised slots only
     zero = log_p_d.new_zeros(())
 

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 import lightning as L
 import torch
+import torch.distributed as dist
 from torch import nn
 from torchmetrics import MeanMetric
 
@@ -20,6 +21,19 @@ from dspark.training.steps import TRAINING_STEPS, StepResult
 
 if TYPE_CHECKING:
     from dspark.targets import Target
+
+
+def pooled_weight_sum(local: torch.Tensor) -> torch.Tensor:
+    """Σ w of every data-parallel rank over the world size (METHOD §3: the loss's sums are pooled across ranks).
+
+    Each rank divides its Σ w·ℓ by this, so DDP's gradient average (the mean over ranks) is the gradient of
+    Σ_all w·ℓ / Σ_all w; dividing by the rank's own Σ w weighted ranks with fewer supervised slots too much.
+    One all_reduce per training step, in lockstep like DDP's own gradient all_reduce; identity on one process."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return local
+    total = local.detach().clone()
+    dist.all_reduce(total)
+    return total / dist.get_world_size()
 
 
 class NonFiniteLossError(FloatingPointError):
@@ -58,8 +72,11 @@ class DrafterModule(L.LightningModule):
             metric.reset()
 
     def _run(self, batch: dict[str, torch.Tensor], split: str) -> torch.Tensor:
+        # pooled denominators matter for the gradient only: validation's loss is a logged per-rank mean
+        # (sync_dist averages it) and its metrics reduce exact sums, so it adds no collective per batch
+        normalizer = pooled_weight_sum if split == "train" else None
         result: StepResult = self.step_fn(drafter=self.drafter, target=self.target, batch=batch,
-                                          block_size=self.block_size, **self.loss_weights)
+                                          block_size=self.block_size, normalizer=normalizer, **self.loss_weights)
         if not torch.isfinite(result.loss.total):
             raise NonFiniteLossError(
                 f"{split} loss is {result.loss.total.item()} at step {self.global_step}: lower optim.lr, check the "

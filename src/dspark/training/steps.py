@@ -111,9 +111,11 @@ def _zero(like: Tensor) -> Tensor:
 
 
 def dspark_step(*, drafter, target, batch: dict[str, Tensor], block_size: int, alpha_ce: float, alpha_tv: float,
-                alpha_conf: float, decay: float, kind: str = "paper", dpard_alpha: float = 0.5) -> StepResult:
+                alpha_conf: float, decay: float, kind: str = "paper", dpard_alpha: float = 0.5,
+                normalizer: Callable[[Tensor], Tensor] | None = None) -> StepResult:
     """DSpark / DFlash (METHOD §2.1 table, §3): blocks from anchors, p_t from the target's final-norm hidden;
-    `kind` picks the objective (`loss.kind`: paper | dpard)."""
+    `kind` picks the objective (`loss.kind`: paper | dpard); `normalizer` (Σ w → denominator) pools the paper
+    objective's denominators across data-parallel ranks (D-PARD keeps its per-rank block count)."""
     features, final_hidden = target_features(target, batch)
     blocks = build_blocks(batch["input_ids"], batch["loss_mask"], batch["anchors"], batch["anchor_valid"],
                           block_size=block_size, mask_token_id=target.mask_token_id)
@@ -123,7 +125,7 @@ def dspark_step(*, drafter, target, batch: dict[str, Tensor], block_size: int, a
     with torch.no_grad():
         p_t = target_distribution(drafter, target, batch, final_hidden, blocks.target_positions)
     labels, in_vocab = drafter.draft_head.to_draft_ids(blocks.labels)
-    extra = {"dpard_alpha": dpard_alpha} if kind == "dpard" else {}
+    extra = {"dpard_alpha": dpard_alpha} if kind == "dpard" else {"normalizer": normalizer}
     # the paper's objective through this module's name: tests (NaN loss, Ctrl-C) patch steps.compute_dspark_loss
     objective = compute_dspark_loss if kind == "paper" else BLOCK_OBJECTIVES.resolve(kind)
     loss = objective(out, labels=labels, label_valid=blocks.label_valid, target_probs=p_t.probs,
@@ -157,7 +159,7 @@ TRAINING_STEPS.add("dflash", dspark_step)
 
 def eagle3_step(*, drafter, target, batch: dict[str, Tensor], block_size: int, alpha_ce: float = 0.0,
                 alpha_tv: float = 0.0, alpha_conf: float = 0.0, decay: float = 4.0, kind: str = "paper",
-                dpard_alpha: float = 0.5) -> StepResult:
+                dpard_alpha: float = 0.5, normalizer: Callable[[Tensor], Tensor] | None = None) -> StepResult:
     """EAGLE-3 training-time test (METHOD §4): soft CE against p_t with step weights 0.8^k.
 
     Supervised at the batch's sampled anchors, like DSpark: anchor a (the last committed token x_a) is TTT
@@ -165,7 +167,8 @@ def eagle3_step(*, drafter, target, batch: dict[str, Tensor], block_size: int, a
     drafters then see the same K = data.max_anchors (context, block) pairs per sequence and epoch, and the LM head
     runs on N instead of T positions per step (the cost that dominates EAGLE-3 training; budget=paper's K = 512
     covers every position of typical sequences). The TTT layer itself still runs over every position.
-    The α weights do not apply (EAGLE-3 has its own loss); they are accepted so one config drives every drafter.
+    The α weights do not apply (EAGLE-3 has its own loss); they are accepted so one config drives every drafter,
+    and so is `normalizer`: EAGLE-3's L_k keeps the local B·N denominator of its reference (METHOD §4).
     Metrics treat each sampled position as a "block" whose slot k is TTT step k−1.
     """
     if kind != "paper":  # loss.kind is the block drafters' objective; config validation refuses it for EAGLE-3

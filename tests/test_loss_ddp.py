@@ -1,0 +1,135 @@
+"""DDP loss normalisation (issue 14, defect 5; METHOD §3): the DSpark loss's Σ w·ℓ and Σ w are pooled across
+data-parallel ranks, so two gloo processes on an uneven split of a batch produce exactly the gradient one process
+computes on the whole batch. Dividing by each rank's own Σ w (the old behaviour, kept here as the control) gives a
+different gradient whenever the ranks hold different numbers of supervised slots.
+
+The real training path runs in each process: `DrafterModule._run` (the step function, the loss, the
+normaliser) inside torch's DistributedDataParallel, which averages gradients over ranks exactly as Lightning's
+DDP strategy does.
+"""
+from __future__ import annotations
+
+import socket
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+
+import dspark.training.module as module_lib
+from dspark.config import RunConfig
+from dspark.data.blocks import sample_anchors
+from dspark.drafters.factory import build_drafter, drafter_spec_for
+from dspark.training.module import DrafterModule
+
+pytestmark = pytest.mark.ddp
+TINY_TARGET = {"seed": 2}
+WORLD = 2
+SHARDS = (slice(0, 1), slice(1, 4))  # rank 0 holds one short sequence, rank 1 three long ones
+SHARED: dict = {}  # set before forking: the workers inherit the module, the batch and the initial weights
+
+
+def _batch(target) -> dict[str, torch.Tensor]:
+    """4 sequences; row 0 supervises few slots (short loss region, 2 anchors), rows 1-3 many (8 anchors)."""
+    gen = torch.Generator().manual_seed(0)
+    batch, length, anchors = 4, 80, 8
+    ids = torch.randint(10, target.vocab_size - 10, (batch, length), generator=gen)
+    ids[ids == target.mask_token_id] = 11
+    loss_mask = torch.zeros(batch, length, dtype=torch.bool)
+    loss_mask[0, 70:] = True
+    loss_mask[1:, 20:] = True
+    picked = torch.stack([sample_anchors(loss_mask[b], max_anchors=anchors, generator=gen) for b in range(batch)])
+    valid = torch.ones_like(picked, dtype=torch.bool)
+    valid[0, 2:] = False
+    return {"input_ids": ids, "attention_mask": torch.ones_like(loss_mask), "loss_mask": loss_mask,
+            "anchors": picked, "anchor_valid": valid}
+
+
+def _module(target) -> DrafterModule:
+    torch.manual_seed(0)
+    cfg = RunConfig()
+    cfg.model.head, cfg.model.depth, cfg.model.markov_rank = "markov", 1, 16
+    spec = drafter_spec_for(kind="dspark", model_cfg=cfg.model, target=target)
+    weights = {"alpha_ce": 0.1, "alpha_tv": 0.9, "alpha_conf": 1.0, "decay": 4.0}
+    return DrafterModule(drafter=build_drafter(spec, target), target=target, drafter_kind="dspark",
+                         block_size=spec.block_size, loss_weights=weights,
+                         optim={"lr": 1e-3, "beta1": 0.9, "beta2": 0.999, "weight_decay": 0.0,
+                                "warmup_fraction": 0.0}, drafter_config=spec.to_dict())
+
+
+class _TrainStep(nn.Module):
+    """What Lightning's DDP wrapper calls: the module's training step behind DDP's forward."""
+
+    def __init__(self, module: DrafterModule) -> None:
+        super().__init__()
+        self.module = module
+
+    def forward(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        return self.module._run(batch, "train")
+
+
+def _gradients(module: DrafterModule) -> dict[str, torch.Tensor]:
+    return {n: p.grad.detach().clone() for n, p in module.drafter.named_parameters() if p.grad is not None}
+
+
+def _shard(batch: dict[str, torch.Tensor], rank: int) -> dict[str, torch.Tensor]:
+    return {k: v[SHARDS[rank]] for k, v in batch.items()}
+
+
+def _worker(rank: int, port: int, out_dir: str) -> None:
+    torch.set_num_threads(1)
+    module, batch = SHARED["module"], SHARED["batch"]
+    module.drafter.load_state_dict(SHARED["initial"])
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD,
+                            timeout=timedelta(seconds=120))
+    try:
+        out = {}
+        for label, normalizer in (("pooled", module_lib.pooled_weight_sum), ("per_rank", lambda local: local)):
+            module_lib.pooled_weight_sum, saved = normalizer, module_lib.pooled_weight_sum  # the control: old rule
+            try:
+                step = nn.parallel.DistributedDataParallel(_TrainStep(module), find_unused_parameters=True)
+                module.drafter.zero_grad(set_to_none=True)
+                step(_shard(batch, rank)).backward()  # DDP all-reduces and averages the gradients here
+                out[label] = _gradients(module)
+            finally:
+                module_lib.pooled_weight_sum = saved
+        torch.save(out, Path(out_dir) / f"rank{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def test_pooled_weight_sum_is_the_identity_on_one_process():
+    local = torch.tensor(3.5)
+    assert module_lib.pooled_weight_sum(local) is local
+
+
+def test_two_gloo_ranks_give_the_single_process_gradient_of_the_whole_batch(tiny, tmp_path, one_thread):
+    if "fork" not in mp.get_all_start_methods():
+        pytest.skip("the workers inherit the tiny target by fork")
+    module, batch = _module(tiny), _batch(tiny)
+    initial = {k: v.clone() for k, v in module.drafter.state_dict().items()}
+    module.drafter.zero_grad(set_to_none=True)
+    module._run(batch, "train").backward()  # one process, the whole batch
+    single = _gradients(module)
+    SHARED.update(module=module, batch=batch, initial=initial)
+    try:
+        mp.start_processes(_worker, args=(_free_port(), str(tmp_path)), nprocs=WORLD, join=True, start_method="fork")
+    finally:
+        SHARED.clear()
+    results = [torch.load(tmp_path / f"rank{r}.pt") for r in range(WORLD)]
+    assert single and results[0]["pooled"].keys() == single.keys()
+    for name, grad in single.items():
+        for result in results:  # DDP leaves the same averaged gradient on every rank
+            torch.testing.assert_close(result["pooled"][name], grad, rtol=1e-4, atol=1e-7, msg=name)
+    # the control: each rank dividing by its own Σ w gives another gradient (the defect this fixes)
+    worst = max(float((results[0]["per_rank"][n] - g).norm() / g.norm().clamp_min(1e-12)) for n, g in single.items())
+    assert worst > 0.05, worst
