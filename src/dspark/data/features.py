@@ -7,8 +7,10 @@ target forwards. `benchmarks/bench_data.py` measures which is faster on a given 
 
 Layout: `cache_dir/features/<key>/` with `manifest.json`, safetensors shards `features-NNNNN.safetensors` holding
 `features.<i>`, `final_hidden.<i>` and `log_normalizer.<i>` for global sequence index `i` (load order of
-`load_regenerated`), each written atomically, and a `COMPLETE` marker. `key` hashes the regeneration key, the target
-fingerprint, the feature layer ids and the prefill precision; a rerun skips finished shards.
+`load_regenerated`), each written atomically, and a `COMPLETE` marker; the manifest records every shard's sha256, so
+a damaged shard is found on reuse and recomputed, and concurrent builders take turns (`dspark.data.integrity`).
+`key` hashes the regeneration key, the target fingerprint, the feature layer ids and the prefill precision; a rerun
+skips finished shards.
 
 `log_normalizer` [T] fp32 is log Σ_V exp(z) of the target's full-vocabulary logits z = lm_head(final_hidden), computed
 from the *stored* (fp16-rounded) final hidden state, so a training step with a draft vocabulary gets exact p_t over
@@ -36,6 +38,7 @@ from safetensors.torch import save_file
 from torch import Tensor
 from tqdm.auto import tqdm
 
+from dspark.data.integrity import building, seal_cache
 from dspark.data.regenerate import COMPLETE, MANIFEST, load_regenerated, read_manifest
 
 FEATURE_FORMAT_VERSION = 3  # 2: log_normalizer per position, length-batched (optionally bf16) prefill; 3: target_mass
@@ -95,36 +98,38 @@ def cache_features(
     manifest = read_manifest(regen_dir)
     key = feature_cache_key(manifest["key"], target=target, precision=precision)
     out_dir = Path(cache_dir) / "features" / key
-    if (out_dir / COMPLETE).exists():
-        return out_dir
-    dataset = load_regenerated(regen_dir).with_format("torch", columns=["input_ids", "loss_mask"])
-    num_shards = -(-len(dataset) // shard_size)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    info = {"key": key, "regen_key": manifest["key"], "target_fingerprint": target.fingerprint,
-            "feature_layer_ids": list(target.feature_layer_ids), "hidden_size": target.hidden_size,
-            "dtype": str(STORE_DTYPE), "num_sequences": len(dataset), "shard_size": shard_size,
-            "num_shards": num_shards, "precision": precision, "format": FEATURE_FORMAT_VERSION}
-    _atomic_write(out_dir / MANIFEST, lambda tmp: tmp.write_text(json.dumps(info, indent=2)))
-    todo = [s for s in range(num_shards) if not _shard_path(out_dir, s).exists()]
-    lengths = [len(ids) for ids in load_regenerated(regen_dir)["input_ids"]]
-    total = sum(sum(lengths[s * shard_size:(s + 1) * shard_size]) for s in todo)
-    bar = tqdm(total=total, desc=f"features ({precision})", unit="tok", unit_scale=True, disable=not show_progress)
-    started, done = time.perf_counter(), 0
-    for shard in todo:
-        start = shard * shard_size
-        items = [dataset[i] for i in range(start, min(start + shard_size, len(dataset)))]
-        rows = [item["input_ids"] for item in items]
-        tensors = _shard_tensors(target, rows, first_index=start, batch_size=batch_size, token_budget=token_budget,
-                                 precision=precision, loss_masks=[item["loss_mask"].bool() for item in items])
-        _atomic_write(_shard_path(out_dir, shard), lambda tmp: save_file(tensors, str(tmp)))
-        tokens = sum(len(r) for r in rows)
-        done += tokens
-        bar.update(tokens)
-        bar.set_postfix(tok_s=f"{done / max(time.perf_counter() - started, 1e-9):.0f}")
-    bar.close()
-    info["tokens_per_second"] = done / max(time.perf_counter() - started, 1e-9) if done else None
-    _atomic_write(out_dir / MANIFEST, lambda tmp: tmp.write_text(json.dumps(info, indent=2)))
-    _atomic_write(out_dir / COMPLETE, lambda tmp: tmp.write_bytes(b""))
+    with building(out_dir) as whole:  # one builder at a time; a damaged finished cache comes back unfinished
+        if whole:
+            return out_dir
+        dataset = load_regenerated(regen_dir).with_format("torch", columns=["input_ids", "loss_mask"])
+        num_shards = -(-len(dataset) // shard_size)
+        out_dir.mkdir(parents=True, exist_ok=True)
+        info = {"key": key, "regen_key": manifest["key"], "target_fingerprint": target.fingerprint,
+                "feature_layer_ids": list(target.feature_layer_ids), "hidden_size": target.hidden_size,
+                "dtype": str(STORE_DTYPE), "num_sequences": len(dataset), "shard_size": shard_size,
+                "num_shards": num_shards, "precision": precision, "format": FEATURE_FORMAT_VERSION}
+        _atomic_write(out_dir / MANIFEST, lambda tmp: tmp.write_text(json.dumps(info, indent=2)))
+        todo = [s for s in range(num_shards) if not _shard_path(out_dir, s).exists()]
+        lengths = [len(ids) for ids in load_regenerated(regen_dir)["input_ids"]]
+        total = sum(sum(lengths[s * shard_size:(s + 1) * shard_size]) for s in todo)
+        bar = tqdm(total=total, desc=f"features ({precision})", unit="tok", unit_scale=True,
+                   disable=not show_progress)
+        started, done = time.perf_counter(), 0
+        for shard in todo:
+            start = shard * shard_size
+            items = [dataset[i] for i in range(start, min(start + shard_size, len(dataset)))]
+            rows = [item["input_ids"] for item in items]
+            tensors = _shard_tensors(target, rows, first_index=start, batch_size=batch_size,
+                                     token_budget=token_budget, precision=precision,
+                                     loss_masks=[item["loss_mask"].bool() for item in items])
+            _atomic_write(_shard_path(out_dir, shard), lambda tmp: save_file(tensors, str(tmp)))
+            tokens = sum(len(r) for r in rows)
+            done += tokens
+            bar.update(tokens)
+            bar.set_postfix(tok_s=f"{done / max(time.perf_counter() - started, 1e-9):.0f}")
+        bar.close()
+        info["tokens_per_second"] = done / max(time.perf_counter() - started, 1e-9) if done else None
+        seal_cache(out_dir, info, [_shard_path(out_dir, s).name for s in range(num_shards)])
     return out_dir
 
 

@@ -18,8 +18,9 @@ from typing import Any, Sequence
 
 import pyarrow.parquet as pq
 
-from dspark.data.regenerate import (COMPLETE, FORMAT_VERSION, MANIFEST, RegeneratedSequence, _atomic_write_bytes,
-                                    _clip, _pad_id, _write_shard, end_of_turn_id, shard_path)
+from dspark.data.integrity import building, seal_cache
+from dspark.data.regenerate import (FORMAT_VERSION, MANIFEST, RegeneratedSequence, _clip, _pad_id, _write_shard,
+                                    end_of_turn_id, shard_path)
 
 RESPONSE_MODES = ("regenerate", "reference", "mix")
 REFERENCE_FORMAT = 1
@@ -67,26 +68,26 @@ def build_reference_dataset(target: Any, prompts: Sequence[Any], *, cache_dir: P
     key = reference_cache_key(target, prompts, max_length=max_length, min_loss_tokens=min_loss_tokens,
                               system_prompt=system_prompt)
     out_dir = Path(cache_dir) / "regen" / key
-    if (out_dir / COMPLETE).exists():
-        return out_dir
-    out_dir.mkdir(parents=True, exist_ok=True)
-    eot = end_of_turn_id(target)
-    num_shards = max(1, -(-len(prompts) // SHARD_ROWS))
-    totals = {"sequences": 0, "dropped": 0, "generated_tokens": 0, "truncated": 0, "clipped": 0, "loss_tokens": 0}
-    for index in range(num_shards):
-        rows = [reference_sequence(target, p, eot=eot, max_length=max_length, system_prompt=system_prompt)
-                for p in prompts[index * SHARD_ROWS:(index + 1) * SHARD_ROWS]]
-        kept = [r for r in rows if sum(r.loss_mask) >= min_loss_tokens]
-        stats = {"sequences": len(kept), "dropped": len(rows) - len(kept), "generated_tokens": 0, "truncated": 0,
-                 "clipped": sum(r.clipped for r in kept), "loss_tokens": sum(sum(r.loss_mask) for r in kept)}
-        _write_shard(shard_path(out_dir, index), kept, stats)
-        totals = {k: totals[k] + stats[k] for k in totals}
-    manifest = {"key": key, "format": FORMAT_VERSION, "responses": "reference", "target": target.name,
-                "target_fingerprint": target.fingerprint, "max_length": max_length,
-                "min_loss_tokens": min_loss_tokens, "num_prompts": len(prompts), "num_shards": num_shards,
-                "end_of_turn_id": eot, "pad_token_id": _pad_id(target), "stats": totals}
-    _atomic_write_bytes(out_dir / MANIFEST, json.dumps(manifest, indent=2).encode())
-    _atomic_write_bytes(out_dir / COMPLETE, b"")
+    with building(out_dir) as whole:  # one builder at a time; a damaged finished cache comes back unfinished
+        if whole:
+            return out_dir
+        out_dir.mkdir(parents=True, exist_ok=True)
+        eot = end_of_turn_id(target)
+        num_shards = max(1, -(-len(prompts) // SHARD_ROWS))
+        totals = {"sequences": 0, "dropped": 0, "generated_tokens": 0, "truncated": 0, "clipped": 0, "loss_tokens": 0}
+        for index in range(num_shards):
+            rows = [reference_sequence(target, p, eot=eot, max_length=max_length, system_prompt=system_prompt)
+                    for p in prompts[index * SHARD_ROWS:(index + 1) * SHARD_ROWS]]
+            kept = [r for r in rows if sum(r.loss_mask) >= min_loss_tokens]
+            stats = {"sequences": len(kept), "dropped": len(rows) - len(kept), "generated_tokens": 0, "truncated": 0,
+                     "clipped": sum(r.clipped for r in kept), "loss_tokens": sum(sum(r.loss_mask) for r in kept)}
+            _write_shard(shard_path(out_dir, index), kept, stats)
+            totals = {k: totals[k] + stats[k] for k in totals}
+        manifest = {"key": key, "format": FORMAT_VERSION, "responses": "reference", "target": target.name,
+                    "target_fingerprint": target.fingerprint, "max_length": max_length,
+                    "min_loss_tokens": min_loss_tokens, "num_prompts": len(prompts), "num_shards": num_shards,
+                    "end_of_turn_id": eot, "pad_token_id": _pad_id(target), "stats": totals}
+        seal_cache(out_dir, manifest, [shard_path(out_dir, i).name for i in range(num_shards)])
     return out_dir
 
 
@@ -104,24 +105,24 @@ def combine_datasets(parts: Sequence[Path], *, cache_dir: Path) -> Path:
             raise ValueError(f"data.responses=mix: the datasets disagree on {field}; they must come from one target")
     key = hashlib.sha256(json.dumps(["combined", [m["key"] for m in manifests]]).encode()).hexdigest()
     out_dir = Path(cache_dir) / "regen" / key
-    if (out_dir / COMPLETE).exists():
-        return out_dir
-    out_dir.mkdir(parents=True, exist_ok=True)
-    index = 0
-    for part, manifest in zip(parts, manifests):
-        for shard in range(manifest["num_shards"]):
-            table = pq.read_table(shard_path(part, shard))
-            tmp = shard_path(out_dir, index).with_suffix(".tmp")
-            pq.write_table(table, tmp)
-            tmp.replace(shard_path(out_dir, index))
-            index += 1
-    stats: dict[str, float] = {}
-    for manifest in manifests:
-        for name, value in manifest.get("stats", {}).items():
-            stats[name] = stats.get(name, 0) + value
-    combined = {**manifests[0], "key": key, "responses": "mix", "parts": [m["key"] for m in manifests],
-                "part_responses": [m.get("responses", "regenerate") for m in manifests],
-                "num_prompts": sum(m["num_prompts"] for m in manifests), "num_shards": index, "stats": stats}
-    _atomic_write_bytes(out_dir / MANIFEST, json.dumps(combined, indent=2).encode())
-    _atomic_write_bytes(out_dir / COMPLETE, b"")
+    with building(out_dir) as whole:  # one builder at a time; a damaged finished cache comes back unfinished
+        if whole:
+            return out_dir
+        out_dir.mkdir(parents=True, exist_ok=True)
+        index = 0
+        for part, manifest in zip(parts, manifests):
+            for shard in range(manifest["num_shards"]):
+                table = pq.read_table(shard_path(part, shard))
+                tmp = shard_path(out_dir, index).with_suffix(".tmp")
+                pq.write_table(table, tmp)
+                tmp.replace(shard_path(out_dir, index))
+                index += 1
+        stats: dict[str, float] = {}
+        for manifest in manifests:
+            for name, value in manifest.get("stats", {}).items():
+                stats[name] = stats.get(name, 0) + value
+        combined = {**manifests[0], "key": key, "responses": "mix", "parts": [m["key"] for m in manifests],
+                    "part_responses": [m.get("responses", "regenerate") for m in manifests],
+                    "num_prompts": sum(m["num_prompts"] for m in manifests), "num_shards": index, "stats": stats}
+        seal_cache(out_dir, combined, [shard_path(out_dir, i).name for i in range(index)])
     return out_dir

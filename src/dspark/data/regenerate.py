@@ -6,10 +6,12 @@ trailing newline), so the drafter learns to predict EOS. Multi-turn prompts are 
 A response that hits `max_new_tokens` gets the end-of-turn id appended and is marked `truncated`. Sequences are
 cut at `max_length` (marked `clipped`) and dropped when fewer than `min_loss_tokens` (14) loss tokens remain.
 
-On disk: `cache_dir/regen/<key>/` with `manifest.json`, one parquet shard per prompt batch (written to a temp file,
-then `os.replace`d, so a crash never leaves a corrupt shard), and a `COMPLETE` marker. `key` is the sha256 of
-everything that determines the output; a rerun skips finished shards, and because batch `i` is sampled with a seed
-derived from `(seed, i)` alone, a resumed run produces the same data as an uninterrupted one.
+On disk: `cache_dir/regen/<key>/` with `manifest.json` (recording every shard's sha256, `dspark.data.integrity`),
+one parquet shard per prompt batch (written to a temp file, then `os.replace`d, so a crash never leaves a corrupt
+shard), and a `COMPLETE` marker; a damaged shard is found on reuse and regenerated, and concurrent builders of one
+cache take turns (lock file). `key` is the sha256 of everything that determines the output; a rerun skips finished
+shards, and because batch `i` is sampled with a seed derived from `(seed, i)` alone, a resumed run produces the same
+data as an uninterrupted one.
 """
 from __future__ import annotations
 
@@ -29,14 +31,13 @@ from tqdm.auto import tqdm
 from transformers import GenerationConfig
 
 from dspark.config.schema import SamplingConfig
+from dspark.data.integrity import COMPLETE, MANIFEST, building, seal_cache
 
 if TYPE_CHECKING:
     from dspark.data.prompts import PromptRecord
     from dspark.targets import Target
 
 FORMAT_VERSION = 1  # bump when the on-disk layout or the sequence construction changes
-COMPLETE = "COMPLETE"
-MANIFEST = "manifest.json"
 STATS_KEY = b"dspark_stats"
 _SENTINEL = "\u2063dspark-assistant\u2063"  # stands in for a finished assistant turn when rendering the next one
 FEATURES = datasets.Features(
@@ -133,31 +134,32 @@ def regenerate_responses(
         multi_turn=multi_turn,
     )
     out_dir = Path(cache_dir) / "regen" / key
-    if (out_dir / COMPLETE).exists():
-        return out_dir
-    out_dir.mkdir(parents=True, exist_ok=True)
-    batches = [prompts[i : i + sampling.batch_size] for i in range(0, len(prompts), sampling.batch_size)]
-    manifest = _manifest(target, key=key, sampling=sampling, seed=seed, max_length=max_length,
-                         min_loss_tokens=min_loss_tokens, num_prompts=len(prompts), num_shards=len(batches),
-                         multi_turn=multi_turn)
-    _atomic_write_bytes(out_dir / MANIFEST, json.dumps(manifest, indent=2).encode())
-    todo = [i for i in range(len(batches)) if not shard_path(out_dir, i).exists()]
-    bar = tqdm(total=len(batches), initial=len(batches) - len(todo), unit="batch", desc="regenerate",
-               disable=not show_progress)
-    tokens, seconds = 0, 0.0
-    for index in todo:
-        started = time.perf_counter()
-        rows, stats = regenerate_batch(target, batches[index], sampling=sampling, seed=derive_seed(seed, index),
-                                       max_length=max_length, min_loss_tokens=min_loss_tokens, multi_turn=multi_turn)
-        stats["seconds"] = time.perf_counter() - started
-        _write_shard(shard_path(out_dir, index), rows, stats)
-        tokens, seconds = tokens + stats["generated_tokens"], seconds + stats["seconds"]
-        bar.update(1)
-        bar.set_postfix(tok_s=f"{tokens / max(seconds, 1e-9):.1f}")
-    bar.close()
-    manifest["stats"] = _sum_shard_stats(out_dir, len(batches))
-    _atomic_write_bytes(out_dir / MANIFEST, json.dumps(manifest, indent=2).encode())
-    _atomic_write_bytes(out_dir / COMPLETE, b"")
+    with building(out_dir) as whole:  # one builder at a time; a damaged finished cache comes back unfinished
+        if whole:
+            return out_dir
+        out_dir.mkdir(parents=True, exist_ok=True)
+        batches = [prompts[i : i + sampling.batch_size] for i in range(0, len(prompts), sampling.batch_size)]
+        manifest = _manifest(target, key=key, sampling=sampling, seed=seed, max_length=max_length,
+                             min_loss_tokens=min_loss_tokens, num_prompts=len(prompts), num_shards=len(batches),
+                             multi_turn=multi_turn)
+        _atomic_write_bytes(out_dir / MANIFEST, json.dumps(manifest, indent=2).encode())
+        todo = [i for i in range(len(batches)) if not shard_path(out_dir, i).exists()]
+        bar = tqdm(total=len(batches), initial=len(batches) - len(todo), unit="batch", desc="regenerate",
+                   disable=not show_progress)
+        tokens, seconds = 0, 0.0
+        for index in todo:
+            started = time.perf_counter()
+            rows, stats = regenerate_batch(target, batches[index], sampling=sampling,
+                                           seed=derive_seed(seed, index), max_length=max_length,
+                                           min_loss_tokens=min_loss_tokens, multi_turn=multi_turn)
+            stats["seconds"] = time.perf_counter() - started
+            _write_shard(shard_path(out_dir, index), rows, stats)
+            tokens, seconds = tokens + stats["generated_tokens"], seconds + stats["seconds"]
+            bar.update(1)
+            bar.set_postfix(tok_s=f"{tokens / max(seconds, 1e-9):.1f}")
+        bar.close()
+        manifest["stats"] = _sum_shard_stats(out_dir, len(batches))
+        seal_cache(out_dir, manifest, [shard_path(out_dir, i).name for i in range(len(batches))])
     return out_dir
 
 
