@@ -39,6 +39,7 @@ class Case:
 def parse_args(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--compare", type=Path, help="another checkout whose run.py/src to time on the same cases")
+    parser.add_argument("--compare-label", default="", help="what the --compare checkout is, for the results file")
     parser.add_argument("--timeout", type=float, default=240, help="seconds per case before it is stopped")
     parser.add_argument("--only", nargs="*", help="run only the cases whose name contains one of these words")
     return parser.parse_args(argv)
@@ -246,7 +247,7 @@ def main(argv: list[str]) -> int:
         "paths.root=<fresh dir>` process, so seconds include Python's imports (~3-6 s here). A case is refused "
         "before any work when it exits 2 and no MLflow store was created (\"nothing ran\").", "",
         f"**{refused} of {len(rows)} refused before any work; slowest {slowest:.1f} s.**"
-        + (f" Before: the same cases against `{args.compare}`." if args.compare else ""), "",
+        + (f" Before: the same cases against {args.compare_label or args.compare}." if args.compare else ""), "",
         table(rows, compare=bool(args.compare)), "",
         "Placeholders: NOT_A_MODEL a directory holding a README; NO_WEIGHTS / CUT_SAFETENSORS / NO_MODEL_TYPE copies "
         "of the tiny target's directory without model.safetensors, with it cut in half, without config.json's "

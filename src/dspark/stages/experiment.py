@@ -36,7 +36,7 @@ def preflight(rc: ResolvedConfig) -> None:
     from dspark.files import check_writable_dir
 
     cfg = rc.cfg
-    outputs = {"paths.reports": cfg.paths.reports} | ({} if cfg.stage == "report" else {"paths.root": cfg.paths.root})
+    outputs = ({} if cfg.stage == "report" else {"paths.root": cfg.paths.root}) | {"paths.reports": cfg.paths.reports}
     errors = [e for key, path in outputs.items() if (e := check_writable_dir(path, key=key))]
     if cfg.stage == "report":  # reports read the tracking store only; skip imports of torch/transformers
         _raise(errors)
