@@ -21,6 +21,7 @@ from torch import nn
 
 import dspark.training.module as module_lib
 from dspark.config import RunConfig
+from dspark.config.schema import LossConfig, OptimConfig
 from dspark.data.blocks import sample_anchors
 from dspark.drafters.factory import build_drafter, drafter_spec_for
 from dspark.training.module import DrafterModule
@@ -53,11 +54,9 @@ def _module(target) -> DrafterModule:
     cfg = RunConfig()
     cfg.model.head, cfg.model.depth, cfg.model.markov_rank = "markov", 1, 16
     spec = drafter_spec_for(kind="dspark", model_cfg=cfg.model, target=target)
-    weights = {"alpha_ce": 0.1, "alpha_tv": 0.9, "alpha_conf": 1.0, "decay": 4.0}
     return DrafterModule(drafter=build_drafter(spec, target), target=target, drafter_kind="dspark",
-                         block_size=spec.block_size, loss_weights=weights,
-                         optim={"lr": 1e-3, "beta1": 0.9, "beta2": 0.999, "weight_decay": 0.0,
-                                "warmup_fraction": 0.0}, drafter_config=spec.to_dict())
+                         block_size=spec.block_size, loss=LossConfig(alpha_ce=0.1, alpha_tv=0.9, alpha_conf=1.0),
+                         optim=OptimConfig(lr=1e-3), drafter_config=spec.to_dict())
 
 
 class _TrainStep(nn.Module):
