@@ -110,7 +110,7 @@ def cache_features(
                 "num_shards": num_shards, "precision": precision, "format": FEATURE_FORMAT_VERSION}
         _atomic_write(out_dir / MANIFEST, lambda tmp: tmp.write_text(json.dumps(info, indent=2)))
         todo = [s for s in range(num_shards) if not _shard_path(out_dir, s).exists()]
-        lengths = [len(ids) for ids in load_regenerated(regen_dir)["input_ids"]]
+        lengths = [len(ids) for ids in dataset["input_ids"]]
         total = sum(sum(lengths[s * shard_size:(s + 1) * shard_size]) for s in todo)
         bar = tqdm(total=total, desc=f"features ({precision})", unit="tok", unit_scale=True,
                    disable=not show_progress)

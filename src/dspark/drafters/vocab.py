@@ -91,10 +91,14 @@ class DraftVocabHead(nn.Module):
     def forward(self, hidden: Tensor) -> Tensor:
         """hidden [..., d] → logits over the draft vocabulary [..., Vd] (the LM head's bias, if any, too)."""
         weight = self.weight()
+        return F.linear(hidden.to(weight.dtype), weight, self.bias())
+
+    def bias(self) -> Tensor | None:
+        """The LM head's bias on the draft ids [Vd] (detached), or None when it has none."""
         bias = getattr(self.lm_head, "bias", None)
-        if bias is not None and not self.is_full:
-            bias = bias.detach().index_select(0, self.draft_to_target.to(bias.device))
-        return F.linear(hidden.to(weight.dtype), weight, bias)
+        if bias is None or self.is_full:
+            return None if bias is None else bias.detach()
+        return bias.detach().index_select(0, self.draft_to_target.to(bias.device))
 
     def to_target_ids(self, draft_ids: Tensor) -> Tensor:
         """Draft ids [...] → target ids [...]."""
@@ -104,8 +108,13 @@ class DraftVocabHead(nn.Module):
         """Target ids [...] → (draft ids [...] (0 where outside), inside [...] bool)."""
         if self.is_full:
             return target_ids, torch.ones_like(target_ids, dtype=torch.bool)
-        inverse = target_to_draft(self.draft_to_target.to(target_ids.device), vocab_size=self.vocab_size)
-        draft = inverse[target_ids]
+        ids = self.draft_to_target
+        # the inverse map is derived from the buffer once per (storage, device), not rebuilt every training step
+        key = (ids.data_ptr(), ids._version, target_ids.device)
+        if key != getattr(self, "_inverse_key", None):
+            self._inverse = target_to_draft(ids.to(target_ids.device), vocab_size=self.vocab_size)
+            self._inverse_key = key
+        draft = self._inverse[target_ids]
         return draft.clamp_min(0), draft >= 0
 
     def expand(self, draft_values: Tensor) -> Tensor:

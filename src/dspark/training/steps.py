@@ -65,7 +65,8 @@ def target_distribution(drafter, target: Any, batch: dict[str, Tensor], final_hi
     with torch.autocast(device_type=final_hidden.device.type, enabled=False):
         hidden = _gather_positions(final_hidden.float(), rows)
         head = drafter.draft_head
-        logits = F.linear(hidden, head.weight().float(), _bias(head))  # [B, n, g, Vd]
+        bias = head.bias()
+        logits = F.linear(hidden, head.weight().float(), None if bias is None else bias.float())  # [B, n, g, Vd]
         if "log_normalizer" in batch:
             b, n, g = rows.shape
             log_z = batch["log_normalizer"].float().gather(1, rows.reshape(b, n * g)).view(b, n, g)
@@ -77,13 +78,6 @@ def target_distribution(drafter, target: Any, batch: dict[str, Tensor], final_hi
     if per_position:
         probs = _gather_positions(probs[:, 0], positions)  # [B, T, Vd] → [B, N, γ, Vd]
     return TargetDistribution(probs=probs, coverage=probs.sum(-1).clamp(0.0, 1.0))
-
-
-def _bias(head) -> Tensor | None:
-    bias = getattr(head.lm_head, "bias", None)
-    if bias is None:
-        return None
-    return bias.detach().float() if head.is_full else bias.detach().float()[head.draft_to_target.to(bias.device)]
 
 
 TRAINING_STEPS: Registry[Callable[..., StepResult]] = Registry("drafter")
