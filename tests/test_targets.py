@@ -217,3 +217,22 @@ def test_smollm2_135m():
             assert target.tokenizer.decode(ids).endswith("<|im_start|>assistant\n")
     out = target.forward(torch.tensor([ids]), return_logits=True)
     assert out.features.shape == (1, len(ids), 5 * 576) and out.logits.shape == (1, len(ids), 49152)
+
+
+def test_a_bf16_load_keeps_the_checkpoint_identity_and_serves_fp32_drafters(tiny, cache_dir):
+    """target.dtype changes the cache key (`fingerprint`) but not the checkpoint's identity, so a drafter trained
+    against the fp32 load is accepted by a bf16 load of the same files — and still refused by another checkpoint."""
+    from dspark.config.schema import ModelConfig
+    from dspark.drafters.factory import check_spec_matches, drafter_spec_for
+
+    bf16 = load_target("tiny", cache_dir=cache_dir, feature_layers=[0, 3, 6, 7], dtype="bfloat16")
+    assert bf16.dtype == torch.bfloat16
+    assert bf16.fingerprint != tiny.fingerprint  # SPS tables and regenerated text depend on the dtype
+    assert bf16.checkpoint_fingerprint == tiny.checkpoint_fingerprint == tiny.fingerprint
+    spec = drafter_spec_for(kind="dspark", model_cfg=ModelConfig(depth=1), target=tiny)
+    check_spec_matches(spec, bf16)  # accepted
+    assert drafter_spec_for(kind="dspark", model_cfg=ModelConfig(depth=1), target=bf16).target_fingerprint == \
+        spec.target_fingerprint
+    other = load_target("tiny", cache_dir=cache_dir, seed=1, feature_layers=[0, 3, 6, 7], dtype="bfloat16")
+    with pytest.raises(ValueError, match="trained for another target"):
+        check_spec_matches(spec, other)

@@ -48,7 +48,8 @@ class PathsConfig:
 class TargetConfig:
     trust_remote_code: bool = False  #: off unless you trust the model repository's code
     mask_token_id: Optional[int] = None  #: override the reserved MASK row (METHOD §2.1); None = automatic
-    dtype: str = "float32"  #: float32 | bfloat16 | float16 (bf16 is slower than fp32 on these CPUs)
+    dtype: str = "float32"  #: float32 | bfloat16 | float16; on AMX-BF16 CPUs bf16 verifies 2–8 tokens for ~one step's cost
+    #: (benchmarks/results/decoding*.md); on CPUs without AMX bf16 is slower than fp32. Drafters serve any dtype
 
 
 @dataclass

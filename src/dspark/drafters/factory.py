@@ -78,7 +78,7 @@ def drafter_spec_for(*, kind: str, model_cfg: Any, target: Any) -> DrafterSpec:
     return DrafterSpec(kind=kind, head=head, depth=model_cfg.depth, block_size=model_cfg.block_size,
                        markov_rank=model_cfg.markov_rank if head != "none" else 0,
                        feature_layers=tuple(target.feature_layer_ids), mask_token_id=target.mask_token_id,
-                       target_fingerprint=target.fingerprint,
+                       target_fingerprint=checkpoint_fingerprint(target),
                        draft_vocab_size=0 if vocab >= target.vocab_size else vocab,
                        confidence_with_markov=bool(getattr(model_cfg, "confidence_with_markov", True)))
 
@@ -96,12 +96,18 @@ def build_drafter(spec: DrafterSpec, target: Any, *, draft_vocab_ids: Tensor | N
     return DRAFTER_BUILDERS.resolve(spec.kind)(spec, target, draft_vocab_ids)
 
 
+def checkpoint_fingerprint(target: Any) -> str:
+    """The target checkpoint's dtype-independent identity (`Target.checkpoint_fingerprint`; test doubles may only
+    carry `fingerprint`)."""
+    return getattr(target, "checkpoint_fingerprint", None) or target.fingerprint
+
+
 def check_spec_matches(spec: DrafterSpec, target: Any, *, block_size: int | None = None) -> None:
     """Clear errors for a drafter trained for another target, feature layers or block size."""
-    if spec.target_fingerprint != target.fingerprint:
+    if spec.target_fingerprint not in (target.fingerprint, checkpoint_fingerprint(target)):
         raise ValueError(f"This drafter was trained for another target (fingerprint {spec.target_fingerprint[:12]}, "
-                         f"loaded target '{target.name}' is {target.fingerprint[:12]}). Use the same `target=` as "
-                         "in training, or train a drafter for this target.")
+                         f"loaded target '{target.name}' is {checkpoint_fingerprint(target)[:12]}). Use the same "
+                         "`target=` as in training (any target.dtype), or train a drafter for this target.")
     if list(spec.feature_layers) != list(target.feature_layer_ids):
         raise ValueError(f"The drafter reads target layers {list(spec.feature_layers)} but the target was loaded "
                          f"with {target.feature_layer_ids}; set model.feature_layers={list(spec.feature_layers)}.")

@@ -237,13 +237,13 @@ def check_frozen_tables(tensors: dict[str, Tensor], target: Any, *, mask_token_i
 # ---- tensors ----
 
 def _drafter_spec(fields: dict[str, Any], target: Any, *, draft_vocab_size: int):
-    from dspark.drafters.factory import DrafterSpec
+    from dspark.drafters.factory import DrafterSpec, checkpoint_fingerprint
 
     return DrafterSpec(kind=fields["kind"], head=fields["head"], depth=fields["depth"],
                        block_size=fields["block_size"], markov_rank=fields["markov_rank"],
                        feature_layers=tuple(fields["feature_layers"]),
                        mask_token_id=target.mask_token_id if fields["mask_token_id"] is None else fields["mask_token_id"],
-                       target_fingerprint=target.fingerprint, draft_vocab_size=draft_vocab_size,
+                       target_fingerprint=checkpoint_fingerprint(target), draft_vocab_size=draft_vocab_size,
                        confidence_with_markov=fields["confidence_with_markov"])
 
 

@@ -77,7 +77,9 @@ class Target:
     Attributes: `name`, `model` (eval, requires_grad False), `tokenizer`, `hf_config`, `num_layers`,
     `hidden_size`, `vocab_size`, `feature_layer_ids` (sorted), `mask_token_id` (reserved MASK row, never in
     data), `stop_token_ids`, `embed_tokens` / `lm_head` (frozen, shared with drafters), `layer_spec`,
-    `fingerprint` (cache key), `default_system_prompt` (True when the chat template inserts its own system turn
+    `fingerprint` (cache key: the weights as loaded, dtype included), `checkpoint_fingerprint` (the checkpoint's
+    identity whatever dtype it was loaded in: the fp32 load's fingerprint; drafters record it, so a drafter trained
+    against the fp32 target also serves a bf16 load of the same files), `default_system_prompt` (True when the chat template inserts its own system turn
     if none is given, as SmolLM2's does; `chat_prompt_ids` keeps that behaviour).
     """
 
@@ -91,6 +93,7 @@ class Target:
         mask_token_id: int,
         stop_token_ids: list[int],
         fingerprint: str,
+        checkpoint_fingerprint: str | None = None,
     ) -> None:
         model.eval()
         model.requires_grad_(False)
@@ -109,6 +112,7 @@ class Target:
         self.vocab_size = int(self.lm_head.weight.shape[0])
         self.layer_spec = DraftLayerSpec.from_hf_config(self.hf_config)
         self.fingerprint = fingerprint
+        self.checkpoint_fingerprint = checkpoint_fingerprint or fingerprint
         self.default_system_prompt = _template_adds_system_turn(tokenizer)
 
     @property

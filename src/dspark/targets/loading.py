@@ -41,7 +41,14 @@ def load_target(
     """
     source = resolve_source(name_or_path, cache_dir=cache_dir, seed=seed)
     dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
-    model, tokenizer = _load_pretrained(source, dtype=dtype, trust_remote_code=trust_remote_code)
+    # The checkpoint's identity is the fp32 load's fingerprint (what drafters record): another dtype is loaded in
+    # fp32 first, fingerprinted, then cast — so a drafter trained against the fp32 target serves a bf16 load of the
+    # same files (target.dtype=bfloat16 flattens the verification cost on AMX CPUs), while `fingerprint`, the key
+    # of caches whose contents depend on the dtype (SPS tables, regenerated text), keeps the dtype.
+    model, tokenizer = _load_pretrained(source, dtype=torch.float32, trust_remote_code=trust_remote_code)
+    checkpoint_fingerprint = compute_fingerprint(source.name, model)
+    if dtype != torch.float32:
+        model = model.to(dtype)
     check_vocab_agreement(model, tokenizer)
     num_layers = len(model.get_decoder().layers)
     return Target(
@@ -52,7 +59,8 @@ def load_target(
                                                     num_default=num_feature_layers),
         mask_token_id=choose_mask_token_id(model, tokenizer, explicit=mask_token_id, token=source.mask_token),
         stop_token_ids=collect_stop_token_ids(model, tokenizer),
-        fingerprint=compute_fingerprint(source.name, model),
+        fingerprint=compute_fingerprint(source.name, model) if dtype != torch.float32 else checkpoint_fingerprint,
+        checkpoint_fingerprint=checkpoint_fingerprint,
     )
 
 
