@@ -153,3 +153,64 @@ def test_cells_missing_an_axis_of_another_grid_block_are_reported(tmp_path, stor
     assert len(dflash) == 2 and all("1.100 (n=1)" in line for line in dflash), dflash
     ours = next(line for line in text.splitlines() if line.startswith("Ours, DSpark (markov)"))
     assert "γ=3 +9.1%, γ=7 +9.1%" in ours, ours  # 1.2 / 1.1 − 1 without per-domain τ: the DFlash runs count
+
+
+def test_claim_intervals_pool_prompts_and_seeds():
+    """The claims module's arithmetic against a hand computation, and its verdicts."""
+    import math
+
+    from dspark.reports.claims import Difference, Pooled, pool
+
+    one = pool([2.0], [0.1])
+    assert one == Pooled(2.0, 0.1, 1)
+    two = pool([2.0, 2.2], [0.1, 0.3])
+    within = (0.1 ** 2 + 0.3 ** 2) / 4
+    between = ((2.0 - 2.1) ** 2 + (2.2 - 2.1) ** 2) / 1 / 2
+    assert math.isclose(two.mean, 2.1) and math.isclose(two.se, math.sqrt(within + between))
+    assert pool([None, float("nan")], [0.1, 0.1]).runs == 0
+    up = Difference(Pooled(2.0, 0.05, 2), Pooled(1.5, 0.05, 2))
+    assert up.verdict == "holds" and math.isclose(up.relative()[0], 1 / 3)
+    assert math.isclose(up.high - up.low, 2 * 1.959964 * math.hypot(0.05, 0.05))
+    assert Difference(Pooled(1.5, 0.05, 2), Pooled(2.0, 0.05, 2)).verdict == "reversed"
+    assert Difference(Pooled(1.52, 0.05, 2), Pooled(1.5, 0.05, 2)).verdict.startswith("not resolved")
+    assert Difference(Pooled(float("nan"), 0.0, 0), Pooled(1.5, 0.05, 2)).verdict == "not measured"
+
+
+def test_cond_interval_counts_the_rounds_that_reached_the_slot():
+    import math
+
+    import polars as pl
+
+    from dspark.reports.claims import pooled_cond
+
+    rows = pl.DataFrame({"eval/all/cond/pos2": [0.5], "eval/all/rounds": [400.0], "eval/all/survival/pos1": [0.25]})
+    # 100 rounds reached slot 2: binomial se √(0.25 / 100)
+    assert math.isclose(pooled_cond(rows, 2).se, 0.05)
+
+
+def test_head_and_main_reports_judge_the_claims_with_intervals(store_root, tmp_path):
+    """With per-prompt τ intervals and rollout counters logged, the claims section says holds / reversed / not
+    resolved per domain (main) and per slot (head)."""
+    store = _store(store_root, "claims")
+
+    def metrics(shift: float, cond2: float, seed: int) -> dict[str, float]:
+        out = {}
+        for scope in ("eval/all", "eval/domain/math", "eval/domain/code", "eval/domain/chat"):
+            out |= {f"{scope}/tau": 1.3 + shift, f"{scope}/tau_prompt_mean": 1.3 + shift + 0.001 * seed,
+                    f"{scope}/tau_prompt_ci95": 0.02, f"{scope}/prompts": 30.0}
+        out |= {"eval/all/rounds": 2000.0, "eval/all/survival/pos1": 0.3, "eval/all/cond/pos1": 0.3,
+                "eval/all/cond/pos2": cond2 + 0.001 * seed, "val/accept/pos1": 0.3, "val/accept/pos2": cond2,
+                "summary/tau": 1.3 + shift}
+        return out
+
+    cells = [({"model.head": head, "seed": s}, metrics(shift, cond2, s)) for s in (0, 1)
+             for head, shift, cond2 in (("none", 0.0, 0.10), ("markov", 0.2, 0.30), ("rnn", 0.001, 0.10))]
+    _seed_sweep(store, sweep="head", cells=cells)
+    text, _ = build_report(collect_sweep_runs(store, sweep="head"), spec=load_sweep("head"), out_dir=tmp_path,
+                           provenance=PROVENANCE)
+    assert "markov vs none, 95% CIs:" in text
+    markov = text.split("markov vs none, 95% CIs:")[1].split("rnn vs none")[0]
+    assert "τ (all, per prompt)" in markov and "**holds**" in markov
+    assert "significantly raised at k ∈ [2]" in markov
+    rnn = text.split("rnn vs none, 95% CIs:")[1]
+    assert "not resolved" in rnn

@@ -4,9 +4,11 @@ gains are ratios of means minus 1, the paper's side computed over the same promp
 """
 from __future__ import annotations
 
+import math
 from typing import Any, Callable
 
 from dspark.reports import paper
+from dspark.reports.claims import Difference, judged, pooled_cond, pooled_plain, pooled_tau
 from dspark.reports.context import (
     REPORT_BUILDERS,
     TAU_PROB,
@@ -165,8 +167,41 @@ def build_main(ctx: ReportContext) -> list[Section]:
     cond = cond_section(ctx, groups)
     if cond:
         sections.append(cond)
-    sections.append(claim_section("main", ordering_lines(ctx, by_drafter, datasets)))
+    sections.append(claim_section("main", ordering_lines(ctx, by_drafter, datasets)
+                                  + main_judgements(ctx, by_drafter)))
     return sections
+
+
+def scopes(ctx: ReportContext) -> list[str]:
+    """The domains the runs evaluated, then `all`."""
+    return [*eval_domains(ctx.frame), "all"]
+
+
+def tau_difference(ctx: ReportContext, a: Group, b: Group, scope: str) -> Difference:
+    return Difference(pooled_tau(ctx.rows_of(a), scope), pooled_tau(ctx.rows_of(b), scope))
+
+
+def main_judgements(ctx: ReportContext, by_drafter: dict[str, Group]) -> list[str]:
+    """DSpark vs DFlash per domain (the paper: DSpark ahead in every domain) and DFlash vs EAGLE-3, with CIs."""
+    lines: list[str] = []
+    if not ctx.has("eval/all/tau_prompt_mean"):
+        return lines
+    for a, b in (("dspark", "dflash"), ("dflash", "eagle3"), ("dspark", "eagle3")):
+        if a not in by_drafter or b not in by_drafter:
+            continue
+        diffs = {s: tau_difference(ctx, by_drafter[a], by_drafter[b], s) for s in scopes(ctx)}
+        label = f"{paper.DRAFTER_LABELS[a]} vs {paper.DRAFTER_LABELS[b]}"
+        lines += ["", f"{label}, per-prompt τ, gain with 95% CI (prompts and seeds, claims module):"]
+        lines += [f"- {judged(scope, d)}" for scope, d in diffs.items()]
+        domains = [s for s in diffs if s != "all"]
+        if a == "dspark" and b == "dflash" and domains:
+            held = [s for s in domains if diffs[s].verdict == "holds"]
+            reversed_ = [s for s in domains if diffs[s].verdict == "reversed"]
+            lines.append(f"- → \"DSpark > DFlash in every domain\": "
+                         + ("**holds**" if len(held) == len(domains) else
+                            "**reversed** in " + ", ".join(reversed_) if reversed_ else
+                            f"**not resolved** (significant in {len(held)} of {len(domains)} domains)"))
+    return lines
 
 
 # ---- depth (Fig. 3) ----
@@ -199,6 +234,15 @@ def build_depth(ctx: ReportContext) -> list[Section]:
         verdict = "holds" if all(g > 0 for g in gains.values()) else "does NOT hold"
         lines.append(f"Ours: DSpark depth 2 vs {label(reference)}: "
                      + ", ".join(f"{d} {pct(g)}" for d, g in gains.items()) + f" → the claim {verdict} here.")
+        if ctx.has("eval/all/tau_prompt_mean"):
+            diffs = {s: tau_difference(ctx, two, reference, s) for s in scopes(ctx)}
+            lines += ["", f"With 95% CIs (per-prompt τ; prompts and seeds):",
+                      *[f"- {judged(s, d)}" for s, d in diffs.items()]]
+            worse = [s for s, d in diffs.items() if d.verdict == "reversed"]
+            lines.append("- → \"a 2-layer DSpark ≥ a 5-layer DFlash\": " + (
+                f"**reversed** in {', '.join(worse)}" if worse else
+                "**holds** (no domain significantly below; " + ", ".join(
+                    f"{s} {d.verdict}" for s, d in diffs.items() if s != "all") + ")"))
     return [Section("How to read", tau_note(ctx)),
             Section("τ by depth", config_table(ctx, groups, label=label, reference=reference)
                     + f"\n\n![depth]({path.name})"),
@@ -244,6 +288,33 @@ def block_claim(ctx: ReportContext, groups: list[Group], sizes: list[int]) -> li
             grows = all(b[1] > a[1] for a, b in zip(gains, gains[1:]))
             lines.append(f"Ours, {variant} vs DFlash ({col}): " + ", ".join(f"γ={s} {pct(g)}" for s, g in gains)
                          + f" → {'grows' if grows else 'does not grow monotonically'} with γ.")
+        lines += block_judgements(ctx, groups, sizes, variant)
+    return lines
+
+
+def block_judgements(ctx: ReportContext, groups: list[Group], sizes: list[int], variant: str) -> list[str]:
+    """Per γ the variant's τ gain over DFlash with its 95% CI, and the change of the gain from the smallest to
+    the largest γ (the paper: the gain grows with γ) with the CI of that change."""
+    if not ctx.has("eval/all/tau_prompt_mean"):
+        return []
+    diffs = {}
+    for size in sizes:
+        mine = next((g for g in groups if variant_label(g) == variant and g["axis.model.block_size"] == size), None)
+        base = next((g for g in groups if drafter_of(g) == "dflash" and g["axis.model.block_size"] == size), None)
+        if mine is not None and base is not None:
+            diffs[size] = tau_difference(ctx, mine, base, "all")
+    if len(diffs) < 2:
+        return []
+    lines = ["", f"{variant} vs DFlash, per-prompt τ (all), 95% CIs:",
+             *[f"- γ={s}: {judged('gain', d)}" for s, d in diffs.items()]]
+    first, last = diffs[min(diffs)], diffs[max(diffs)]
+    if first.ok and last.ok:
+        change = last.relative()[0] - first.relative()[0]
+        se = math.hypot(last.se / last.b.mean, first.se / first.b.mean)
+        low, high = change - 1.96 * se, change + 1.96 * se
+        verdict = "grows" if low > 0 else "shrinks" if high < 0 else "not resolved (the 95% CI spans 0)"
+        lines.append(f"- → gain at γ={max(diffs)} minus gain at γ={min(diffs)}: {change:+.1%} "
+                     f"[{low:+.1%}, {high:+.1%}] → **{verdict}**")
     return lines
 
 
@@ -292,6 +363,38 @@ def head_claim(ctx: ReportContext, groups: list[Group], reference: Group | None)
                   for head in ("markov", "gated", "rnn") if head in by_head]
     lines += [f"Ours: {head} vs markov {gain(by_head[head], by_head['markov'])}."
               for head in ("gated", "rnn") if head in by_head and "markov" in by_head]
+    if reference is not None:
+        lines += head_judgements(ctx, by_head, reference)
+    return lines
+
+
+def head_judgements(ctx: ReportContext, by_head: dict[str, Group], reference: Group) -> list[str]:
+    """Each head vs none: τ and cond@k for k ≥ 2 from rollouts, and the teacher-forced slot acceptances, with
+    95% CIs (the paper: the sequential head restores intra-block dependencies, so cond@k rises for k ≥ 2)."""
+    none_rows = ctx.rows_of(reference)
+    positions = sorted({int(c.rsplit("pos", 1)[1]) for c in ctx.frame.columns if c.startswith("eval/all/cond/pos")})
+    tf_positions = sorted({int(c.rsplit("pos", 1)[1]) for c in ctx.frame.columns if c.startswith("val/accept/pos")})
+    lines: list[str] = []
+    if not (ctx.has("eval/all/tau_prompt_mean") or tf_positions):
+        return lines
+    for head in ("markov", "gated", "rnn"):
+        if head not in by_head:
+            continue
+        rows = ctx.rows_of(by_head[head])
+        lines += ["", f"{head} vs none, 95% CIs:"]
+        if ctx.has("eval/all/tau_prompt_mean"):
+            lines.append(f"- {judged('τ (all, per prompt)', tau_difference(ctx, by_head[head], reference, 'all'))}")
+        cond = {k: Difference(pooled_cond(rows, k), pooled_cond(none_rows, k)) for k in positions if k >= 2}
+        lines += [f"- {judged(f'rollout cond@{k}', d, relative=False)}" for k, d in cond.items()]
+        tf = {k: Difference(pooled_plain(rows, f"val/accept/pos{k}"), pooled_plain(none_rows, f"val/accept/pos{k}"))
+              for k in tf_positions}
+        lines += [f"- {judged(f'teacher-forced acceptance slot {k} (seeds only)', d, relative=False)}"
+                  for k, d in tf.items()]
+        raised = [k for k, d in cond.items() if d.verdict == "holds"]
+        lowered = [k for k, d in cond.items() if d.verdict == "reversed"]
+        if cond:
+            lines.append(f"- → \"{head} raises cond@k for k ≥ 2\" (rollouts): significantly raised at "
+                         f"k ∈ {raised or '∅'}, lowered at k ∈ {lowered or '∅'}, of k = 2..{max(cond)}")
     return lines
 
 

@@ -1,0 +1,163 @@
+"""The paper's claims judged with 95% confidence intervals: differences between two configurations of a sweep.
+
+A configuration's estimate pools its replicate runs (seeds). Two sources of uncertainty are added, which is
+conservative (the between-seed spread already contains some of the prompt-level noise):
+
+    SE² = Σ_i se_i² / n²  +  s² / n        se_i: run i's within-run standard error, s²: between-run variance (n ≥ 2)
+
+Within-run standard errors come from what the evaluation logged:
+
+- τ: the per-prompt mean `…/tau_prompt_mean` with its Student-t half-width `…/tau_prompt_ci95` over `…/prompts`
+  prompts (se = half-width / t quantile);
+- cond@k: binomial over rounds, cond·(1 − cond) / n_k with n_k = rounds · survival@(k−1), the rounds that reached
+  slot k (exact for decode.policy=fixed, which verifies every draft; rounds of one prompt are correlated, so this
+  se is optimistic — the between-seed term is not);
+- teacher-forced metrics (`val/…`): no within-run se (thousands of blocks); only the between-seed term, widened
+  to the Student-t interval of n runs (one run: no interval).
+
+A difference a − b has SE = √(SE_a² + SE_b²) and the normal 95% interval ± 1.96·SE; the relative gain divides it
+by b's mean. The verdict reads the interval: above 0 → holds, below 0 → reversed, else not resolved.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import polars as pl
+
+from dspark.intervals import t_quantile
+
+Z95 = 1.959964
+
+
+@dataclass(frozen=True)
+class Pooled:
+    """One configuration's estimate over its runs: mean, standard error, number of runs."""
+
+    mean: float
+    se: float
+    runs: int
+
+    @property
+    def ok(self) -> bool:
+        return self.runs > 0 and math.isfinite(self.mean)
+
+
+@dataclass(frozen=True)
+class Difference:
+    """a − b with its 95% interval, absolute and relative to b."""
+
+    a: Pooled
+    b: Pooled
+
+    @property
+    def ok(self) -> bool:
+        return self.a.ok and self.b.ok and math.isfinite(self.se)
+
+    @property
+    def mean(self) -> float:
+        return self.a.mean - self.b.mean
+
+    @property
+    def se(self) -> float:
+        return math.sqrt(self.a.se ** 2 + self.b.se ** 2)
+
+    @property
+    def low(self) -> float:
+        return self.mean - Z95 * self.se
+
+    @property
+    def high(self) -> float:
+        return self.mean + Z95 * self.se
+
+    def relative(self) -> tuple[float, float, float]:
+        """(gain, low, high) as fractions of b's mean."""
+        base = self.b.mean
+        if not self.ok or base == 0:
+            return (float("nan"),) * 3
+        return self.mean / base, self.low / base, self.high / base
+
+    @property
+    def verdict(self) -> str:
+        if not self.ok:
+            return "not measured"
+        if self.low > 0:
+            return "holds"
+        if self.high < 0:
+            return "reversed"
+        return "not resolved (the 95% CI spans 0)"
+
+    def text(self, *, relative: bool = True, digits: int = 3) -> str:
+        """'+12.3% [+4.1%, +20.5%]' (relative) or '+0.041 [+0.012, +0.070]'."""
+        if not self.ok:
+            return "–"
+        if relative:
+            gain, low, high = self.relative()
+            return f"{gain:+.1%} [{low:+.1%}, {high:+.1%}]"
+        return f"{self.mean:+.{digits}f} [{self.low:+.{digits}f}, {self.high:+.{digits}f}]"
+
+
+def _column(rows: pl.DataFrame, name: str) -> list[float | None]:
+    return rows[name].to_list() if name in rows.columns else [None] * rows.height
+
+
+def pool(values: list[float | None], ses: list[float | None]) -> Pooled:
+    """Pool runs with finite values (a missing se counts as 0: the between-run term still applies)."""
+    pairs = [(float(v), float(s) if s is not None and math.isfinite(float(s)) else 0.0)
+             for v, s in zip(values, ses) if v is not None and math.isfinite(float(v))]
+    n = len(pairs)
+    if n == 0:
+        return Pooled(float("nan"), float("nan"), 0)
+    mean = sum(v for v, _ in pairs) / n
+    within = sum(s ** 2 for _, s in pairs) / n ** 2
+    between = sum((v - mean) ** 2 for v, _ in pairs) / (n - 1) / n if n >= 2 else 0.0
+    return Pooled(mean, math.sqrt(within + between), n)
+
+
+def tau_scope(scope: str) -> str:
+    """'all' → 'eval/all', a domain → 'eval/domain/<d>', a prompt set → 'eval/<set>'."""
+    return "eval/all" if scope == "all" else (f"eval/domain/{scope}" if scope in ("math", "code", "chat")
+                                             else f"eval/{scope}")
+
+
+def pooled_tau(rows: pl.DataFrame, scope: str = "all") -> Pooled:
+    """Per-prompt mean τ of a scope, with its within-run se from the logged prompt interval."""
+    prefix = tau_scope(scope)
+    ses = []
+    for half, prompts in zip(_column(rows, f"{prefix}/tau_prompt_ci95"), _column(rows, f"{prefix}/prompts")):
+        n = int(prompts) if prompts is not None and math.isfinite(float(prompts)) else 0
+        ses.append(float(half) / t_quantile(n) if half is not None and n >= 2 and math.isfinite(float(half))
+                   else None)
+    return pool(_column(rows, f"{prefix}/tau_prompt_mean"), ses)
+
+
+def pooled_cond(rows: pl.DataFrame, k: int, scope: str = "all") -> Pooled:
+    """cond@k of a scope with the binomial se over the rounds that reached slot k (module docstring)."""
+    prefix = tau_scope(scope)
+    values = _column(rows, f"{prefix}/cond/pos{k}")
+    rounds = _column(rows, f"{prefix}/rounds")
+    reached = _column(rows, f"{prefix}/survival/pos{k - 1}") if k > 1 else [1.0] * rows.height
+    ses = []
+    for c, r, s in zip(values, rounds, reached):
+        if None in (c, r, s) or not all(math.isfinite(float(x)) for x in (c, r, s)):
+            ses.append(None)
+            continue
+        n = float(r) * float(s)
+        ses.append(math.sqrt(max(float(c) * (1 - float(c)), 0.0) / n) if n >= 1 else float("inf"))
+    return pool(values, ses)
+
+
+def pooled_plain(rows: pl.DataFrame, column: str) -> Pooled:
+    """A metric with no within-run se (teacher-forced validation values): between-run spread only."""
+    values = _column(rows, column)
+    pooled = pool(values, [None] * len(values))
+    if pooled.runs < 2:
+        return Pooled(pooled.mean, float("nan"), pooled.runs)  # one run: no interval at all
+    # few seeds: widen to the Student-t interval (1.96·se then spans the t half-width)
+    return Pooled(pooled.mean, pooled.se * t_quantile(pooled.runs) / Z95, pooled.runs)
+
+
+def judged(label: str, diff: Difference, *, relative: bool = True) -> str:
+    """One claim line: '<label>: +12.3% [+4.1%, +20.5%] (runs 2 vs 2) → holds'."""
+    runs = f"runs {diff.a.runs} vs {diff.b.runs}"
+    return f"{label}: {diff.text(relative=relative)} ({runs}) → **{diff.verdict}**"
