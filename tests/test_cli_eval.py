@@ -4,6 +4,7 @@ prepare/train run once and later runs reuse the cached data and the trained draf
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 import torch
@@ -118,3 +119,16 @@ def test_profile_stage_prints_sps_table(root, capsys):
     out = capsys.readouterr().out
     assert "| B tokens | SPS" in out and f"| {BLOCK + 1} |" in out
     assert "profile/sps/B1" in _latest_run(root).data.metrics
+
+
+def test_eval_without_the_target_only_baseline(root):
+    """decode.baseline=false decodes each prompt once (speculative only): τ and acceptance are logged, the
+    speed-up is not measured, and the saved rounds hold no target-only rollouts."""
+    assert main(["budget=smoke", f"paths.root={root}", "decode.baseline=false", "decode.policy=static"]) == 0
+    metrics = _latest_run(root).data.metrics
+    assert 1.0 <= metrics["eval/all/tau"] <= BLOCK + 1 and metrics["eval/all/prompts"] == 2 * len(DATASETS)
+    assert "eval/all/tau_prompt_ci95" in metrics
+    assert math.isnan(metrics.get("summary/speedup", float("nan")))  # not measured
+    latest = _eval_dirs(root)[-1]
+    rows = [json.loads(line) for line in (latest / "rounds.jsonl").read_text().splitlines()]
+    assert {r["mode"] for r in rows} == {"speculative"} and len(rows) == 2 * len(DATASETS)

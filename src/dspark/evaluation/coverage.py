@@ -17,7 +17,8 @@ import torch
 @torch.no_grad()
 def draft_vocab_coverage(*, target: Any, drafter: Any, prompts: Sequence[Any], rollouts: Sequence[Any],
                          temperature: float = 1.0) -> dict[str, float]:
-    """{domain: mean coverage over generated positions, "all": pooled} from the `mode == "target"` rollouts.
+    """{domain: mean coverage over generated positions, "all": pooled} from the `mode == "target"` rollouts (or,
+    without a target-only baseline, the speculative ones: lossless decoding writes the target's distribution too).
 
     prompts: the `EvalPrompt`s decoded (input_ids of each (dataset, prompt_id)); temperature as decoded (0 counts
     whether the target's argmax is inside Vd)."""
@@ -27,9 +28,10 @@ def draft_vocab_coverage(*, target: Any, drafter: Any, prompts: Sequence[Any], r
     ids = head.draft_to_target.to(target.device)
     by_key = {(p.dataset, p.prompt_id): p for p in prompts}
     sums: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0])
+    mode = "target" if any(r.mode == "target" for r in rollouts) else "speculative"
     for rollout in rollouts:
         prompt = by_key.get((rollout.dataset, rollout.prompt_id))
-        if rollout.mode != "target" or prompt is None or not rollout.new_tokens:
+        if rollout.mode != mode or prompt is None or not rollout.new_tokens:
             continue
         sequence = torch.tensor([list(prompt.input_ids) + list(rollout.new_tokens)], device=target.device)
         out = target.forward(sequence, return_logits=True)

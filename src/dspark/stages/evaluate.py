@@ -119,10 +119,12 @@ def run_eval(ctx: StageContext, drafter_path: str | Path, *, prepared: PreparedD
              ", ".join(decode.eval_sets), decode.policy, decode.temperature)
     engines = {"speculative": SpeculativeEngine(target=target, proposer=proposer, policy=policy,
                                                 temperature=decode.temperature, max_new_tokens=decode.max_new_tokens,
-                                                calibration=sts),
-               "target": SpeculativeEngine(target=target, proposer=None, policy=build_policy("fixed"),
-                                           temperature=decode.temperature, max_new_tokens=decode.max_new_tokens)}
-    rollouts = run_rollouts(engines, prompts, seed=cfg.seed, desc="eval (speculative + target-only)")
+                                                calibration=sts)}
+    if decode.baseline:
+        engines["target"] = SpeculativeEngine(target=target, proposer=None, policy=build_policy("fixed"),
+                                              temperature=decode.temperature, max_new_tokens=decode.max_new_tokens)
+    rollouts = run_rollouts(engines, prompts, seed=cfg.seed,
+                            desc="eval (speculative + target-only)" if decode.baseline else "eval (speculative)")
     out_dir = new_eval_dir(ctx)
     write_rollouts_jsonl(out_dir / ROUNDS_FILE, rollouts)
     meta = eval_meta(ctx, spec=spec, drafter_path=drafter_path, out_dir=out_dir, sps_path=sps_path,
@@ -140,8 +142,9 @@ def run_eval(ctx: StageContext, drafter_path: str | Path, *, prepared: PreparedD
     if ctx.store is not None:
         ctx.store.log_metrics(ctx.run_id, metrics)
     report = write_report(ctx, meta, summary)
-    log.info("eval: τ %.3f (pooled, mean over datasets), speed-up %.2fx; report %s", summary.overall["tau"],
-             summary.overall["speedup"], report)
+    log.info("eval: τ %.3f (pooled, mean over datasets), speed-up %s; report %s", summary.overall["tau"],
+             f"{summary.overall['speedup']:.2f}x" if decode.baseline else "not measured (decode.baseline=false)",
+             report)
     return report
 
 
