@@ -146,3 +146,26 @@ def test_bf16_parallel_stage_is_a_close_copy_and_leaves_the_drafter_alone(target
     logits = stage.logits(hidden)
     assert logits.dtype == torch.float32 and logits.shape == (4, 256)
     assert (logits - reference).abs().max() < 0.02 * reference.abs().max()
+
+
+def test_markov_bias_table_equals_the_product_and_falls_back_outside_the_set():
+    """The decode-time bias table (heads.BiasTable) returns W_2 W_1[x] for tabulated previous tokens, the plain
+    product for others (the anchor may lie outside the draft vocabulary), is rebuilt when the weights change and
+    is never used under autograd."""
+    from dspark.drafters.heads import MarkovHead
+
+    torch.manual_seed(0)
+    head = MarkovHead(hidden_size=8, vocab_size=50, rank=4, output_size=12)
+    ids = torch.tensor([1, 3, 5, 7, 40])
+    assert head.enable_bias_table(ids)
+    with torch.no_grad():
+        inside = torch.tensor([3, 40])
+        expected = head.w2(head.w1(inside))
+        torch.testing.assert_close(head.step(None, inside, None)[0], expected)
+        outside = torch.tensor([3, 2])  # one row outside the set: the product for the whole batch
+        torch.testing.assert_close(head.step(None, outside, None)[0], head.w2(head.w1(outside)))
+        head.w2.weight.mul_(2.0)  # a weight change invalidates the table
+        torch.testing.assert_close(head.step(None, inside, None)[0], head.w2(head.w1(inside)))
+    bias = head.step(None, inside, None)[0]
+    assert bias.requires_grad  # under autograd: the trainable product, not a table row
+    assert not head.enable_bias_table(None) and not head.enable_bias_table(torch.arange(20000))

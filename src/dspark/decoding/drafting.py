@@ -51,6 +51,14 @@ def draft_to_target(drafter: nn.Module) -> Tensor | None:
     return head.draft_to_target
 
 
+def prepare_sequential_head(drafter: nn.Module, ids: Tensor | None) -> bool:
+    """Give a Markov head its decode-time bias table over the draft vocabulary (`heads.BiasTable`): each slot's
+    bias becomes a row look-up instead of a product over all of W_2. No-op for other heads and for the full
+    vocabulary (a V × V table would not fit). Returns whether the table is on."""
+    enable = getattr(getattr(drafter, "head", None), "enable_bias_table", None)
+    return bool(enable(ids)) if enable is not None and ids is not None else False
+
+
 def to_target_probs(probs: Tensor, ids: Tensor | None, vocab_size: int) -> Tensor:
     """p_d over the draft vocabulary [..., Vd] → over the target's [..., V], zero outside it (ids None: as is)."""
     if ids is None:

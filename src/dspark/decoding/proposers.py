@@ -27,6 +27,7 @@ from dspark.decoding.drafting import (
     ParallelStage,
     clean_confidences,
     draft_to_target,
+    prepare_sequential_head,
     resolve_precision,
     to_target_probs,
     usable_logits,
@@ -129,6 +130,7 @@ class DSparkProposer:
         self.has_confidence = drafter.confidence_head is not None
         self.vocab_size = drafter.spec.vocab_size
         self.stage = ParallelStage(drafter, resolve_precision(precision, drafter.backbone.mask_embedding.device))
+        prepare_sequential_head(drafter, self.stage.ids)
         self._reset()
 
     def _reset(self) -> None:

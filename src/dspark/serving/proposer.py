@@ -26,6 +26,7 @@ from torch import Tensor, nn
 from dspark.decoding.drafting import (
     ParallelStage,
     clean_confidences,
+    prepare_sequential_head,
     resolve_precision,
     to_target_probs,
     usable_logits,
@@ -70,6 +71,7 @@ class BatchedDSparkProposer:
         self._kv_shape = (attn.num_kv_heads, attn.head_dim)
         self.device = drafter.backbone.fc.weight.device
         self.stage = ParallelStage(drafter, resolve_precision(precision, self.device))
+        prepare_sequential_head(drafter, self.stage.ids)
         self.dtype = self.stage.backbone.fc.weight.dtype  # of the cached keys/values
         self.lengths = torch.zeros(0, dtype=torch.long, device=self.device)  # [R] context positions per row
         self._keys = [self._empty(0, 0) for _ in drafter.backbone.layers]    # [R, H_kv, C, hd], RoPE applied
