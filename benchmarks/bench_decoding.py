@@ -57,6 +57,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--temperatures", type=float, nargs="+", default=[1.0, 0.0])
     parser.add_argument("--static", type=int, nargs="*", default=None, help="static ℓ values (default 1..γ-1)")
     parser.add_argument("--no-scheduler", action="store_true")
+    parser.add_argument("--static-drafters", type=int, default=None, metavar="N",
+                        help="static ℓ rows for the first N drafters only (default: every drafter)")
     parser.add_argument("--block-size", type=int, default=7, help="γ of untrained drafters and of prompt lookup")
     parser.add_argument("--depth", type=int, default=5, help="draft layers of untrained DSpark/DFlash drafters")
     parser.add_argument("--draft-vocab", type=int, default=8192, help="Vd of untrained drafters (0 = full V)")
@@ -170,11 +172,14 @@ def build_modes(target, drafters: list[Drafter], *, temperature: float, args, sp
              "HF generate": hf_mode(target, temperature=temperature, lookup=None, args=args),
              f"HF prompt lookup ({args.block_size})": hf_mode(target, temperature=temperature,
                                                               lookup=args.block_size, args=args)}
-    for drafter in drafters:
+    for position, drafter in enumerate(drafters):
         gamma = drafter.module.block_size
+        statics = args.static if args.static is not None else range(1, gamma)
+        if args.static_drafters is not None and position >= args.static_drafters:
+            statics = []
         modes[f"{drafter.name} · fixed ℓ={gamma}"] = engine_mode(target, drafter, "fixed", temperature=temperature,
                                                                  args=args)
-        for k in (args.static if args.static is not None else range(1, gamma)):
+        for k in statics:
             if 0 < k < gamma:
                 modes[f"{drafter.name} · static ℓ={k}"] = engine_mode(target, drafter, "static", static_k=k,
                                                                       temperature=temperature, args=args)
