@@ -101,7 +101,8 @@ def test_command_line_axis_value_selects_cells_and_keeps_the_hash():
     spec = load_sweep("depth")
     full = plan_grid(resolve_config(["budget=smoke", "sweep=depth"]), spec)
     dflash = plan_grid(resolve_config(["budget=smoke", "sweep=depth", "drafter=dflash"]), spec)
-    assert [pc.cell.axes["drafter"] for pc in dflash.cells] == ["dflash"]
+    assert [pc.cell.axes["drafter"] for pc in dflash.cells] == ["dflash"] * len(spec.seeds)  # one per seed
+    assert len(full.cells) == 6 * len(spec.seeds)
     assert dflash.sweep_hash == full.sweep_hash  # a subset resumes into the same parent
     other = plan_grid(resolve_config(["budget=smoke", "sweep=depth", "model.block_size=3"]), spec)
     assert other.sweep_hash != full.sweep_hash and all(pc.rc.cfg.model.block_size == 3 for pc in other.cells)
