@@ -179,14 +179,14 @@ def test_failed_cell_is_marked_and_the_sweep_goes_on(shared_root, monkeypatch, o
         return real_train(ctx, data)
 
     monkeypatch.setattr(train_stage, "run_train", fail_markov)
-    assert run_sweep(resolve_config(argv)) == 1
+    assert run_sweep(resolve_config(argv), max_cells=4) == 1  # the first seed's four heads
     assert "boom in the markov cell" in capsys.readouterr().err
     _, cells = _sweep_runs(shared_root, experiment, "head")
     status = {r.data.tags["cell"]: r.info.status for r in cells}
     assert status == {"model.head=none seed=0": "FINISHED", "model.head=markov seed=0": "FAILED",
                       "model.head=gated seed=0": "FINISHED", "model.head=rnn seed=0": "FINISHED"}
     monkeypatch.setattr(train_stage, "run_train", real_train)
-    assert run_sweep(resolve_config(argv)) == 0  # only the failed cell runs again
+    assert run_sweep(resolve_config(argv), max_cells=4) == 0  # only the failed cell runs again
     _, cells = _sweep_runs(shared_root, experiment, "head")
     assert len(_finished(cells)) == 4 and len(cells) == 5
 

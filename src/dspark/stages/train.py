@@ -5,8 +5,10 @@ a finished drafter, and an interrupted one resumes from `checkpoints/last.ckpt`.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -70,7 +72,39 @@ def build_trainer(ctx: StageContext, run_dir: Path):
 
 
 def run_train(ctx: StageContext, data: PreparedData) -> Path:
-    """Train (or reuse / resume) the drafter of this config; returns the path of the exported `drafter.pt`."""
+    """Train (or reuse / resume) the drafter of this config; returns the path of the exported `drafter.pt`.
+
+    One trainer per run directory: two processes that reach the same training key at once (two sweeps sharing a
+    store, say) would otherwise both train, the second "resuming" from the first one's checkpoint and overwriting
+    its drafter.pt with one that has no validation metrics. The lock makes the second wait, then reuse.
+    """
+    with _training_lock(Path(ctx.paths.cache) / "locks" / f"train-{ctx.run_dir.name}.lock", ctx.run_dir.name):
+        return _train_or_reuse(ctx, data)
+
+
+@contextlib.contextmanager
+def _training_lock(path: Path, name: str) -> Iterator[None]:
+    """An exclusive file lock (`<paths.cache>/locks/train-<run dir>.lock`, outside the run tree), taken by the
+    launching process only: under DDP the re-executed ranks (LOCAL_RANK/RANK > 0) must not wait on rank 0's."""
+    if int(os.environ.get("LOCAL_RANK", "0") or 0) > 0 or int(os.environ.get("RANK", "0") or 0) > 0:
+        yield
+        return
+    from filelock import FileLock, Timeout
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    lock = FileLock(str(path))
+    try:
+        lock.acquire(timeout=1)
+    except Timeout:
+        log.info("another process is training %s; waiting for it (then its drafter is reused)", name)
+        lock.acquire()
+    try:
+        yield
+    finally:
+        lock.release()
+
+
+def _train_or_reuse(ctx: StageContext, data: PreparedData) -> Path:
     run_dir = ctx.run_dir
     exported = run_dir / DRAFTER_FILE
     if exported.exists():
