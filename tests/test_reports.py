@@ -184,8 +184,12 @@ def test_cond_interval_counts_the_rounds_that_reached_the_slot():
     from dspark.reports.claims import pooled_cond
 
     rows = pl.DataFrame({"eval/all/cond/pos2": [0.5], "eval/all/rounds": [400.0], "eval/all/survival/pos1": [0.25]})
-    # 100 rounds reached slot 2: binomial se √(0.25 / 100)
-    assert math.isclose(pooled_cond(rows, 2).se, 0.05)
+    # 100 rounds reached slot 2: Agresti–Coull se √(p̃(1 − p̃) / 104) with p̃ = 52 / 104
+    assert math.isclose(pooled_cond(rows, 2).se, math.sqrt(0.25 / 104))
+    certain = pl.DataFrame({"eval/all/cond/pos2": [1.0], "eval/all/rounds": [400.0], "eval/all/survival/pos1": [0.1]})
+    assert pooled_cond(certain, 2).se > 0.01  # 40/40 still has an interval
+    few = pl.DataFrame({"eval/all/cond/pos2": [1.0], "eval/all/rounds": [400.0], "eval/all/survival/pos1": [0.01]})
+    assert pooled_cond(few, 2).runs == 0  # 4 rounds reached the slot: no estimate
 
 
 def test_head_and_main_reports_judge_the_claims_with_intervals(store_root, tmp_path):

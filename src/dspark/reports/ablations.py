@@ -8,7 +8,7 @@ import math
 from typing import Any, Callable
 
 from dspark.reports import paper
-from dspark.reports.claims import Difference, judged, pooled_cond, pooled_plain, pooled_tau
+from dspark.reports.claims import MIN_ROUNDS, Difference, judged, pooled_cond, pooled_plain, pooled_tau
 from dspark.reports.context import (
     REPORT_BUILDERS,
     TAU_PROB,
@@ -385,16 +385,27 @@ def head_judgements(ctx: ReportContext, by_head: dict[str, Group], reference: Gr
         if ctx.has("eval/all/tau_prompt_mean"):
             lines.append(f"- {judged('τ (all, per prompt)', tau_difference(ctx, by_head[head], reference, 'all'))}")
         cond = {k: Difference(pooled_cond(rows, k), pooled_cond(none_rows, k)) for k in positions if k >= 2}
+        unmeasured = [k for k, d in cond.items() if not d.ok]
+        cond = {k: d for k, d in cond.items() if d.ok}
         lines += [f"- {judged(f'rollout cond@{k}', d, relative=False)}" for k, d in cond.items()]
+        if unmeasured:
+            lines.append(f"- rollout cond@k for k ∈ {unmeasured}: fewer than {MIN_ROUNDS} rounds reached the slot in "
+                         "some run — no estimate")
         tf = {k: Difference(pooled_plain(rows, f"val/accept/pos{k}"), pooled_plain(none_rows, f"val/accept/pos{k}"))
               for k in tf_positions}
-        lines += [f"- {judged(f'teacher-forced acceptance slot {k} (seeds only)', d, relative=False)}"
-                  for k, d in tf.items()]
+        if tf and all(d.ok for d in tf.values()):
+            lines += [f"- {judged(f'teacher-forced acceptance slot {k} (seeds only)', d, relative=False)}"
+                      for k, d in tf.items()]
+        elif tf:  # one seed: no between-seed interval; the values themselves
+            mine, base = ([f"{d.a.mean:.3f}" if d.a.ok else "–" for d in tf.values()],
+                          [f"{d.b.mean:.3f}" if d.b.ok else "–" for d in tf.values()])
+            lines.append(f"- teacher-forced acceptance, slots {min(tf)}–{max(tf)} (one seed, no interval): "
+                         f"{head} {', '.join(mine)} vs none {', '.join(base)}")
         raised = [k for k, d in cond.items() if d.verdict == "holds"]
         lowered = [k for k, d in cond.items() if d.verdict == "reversed"]
         if cond:
             lines.append(f"- → \"{head} raises cond@k for k ≥ 2\" (rollouts): significantly raised at "
-                         f"k ∈ {raised or '∅'}, lowered at k ∈ {lowered or '∅'}, of k = 2..{max(cond)}")
+                         f"k ∈ {raised or '∅'}, lowered at k ∈ {lowered or '∅'}, of the measured k ∈ {list(cond)}")
     return lines
 
 

@@ -9,9 +9,9 @@ Within-run standard errors come from what the evaluation logged:
 
 - τ: the per-prompt mean `…/tau_prompt_mean` with its Student-t half-width `…/tau_prompt_ci95` over `…/prompts`
   prompts (se = half-width / t quantile);
-- cond@k: binomial over rounds, cond·(1 − cond) / n_k with n_k = rounds · survival@(k−1), the rounds that reached
-  slot k (exact for decode.policy=fixed, which verifies every draft; rounds of one prompt are correlated, so this
-  se is optimistic — the between-seed term is not);
+- cond@k: binomial over the n_k = rounds · survival@(k−1) rounds that reached slot k (exact for decode.policy=fixed,
+  which verifies every draft), Agresti–Coull so that 0/n and n/n keep an interval; a run whose n_k < MIN_ROUNDS
+  gives no estimate; rounds of one prompt are correlated, so this se is optimistic — the between-seed term is not;
 - teacher-forced metrics (`val/…`): no within-run se (thousands of blocks); only the between-seed term, widened
   to the Student-t interval of n runs (one run: no interval).
 
@@ -28,6 +28,7 @@ import polars as pl
 from dspark.intervals import t_quantile
 
 Z95 = 1.959964
+MIN_ROUNDS = 20  #: a run's cond@k counts only when at least this many rounds reached slot k
 
 
 @dataclass(frozen=True)
@@ -137,14 +138,18 @@ def pooled_cond(rows: pl.DataFrame, k: int, scope: str = "all") -> Pooled:
     values = _column(rows, f"{prefix}/cond/pos{k}")
     rounds = _column(rows, f"{prefix}/rounds")
     reached = _column(rows, f"{prefix}/survival/pos{k - 1}") if k > 1 else [1.0] * rows.height
-    ses = []
+    kept, ses = [], []
     for c, r, s in zip(values, rounds, reached):
         if None in (c, r, s) or not all(math.isfinite(float(x)) for x in (c, r, s)):
-            ses.append(None)
             continue
         n = float(r) * float(s)
-        ses.append(math.sqrt(max(float(c) * (1 - float(c)), 0.0) / n) if n >= 1 else float("inf"))
-    return pool(values, ses)
+        if n < MIN_ROUNDS:  # a handful of rounds reached slot k: no estimate (a 1/1 would read as certainty)
+            continue
+        # Agresti–Coull: stays honest near 0 and 1, where c(1 − c)/n would claim zero uncertainty
+        shrunk = (float(c) * n + 2.0) / (n + 4.0)
+        kept.append(float(c))
+        ses.append(math.sqrt(shrunk * (1.0 - shrunk) / (n + 4.0)))
+    return pool(kept, ses)
 
 
 def pooled_plain(rows: pl.DataFrame, column: str) -> Pooled:
