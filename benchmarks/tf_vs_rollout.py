@@ -20,12 +20,13 @@ from __future__ import annotations
 import argparse
 import datetime
 import os
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 import torch
+
+from bench_decoding import git_commit  # this directory is on sys.path when run as a script
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "benchmarks" / "results" / "tf_vs_rollout.md"
@@ -113,8 +114,7 @@ def main(argv: list[str]) -> int:
             forced_mean = sum(f for f, _ in pairs) / len(pairs)
             rollout_mean = sum(r for _, r in pairs) / len(pairs)
             rows.append((temperature, name, len(pairs), forced_mean, rollout_mean))
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True,
-                            text=True).stdout.strip()
+    commit = git_commit()  # bench_decoding's: short hash, "(with uncommitted changes)" when dirty
     label = {0.0: "T = 0: teacher-forced argmax agreement", 1.0: "T = 1: teacher-forced c*₁"}
     lines = [
         f"# Teacher-forced vs rollout slot-1 acceptance on the target's own text — {args.target}", "",
