@@ -57,6 +57,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--temperatures", type=float, nargs="+", default=[1.0, 0.0])
     parser.add_argument("--static", type=int, nargs="*", default=None, help="static ℓ values (default 1..γ-1)")
     parser.add_argument("--no-scheduler", action="store_true")
+    parser.add_argument("--reuse-sps", action="store_true",
+                        help="read the cached SPS(B) table instead of profiling it at the start of this run (a table "
+                             "measured under another load misleads the scheduler: the rounds then pay other costs)")
     parser.add_argument("--static-drafters", type=int, default=None, metavar="N",
                         help="static ℓ rows for the first N drafters only (default: every drafter)")
     parser.add_argument("--block-size", type=int, default=7, help="γ of untrained drafters and of prompt lookup")
@@ -284,7 +287,8 @@ def main(argv: list[str]) -> int:
     prompts = encode_prompts(target, records, max_new_tokens=args.max_new_tokens)
     drafters = trained_drafters(target, args.drafter) if args.drafter else untrained_drafters(target, args)
     gamma = max(d.module.block_size for d in drafters)
-    sps, sps_path = load_or_profile_sps(target=target, cache_dir=args.cache_dir, block_size=gamma)
+    sps, sps_path = load_or_profile_sps(target=target, cache_dir=args.cache_dir, block_size=gamma,
+                                        refresh=not args.reuse_sps)
     sections = []
     for temperature in args.temperatures:
         modes = build_modes(target, drafters, temperature=temperature, args=args, sps=sps)
@@ -296,6 +300,7 @@ def main(argv: list[str]) -> int:
         "**untrained drafters** (no --drafter given): τ ≈ 1, so their rows measure round costs, not a speed-up; "
         "the scheduler reads raw confidences of an untrained head (σ ≈ 0.5)")
     loads = f"{load_start[0]:.1f} / {os.getloadavg()[0]:.1f}"
+    sps_origin = "read from the cache (--reuse-sps)" if args.reuse_sps else "profiled at the start of this run"
     text = "\n".join([
         f"# Decoding speed side by side — {args.target}", "",
         f"Command: `python benchmarks/bench_decoding.py {shlex.join(argv)}` ({time.time() - started:.0f} s in all)  ",
@@ -307,7 +312,8 @@ def main(argv: list[str]) -> int:
         f"max_new_tokens {args.max_new_tokens}; modes interleaved per prompt after a warm-up call; tok/s include "
         f"prefill. Drafters: {note}.", "",
         *sections,
-        f"SPS(B) used by the scheduler (`{sps_path}`; R = 1, 256-token cache):", "", sps_markdown(sps), ""])
+        f"SPS(B) used by the scheduler (`{sps_path}`; R = 1, 256-token cache; {sps_origin}):", "",
+        sps_markdown(sps), ""])
     args.output.parent.mkdir(parents=True, exist_ok=True)
     args.output.write_text(text)
     print(text)
