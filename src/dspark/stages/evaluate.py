@@ -2,9 +2,10 @@
 
 `run_eval`: load target + drafter → (STS calibration on held-out prompts, when decode.calibrate and the policy reads
 confidences) → (SPS table, for the scheduler) → speculative decoding and (decode.baseline) target-only decoding
-of the same prompts → per-dataset / per-domain / overall metrics (`dspark.evaluation.summary`) → MLflow (`eval/…`, `summary/…`), raw
-round records (`<run dir>/evals/<stamp>-<policy>-T<temperature>/rounds.jsonl` + `meta.json`) and a markdown report
-`<reports>/eval-<run dir>-<policy>-T<temperature>.md` with its figures next to it (also attached to the MLflow run).
+of the same prompts → per-dataset / per-domain / overall metrics (`dspark.evaluation.summary`) → MLflow (`eval/…`,
+`summary/…`), raw round records (`<run dir>/evals/<stamp>-<policy>-T<temperature>/rounds.jsonl` + `meta.json`)
+and a markdown report `<reports>/eval-<run dir>-<policy>-T<temperature>.md` with its figures next to it (also
+attached to the MLflow run).
 `run_report` rebuilds that report from the latest saved records of this config; `run_profile` re-measures SPS(B).
 """
 from __future__ import annotations
