@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from process_group import run_ranks
 from torch import nn
 
 import dspark.training.module as module_lib
@@ -24,13 +24,18 @@ from dspark.config import RunConfig
 from dspark.config.schema import LossConfig, OptimConfig
 from dspark.data.blocks import sample_anchors
 from dspark.drafters.factory import build_drafter, drafter_spec_for
+from dspark.targets import load_target
 from dspark.training.module import DrafterModule
 
 pytestmark = pytest.mark.ddp
-TINY_TARGET = {"seed": 2}
+TARGET_SEED = 2
 WORLD = 2
 SHARDS = (slice(0, 1), slice(1, 4))  # rank 0 holds one short sequence, rank 1 three long ones
-SHARED: dict = {}  # set before forking: the workers inherit the module, the batch and the initial weights
+
+
+def _target(root: Path):
+    """The tiny target (weights fixed by TARGET_SEED), materialised once under `root` and loaded by every process."""
+    return load_target("tiny", cache_dir=root / "target", seed=TARGET_SEED)
 
 
 def _batch(target) -> dict[str, torch.Tensor]:
@@ -79,9 +84,11 @@ def _shard(batch: dict[str, torch.Tensor], rank: int) -> dict[str, torch.Tensor]
 
 
 def _worker(rank: int, port: int, out_dir: str) -> None:
+    """One rank: rebuild the module from the parent's files, run both normalisers behind DDP, save the gradients."""
     torch.set_num_threads(1)
-    module, batch = SHARED["module"], SHARED["batch"]
-    module.drafter.load_state_dict(SHARED["initial"])
+    inputs = torch.load(Path(out_dir) / "inputs.pt", weights_only=True)
+    module, batch = _module(_target(Path(out_dir))), inputs["batch"]
+    module.drafter.load_state_dict(inputs["initial"])
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD,
                             timeout=timedelta(seconds=120))
     try:
@@ -111,20 +118,16 @@ def test_pooled_weight_sum_is_the_identity_on_one_process():
     assert module_lib.pooled_weight_sum(local) is local
 
 
-def test_two_gloo_ranks_give_the_single_process_gradient_of_the_whole_batch(tiny, tmp_path, one_thread):
-    if "fork" not in mp.get_all_start_methods():
-        pytest.skip("the workers inherit the tiny target by fork")
-    module, batch = _module(tiny), _batch(tiny)
+def test_two_gloo_ranks_give_the_single_process_gradient_of_the_whole_batch(tmp_path, one_thread):
+    target = _target(tmp_path)
+    module, batch = _module(target), _batch(target)
     initial = {k: v.clone() for k, v in module.drafter.state_dict().items()}
+    torch.save({"batch": batch, "initial": initial}, tmp_path / "inputs.pt")
     module.drafter.zero_grad(set_to_none=True)
     module._run(batch, "train").backward()  # one process, the whole batch
     single = _gradients(module)
-    SHARED.update(module=module, batch=batch, initial=initial)
-    try:
-        mp.start_processes(_worker, args=(_free_port(), str(tmp_path)), nprocs=WORLD, join=True, start_method="fork")
-    finally:
-        SHARED.clear()
-    results = [torch.load(tmp_path / f"rank{r}.pt") for r in range(WORLD)]
+    run_ranks(_worker, args=(_free_port(), str(tmp_path)), world=WORLD)
+    results = [torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in range(WORLD)]
     assert single and results[0]["pooled"].keys() == single.keys()
     for name, grad in single.items():
         for result in results:  # DDP leaves the same averaged gradient on every rank

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from process_group import run_ranks
 
 from dspark.metrics import CumulativeCalibration, PositionCrossEntropy, RolloutAcceptance, TeacherForcedAcceptance
 
@@ -95,12 +95,10 @@ def free_port() -> int:
 
 
 def test_metrics_are_exact_under_two_process_gloo(tmp_path):
-    # fork where the OS has it: a spawned child re-imports torchmetrics (~7 s of transformers/scipy imports each)
-    method = "fork" if "fork" in mp.get_all_start_methods() else "spawn"
-    mp.start_processes(_worker, args=(free_port(), str(tmp_path)), nprocs=WORLD, join=True, start_method=method)
+    run_ranks(_worker, args=(free_port(), str(tmp_path)), world=WORLD)  # spawned: see tests/process_group.py
     expected = compute_all(make_data())
     total_rounds = expected.pop("local:rounds")
-    results = [torch.load(tmp_path / f"rank{rank}.pt") for rank in range(WORLD)]
+    results = [torch.load(tmp_path / f"rank{rank}.pt", weights_only=True) for rank in range(WORLD)]
     for result in results:
         assert_same(result["values"], expected)
     # each rank really held only its shard (so the agreement above came from the all-reduce)
