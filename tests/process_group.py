@@ -10,6 +10,7 @@ running, instead of waiting forever in `join`.
 """
 from __future__ import annotations
 
+import socket
 import time
 from collections.abc import Callable
 
@@ -17,6 +18,13 @@ import pytest
 import torch.multiprocessing as mp
 
 DEADLINE_S = 240.0  # two tiny ranks finish in ~15 s (spawn imports included) on a loaded 2-core machine
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago (for a rendezvous or a local server)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
 
 
 def run_ranks(worker: Callable[..., None], args: tuple, world: int, deadline_s: float = DEADLINE_S) -> None:

@@ -9,14 +9,13 @@ DDP strategy does.
 """
 from __future__ import annotations
 
-import socket
 from datetime import timedelta
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
-from process_group import run_ranks
+from process_group import free_port, run_ranks
 from torch import nn
 
 import dspark.training.module as module_lib
@@ -107,11 +106,6 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
         dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
 
 def test_pooled_weight_sum_is_the_identity_on_one_process():
     local = torch.tensor(3.5)
@@ -126,7 +120,7 @@ def test_two_gloo_ranks_give_the_single_process_gradient_of_the_whole_batch(tmp_
     module.drafter.zero_grad(set_to_none=True)
     module._run(batch, "train").backward()  # one process, the whole batch
     single = _gradients(module)
-    run_ranks(_worker, args=(_free_port(), str(tmp_path)), world=WORLD)
+    run_ranks(_worker, args=(free_port(), str(tmp_path)), world=WORLD)
     results = [torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in range(WORLD)]
     assert single and results[0]["pooled"].keys() == single.keys()
     for name, grad in single.items():

@@ -2,14 +2,13 @@
 single-process value on all data (METHOD §8: sums are all-reduced before any ratio is taken)."""
 from __future__ import annotations
 
-import socket
 from datetime import timedelta
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
-from process_group import run_ranks
+from process_group import free_port, run_ranks
 
 from dspark.metrics import CumulativeCalibration, PositionCrossEntropy, RolloutAcceptance, TeacherForcedAcceptance
 
@@ -87,11 +86,6 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
     assert_same(synced, single)  # raises in the worker → mp.spawn re-raises in the parent
     torch.save({"values": synced, "local_rounds": local_rounds}, Path(out_dir) / f"rank{rank}.pt")
 
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def test_metrics_are_exact_under_two_process_gloo(tmp_path):

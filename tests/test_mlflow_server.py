@@ -13,17 +13,12 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+from process_group import free_port
 
 from dspark.config import resolve_config
 from dspark.sweeps.driver import run_sweep
 
 MLFLOW = Path(sys.executable).parent / "mlflow"
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _wait_healthy(url: str, proc: subprocess.Popen, timeout: float = 60.0) -> None:
@@ -63,7 +58,7 @@ def _rest(url: str, path: str, payload: dict | None = None) -> dict:
 @pytest.mark.skipif(not MLFLOW.exists(), reason="the venv has no mlflow executable")
 def test_two_cell_sweep_against_a_real_server(tmp_path, shared_root, monkeypatch, one_thread):
     monkeypatch.setenv("MLFLOW_TRACKING_URI", os.environ.get("MLFLOW_TRACKING_URI", ""))  # restored afterwards
-    port = _free_port()
+    port = free_port()
     url = f"http://127.0.0.1:{port}"
     log = open(tmp_path / "server.log", "w")
     proc = subprocess.Popen(
