@@ -2,7 +2,7 @@
 
 Side by side in one run per target: regeneration tok/s of the same prompts in input order and batched by prompt
 length (what `stage=prepare` does), and the feature-cache prefill of prompt + reference response (what
-`data.responses=reference` costs per token) at fp32 and at bf16 autocast (AMX-BF16 CPUs only).
+`data.responses=reference` costs per token) at fp32 and at bf16 autocast (CPUs with AMX-BF16 or AVX512-BF16 only).
 
 For each target: regenerate a few synthetic prompts (fresh temporary cache, so nothing is reused) and report
 generated tokens/s; build the float16 feature cache; then time one training batch's features both ways —
@@ -132,13 +132,13 @@ def training_prompts(count: int):
 def bench_reference_prefill(target, args, work: Path) -> list[tuple[str, int, float]]:
     """(precision, tokens, seconds) of the feature-cache prefill over reference sequences, fp32 and bf16."""
     from dspark.data.reference import build_reference_dataset
-    from dspark.hardware import cpu_has_amx_bf16
+    from dspark.hardware import cpu_has_fast_bf16
 
     ref_dir = build_reference_dataset(target, training_prompts(args.reference_prompts), cache_dir=work,
                                       max_length=512)
     tokens = sum(len(r) for r in load_regenerated(ref_dir)["input_ids"])
     results = []
-    for precision in ("fp32", "bf16") if cpu_has_amx_bf16() else ("fp32",):
+    for precision in ("fp32", "bf16") if cpu_has_fast_bf16() else ("fp32",):
         start = time.perf_counter()
         cache_features(target, ref_dir, cache_dir=work / precision, batch_size=16, show_progress=False,
                        precision=precision)

@@ -14,7 +14,7 @@ Columns: tokens/s (prefill included), ratio to target-only, τ, mean ℓ, and ms
 parallel (block forward + LM head + context update) / draft sequential (Markov loop; all of EAGLE-3's chain) / other
 (policy, verifier, commit, rollback: the engine's Python overhead). The round-cost section reads the γ = 7 DSpark
 rows: the sequential loop's share of a round and the drafter's round against one plain target step.
-Writes `--output` (benchmarks/results/decoding.md) with the command, machine (CPU model, AMX or not, drafter
+Writes `--output` (benchmarks/results/decoding.md) with the command, machine (CPU model, its bf16 instructions, drafter
 precision), load averages and git commit.
 
     .venv/bin/python benchmarks/bench_decoding.py --quick                                  # minutes: round costs
@@ -252,12 +252,12 @@ def round_costs(totals: dict[str, dict]) -> list[str]:
 
 def machine_line(args) -> str:
     from dspark.decoding.drafting import resolve_precision
-    from dspark.hardware import cpu_has_amx_bf16
+    from dspark.hardware import cpu_bf16_unit
 
     model = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
                   if line.startswith("model name")), platform.processor() or platform.machine())
     precision = resolve_precision(args.precision)
-    return (f"{model}, {os.cpu_count()} cores, AMX-BF16 {'yes' if cpu_has_amx_bf16() else 'no'}; torch "
+    return (f"{model}, {os.cpu_count()} cores, bf16 instructions {cpu_bf16_unit() or 'none'}; torch "
             f"{torch.__version__}, {args.threads} threads; target {args.target_dtype} (every mode), drafter parallel stage "
             f"{str(precision).replace('torch.', '')} (decode.drafter_precision={args.precision})")
 

@@ -26,7 +26,7 @@ import torch
 from dspark.data.prompts import load_prompts
 from dspark.decoding.drafting import resolve_precision
 from dspark.drafters.factory import DrafterSpec, build_drafter
-from dspark.hardware import cpu_has_amx_bf16
+from dspark.hardware import cpu_bf16_unit
 from dspark.serving import BatchedEngine, ServeRequest, build_serve_policy
 from dspark.targets import load_target
 
@@ -133,7 +133,7 @@ def markdown(rows: list[dict], args: argparse.Namespace, argv: list[str], starte
     lines = ["# Batched serving step benchmark", "",
              f"Command: `.venv/bin/python benchmarks/bench_serving.py {shlex.join(argv)}`", "",
              f"Date: {started}. Machine: {os.cpu_count()} CPUs ({platform.machine()}), torch {torch.__version__}, "
-             f"{args.threads} thread(s), AMX-BF16 {'yes' if cpu_has_amx_bf16() else 'no'}; target fp32, drafter "
+             f"{args.threads} thread(s), bf16 instructions {cpu_bf16_unit() or 'none'}; target fp32, drafter "
              f"parallel stage {str(resolve_precision(args.precision)).replace('torch.', '')} "
              f"(--precision {args.precision}). Load average after: {load[0]:.2f}, {load[1]:.2f}, {load[2]:.2f} "
              "(other jobs on the machine add noise; ratios within a row group are the point).", "",

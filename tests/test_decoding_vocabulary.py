@@ -125,9 +125,9 @@ def test_cached_context_round_drafts_what_a_full_recomputation_drafts(target, pr
 
 
 def test_auto_precision_follows_the_detected_hardware(monkeypatch):
-    monkeypatch.setattr(drafting, "cpu_has_amx_bf16", lambda: True)
+    monkeypatch.setattr(drafting, "cpu_has_fast_bf16", lambda: True)
     assert resolve_precision("auto", "cpu") == torch.bfloat16
-    monkeypatch.setattr(drafting, "cpu_has_amx_bf16", lambda: False)
+    monkeypatch.setattr(drafting, "cpu_has_fast_bf16", lambda: False)
     assert resolve_precision("auto", "cpu") == torch.float32
     assert resolve_precision("fp32") == torch.float32 and resolve_precision("bf16") == torch.bfloat16
     with pytest.raises(ValueError, match=r"decode\.drafter_precision='fp16'.*auto"):

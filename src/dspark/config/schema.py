@@ -49,7 +49,7 @@ class TargetConfig:
     trust_remote_code: bool = False  #: off unless you trust the model repository's code
     mask_token_id: Optional[int] = None  #: override the reserved MASK row (METHOD §2.1); None = automatic
     dtype: str = "float32"  #: float32 | bfloat16 | float16; on AMX-BF16 CPUs bf16 verifies 2–8 tokens for ~one step's cost
-    #: (benchmarks/results/decoding*.md); on CPUs without AMX bf16 is slower than fp32. Drafters serve any dtype
+    #: (benchmarks/results/decoding*.md); on CPUs without bf16 instructions bf16 is slower than fp32. Drafters serve any dtype
 
 
 @dataclass
@@ -117,7 +117,7 @@ class DataConfig:
     #: | mix (num_regen_prompts regenerated + the rest reference)
     responses: str = "regenerate"
     num_regen_prompts: int = 0  #: responses=mix: how many of the prompts the target regenerates
-    feature_precision: str = "auto"  #: target prefill for the feature cache: auto (bf16 on AMX CPUs) | bf16 | fp32
+    feature_precision: str = "auto"  #: target prefill for the feature cache: auto (bf16 on AMX/AVX512-BF16 CPUs) | bf16 | fp32
     local_dir: Optional[str] = None  #: directory of JSONL prompt files (schema of shared/data); wins over the hub
     max_length: int = 1024  #: truncate regenerated sequences (tokens)
     val_fraction: float = 0.05
@@ -147,7 +147,7 @@ class TrainerConfig:
     devices: int = 1
     strategy: str = "auto"  #: ddp | fsdp | auto ...; see README "Scaling out"
     num_nodes: int = 1
-    precision: str = "auto"  #: auto = bf16-mixed on AMX-BF16 CPUs / bf16 GPUs, else 32-true; or any Lightning value
+    precision: str = "auto"  #: auto = bf16-mixed on AMX/AVX512-BF16 CPUs / bf16 GPUs, else 32-true; or any Lightning value
     log_every_n_steps: int = 10
     val_check_interval: float = 1.0
 
@@ -158,7 +158,7 @@ class DecodeConfig:
     policy: str = "fixed"
     threshold: float = 0.5  #: θ of threshold / calibrated_threshold
     static_k: int = 2  #: drafts verified per round by decode.policy=static
-    #: the drafter's parallel stage: auto (bf16 on AMX CPUs, else fp32) | fp32 | bf16; decode.* and serve.* alike
+    #: the drafter's parallel stage: auto (bf16 on AMX/AVX512-BF16 CPUs, else fp32) | fp32 | bf16; decode.* and serve.* alike
     drafter_precision: str = "auto"
     temperature: float = 1.0  #: 0 = greedy verification
     max_new_tokens: int = 128

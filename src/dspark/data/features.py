@@ -20,7 +20,8 @@ vocabulary is chosen (what the target would write there, not what the reference 
 vocabulary counted on reference tokens covered only 0.83 of p_t on the target's own chat generations).
 
 Prefill runs batched by length (sequences of a shard sorted by length, batches capped by a token budget, so padding
-is small) and, on CPUs with AMX-BF16, under bf16 autocast (~2.5× faster here; features are stored in fp16 anyway;
+is small) and, on CPUs with bf16 matrix instructions (AMX-BF16 or AVX512-BF16: `dspark.hardware`), under bf16
+autocast (~2.5× faster on AMX, ~1.8× on an EPYC Zen 4 with AVX512-BF16; features are stored in fp16 anyway;
 measured mean TV of p_t against fp32 0.006, CPU_RECIPE.md). `precision="fp32"` forces the target's own dtype.
 """
 from __future__ import annotations
@@ -55,7 +56,7 @@ def feature_cache_key(regen_key: str, *, target: Any, precision: str = "fp32") -
 
 
 def resolve_prefill_precision(precision: str, target: Any) -> str:
-    """"auto" → "bf16" on CPUs with AMX-BF16 (and bf16-capable GPUs) when the target is fp32, else "fp32"."""
+    """"auto" → "bf16" on CPUs with bf16 matrix instructions (and bf16-capable GPUs) when the target is fp32, else "fp32"."""
     if precision not in PREFILL_PRECISIONS:
         raise ValueError(f"data.feature_precision={precision!r}: choose one of {', '.join(PREFILL_PRECISIONS)}")
     if precision != "auto":

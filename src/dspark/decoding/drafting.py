@@ -6,8 +6,8 @@ j meaning target token `draft_to_target[j]`. A proposer samples j over Vd — so
 and hands the verifier the target id and p_d over the full V, zero outside the draft vocabulary (`to_target_probs`),
 so rejection sampling stays exact: the verifier never sees a distribution other than the one x_k was drawn from.
 
-Precision (`decode.drafter_precision`): `fp32`, `bf16`, or `auto` = bf16 when this CPU has AMX-BF16 tiles
-(`dspark.hardware.cpu_has_amx_bf16`: `amx_bf16` in /proc/cpuinfo, read at run time), else fp32; on a GPU `auto`
+Precision (`decode.drafter_precision`): `fp32`, `bf16`, or `auto` = bf16 when this CPU has bf16 matrix instructions
+(`dspark.hardware.cpu_has_fast_bf16`: `amx_bf16` or `avx512_bf16` in /proc/cpuinfo, read at run time), else fp32; on a GPU `auto`
 is fp32. bf16 applies to the parallel stage only
 (context fusion, the draft layers and their cached keys/values, the LM head): that stage reads large weights for
 γ rows at once and runs ~3.5× faster in bf16 on AMX (measured: SmolLM2's 49,152-row LM head over 7 rows, 24.7 vs
@@ -27,7 +27,7 @@ import copy
 import torch
 from torch import Tensor, nn
 
-from dspark.hardware import cpu_has_amx_bf16
+from dspark.hardware import cpu_has_fast_bf16
 
 PRECISIONS = ("auto", "fp32", "bf16")
 PRECISION_KEY = "decode.drafter_precision"
@@ -37,9 +37,9 @@ def resolve_precision(precision: str, device: torch.device | str = "cpu") -> tor
     """`decode.drafter_precision` → the dtype of the drafter's parallel stage (module docstring)."""
     if precision not in PRECISIONS:
         raise ValueError(f"{PRECISION_KEY}={precision!r} is not one of {', '.join(PRECISIONS)}; use auto (bf16 on "
-                         "AMX CPUs, else fp32), fp32 or bf16")
+                         "CPUs with AMX-BF16 / AVX512-BF16, else fp32), fp32 or bf16")
     if precision == "auto":
-        return torch.bfloat16 if torch.device(device).type == "cpu" and cpu_has_amx_bf16() else torch.float32
+        return torch.bfloat16 if torch.device(device).type == "cpu" and cpu_has_fast_bf16() else torch.float32
     return torch.bfloat16 if precision == "bf16" else torch.float32
 
 
