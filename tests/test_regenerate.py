@@ -127,11 +127,21 @@ def test_cache_key_changes_with_what_determines_output(tiny) -> None:
         {**base, "sampling": dataclasses.replace(SAMPLING, temperature=1.0)},
         {**base, "sampling": dataclasses.replace(SAMPLING, system_prompt="You are helpful.")},
         {**base, "max_length": 512},
+        {**base, "precision": "bf16"},
     ]
     for variant in variants:
         assert regen_cache_key(tiny, PROMPTS, **variant) != key
     edited = [dataclasses.replace(PROMPTS[0], prompt="What is 3 + 5?"), *PROMPTS[1:]]
     assert regen_cache_key(tiny, edited, **base) != key
+    assert regen_cache_key(tiny, PROMPTS, **base, precision="fp32") == key  # fp32 caches keep their old keys
+
+
+def test_bf16_regeneration_is_recorded_and_refuses_unresolved_precision(tiny, tmp_path) -> None:
+    out = run(tiny, tmp_path, precision="bf16")
+    assert read_manifest(out)["precision"] == "bf16"
+    assert len(load_regenerated(out)) == len(PROMPTS)
+    with pytest.raises(ValueError, match="data.regen_precision='auto'"):
+        run(tiny, tmp_path, precision="auto")
 
 
 def test_different_seed_gives_different_responses(tiny, tmp_path) -> None:

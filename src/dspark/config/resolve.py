@@ -129,6 +129,7 @@ def _name_errors(cfg: RunConfig) -> list[str]:
               ("decode.policy", cfg.decode.policy, POLICIES), ("serve.policy", cfg.serve.policy, SERVE_POLICIES),
               ("data.responses", cfg.data.responses, RESPONSE_MODES),
               ("data.feature_precision", cfg.data.feature_precision, ("auto", "bf16", "fp32")),
+              ("data.regen_precision", cfg.data.regen_precision, ("auto", "bf16", "fp32")),
               ("loss.kind", cfg.loss.kind, LOSS_KINDS), ("export.layout", cfg.export.layout, EXPORT_LAYOUTS),
               ("export.dtype", cfg.export.dtype, EXPORT_DTYPES),
               ("decode.drafter_precision", cfg.decode.drafter_precision, PRECISIONS)]

@@ -118,6 +118,7 @@ class DataConfig:
     responses: str = "regenerate"
     num_regen_prompts: int = 0  #: responses=mix: how many of the prompts the target regenerates
     feature_precision: str = "auto"  #: target prefill for the feature cache: auto (bf16 on AMX/AVX512-BF16 CPUs) | bf16 | fp32
+    regen_precision: str = "auto"  #: the target while it regenerates responses: auto (as feature_precision) | bf16 | fp32
     local_dir: Optional[str] = None  #: directory of JSONL prompt files (schema of shared/data); wins over the hub
     max_length: int = 1024  #: truncate regenerated sequences (tokens)
     val_fraction: float = 0.05

@@ -55,10 +55,11 @@ def feature_cache_key(regen_key: str, *, target: Any, precision: str = "fp32") -
     return hashlib.sha256(json.dumps(payload).encode()).hexdigest()
 
 
-def resolve_prefill_precision(precision: str, target: Any) -> str:
-    """"auto" → "bf16" on CPUs with bf16 matrix instructions (and bf16-capable GPUs) when the target is fp32, else "fp32"."""
+def resolve_prefill_precision(precision: str, target: Any, *, key: str = "data.feature_precision") -> str:
+    """"auto" → "bf16" on CPUs with bf16 matrix instructions (and bf16-capable GPUs) when the target is fp32, else
+    "fp32". `key` names the config key in the error (feature prefill or regeneration)."""
     if precision not in PREFILL_PRECISIONS:
-        raise ValueError(f"data.feature_precision={precision!r}: choose one of {', '.join(PREFILL_PRECISIONS)}")
+        raise ValueError(f"{key}={precision!r}: choose one of {', '.join(PREFILL_PRECISIONS)}")
     if precision != "auto":
         return precision
     from dspark.hardware import autocast_dtype

@@ -102,8 +102,12 @@ def run_prepare(ctx: StageContext) -> PreparedData:
         log.info("regenerating responses to %d prompts from %s", len(regen_prompts), ", ".join(data.train_sets))
         # batched by prompt length: left padding to a batch's longest prompt is wasted work
         regen_prompts = sorted(regen_prompts, key=lambda p: (len(p.prompt), p.id))
+        from dspark.data.features import resolve_prefill_precision
+
         parts.append(regenerate_responses(target, regen_prompts, sampling=sampling_config(ctx),
-                                          cache_dir=ctx.paths.cache, seed=ctx.cfg.seed, max_length=data.max_length))
+                                          cache_dir=ctx.paths.cache, seed=ctx.cfg.seed, max_length=data.max_length,
+                                          precision=resolve_prefill_precision(data.regen_precision, target,
+                                                                              key="data.regen_precision")))
     regen_dir = combine_datasets(parts, cache_dir=ctx.paths.cache)
     dataset = load_regenerated(regen_dir)
     check_mask_token_absent(dataset["input_ids"], mask_token_id=target.mask_token_id)
