@@ -1,7 +1,8 @@
 """Data-pipeline speed on this machine: regeneration vs reference-response prefill, and cached vs online features.
 
 Side by side in one run per target: regeneration tok/s of the same prompts in input order and batched by prompt
-length (what `stage=prepare` does), and the feature-cache prefill of prompt + reference response (what
+length (what `stage=prepare` does), regeneration at fp32 and bf16 autocast (`data.regen_precision`), and the
+feature-cache prefill of prompt + reference response (what
 `data.responses=reference` costs per token) at fp32 and at bf16 autocast (CPUs with AMX-BF16 or AVX512-BF16 only).
 
 For each target: regenerate a few synthetic prompts (fresh temporary cache, so nothing is reused) and report
@@ -49,6 +50,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--cache-dir", type=Path, default=TARGET_CACHE, help="where targets are cached")
     parser.add_argument("--reference-prompts", type=int, default=48, help="reference sequences prefilled")
     parser.add_argument("--regen-prompts", type=int, default=16, help="prompts regenerated for the order comparison")
+    parser.add_argument("--precision-batch", type=int, default=32,
+                        help="prompts (one batch) regenerated for the fp32 / bf16 comparison")
     return parser.parse_args(argv)
 
 
@@ -159,6 +162,23 @@ def bench_regeneration_order(target, args, work: Path) -> list[tuple[str, float,
     return out
 
 
+def bench_regeneration_precision(target, args, work: Path) -> list[tuple[str, float, float]]:
+    """(precision, generated tokens, seconds) regenerating the same prompts at T = 1 in one batch of
+    --precision-batch, fp32 and (CPUs with bf16 instructions) bf16 autocast, as `data.regen_precision` does."""
+    from dspark.hardware import cpu_has_fast_bf16
+
+    prompts = sorted(training_prompts(args.precision_batch), key=lambda p: len(p.prompt))
+    sampling = SamplingConfig(temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=args.max_new_tokens,
+                              batch_size=args.precision_batch)
+    out = []
+    for precision in ("fp32", "bf16") if cpu_has_fast_bf16() else ("fp32",):
+        regen_dir = regenerate_responses(target, prompts, sampling=sampling, cache_dir=work / f"regen_{precision}",
+                                         seed=0, min_loss_tokens=1, show_progress=False, precision=precision)
+        stats = read_manifest(regen_dir)["stats"]
+        out.append((precision, stats["generated_tokens"], stats["seconds"]))
+    return out
+
+
 def run_target(name: str, args) -> list[list[str]]:
     target = load_target(name, cache_dir=args.cache_dir)
     with tempfile.TemporaryDirectory(prefix="bench_data_") as tmp:
@@ -168,6 +188,7 @@ def run_target(name: str, args) -> list[list[str]]:
         long = bench_features_long(target, args, work)
         prefill = bench_reference_prefill(target, args, work)
         order = bench_regeneration_order(target, args, work)
+        by_precision = bench_regeneration_precision(target, args, work)
     regen_tok_s = stats["generated_tokens"] / stats["seconds"]
     rows = [[name, "regeneration (sampling, batch %d)" % args.num_prompts,
              f"{stats['generated_tokens']:.0f} tokens in {stats['seconds']:.1f} s", f"{regen_tok_s:.1f} tok/s", ""]]
@@ -177,6 +198,11 @@ def run_target(name: str, args) -> list[list[str]]:
         base = base or rate
         rows.append([name, f"regeneration of {args.regen_prompts} training prompts, {label} (batch 8)",
                      f"{tokens:.0f} tokens in {seconds:.1f} s", f"{rate:.1f} tok/s", f"{rate / base:.2f}× input order"])
+    for precision, tokens, seconds in by_precision:
+        rate = tokens / seconds
+        rows.append([name, f"regeneration at T = 1 of {args.precision_batch} training prompts in one batch ({precision})",
+                     f"{tokens:.0f} tokens in {seconds:.1f} s", f"{rate:.1f} tok/s",
+                     f"{rate * by_precision[0][2] / by_precision[0][1]:.2f}× fp32"])
     for precision, tokens, seconds in prefill:
         rate = tokens / seconds
         rows.append([name, f"reference prefill → feature cache ({precision}, length-batched)",
