@@ -1,0 +1,35 @@
+"""The training key (`dspark.stages.context.training_key`): the run directory a trained drafter is cached under.
+
+A config field added later must not re-key every drafter already trained: at its default it is left out of the hash
+(HASH_NEUTRAL_DEFAULTS). The pinned keys below are those of drafters trained before `data.regen_precision` existed
+(benchmarks/results/decoding.md names `dspark-markov-d2-g7-s0-796193f7b6f7`); a change that moves them must be a
+decision, made here, not a side effect.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from dspark.config import RunConfig, resolve_config
+from dspark.stages.context import HASH_NEUTRAL_DEFAULTS, training_key
+
+
+OFF_DEFAULT = {("data", "regen_precision"): "fp32", ("model", "import_from"): "/some/checkpoint"}
+
+
+@pytest.mark.parametrize("argv, key", [(["budget=cpu"], "796193f7b6f7")])
+def test_default_budget_keys_are_stable(argv, key):
+    assert training_key(resolve_config(argv).cfg) == key
+
+
+@pytest.mark.parametrize("group, name, default", HASH_NEUTRAL_DEFAULTS)
+def test_neutral_fields_default_to_what_the_hash_leaves_out_and_count_off_it(group, name, default):
+    fields = {f.name: f for f in dataclasses.fields(type(getattr(RunConfig(), group)))}
+    assert getattr(getattr(RunConfig(), group), name) == default  # neutral exactly at the schema default
+    assert name in fields
+    base = resolve_config(["budget=smoke"])
+    other = OFF_DEFAULT.get((group, name)) or {bool: lambda: not default, str: lambda: default + "x",
+                                                float: lambda: default + 0.25}[type(default)]()
+    changed = dataclasses.replace(base.cfg, **{group: dataclasses.replace(getattr(base.cfg, group), **{name: other})})
+    assert training_key(changed) != training_key(base.cfg)
