@@ -42,7 +42,7 @@ def test_defaults_match_the_paper():
     # the CPU budget (the default run) trades depth and vocabulary for a drafter that learns in minutes
     rc = resolve_config([])
     cpu = rc.cfg
-    assert (cpu.budget, cpu.model.depth, cpu.model.draft_vocab_size, cpu.data.responses) == ("cpu", 2, 8192, "reference")
+    assert (cpu.budget, cpu.model.depth, cpu.model.draft_vocab_size, cpu.data.responses) == ("cpu", 2, 8192, "mix")
     cfg = cpu
     assert (cfg.loss.alpha_ce, cfg.loss.alpha_tv, cfg.loss.alpha_conf, cfg.loss.decay) == (0.1, 0.9, 1.0, 4.0)
     assert Path(cfg.paths.root) == repo_root() / "outputs" and Path(cfg.paths.reports) == repo_root() / "reports"
