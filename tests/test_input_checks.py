@@ -134,6 +134,7 @@ def test_a_non_gguf_file_and_a_missing_path(tmp_path):
 
 def test_an_uncached_hub_id_is_refused_when_the_hub_is_off(monkeypatch, tmp_path):
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path))
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)  # the suite may itself run offline (HF_HUB_OFFLINE=1 make test)
     check_target("someone/some-model")  # online: only loading can tell
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     import huggingface_hub.constants as hub_constants
