@@ -132,16 +132,22 @@ def training_prompts(count: int):
     return mixed[:count]
 
 
+def precisions_here() -> tuple[str, ...]:
+    """The data-building precisions worth timing here: fp32, and bf16 where the CPU has bf16 instructions."""
+    from dspark.hardware import cpu_has_fast_bf16
+
+    return ("fp32", "bf16") if cpu_has_fast_bf16() else ("fp32",)
+
+
 def bench_reference_prefill(target, args, work: Path) -> list[tuple[str, int, float]]:
     """(precision, tokens, seconds) of the feature-cache prefill over reference sequences, fp32 and bf16."""
     from dspark.data.reference import build_reference_dataset
-    from dspark.hardware import cpu_has_fast_bf16
 
     ref_dir = build_reference_dataset(target, training_prompts(args.reference_prompts), cache_dir=work,
                                       max_length=512)
     tokens = sum(len(r) for r in load_regenerated(ref_dir)["input_ids"])
     results = []
-    for precision in ("fp32", "bf16") if cpu_has_fast_bf16() else ("fp32",):
+    for precision in precisions_here():
         start = time.perf_counter()
         cache_features(target, ref_dir, cache_dir=work / precision, batch_size=16, show_progress=False,
                        precision=precision)
@@ -165,13 +171,11 @@ def bench_regeneration_order(target, args, work: Path) -> list[tuple[str, float,
 def bench_regeneration_precision(target, args, work: Path) -> list[tuple[str, float, float]]:
     """(precision, generated tokens, seconds) regenerating the same prompts at T = 1 in one batch of
     --precision-batch, fp32 and (CPUs with bf16 instructions) bf16 autocast, as `data.regen_precision` does."""
-    from dspark.hardware import cpu_has_fast_bf16
-
     prompts = sorted(training_prompts(args.precision_batch), key=lambda p: len(p.prompt))
     sampling = SamplingConfig(temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=args.max_new_tokens,
                               batch_size=args.precision_batch)
     out = []
-    for precision in ("fp32", "bf16") if cpu_has_fast_bf16() else ("fp32",):
+    for precision in precisions_here():
         regen_dir = regenerate_responses(target, prompts, sampling=sampling, cache_dir=work / f"regen_{precision}",
                                          seed=0, min_loss_tokens=1, show_progress=False, precision=precision)
         stats = read_manifest(regen_dir)["stats"]

@@ -6,7 +6,8 @@ path, with the cached log-normaliser), interleaved round-robin over the configur
 all of them alike. Levers (issue "drafters that learn"):
 
 - `vocab`: the LM head and Markov W₂ over an 8,192-token draft vocabulary instead of V = 49,152;
-- `bf16`: bf16 autocast (only where the CPU has bf16 instructions, AMX-BF16 or AVX512-BF16: `dspark.hardware`; elsewhere it is reported and skipped);
+- `bf16`: bf16 autocast (only where the CPU has bf16 instructions, AMX-BF16 or AVX512-BF16: `dspark.hardware`;
+  elsewhere it is reported and skipped);
 - `anchors`: 96 blocks per sequence instead of 32 (blocks share the context, so per-block cost falls);
 - `attention`: the structured block attention instead of one dense [Nγ, T + Nγ] mask.
 
@@ -116,17 +117,17 @@ def main(argv: list[str]) -> int:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
     from dspark.data.regenerate import load_regenerated  # noqa: F401  (import cost outside the timings)
-    from dspark.hardware import cpu_bf16_unit, cpu_has_fast_bf16
+    from dspark.hardware import cpu_has_fast_bf16
     from dspark.targets import load_target
 
     target = load_target(args.target, cache_dir=args.cache_dir)
-    amx = cpu_has_fast_bf16()
+    fast_bf16 = cpu_has_fast_bf16()
     batches = {False: make_batch(target, batch=args.batch, length=args.length, anchors=32),
                True: make_batch(target, batch=args.batch, length=args.length, anchors=96)}
     # a realistic draft vocabulary: the 8,192 most frequent ids of the vendored training text
     draft_ids = frequent_ids(target, size=8192)
     configs: list[Config] = []
-    levers_on = set(LEVERS) if amx else set(LEVERS) - {"bf16"}
+    levers_on = set(LEVERS) if fast_bf16 else set(LEVERS) - {"bf16"}
     for depth in [int(d) for d in args.depths.split(",")]:
         for kind in ("dspark", "dflash"):
             variants = {"before": set(), "after": levers_on}
@@ -142,7 +143,7 @@ def main(argv: list[str]) -> int:
         for config in configs:
             config.times.append(config.step())
     load_after = os.getloadavg()
-    write_report(args, configs, amx=amx, load=(load_before, load_after))
+    write_report(args, configs, load=(load_before, load_after))
     return 0
 
 
@@ -160,7 +161,9 @@ def frequent_ids(target, *, size: int) -> torch.Tensor:
     return build_draft_vocab(counts, size=size, always=target.stop_token_ids)
 
 
-def write_report(args, configs: list[Config], *, amx: bool, load) -> None:
+def write_report(args, configs: list[Config], *, load) -> None:
+    from dspark.hardware import cpu_bf16_unit
+
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
                             text=True).stdout.strip()
     cpu = platform.processor() or _cpu_model()

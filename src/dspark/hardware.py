@@ -57,7 +57,8 @@ def cpu_has_fast_bf16() -> bool:
 def resolve_precision(precision: str, *, accelerator: str) -> str:
     """`trainer.precision=auto` → a Lightning precision for this machine; anything else passes through.
 
-    CPU: bf16-mixed with bf16 matrix instructions (AMX-BF16 or AVX512-BF16), else 32-true. CUDA: bf16-mixed where the GPU supports bf16, else 32-true.
+    CPU: bf16-mixed with bf16 matrix instructions (AMX-BF16 or AVX512-BF16), else 32-true. CUDA: bf16-mixed where
+    the GPU supports bf16, else 32-true.
     """
     if precision != "auto":
         return precision

@@ -155,8 +155,7 @@ def regenerate_responses(
         batches = [prompts[i : i + sampling.batch_size] for i in range(0, len(prompts), sampling.batch_size)]
         manifest = _manifest(target, key=key, sampling=sampling, seed=seed, max_length=max_length,
                              min_loss_tokens=min_loss_tokens, num_prompts=len(prompts), num_shards=len(batches),
-                             multi_turn=multi_turn)
-        manifest["precision"] = precision
+                             multi_turn=multi_turn, precision=precision)
         _atomic_write_bytes(out_dir / MANIFEST, json.dumps(manifest, indent=2).encode())
         todo = [i for i in range(len(batches)) if not shard_path(out_dir, i).exists()]
         bar = tqdm(total=len(batches), initial=len(batches) - len(todo), unit="batch", desc="regenerate",
@@ -180,13 +179,14 @@ def regenerate_responses(
 
 
 def _manifest(target: Target, *, key: str, sampling: SamplingConfig, seed: int, max_length: int,
-              min_loss_tokens: int, num_prompts: int, num_shards: int, multi_turn: bool) -> dict[str, Any]:
+              min_loss_tokens: int, num_prompts: int, num_shards: int, multi_turn: bool,
+              precision: str) -> dict[str, Any]:
     """What the directory holds and how it was made (recorded with runs)."""
     return {
         "key": key, "format": FORMAT_VERSION, "target": target.name, "target_fingerprint": target.fingerprint,
         "sampling": sampling_record(sampling, multi_turn=multi_turn),
         "template_default_system_prompt": bool(getattr(target, "default_system_prompt", False)),
-        "seed": seed, "max_length": max_length, "min_loss_tokens": min_loss_tokens,
+        "seed": seed, "max_length": max_length, "min_loss_tokens": min_loss_tokens, "precision": precision,
         "num_prompts": num_prompts, "num_shards": num_shards,
         "end_of_turn_id": end_of_turn_id(target), "pad_token_id": _pad_id(target),
     }

@@ -89,6 +89,7 @@ def run_prepare(ctx: StageContext) -> PreparedData:
     mix: the first `data.num_regen_prompts` prompts (round-robin over the sets: `collect_train_prompts`)
     regenerated, the rest reference.
     """
+    from dspark.data.features import resolve_prefill_precision
     from dspark.data.reference import build_reference_dataset, combine_datasets, has_reference
 
     target = ctx.load_target()
@@ -106,8 +107,6 @@ def run_prepare(ctx: StageContext) -> PreparedData:
         log.info("regenerating responses to %d prompts from %s", len(regen_prompts), ", ".join(data.train_sets))
         # batched by prompt length: left padding to a batch's longest prompt is wasted work
         regen_prompts = sorted(regen_prompts, key=lambda p: (len(p.prompt), p.id))
-        from dspark.data.features import resolve_prefill_precision
-
         parts.append(regenerate_responses(target, regen_prompts, sampling=sampling_config(ctx),
                                           cache_dir=ctx.paths.cache, seed=ctx.cfg.seed, max_length=data.max_length,
                                           precision=resolve_prefill_precision(data.regen_precision, target,
