@@ -187,6 +187,21 @@ def test_feature_cache_matches_online_and_feeds_batches(tiny, regen_dir, tmp_pat
     torch.testing.assert_close(batch["log_normalizer"][0, :length], cache.log_normalizer(index))
 
 
+def test_bf16_log_normalizer_and_mass_stay_close_to_fp32(tiny) -> None:
+    """A bf16 prefill takes log Z and the token mass from a bf16 lm-head product with fp32 logits: within a few
+    thousandths of the fp32 values (the training step reads p_t through the same rows under the same autocast)."""
+    from dspark.data.features import log_normalizer_and_mass
+
+    hidden = torch.randn(37, tiny.hidden_size, generator=torch.Generator().manual_seed(0))
+    rows = torch.arange(37) % 3 == 0
+    ref_z, ref_mass = log_normalizer_and_mass(tiny, hidden, mass_rows=rows)
+    z, mass = log_normalizer_and_mass(tiny, hidden, mass_rows=rows, weight=tiny.lm_head.weight.bfloat16(), chunk=8)
+    assert z.dtype == torch.float32 and mass.dtype == torch.float32
+    torch.testing.assert_close(z, ref_z, atol=2e-2, rtol=0)
+    torch.testing.assert_close(mass, ref_mass, atol=2e-2, rtol=0)
+    assert mass.sum().item() == pytest.approx(int(rows.sum()), rel=1e-4)  # each selected row's p_t sums to 1
+
+
 def test_length_batches_respect_row_and_token_caps() -> None:
     from dspark.data.features import length_batches
 
