@@ -300,6 +300,9 @@ def main(argv: list[str]) -> int:
         "**untrained drafters** (no --drafter given): τ ≈ 1, so their rows measure round costs, not a speed-up; "
         "the scheduler reads raw confidences of an untrained head (σ ≈ 0.5)")
     loads = f"{load_start[0]:.1f} / {os.getloadavg()[0]:.1f}"
+    sts_lines = [f"{d.name}: " + ", ".join(
+        f"T={t:g} {'STS from drafter.pt' if calibration_for(d, t) is not None else 'raw c_k (no STS stored)'}"
+        for t in args.temperatures) for d in drafters if getattr(d.module, "confidence_head", None) is not None]
     sps_origin = "read from the cache (--reuse-sps)" if args.reuse_sps else "profiled at the start of this run"
     text = "\n".join([
         f"# Decoding speed side by side — {args.target}", "",
@@ -311,6 +314,7 @@ def main(argv: list[str]) -> int:
         f"Prompts: the first {args.prompts} of {', '.join(args.sets)} ({len(prompts)} in all), chat-templated; "
         f"max_new_tokens {args.max_new_tokens}; modes interleaved per prompt after a warm-up call; tok/s include "
         f"prefill. Drafters: {note}.", "",
+        *([f"Confidences the scheduler reads: {'; '.join(sts_lines)}.", ""] if sts_lines else []),
         *sections,
         f"SPS(B) used by the scheduler (`{sps_path}`; R = 1, 256-token cache; {sps_origin}):", "",
         sps_markdown(sps), ""])
