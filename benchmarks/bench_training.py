@@ -86,7 +86,10 @@ class Config:
         self.name, self.kind, self.depth, self.levers = name, kind, depth, levers
         self.drafter = build(target, kind=kind, depth=depth, vocab="vocab" in levers, draft_ids=draft_ids)
         self.batch = batches["anchors" in levers]
-        self.optimizer = torch.optim.AdamW(self.drafter.parameters(), lr=1e-4)
+        from dspark.training.optim import build_optimizer  # the recipe's AdamW (fused on the CPU)
+
+        self.optimizer, _ = build_optimizer(self.drafter.parameters(), lr=1e-4, betas=(0.9, 0.999), weight_decay=0.0,
+                                            total_steps=1_000, warmup_fraction=0.0)
         self.target, self.backbone = target, backbone
         self.times: list[float] = []
         self.blocks = int(self.batch["anchor_valid"].sum())

@@ -90,3 +90,20 @@ def test_rerun_reuses_trained_drafter(shared_root, caplog):
     with caplog.at_level("INFO", logger="dspark"):
         assert main(argv) == 0
     assert "reusing the trained drafter" in caplog.text
+
+
+def test_max_steps_mid_epoch_still_stores_held_out_metrics(shared_root):
+    """optim.max_steps ends training before the epoch's validation (budget=cpu-ref does): the train stage validates
+    the final drafter, so drafter.pt and the run carry its held-out metrics, not none (or an older step's)."""
+    from dspark.drafters.checkpoint import read_checkpoint
+
+    argv = ["stage=train", "budget=smoke", f"paths.root={shared_root}", "drafter=dflash", "optim.max_steps=1",
+            "trainer.val_check_interval=1.0"]
+    assert main(argv) == 0
+    client, runs = _runs(shared_root)
+    run = next(r for r in runs if r.data.params.get("optim.max_steps") == "1")
+    history = client.get_metric_history(run.info.run_id, "val/tau_prob")
+    assert [m.step for m in history] == [1]
+    path = next(p for p in (Path(shared_root) / "runs").glob("dflash-*/drafter.pt")
+                if "max_steps: 1" in (p.parent / "config.yaml").read_text())
+    assert "val/tau_prob" in read_checkpoint(path)["metrics"]

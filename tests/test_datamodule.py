@@ -94,6 +94,15 @@ def test_splits_disjoint_and_deterministic(regen_dir) -> None:
         split_indices(ids, val_fraction=0.0, calibration_fraction=0.0, seed=0)
 
 
+def test_seed_replicates_on_a_fixed_data_seed_share_the_split_and_held_out_anchors(regen_dir) -> None:
+    """data.seed fixed (budget=cpu-ref): seeds 0 and 1 see the same split and held-out blocks, other training draws."""
+    zero, one = make_dm(regen_dir, seed=0, split_seed=0), make_dm(regen_dir, seed=1, split_seed=0)
+    assert zero.split_index == one.split_index
+    assert _anchors_by_sequence(zero.val_dataloader()) == _anchors_by_sequence(one.val_dataloader())
+    assert epoch_anchors(zero, 0) != epoch_anchors(one, 0)
+    assert make_dm(regen_dir, seed=1).split_index == make_dm(regen_dir, seed=1, split_seed=1).split_index
+
+
 def test_train_anchors_change_across_epochs_val_anchors_do_not(regen_dir) -> None:
     dm = make_dm(regen_dir)
     first, again, second = epoch_anchors(dm, 0), epoch_anchors(dm, 0), epoch_anchors(dm, 1)

@@ -141,3 +141,9 @@ def test_target_distribution_is_the_exact_full_vocabulary_p_t_on_draft_ids(block
     for got in (online, cached):
         torch.testing.assert_close(got.probs, expected, atol=1e-6, rtol=1e-5)
         torch.testing.assert_close(got.coverage, expected.sum(-1), atol=1e-6, rtol=1e-5)
+    # the loss's supervised slots only: the same rows, in [select] order, and coverage still per slot
+    select = torch.rand(positions.shape, generator=g) < 0.6
+    selected = target_distribution(drafter, target, {"log_normalizer": torch.logsumexp(drafter.lm_head(final_hidden), -1)},
+                                   final_hidden, positions, select=select)
+    torch.testing.assert_close(selected.probs, expected[select], atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(selected.coverage, expected.sum(-1), atol=1e-6, rtol=1e-5)

@@ -87,3 +87,32 @@ def test_checkpoint_for_another_target_or_block_size_is_refused(tiny, tmp_path):
         load_drafter(path, other)
     with pytest.raises(ValueError, match="stage=train"):
         load_drafter(tmp_path / "missing.pt", tiny)
+
+
+def test_fused_cpu_optimizer_is_clipped_under_bf16_autocast(tiny, one_thread, monkeypatch, tmp_path):
+    """The recipe's fused CPU AdamW with Lightning's bf16-mixed precision and gradient clipping: Lightning's plugin
+    refuses to clip fused optimizers, so the module clips itself — the step runs and the norm is clipped."""
+    import lightning as L
+
+    torch.manual_seed(0)
+    cfg = RunConfig()
+    cfg.model.depth, cfg.model.markov_rank = 1, 16
+    spec = drafter_spec_for(kind="dspark", model_cfg=cfg.model, target=tiny)
+    module = DrafterModule(drafter=build_drafter(spec, tiny), target=tiny, drafter_kind="dspark",
+                           block_size=spec.block_size, loss=LossConfig(), optim=OptimConfig(lr=1e-3),
+                           drafter_config=spec.to_dict())
+    clipped: list[float] = []
+    real_clip = torch.nn.utils.clip_grad_norm_
+
+    def spy(params, max_norm, *args, **kwargs):
+        total = real_clip(params, max_norm, *args, **kwargs)
+        clipped.append(float(torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in params]))))
+        return total
+
+    monkeypatch.setattr(torch.nn.utils, "clip_grad_norm_", spy)
+    trainer = L.Trainer(accelerator="cpu", precision="bf16-mixed", max_steps=2, gradient_clip_val=1e-3,
+                        logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False, limit_val_batches=0, default_root_dir=tmp_path)
+    trainer.fit(module, train_dataloaders=torch.utils.data.DataLoader([_batch(tiny)] * 2, batch_size=None))
+    assert trainer.optimizers[0].defaults["fused"]
+    assert len(clipped) == 2 and max(clipped) <= 1e-3 * 1.01, clipped

@@ -117,6 +117,10 @@ class DataConfig:
     #: | mix (num_regen_prompts regenerated + the rest reference)
     responses: str = "regenerate"
     num_regen_prompts: int = 0  #: responses=mix: how many of the prompts the target regenerates
+    #: the data's own seed (prompt sample, regenerated responses, train/val/calibration split); None = `seed`. Fixed,
+    #: a sweep's seed replicates differ in initialisation, anchors and order only, and share one data cache and one
+    #: held-out split (budget=cpu-ref)
+    seed: Optional[int] = None
     feature_precision: str = "auto"  #: target prefill for the feature cache: auto (bf16 on AMX/AVX512-BF16 CPUs) | bf16 | fp32
     regen_precision: str = "auto"  #: the target while it regenerates responses: auto (as feature_precision) | bf16 | fp32
     local_dir: Optional[str] = None  #: directory of JSONL prompt files (schema of shared/data); wins over the hub
@@ -234,3 +238,8 @@ class RunConfig:
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
     optuna: OptunaConfig = field(default_factory=OptunaConfig)
     export: ExportConfig = field(default_factory=ExportConfig)
+
+    @property
+    def data_seed(self) -> int:
+        """The seed of the training data (`data.seed`, else `seed`)."""
+        return self.seed if self.data.seed is None else self.data.seed

@@ -161,7 +161,7 @@ class DrafterDataModule(L.LightningDataModule):
     def __init__(self, regen_dir: Path, *, batch_size: int, max_anchors: int, block_size: int,
                  val_fraction: float = 0.05, calibration_fraction: float = 0.0, num_workers: int = 0,
                  seed: int = 0, feature_dir: Path | None = None, pad_token_id: int | None = None,
-                 feature_dtype: torch.dtype = torch.float32) -> None:
+                 feature_dtype: torch.dtype = torch.float32, split_seed: int | None = None) -> None:
         super().__init__()
         for key, value in (("batch_size", batch_size), ("max_anchors", max_anchors), ("block_size", block_size)):
             if value < 1:
@@ -170,6 +170,9 @@ class DrafterDataModule(L.LightningDataModule):
         self.batch_size, self.max_anchors, self.block_size = batch_size, max_anchors, block_size
         self.val_fraction, self.calibration_fraction = val_fraction, calibration_fraction
         self.num_workers, self.seed, self.feature_dtype = num_workers, seed, feature_dtype
+        # the split and the held-out splits' fixed anchors follow the data's seed (`data.seed`), training order and
+        # anchors the run's: seed replicates on shared data are measured on the same held-out blocks
+        self.split_seed = seed if split_seed is None else split_seed
         self.manifest = read_manifest(self.regen_dir)
         self.pad_token_id = int(self.manifest["pad_token_id"] if pad_token_id is None else pad_token_id)
         self.splits: dict[str, AnchoredSequences] = {}
@@ -185,11 +188,12 @@ class DrafterDataModule(L.LightningDataModule):
             raise ValueError(f"data.feature_dir: {len(features)} cached sequences but {len(data)} regenerated; "
                              "rebuild the feature cache for this regenerated dataset")
         self.split_index = split_indices(data["prompt_id"], val_fraction=self.val_fraction,
-                                         calibration_fraction=self.calibration_fraction, seed=self.seed)
+                                         calibration_fraction=self.calibration_fraction, seed=self.split_seed)
         data = data.with_format("torch", columns=["input_ids", "loss_mask"])
         for name in SPLITS:
             self.splits[name] = AnchoredSequences(data, self.split_index[name], max_anchors=self.max_anchors,
-                                                  seed=self.seed, stream=name, fixed_anchors=name != "train",
+                                                  seed=self.seed if name == "train" else self.split_seed, stream=name,
+                                                  fixed_anchors=name != "train",
                                                   features=features)
         self.train_sampler = EpochSampler(len(self.split_index["train"]), seed=self.seed, shuffle=True)
 

@@ -22,7 +22,8 @@ log = logging.getLogger("dspark")
 TRAINING_GROUPS = ("target", "drafter", "seed", "model", "loss", "data", "optim", "target_options")
 # (group, key, default) of training keys added after runs were cached: left out of the hash at their default
 HASH_NEUTRAL_DEFAULTS = (("model", "confidence_with_markov", True), ("model", "import_from", ""),
-                         ("loss", "kind", "paper"), ("loss", "dpard_alpha", 0.5), ("data", "regen_precision", "auto"))
+                         ("loss", "kind", "paper"), ("loss", "dpard_alpha", 0.5), ("data", "regen_precision", "auto"),
+                         ("data", "seed", None))
 
 
 @dataclass

@@ -54,7 +54,7 @@ def calibrate(ctx: StageContext, trained: TrainedDrafter, *, prepared: PreparedD
     decode = ctx.cfg.decode
     prompt_ids, source = calibration_prompt_ids(trained.target, held_out=held_out_prompts(ctx, prepared),
                                                 limit=decode.prompts_per_set * len(decode.eval_sets),
-                                                seed=ctx.cfg.seed, data=ctx.cfg.data)
+                                                seed=ctx.cfg.data_seed, data=ctx.cfg.data)
     report = calibrate_drafter(target=trained.target, proposer=proposer or build_proposer(trained.drafter),
                                drafter_path=trained.path, payload=trained.payload, prompt_ids=prompt_ids,
                                temperature=decode.temperature, max_new_tokens=decode.max_new_tokens,

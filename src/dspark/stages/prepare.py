@@ -24,7 +24,7 @@ class PreparedData:
 
 
 def collect_train_prompts(ctx: StageContext) -> list[PromptRecord]:
-    """`data.num_train_prompts` prompts over `data.train_sets`, each set shuffled by `seed`.
+    """`data.num_train_prompts` prompts over `data.train_sets`, each set shuffled by the data seed (`data.seed`, else `seed`).
 
     Shares follow `data.train_weights` (one per set, like Open-PerfectBlend's domain weights; [] = equal): set i
     gets round(N·w_i/Σw) prompts, capped by its size, and what a small set cannot fill goes to the others in
@@ -37,10 +37,10 @@ def collect_train_prompts(ctx: StageContext) -> list[PromptRecord]:
     pools = []
     for name in data.train_sets:
         if name == "synthetic":
-            pool = ctx.load_prompts(name, limit=data.num_train_prompts, seed=ctx.cfg.seed)
+            pool = ctx.load_prompts(name, limit=data.num_train_prompts, seed=ctx.cfg.data_seed)
         else:
             pool = ctx.load_prompts(name, selection="all")
-            random.Random(ctx.cfg.seed).shuffle(pool)
+            random.Random(ctx.cfg.data_seed).shuffle(pool)
         pools.append(pool)
     weights = list(data.train_weights) or [1.0] * len(pools)
     counts = allocate_counts([len(p) for p in pools], weights, total=data.num_train_prompts)
@@ -108,7 +108,7 @@ def run_prepare(ctx: StageContext) -> PreparedData:
         # batched by prompt length: left padding to a batch's longest prompt is wasted work
         regen_prompts = sorted(regen_prompts, key=lambda p: (len(p.prompt), p.id))
         parts.append(regenerate_responses(target, regen_prompts, sampling=sampling_config(ctx),
-                                          cache_dir=ctx.paths.cache, seed=ctx.cfg.seed, max_length=data.max_length,
+                                          cache_dir=ctx.paths.cache, seed=ctx.cfg.data_seed, max_length=data.max_length,
                                           precision=resolve_prefill_precision(data.regen_precision, target,
                                                                               key="data.regen_precision")))
     regen_dir = combine_datasets(parts, cache_dir=ctx.paths.cache)
@@ -151,7 +151,7 @@ def held_out_prompts(ctx: StageContext, prepared: PreparedData | None) -> list[P
     if prepared is None or ctx.cfg.data.calib_fraction <= 0:
         return []
     return regenerated_calibration_split(collect_train_prompts(ctx), prepared.regen_dir, data=ctx.cfg.data,
-                                         seed=ctx.cfg.seed)
+                                         seed=ctx.cfg.data_seed)
 
 
 def check_mask_token_absent(sequences, *, mask_token_id: int) -> None:

@@ -34,7 +34,8 @@ def build_datamodule(ctx: StageContext, data: PreparedData):
     d = ctx.cfg.data
     return DrafterDataModule(data.regen_dir, batch_size=d.batch_size, max_anchors=d.max_anchors,
                              block_size=ctx.cfg.model.block_size, val_fraction=d.val_fraction,
-                             calibration_fraction=d.calib_fraction, seed=ctx.cfg.seed, feature_dir=data.feature_dir)
+                             calibration_fraction=d.calib_fraction, seed=ctx.cfg.seed, split_seed=ctx.cfg.data_seed,
+                             feature_dir=data.feature_dir)
 
 
 def build_module(ctx: StageContext, spec: DrafterSpec, *, draft_vocab_ids=None) -> DrafterModule:
@@ -124,6 +125,10 @@ def _train_or_reuse(ctx: StageContext, data: PreparedData) -> Path:
     trainer = build_trainer(ctx, run_dir)
     last = resumable_checkpoint(run_dir / "checkpoints" / "last.ckpt")
     fit_interruptibly(trainer, module, datamodule=datamodule, ckpt_path=None if last is None else str(last))
+    if module.validated_at_step != trainer.global_step:
+        # optim.max_steps can end training between two validations (budget=cpu-ref stops mid-epoch): the held-out
+        # metrics stored with the drafter must describe the drafter that is stored
+        trainer.validate(module, datamodule=datamodule, verbose=False)
     if trainer.global_rank == 0:
         metrics = {k: float(v) for k, v in trainer.callback_metrics.items() if v.numel() == 1}
         log.info("trained: held-out teacher-forced τ_prob %s, slot-1 acceptance %s, slot-2 %s, draft-vocabulary "

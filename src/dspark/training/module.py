@@ -57,6 +57,7 @@ class DrafterModule(L.LightningModule):
                                    "drafter_config": drafter_config, "target_fingerprint": target.fingerprint})
         # keys are "<split>_metrics": a bare "train" would shadow nn.Module.train
         self.split_metrics = nn.ModuleDict({f"{s}_metrics": self._split_metrics() for s in ("train", "val")})
+        self.validated_at_step = -1  # global step of the last validation (-1: none yet)
 
     def _split_metrics(self) -> nn.ModuleDict:
         g = self.block_size
@@ -112,6 +113,8 @@ class DrafterModule(L.LightningModule):
 
     def on_validation_epoch_end(self) -> None:
         self._log_split("val")
+        if not self.trainer.sanity_checking:
+            self.validated_at_step = self.global_step  # the train stage validates once more if training went on
 
     def _log_split(self, split: str) -> None:
         values: dict[str, torch.Tensor] = {}
@@ -128,6 +131,19 @@ class DrafterModule(L.LightningModule):
         finite = {k: v.float() for k, v in values.items() if torch.isfinite(v).all()}
         if finite:
             self.log_dict(finite, rank_zero_only=True)  # metric states are already reduced across ranks
+
+    def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None) -> None:
+        """Lightning's clipping, except for the fused CPU AdamW (`build_optimizer`): Lightning's mixed-precision
+        plugin refuses to clip for any optimizer that could unscale gradients itself, although bf16 autocast has no
+        gradient scaler; there the gradients are plain, so torch's own norm/value clipping is the same operation."""
+        scaled = getattr(self.trainer.precision_plugin, "scaler", None) is not None  # fp16 AMP: Lightning's rules
+        if scaled or not (gradient_clip_val and getattr(optimizer, "defaults", {}).get("fused")):
+            return super().configure_gradient_clipping(optimizer, gradient_clip_val, gradient_clip_algorithm)
+        params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+        if gradient_clip_algorithm == "value":
+            torch.nn.utils.clip_grad_value_(params, gradient_clip_val)
+        else:
+            torch.nn.utils.clip_grad_norm_(params, gradient_clip_val)
 
     def configure_optimizers(self):
         total = max(1, int(self.trainer.estimated_stepping_batches))
