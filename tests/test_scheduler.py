@@ -118,6 +118,32 @@ def test_matches_plain_reference(early_stop):
         assert got == _reference_schedule(conf.tolist(), sps, early_stop)
 
 
+def test_single_request_fast_path_takes_the_tensor_paths_decision():
+    """R = 1 (the single-request engine's every round): plain floats, the same ℓ as Algorithm 1's tensor path, and
+    the scheduler policy routes through it, capped by the drafts actually drafted."""
+    from dspark.decoding.policies import build_policy
+    from dspark.scheduling.scheduler import schedule_single
+
+    rng = random.Random(2)
+    for _ in range(3000):
+        block = rng.randint(1, 15)
+        conf = [[rng.choice([0.0, 1.0, 0.5, rng.random(), rng.random(), rng.random()]) for _ in range(block)]]
+        sizes = sorted(rng.sample(range(1, block + 4), k=rng.randint(1, 4)))
+        sps = SPSTable(sizes, sorted((rng.uniform(0.2, 1.0) for _ in sizes), reverse=rng.random() < 0.8))
+        if rng.random() < 0.2:
+            sps = SPSTable([1, 64], [1.0, 1.0])  # flat: ties between Θ values
+        expected = int(schedule_verification(torch.tensor(conf, dtype=torch.float64), sps=sps)[0])
+        rates = sps(torch.arange(1, block + 2, dtype=torch.float64)).tolist()
+        assert schedule_single(conf[0], rates=rates) == expected
+        drafted = rng.randint(0, block)
+        policy = build_policy("scheduler", sps=sps)
+        got = policy.choose(confidences=torch.tensor(conf), num_drafts=drafted)
+        capped = torch.tensor([[c if j < drafted else 0.0 for j, c in enumerate(conf[0])]], dtype=torch.float64)
+        assert got.tolist() == [min(drafted, int(schedule_verification(capped, sps=sps)[0]))]
+    with pytest.raises(ValueError, match="calibrated per-slot probabilities"):
+        schedule_single([0.5, 1.5], rates=[1.0, 1.0, 1.0])
+
+
 def test_admitted_set_is_a_prefix_of_each_request_even_with_ties():
     rng = random.Random(1)
     flat = SPSTable([1, 64], [1.0, 1.0])

@@ -38,7 +38,7 @@ from torch import Tensor
 
 from dspark.calibration.sts import STSCalibration
 from dspark.registry import Registry, unknown_name_message
-from dspark.scheduling.scheduler import async_capacity_schedule, schedule_verification
+from dspark.scheduling.scheduler import async_capacity_schedule, schedule_single, schedule_verification
 from dspark.scheduling.sps import SPSTable
 
 RAW, CALIBRATED = "raw", "calibrated"
@@ -161,7 +161,18 @@ class SchedulerPolicy:
         values = _check(self.name, confidences, num_drafts, key=self.key)
         if values.numel() == 0:
             return torch.zeros(values.shape[0], dtype=torch.long)
+        if values.shape[0] == 1:  # the single-request engine, every round: the same decision from plain floats
+            row = values[0].tolist()
+            return torch.tensor([min(schedule_single(row, rates=self._rates(len(row) + 1)), int(num_drafts[0]))])
         return _cap(schedule_verification(values, sps=self.sps), num_drafts)
+
+    def _rates(self, count: int) -> list[float]:
+        """SPS(1..count) as floats, evaluated once per table (the exact float64 values the tensor path uses)."""
+        cached = self.__dict__.get("_rate_cache", [])
+        if len(cached) < count:
+            cached = self.sps(torch.arange(1, count + 1, dtype=torch.float64)).tolist()
+            self.__dict__["_rate_cache"] = cached
+        return cached
 
     def reset(self) -> None:
         pass

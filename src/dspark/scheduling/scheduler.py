@@ -112,6 +112,32 @@ def schedule_verification(confidences: Tensor, *, sps: SPSTable, early_stop: boo
                              allow_unsafe_full_search=allow_unsafe_full_search).lengths
 
 
+def schedule_single(confidences: list[float], *, rates: list[float]) -> int:
+    """ℓ for one request (R = 1) from plain floats: the decision `schedule_verification` takes on a [1, γ] row, in
+    the same float64 arithmetic and order, without tensors (the single-request engine asks every round, and the
+    tensor path cost ~1 ms a round there, against a ≤ 1 ms budget for all of a round's Python).
+
+    confidences: c̃_1..c̃_γ in [0, 1]; rates: SPS(1), SPS(2), …, at least γ + 1 of them (`SPSTable` at B = 1..γ+1).
+    With one request the survival a_j is non-increasing in j, so the admission order is j = 1, 2, … up to the
+    first a_j = 0, and the early stop admits slots while Θ_j = (1 + Σ_{m≤j} a_m)·SPS(1 + j) strictly improves.
+    """
+    if any(not 0.0 <= c <= 1.0 for c in confidences):  # NaN fails too
+        raise ValueError("scheduler: confidences must be calibrated per-slot probabilities in [0, 1]; apply the "
+                         "drafter's STS calibration (dspark.calibration.sts) to the confidence head's sigmoid output")
+    survival, total, admitted = 1.0, 0.0, 0
+    best = 1.0 * rates[0]
+    for slot, confidence in enumerate(confidences, start=1):
+        survival *= confidence
+        if survival <= 0.0:
+            break
+        total += survival
+        value = (1.0 + total) * rates[slot]
+        if not value > best:
+            break
+        best, admitted = value, slot
+    return admitted
+
+
 def expected_throughput(confidences: Tensor, lengths: Tensor, *, sps: SPSTable) -> float:
     """Θ = τ·SPS(B) of a plan (METHOD §7): τ = Σ_r (1 + Σ_{j≤ℓ_r} a_{r,j}), B = Σ_r (1 + ℓ_r)."""
     values = _check_confidences(confidences)
