@@ -152,6 +152,7 @@ class SchedulerPolicy:
     name = "scheduler"
     needs_confidences = True
     reads = CALIBRATED
+    _rate_cache: list[float] = field(default_factory=list, init=False, repr=False)  # SPS(1..n), see `_rates`
 
     def __post_init__(self) -> None:
         _require_sps(self.name, self.sps, self.key)
@@ -168,11 +169,9 @@ class SchedulerPolicy:
 
     def _rates(self, count: int) -> list[float]:
         """SPS(1..count) as floats, evaluated once per table (the exact float64 values the tensor path uses)."""
-        cached = self.__dict__.get("_rate_cache", [])
-        if len(cached) < count:
-            cached = self.sps(torch.arange(1, count + 1, dtype=torch.float64)).tolist()
-            self.__dict__["_rate_cache"] = cached
-        return cached
+        if len(self._rate_cache) < count:
+            self._rate_cache = self.sps(torch.arange(1, count + 1, dtype=torch.float64)).tolist()
+        return self._rate_cache
 
     def reset(self) -> None:
         pass

@@ -58,8 +58,8 @@ def compute_dspark_loss(output: DSparkOutput, *, labels: Tensor, label_valid: Te
     labels [B, N, γ] long (x*_k, as draft ids); label_valid [B, N, γ] bool (a contiguous prefix per block);
     label_in_vocab [B, N, γ] bool (default all True): False where x*_k lies outside the draft vocabulary (no CE
     term there); exactly one of target_probs [B, N, γ, Vd] (p_t at temperature 1 on the draft ids, possibly
-    summing to less than 1; or [M, Vd], already at the M supervised slots in `[label_valid]` order) / target_logits [B, N, γ, V] (full vocabulary only), needed when α_tv or α_conf > 0
-    and used for `c_star` whenever given. normalizer: Σ w [] of this batch → the denominator of every term
+    summing to less than 1; or [M, Vd], already at the M supervised slots in `[label_valid]` order) /
+    target_logits [B, N, γ, V] (full vocabulary only), needed when α_tv or α_conf > 0 and used for `c_star` whenever given. normalizer: Σ w [] of this batch → the denominator of every term
     (default: itself). With no supervised slot every term is 0, still attached to the graph (the
     selections are empty), so a rank without labels still takes part in a data-parallel backward.
     """

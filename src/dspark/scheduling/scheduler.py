@@ -27,6 +27,10 @@ from torch import Tensor
 
 from dspark.scheduling.sps import SPSTable
 
+CONFIDENCE_RANGE_MESSAGE = (
+    "scheduler: confidences must be calibrated per-slot probabilities in [0, 1]; apply the drafter's STS calibration "
+    "(dspark.calibration.sts) to the confidence head's sigmoid output"
+)
 UNSAFE_SEARCH_MESSAGE = (
     "schedule_verification(early_stop=False) runs the full search over all prefixes, which lets a sampled draft "
     "x_k decide whether x_k itself is verified (a_(k+1) depends on x_k) and biases the output distribution away "
@@ -52,8 +56,7 @@ def _check_confidences(confidences: Tensor) -> Tensor:
         raise ValueError(f"scheduler: confidences must be [R, γ], got shape {tuple(confidences.shape)}")
     values = confidences.detach().to(device="cpu", dtype=torch.float64)
     if not bool(torch.isfinite(values).all()) or bool((values < 0).any()) or bool((values > 1).any()):
-        raise ValueError("scheduler: confidences must be calibrated per-slot probabilities in [0, 1]; apply the "
-                         "drafter's STS calibration (dspark.calibration.sts) to the confidence head's sigmoid output")
+        raise ValueError(CONFIDENCE_RANGE_MESSAGE)
     return values
 
 
@@ -117,13 +120,13 @@ def schedule_single(confidences: list[float], *, rates: list[float]) -> int:
     the same float64 arithmetic and order, without tensors (the single-request engine asks every round, and the
     tensor path cost ~1 ms a round there, against a ≤ 1 ms budget for all of a round's Python).
 
-    confidences: c̃_1..c̃_γ in [0, 1]; rates: SPS(1), SPS(2), …, at least γ + 1 of them (`SPSTable` at B = 1..γ+1).
+    confidences: c̃_1..c̃_γ in [0, 1]; rates: SPS(1), SPS(2), …, at least γ + 1 of them (the table at
+    B = 1..γ+1).
     With one request the survival a_j is non-increasing in j, so the admission order is j = 1, 2, … up to the
     first a_j = 0, and the early stop admits slots while Θ_j = (1 + Σ_{m≤j} a_m)·SPS(1 + j) strictly improves.
     """
     if any(not 0.0 <= c <= 1.0 for c in confidences):  # NaN fails too
-        raise ValueError("scheduler: confidences must be calibrated per-slot probabilities in [0, 1]; apply the "
-                         "drafter's STS calibration (dspark.calibration.sts) to the confidence head's sigmoid output")
+        raise ValueError(CONFIDENCE_RANGE_MESSAGE)
     survival, total, admitted = 1.0, 0.0, 0
     best = 1.0 * rates[0]
     for slot, confidence in enumerate(confidences, start=1):

@@ -24,7 +24,8 @@ class PreparedData:
 
 
 def collect_train_prompts(ctx: StageContext) -> list[PromptRecord]:
-    """`data.num_train_prompts` prompts over `data.train_sets`, each set shuffled by the data seed (`data.seed`, else `seed`).
+    """`data.num_train_prompts` prompts over `data.train_sets`, each set shuffled by the data seed (`data.seed`,
+    else `seed`).
 
     Shares follow `data.train_weights` (one per set, like Open-PerfectBlend's domain weights; [] = equal): set i
     gets round(N·w_i/Σw) prompts, capped by its size, and what a small set cannot fill goes to the others in
