@@ -79,11 +79,14 @@ def draw_uniforms(shape: tuple[int, ...], generator: torch.Generator, device: to
 
 
 def sample_from_probs(probs: Tensor, generator: torch.Generator | None = None, *,
-                      uniforms: Tensor | None = None) -> Tensor:
+                      uniforms: Tensor | None = None, trusted: bool = False) -> Tensor:
     """Sample one index per row of `probs` [..., V] (non-negative, need not sum to 1) → [...] long.
 
     Inverse CDF in float64 with one uniform per row (`uniforms` [...] if given, else drawn from `generator`);
     indices of zero weight are never returned, even when rounding puts the uniform at the top of the CDF.
+    `trusted=True` (the verifier's and proposers' own rows: softmax outputs and clamped residuals, non-negative by
+    construction) skips the per-element sign check, a full pass over V per call; positive, finite mass is still
+    checked. The index drawn is the same either way.
     """
     if uniforms is None:
         if generator is None:
@@ -93,10 +96,13 @@ def sample_from_probs(probs: Tensor, generator: torch.Generator | None = None, *
     cdf = weights.cumsum(-1)
     total = cdf[..., -1]
     # One host sync for both checks (total mass ≤ 0 or NaN, any negative weight): this runs once per drafted slot.
-    if bool(((total <= 0) | total.isnan() | (weights.amin(-1) < 0)).any()):
+    invalid = (total <= 0) | total.isnan()
+    if not trusted:
+        invalid = invalid | (weights.amin(-1) < 0)
+    if bool(invalid.any()):
         raise ValueError("sample_from_probs: every row needs non-negative weights with positive mass")
     target = (uniforms.to(torch.float64) * total).unsqueeze(-1)
-    index = torch.searchsorted(cdf.contiguous(), target.contiguous(), right=True).squeeze(-1)
+    index = torch.searchsorted(cdf, target, right=True).squeeze(-1)
     # searchsorted(right=True) lands on an index of positive weight unless x·total rounds up to total itself (index
     # V, or past the last positive weight): only then clamp to the last index that has weight.
     index = index.clamp_(max=weights.shape[-1] - 1)
@@ -115,6 +121,18 @@ def _extra_token_weights(target_row: Tensor, draft_row: Tensor | None) -> Tensor
     residual = (target_row - draft_row.to(torch.float64)).clamp_min(0.0)
     empty = residual.sum(-1, keepdim=True) < RESIDUAL_MIN_MASS
     return torch.where(empty, target_row, residual)
+
+
+def _extra_token_row(target_row: Tensor, draft_row: Tensor | None) -> Tensor:
+    """`_extra_token_weights` for one request's row [V], with the same float64 values and fewer passes: the
+    residual is formed in place in one float64 copy of p_t, and p_t is re-read only when the residual is empty."""
+    weights = target_row.to(torch.float64, copy=True)
+    if draft_row is None:
+        return weights
+    weights.sub_(draft_row).clamp_min_(0.0)  # float32 p_d widens exactly: the same values as p_t64 − p_d64
+    if float(weights.sum(-1, keepdim=True)) < RESIDUAL_MIN_MASS:
+        return target_row.to(torch.float64)
+    return weights
 
 
 def _check_single(draft_tokens: Tensor, draft_probs: Tensor, target_probs: Tensor) -> int:
@@ -142,10 +160,9 @@ def verify_drafts(*, draft_tokens: Tensor, draft_probs: Tensor, target_probs: Te
     """
     length = _check_single(draft_tokens, draft_probs, target_probs)
     if greedy:
-        accepted = 0
-        while accepted < length and int(draft_tokens[accepted]) == int(target_probs[accepted].argmax()):
-            accepted += 1
-        return VerifyResult(accepted, int(target_probs[accepted].argmax()), draft_tokens[:accepted])
+        best = target_probs.argmax(-1).tolist()  # one reduction for every row, one host sync
+        accepted = next((k for k, token in enumerate(draft_tokens.tolist()) if token != best[k]), length)
+        return VerifyResult(accepted, best[accepted], draft_tokens[:accepted])
     if uniforms is None:
         if generator is None:
             raise ValueError("verify_drafts: sampling mode needs a torch.Generator or pre-drawn uniforms")
@@ -153,18 +170,12 @@ def verify_drafts(*, draft_tokens: Tensor, draft_probs: Tensor, target_probs: Te
     uniforms = uniforms.to(device=target_probs.device, dtype=torch.float64)
     if tuple(uniforms.shape) != (length + 1,):
         raise ValueError(f"verify_drafts: uniforms must be [ℓ+1] = {(length + 1,)}, got {tuple(uniforms.shape)}")
-    accepted = 0
-    while accepted < length:
-        token = int(draft_tokens[accepted])
-        p_draft = draft_probs[accepted, token].to(torch.float64)
-        p_target = target_probs[accepted, token].to(torch.float64)
-        # u < p_t/p_d written without the division: a token the drafter gave zero mass is accepted iff p_t > 0.
-        if not bool(uniforms[accepted] * p_draft < p_target):
-            break
-        accepted += 1
-    draft_row = draft_probs[accepted] if accepted < length else None
-    weights = _extra_token_weights(target_probs[accepted], draft_row)
-    next_token = sample_from_probs(weights, uniforms=uniforms[length])
+    # every slot's test at once (the batched verifier's float64 arithmetic); A = the leading run of passes
+    passed = _rejection_tests(draft_tokens.unsqueeze(0), draft_probs.unsqueeze(0), target_probs[:length].unsqueeze(0),
+                              uniforms[:length].unsqueeze(0))[0].tolist()
+    accepted = next((k for k, ok in enumerate(passed) if not ok), length)
+    weights = _extra_token_row(target_probs[accepted], draft_probs[accepted] if accepted < length else None)
+    next_token = sample_from_probs(weights, uniforms=uniforms[length], trusted=True)
     return VerifyResult(accepted, int(next_token), draft_tokens[:accepted])
 
 
@@ -227,5 +238,5 @@ def verify_drafts_batched(*, draft_tokens: Tensor, draft_probs: Tensor, target_p
     rejected = (accepted < lengths).unsqueeze(-1)
     draft_rows = draft_probs[rows, accepted.clamp(max=max(width - 1, 0))] if width > 0 else target_rows
     weights = torch.where(rejected, _extra_token_weights(target_rows, draft_rows), target_rows.to(torch.float64))
-    next_tokens = sample_from_probs(weights, uniforms=uniforms[rows, lengths])
+    next_tokens = sample_from_probs(weights, uniforms=uniforms[rows, lengths], trusted=True)
     return BatchVerifyResult(accepted, next_tokens, draft_tokens)
