@@ -193,3 +193,56 @@ def test_a_few_optimizer_steps_reduce_the_loss(head):
         optimizer.step()
         losses.append(loss.item())
     assert losses[-1] < 0.8 * losses[0], losses
+
+
+def plain_autograd_loss(out: DSparkOutput, sup: dict, *, alpha_ce: float, alpha_tv: float, alpha_conf: float,
+                        decay: float, label_in_vocab=None) -> torch.Tensor:
+    """The objective written with autograd's own log_softmax / abs (the formula the fused row terms replace)."""
+    valid = sup["label_valid"]
+    w = position_weights(GAMMA, decay).expand(valid.shape)[valid]
+    log_p = torch.log_softmax(out.logits[valid].float(), -1)
+    p_t = sup["target_probs"][valid]
+    nll = -log_p.gather(-1, sup["labels"][valid].unsqueeze(-1)).squeeze(-1)
+    if label_in_vocab is not None:
+        nll = torch.where(label_in_vocab[valid], nll, 0.0)
+    l1 = (log_p.exp() - p_t).abs().sum(-1) + (1 - p_t.sum(-1)).clamp_min(0)
+    bce = nn.functional.binary_cross_entropy_with_logits(out.confidence_logits[valid], (1 - 0.5 * l1.detach())
+                                                         .clamp(0, 1), reduction="none")
+    return (alpha_ce * (w * nll).sum() + alpha_tv * (w * l1).sum() + alpha_conf * (w * bce).sum()) / w.sum()
+
+
+@pytest.mark.parametrize("alphas", [ALPHAS, dict(alpha_ce=1.0, alpha_tv=0.0, alpha_conf=0.0),
+                                    dict(alpha_ce=0.0, alpha_tv=1.0, alpha_conf=0.0),
+                                    dict(alpha_ce=0.0, alpha_tv=0.0, alpha_conf=1.0)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+def test_fused_row_terms_give_autograds_gradients(alphas, dtype):
+    """The hand-written backward of the L1 / CE terms equals autograd through the plain formula, for every α mix,
+    with a draft vocabulary's partial p_t mass and labels outside it, and in the logits' own dtype (bf16 autocast)."""
+    out, sup = random_output(5, blocks=4)
+    sup["target_probs"] = sup["target_probs"] * 0.9  # p_t's mass outside the draft vocabulary: 0.1 per slot
+    in_vocab = torch.rand(sup["labels"].shape, generator=torch.Generator().manual_seed(1)) > 0.2
+    logits = out.logits.detach().to(dtype).requires_grad_()
+    conf = out.confidence_logits.detach().clone().requires_grad_()
+    fused = dataclasses.replace(out, logits=logits, parallel_logits=logits, confidence_logits=conf)
+    loss = compute_dspark_loss(fused, **sup, label_in_vocab=in_vocab, **alphas, decay=4.0)
+    if not loss.total.requires_grad:  # conf alone: only the confidence logits train
+        assert alphas["alpha_conf"] > 0
+    grads = torch.autograd.grad(loss.total, [logits, conf], allow_unused=True)
+    ref_logits = out.logits.detach().to(dtype).double().requires_grad_()
+    ref_conf = out.confidence_logits.detach().double().requires_grad_()
+    ref_out = dataclasses.replace(out, logits=ref_logits, parallel_logits=ref_logits, confidence_logits=ref_conf)
+    ref_sup = {**sup, "target_probs": sup["target_probs"].double()}
+    reference = plain_autograd_loss(ref_out, ref_sup, label_in_vocab=in_vocab, **alphas, decay=4.0)
+    ref_grads = torch.autograd.grad(reference, [ref_logits, ref_conf], allow_unused=True)
+    assert loss.total.item() == pytest.approx(reference.item(), rel=1e-5)
+    tol = dict(atol=1e-2, rtol=1e-2) if dtype == torch.bfloat16 else dict(atol=1e-6, rtol=1e-5)
+    for got, want in zip(grads, ref_grads):
+        if want is None or not want.abs().sum():
+            assert got is None or not got.abs().sum()
+        else:
+            assert got.dtype == (dtype if got.shape == logits.shape else torch.float32)
+            torch.testing.assert_close(got.double(), want, **tol)
+    # the metrics' NLL rides along: −log p_d(label) on every supervised slot, detached
+    expected_nll = -torch.log_softmax(logits.detach().float(), -1).gather(-1, sup["labels"].unsqueeze(-1)).squeeze(-1)
+    torch.testing.assert_close(loss.nll[sup["label_valid"]], expected_nll[sup["label_valid"]], atol=1e-5, rtol=1e-5)
+    assert not loss.nll.requires_grad

@@ -40,6 +40,7 @@ class DSparkLoss:
     conf: Tensor  # [] weighted-mean BCE of the confidence logits against c*
     c_star: Tensor | None  # [B, N, γ] detached c*_k (0 on unsupervised slots); None without a target distribution
     renyi: Tensor | None = None  # [] D-PARD's credit-weighted Rényi-½ actor term (loss.kind=dpard, losses/dpard.py)
+    nll: Tensor | None = None  # [B, N, γ] detached −log p_d(x*_k) on supervised slots (0 elsewhere), for the metrics
 
 
 def position_weights(block_size: int, decay: float) -> Tensor:
@@ -68,22 +69,21 @@ def compute_dspark_loss(output: DSparkOutput, *, labels: Tensor, label_valid: Te
     weights = position_weights(labels.shape[-1], decay).to(output.logits.device).expand(labels.shape)[label_valid]
     weight_sum = weights.sum() if normalizer is None else normalizer(weights.sum())
     weight_sum = weight_sum.clamp_min(torch.finfo(torch.float32).tiny)  # avoid 0/0 on an empty batch
-    log_p_d = F.log_softmax(output.logits[label_valid].float(), dim=-1)  # [M, V] supervised slots only
-    zero = log_p_d.new_zeros(())
+    p_t = None
+    if target_probs is not None or target_logits is not None:
+        p_t = _selected_target_probs(target_probs, target_logits, label_valid)
+    rows = label_valid.flatten().nonzero().squeeze(-1)  # the supervised slots, in `[label_valid]` order
+    l1, nll = _DraftRowTerms.apply(output.logits.reshape(-1, output.logits.shape[-1]), rows,
+                                   labels[label_valid], p_t)  # [M], [M]
+    zero = weights.new_zeros(())
 
     ce = tv = conf = zero
     if alpha_ce > 0:
-        nll = -log_p_d.gather(-1, labels[label_valid].unsqueeze(-1)).squeeze(-1)
-        if label_in_vocab is not None:  # a label outside Vd has p_d = 0: no gradient can reach it, skip it
-            nll = torch.where(label_in_vocab[label_valid], nll, 0.0)
-        ce = (weights * nll).sum() / weight_sum
+        ce_terms = nll if label_in_vocab is None else torch.where(label_in_vocab[label_valid], nll, 0.0)
+        ce = (weights * ce_terms).sum() / weight_sum  # a label outside Vd has p_d = 0: no gradient can reach it
     c_star = None
-    if target_probs is not None or target_logits is not None:
-        p_t = _selected_target_probs(target_probs, target_logits, label_valid)
-        # No graph for the [M, V] difference unless L_tv needs it (c* is detached anyway).
-        outside = (1.0 - p_t.sum(-1)).clamp_min(0.0)  # p_t's mass outside the draft vocabulary (0 for the full one)
-        with torch.set_grad_enabled(torch.is_grad_enabled() and alpha_tv > 0):
-            l1 = (log_p_d.exp() - p_t).abs().sum(-1) + outside  # [M] ‖p_d − p_t‖₁ = 2·TV over the full V
+    if p_t is not None:
+        l1 = l1 + (1.0 - p_t.sum(-1)).clamp_min(0.0)  # + p_t's mass outside the draft vocabulary: ‖p_d − p_t‖₁ over V
         if alpha_tv > 0:
             tv = (weights * l1).sum() / weight_sum
         c_star = (1 - 0.5 * l1.detach()).clamp(0.0, 1.0)  # [M]
@@ -93,7 +93,59 @@ def compute_dspark_loss(output: DSparkOutput, *, labels: Tensor, label_valid: Te
         conf = (weights * bce).sum() / weight_sum
     total = alpha_ce * ce + alpha_tv * tv + alpha_conf * conf
     c_star_full = None if c_star is None else c_star.new_zeros(labels.shape).masked_scatter(label_valid, c_star)
-    return DSparkLoss(total=total, ce=ce, tv=tv, conf=conf, c_star=c_star_full)
+    nll_full = nll.detach().new_zeros(labels.shape).masked_scatter(label_valid, nll.detach())
+    return DSparkLoss(total=total, ce=ce, tv=tv, conf=conf, c_star=c_star_full, nll=nll_full)
+
+
+class _DraftRowTerms(torch.autograd.Function):
+    """Per supervised slot: the unhalved L1 distance Σ_{x ∈ Vd} |p_d − p_t| and −log p_d(x*), p_d = softmax(logits),
+    with the backward written out — the step's largest elementwise cost on the CPU: autograd through
+    log_softmax → exp → sub → abs made ~16 passes over [M, Vd] fp32 plus a boolean-index scatter of the gradient;
+    this makes ~5 forward and ~7 backward passes and copies the gradient rows back by index.
+
+    forward(logits [R, Vd] (any float dtype; R = B·N·γ rows), rows [M] long (the supervised rows), labels [M] long
+    (draft ids), target_probs [M, Vd] fp32 or None) → (l1 [M] fp32 (zeros without target_probs), nll [M] fp32).
+    Gradients (p = p_d, s = sign(p − p_t)):  ∂l1/∂z = p ⊙ (s − ⟨p, s⟩),  ∂nll/∂z = p − onehot(x*);  sign(0) = 0, as
+    autograd's |·| has it. Tested against autograd through the plain formula (tests/test_dspark_loss.py).
+    """
+
+    @staticmethod
+    def forward(ctx, logits: Tensor, rows: Tensor, labels: Tensor, target_probs: Tensor | None):
+        ctx.set_materialize_grads(False)
+        z = logits.index_select(0, rows).float()  # a fresh fp32 [M, Vd]: safe to overwrite below
+        log_norm = torch.logsumexp(z, dim=-1, keepdim=True)
+        nll = (log_norm - z.gather(-1, labels.unsqueeze(-1))).squeeze(-1)
+        probs = z.sub_(log_norm).exp_()  # p_d, in place of z
+        if target_probs is None:
+            diff, l1 = None, probs.new_zeros(rows.shape)
+            ctx.mark_non_differentiable(l1)
+        else:
+            diff = probs - target_probs
+            l1 = torch.linalg.vector_norm(diff, ord=1, dim=-1)
+        ctx.save_for_backward(rows, labels, probs, diff)
+        ctx.logits_shape, ctx.logits_dtype = logits.shape, logits.dtype
+        return l1, nll
+
+    @staticmethod
+    def backward(ctx, grad_l1: Tensor | None, grad_nll: Tensor | None):
+        rows, labels, probs, diff = ctx.saved_tensors
+        use_l1 = grad_l1 is not None and diff is not None
+        if not use_l1 and grad_nll is None:
+            return None, None, None, None
+        if use_l1:
+            grad = torch.sign(diff)  # s, then g_l1·(s − ⟨p, s⟩) [+ g_nll], then ⊙ p
+            inner = torch.bmm(probs.unsqueeze(1), grad.unsqueeze(2)).view(-1, 1)  # ⟨p, s⟩ per row, one pass
+            grad.sub_(inner).mul_(grad_l1.unsqueeze(-1))
+            if grad_nll is not None:
+                grad.add_(grad_nll.unsqueeze(-1))
+            grad.mul_(probs)
+        else:
+            grad = probs * grad_nll.unsqueeze(-1)
+        if grad_nll is not None:
+            grad.scatter_add_(-1, labels.unsqueeze(-1), -grad_nll.unsqueeze(-1))
+        full = grad.new_zeros(ctx.logits_shape, dtype=ctx.logits_dtype)
+        full.index_copy_(0, rows, grad.to(ctx.logits_dtype))
+        return full, None, None, None
 
 
 def _selected_target_probs(target_probs: Tensor | None, target_logits: Tensor | None, label_valid: Tensor) -> Tensor:

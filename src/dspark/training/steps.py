@@ -33,7 +33,7 @@ class StepResult:
     loss: LossParts
     c_star: Tensor  # [B, N, γ] teacher-forced acceptance 1 − ½‖p_d − p_t‖₁ (detached)
     label_valid: Tensor  # [B, N, γ] bool
-    nll: Tensor  # [B, N, γ] −log p_d(label) (detached); meaningful where `nll_valid`
+    nll: Tensor  # [B, N, γ] −log p_d(label) (detached); meaningful where `nll_valid` (unspecified elsewhere)
     confidence: Tensor | None  # [B, N, γ] σ(confidence logits) (detached); None without a confidence head
     num_blocks: int
     nll_valid: Tensor | None = None  # [B, N, γ] bool: label_valid and the label inside the draft vocabulary
@@ -137,9 +137,11 @@ def dspark_step(*, drafter, target, batch: dict[str, Tensor], block_size: int, a
                      label_in_vocab=in_vocab, alpha_ce=alpha_ce, alpha_tv=alpha_tv, alpha_conf=alpha_conf, decay=decay,
                      **extra)
     with torch.no_grad():
-        logits = out.logits.float()
-        # −log p_d(label) = logsumexp − the label's logit: one reduction pass, no [B, N, γ, Vd] log-softmax copy
-        nll = torch.logsumexp(logits, dim=-1) - logits.gather(-1, labels.unsqueeze(-1)).squeeze(-1)
+        nll = loss.nll  # the paper objective's own −log p_d(label) on the supervised slots (the metrics read no other)
+        if nll is None or loss.c_star is None:
+            logits = out.logits.float()
+            # −log p_d(label) = logsumexp − the label's logit: one reduction pass, no [B, N, γ, Vd] log-softmax copy
+            nll = torch.logsumexp(logits, dim=-1) - logits.gather(-1, labels.unsqueeze(-1)).squeeze(-1)
         conf = torch.sigmoid(out.confidence_logits.float()) if out.confidence_logits is not None else None
         c_star = loss.c_star if loss.c_star is not None else _analytic_acceptance(
             torch.log_softmax(logits, dim=-1), p_t.probs)
