@@ -114,25 +114,15 @@ def sample_from_probs(probs: Tensor, generator: torch.Generator | None = None, *
 
 
 def _extra_token_weights(target_row: Tensor, draft_row: Tensor | None) -> Tensor:
-    """Weights of the extra token: residual max(0, p_t − p_d) after a rejection, else p_t (rows [..., V])."""
-    target_row = target_row.to(torch.float64)
-    if draft_row is None:
-        return target_row
-    residual = (target_row - draft_row.to(torch.float64)).clamp_min(0.0)
-    empty = residual.sum(-1, keepdim=True) < RESIDUAL_MIN_MASS
-    return torch.where(empty, target_row, residual)
-
-
-def _extra_token_row(target_row: Tensor, draft_row: Tensor | None) -> Tensor:
-    """`_extra_token_weights` for one request's row [V], with the same float64 values and fewer passes: the
-    residual is formed in place in one float64 copy of p_t, and p_t is re-read only when the residual is empty."""
+    """Weights of the extra token: residual max(0, p_t − p_d) after a rejection, else p_t (rows [..., V]), float64.
+    The residual is formed in place in one float64 copy of p_t (float32 p_d widens exactly, so the values are those
+    of p_t64 − p_d64); p_t is re-read only for rows whose residual is empty."""
     weights = target_row.to(torch.float64, copy=True)
     if draft_row is None:
         return weights
-    weights.sub_(draft_row).clamp_min_(0.0)  # float32 p_d widens exactly: the same values as p_t64 − p_d64
-    if float(weights.sum(-1, keepdim=True)) < RESIDUAL_MIN_MASS:
-        return target_row.to(torch.float64)
-    return weights
+    weights.sub_(draft_row).clamp_min_(0.0)
+    empty = weights.sum(-1, keepdim=True) < RESIDUAL_MIN_MASS
+    return torch.where(empty, target_row.to(torch.float64), weights) if bool(empty.any()) else weights
 
 
 def _check_single(draft_tokens: Tensor, draft_probs: Tensor, target_probs: Tensor) -> int:
@@ -174,7 +164,7 @@ def verify_drafts(*, draft_tokens: Tensor, draft_probs: Tensor, target_probs: Te
     passed = _rejection_tests(draft_tokens.unsqueeze(0), draft_probs.unsqueeze(0), target_probs[:length].unsqueeze(0),
                               uniforms[:length].unsqueeze(0))[0].tolist()
     accepted = next((k for k, ok in enumerate(passed) if not ok), length)
-    weights = _extra_token_row(target_probs[accepted], draft_probs[accepted] if accepted < length else None)
+    weights = _extra_token_weights(target_probs[accepted], draft_probs[accepted] if accepted < length else None)
     next_token = sample_from_probs(weights, uniforms=uniforms[length], trusted=True)
     return VerifyResult(accepted, int(next_token), draft_tokens[:accepted])
 
