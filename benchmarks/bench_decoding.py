@@ -281,6 +281,8 @@ def main(argv: list[str]) -> int:
 
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
+    from dspark.hardware import keep_freed_memory
+    keep_freed_memory()  # as the CLI does (DSPARK_KEEP_FREED_MEMORY=0 measures glibc's default)
     started, load_start = time.time(), os.getloadavg()
     target = load_target(args.target, cache_dir=args.cache_dir, dtype=args.target_dtype)
     records = {name: load_prompts(name, limit=args.prompts) for name in args.sets}

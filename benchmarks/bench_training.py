@@ -119,6 +119,8 @@ class Config:
 def main(argv: list[str]) -> int:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
+    from dspark.hardware import keep_freed_memory
+    keep_freed_memory()  # as the CLI does (DSPARK_KEEP_FREED_MEMORY=0 measures glibc's default)
     from dspark.data.regenerate import load_regenerated  # noqa: F401  (import cost outside the timings)
     from dspark.hardware import cpu_has_fast_bf16
     from dspark.targets import load_target

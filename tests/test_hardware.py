@@ -1,5 +1,11 @@
-"""bf16 detection (`dspark.hardware`): which CPU flags count, the override, and what `auto` precisions resolve to."""
+"""`dspark.hardware`: which CPU flags count as bf16, the override, what `auto` precisions resolve to, and the
+allocator setting that keeps large freed blocks."""
 from __future__ import annotations
+
+import os
+import platform
+import subprocess
+import sys
 
 import pytest
 
@@ -32,3 +38,42 @@ def test_environment_override_wins_and_drives_auto_precisions(monkeypatch, force
         assert hardware.resolve_precision("32-true", accelerator="cpu") == "32-true"
     finally:
         hardware.cpu_bf16_unit.cache_clear()
+
+
+_FAULTS_SCRIPT = """
+import resource, sys, torch
+from dspark.hardware import keep_freed_memory
+kept = keep_freed_memory()
+def faults():
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+def step():
+    block = torch.empty(16 * 2**20)  # 64 MiB, above glibc's largest mmap threshold
+    block.fill_(1.0)
+    del block  # freed at once, as a training step frees its activations
+for _ in range(12):  # warm-up: the heap settles after a few rounds (torch's own small allocations interleave)
+    step()
+before = faults()
+for _ in range(6):
+    step()
+print(int(kept), faults() - before)
+"""
+
+
+def _page_faults(keep: str) -> tuple[bool, int]:
+    env = {**os.environ, "DSPARK_KEEP_FREED_MEMORY": keep}
+    out = subprocess.run([sys.executable, "-c", _FAULTS_SCRIPT], env=env, capture_output=True, text=True, check=True)
+    kept, faults = out.stdout.split()
+    return kept == "1", int(faults)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux") or platform.libc_ver()[0] != "glibc",
+                    reason="keep_freed_memory tunes glibc malloc only")
+def test_keep_freed_memory_reuses_large_blocks_instead_of_faulting_them_in_again():
+    kept, faults_kept = _page_faults("1")
+    off, faults_default = _page_faults("0")
+    assert kept and not off
+    pages = 64 * 2**20 // 4096
+    # glibc's default maps and unmaps each 64 MiB block: every round faults all its pages in again; kept, the
+    # settled heap serves the same block without a fault
+    assert faults_default >= 5 * pages
+    assert faults_kept <= pages // 2

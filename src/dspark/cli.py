@@ -10,12 +10,14 @@ import logging
 import sys
 
 from dspark.config import ConfigError, resolve_config
+from dspark.hardware import keep_freed_memory
 from dspark.stages.experiment import RunInterrupted, preflight, run_experiment
 
 
 def main(argv: list[str] | None = None) -> int:
     """Resolve the config, then run one experiment or a whole sweep."""
     _setup_logging()
+    keep_freed_memory()  # before any tensor: large blocks are reused instead of page-faulted in every step
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
         try:
