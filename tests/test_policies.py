@@ -161,3 +161,28 @@ def test_config_lists_the_one_policy_family_for_decode_and_serve():
     from dspark.config.schema import SERVE_POLICIES as SERVE_NAMES
 
     assert sorted(DECODE_NAMES) == sorted(SERVE_NAMES) == POLICIES.names()
+
+
+def test_scheduler_single_request_fast_path_equals_algorithm_1_on_the_checked_row():
+    """The one-request path (plain floats) decides as `schedule_verification` does on `_check`'s row: NaN → 0,
+    columns past γ' zeroed; counts as an int or a [1] tensor; float32 and float64 confidences."""
+    from dspark.scheduling.scheduler import schedule_verification
+
+    policy = build_policy("scheduler", sps=SPS)
+    generator = torch.Generator().manual_seed(7)
+    for trial in range(400):
+        block = int(torch.randint(1, 9, (1,), generator=generator))
+        values = torch.rand(block, generator=generator, dtype=torch.float64) ** 0.3
+        if trial % 5 == 0:
+            values[int(torch.randint(0, block, (1,), generator=generator))] = float("nan")
+        values = values.to(torch.float32 if trial % 2 else torch.float64)
+        count = int(torch.randint(0, block + 1, (1,), generator=generator))
+        checked = torch.nan_to_num(values.to(torch.float64), nan=0.0)
+        checked[count:] = 0.0
+        expected = min(int(schedule_verification(checked.reshape(1, -1), sps=SPS)[0]), count)
+        assert int(policy.choose(confidences=values.reshape(1, -1), num_drafts=count)[0]) == expected
+        assert choose1(policy, values, count) == expected
+    with pytest.raises(ValueError, match="calibrated per-slot probabilities"):
+        policy.choose(confidences=conf(0.5, float("inf")).reshape(1, -1), num_drafts=2)
+    with pytest.raises(ValueError, match="3 confidences for 4 drafts"):
+        policy.choose(confidences=conf(0.5, 0.5, 0.5).reshape(1, -1), num_drafts=4)

@@ -198,7 +198,7 @@ class SpeculativeEngine:
         if self.proposer is None or count == 0:
             return 0
         chosen = self.policy.choose(confidences=None if confidences is None else confidences.reshape(1, -1),
-                                    num_drafts=torch.tensor([count]))
+                                    num_drafts=count)
         chosen = int(torch.as_tensor(chosen).reshape(-1)[0])
         if not 0 <= chosen <= count:
             raise ValueError(f"decode.policy returned ℓ={chosen}, outside [0, {count}] for {count} drafts")

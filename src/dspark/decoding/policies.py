@@ -79,6 +79,28 @@ def _check(name: str, confidences: Tensor | None, num_drafts: Tensor, *, key: st
     return torch.where(drafted, values, 0.0)
 
 
+def _single_request_row(confidences: Tensor | None, num_drafts: Tensor | int) -> list[float] | None:
+    """c_1..c_γ' of a well-formed one-request call as floats (NaN → 0, as `_check`), else None (the general path,
+    which also raises the errors).
+
+    Why: the single-request engine asks every round, and `_check`'s tensor plumbing cost ~0.1 ms of a ≤ 1 ms
+    budget for a round's Python. The values are `_check`'s: float32 or float64 confidences widen exactly to Python
+    floats, columns past γ' are dropped instead of zeroed (a zero survival ends the scheduler's scan either way),
+    and ±inf stays out of range for the scheduler's check just as `nan_to_num`'s huge finite values do.
+    """
+    if confidences is None or confidences.dim() > 2 or (confidences.dim() == 2 and confidences.shape[0] != 1):
+        return None
+    if isinstance(num_drafts, Tensor):
+        if num_drafts.numel() != 1:
+            return None
+        num_drafts = num_drafts.reshape(-1)[0]
+    count = int(num_drafts)
+    row = confidences.detach().reshape(-1).tolist()
+    if not 0 <= count <= len(row):
+        return None
+    return [value if value == value else 0.0 for value in row[:count]]
+
+
 def _cap(lengths: Tensor, num_drafts: Tensor) -> Tensor:
     return torch.minimum(lengths.to(torch.long).cpu(), num_drafts)
 
@@ -158,13 +180,13 @@ class SchedulerPolicy:
         _require_sps(self.name, self.sps, self.key)
 
     def choose(self, *, confidences: Tensor | None, num_drafts: Tensor | int) -> Tensor:
+        row = _single_request_row(confidences, num_drafts)
+        if row is not None:  # the single-request engine, every round: the same decision from plain floats
+            return torch.tensor([schedule_single(row, rates=self._rates(len(row) + 1))])
         num_drafts = as_counts(num_drafts)
         values = _check(self.name, confidences, num_drafts, key=self.key)
         if values.numel() == 0:
             return torch.zeros(values.shape[0], dtype=torch.long)
-        if values.shape[0] == 1:  # the single-request engine, every round: the same decision from plain floats
-            row = values[0].tolist()
-            return torch.tensor([min(schedule_single(row, rates=self._rates(len(row) + 1)), int(num_drafts[0]))])
         return _cap(schedule_verification(values, sps=self.sps), num_drafts)
 
     def _rates(self, count: int) -> list[float]:
