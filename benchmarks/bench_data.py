@@ -17,9 +17,11 @@ benchmarks/results/data.md with the command that produced it.
 from __future__ import annotations
 
 import argparse
+import datetime
 import os
 import shlex
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -36,7 +38,8 @@ from dspark.data.synthetic import generate_synthetic_prompts
 from dspark.targets import load_target
 
 RESULTS = Path(__file__).resolve().parent / "results" / "data.md"
-TARGET_CACHE = Path("/work/main/outputs/cache")
+ROOT = Path(__file__).resolve().parents[1]
+TARGET_CACHE = ROOT / "outputs" / "cache"  # the CLI's default cache: converted targets are reused
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -52,6 +55,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--regen-prompts", type=int, default=16, help="prompts regenerated for the order comparison")
     parser.add_argument("--precision-batch", type=int, default=32,
                         help="prompts (one batch) regenerated for the fp32 / bf16 comparison")
+    parser.add_argument("--threads", type=int, default=2, help="torch intra-op threads")
+    parser.add_argument("--output", type=Path, default=RESULTS, help="where the markdown table is written")
     return parser.parse_args(argv)
 
 
@@ -230,6 +235,11 @@ def markdown(rows: list[list[str]]) -> str:
 
 def main(argv: list[str]) -> int:
     args = parse_args(argv)
+    torch.set_num_threads(args.threads)
+    from dspark.hardware import cpu_bf16_unit, cpu_model, keep_freed_memory
+    keep_freed_memory()  # as the CLI does (DSPARK_KEEP_FREED_MEMORY=0 measures glibc's default)
+    load_before = os.getloadavg()
+    started = datetime.datetime.now()
     rows = []
     for name in args.targets:
         try:
@@ -239,13 +249,17 @@ def main(argv: list[str]) -> int:
     table = markdown(rows)
     print(table)
     command = " ".join([".venv/bin/python benchmarks/bench_data.py", *map(shlex.quote, argv)])
-    load = os.getloadavg()[0]
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(
+    load_after = os.getloadavg()
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
+                            text=True).stdout.strip()
+    args.output.parent.mkdir(parents=True, exist_ok=True)
+    args.output.write_text(
         f"# Data pipeline benchmark\n\nCommand: `{command}`\n\n"
-        f"Machine: {os.cpu_count()} CPUs, torch {torch.__version__}, {torch.get_num_threads()} threads, fp32 "
-        f"targets; 1-minute load average at the end {load:.1f} (other jobs share the machine, so times are "
-        "±50%). Cached reads hit a warm page cache.\n\n" + table + "\n"
+        f"Date {started:%Y-%m-%d %H:%M}, commit {commit or 'unknown'}. Machine: {os.cpu_count()} CPUs "
+        f"({cpu_model()}), bf16 instructions {cpu_bf16_unit() or 'none'}, torch "
+        f"{torch.__version__}, {torch.get_num_threads()} threads; targets in fp32 unless a row says bf16 (autocast). "
+        f"Load average (1, 5, 15 min) before {', '.join(f'{x:.2f}' for x in load_before)}, after "
+        f"{', '.join(f'{x:.2f}' for x in load_after)}. Cached reads hit a warm page cache.\n\n" + table + "\n"
     )
     return 0
 

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
 import shlex
 import subprocess
 import sys
@@ -252,10 +251,9 @@ def round_costs(totals: dict[str, dict]) -> list[str]:
 
 def machine_line(args) -> str:
     from dspark.decoding.drafting import resolve_precision
-    from dspark.hardware import cpu_bf16_unit
+    from dspark.hardware import cpu_bf16_unit, cpu_model
 
-    model = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                  if line.startswith("model name")), platform.processor() or platform.machine())
+    model = cpu_model()
     precision = resolve_precision(args.precision)
     return (f"{model}, {os.cpu_count()} cores, bf16 instructions {cpu_bf16_unit() or 'none'}; torch "
             f"{torch.__version__}, {args.threads} threads; target {args.target_dtype} (every mode), drafter parallel stage "

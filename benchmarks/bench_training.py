@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -167,11 +166,11 @@ def frequent_ids(target, *, size: int) -> torch.Tensor:
 
 
 def write_report(args, configs: list[Config], *, load) -> None:
-    from dspark.hardware import cpu_bf16_unit
+    from dspark.hardware import cpu_bf16_unit, cpu_model
 
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
                             text=True).stdout.strip()
-    cpu = platform.processor() or _cpu_model()
+    cpu = cpu_model()
     lines = [
         "# Training throughput: before / after the CPU recipe (one interleaved run)", "",
         f"Command: `{' '.join(['.venv/bin/python', 'benchmarks/bench_training.py', *sys.argv[1:]])}`", "",
@@ -199,16 +198,6 @@ def write_report(args, configs: list[Config], *, load) -> None:
     print(text)
     args.output.parent.mkdir(parents=True, exist_ok=True)
     args.output.write_text(text)
-
-
-def _cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return "unknown CPU"
 
 
 if __name__ == "__main__":
