@@ -243,22 +243,58 @@ def test_dspark_context_is_exactly_the_committed_positions_before_the_anchor(tar
             torch.testing.assert_close(hidden, expected[0, 0], atol=1e-5, rtol=1e-5)
 
 
-def test_eagle3_context_is_the_committed_tokens_and_features(target, prompt):
+def test_eagle3_cached_rounds_equal_a_full_recomputation(target, prompt):
+    """The proposer keeps EAGLE-3's step-0 keys/values and runs only the positions committed since the last round;
+    every round's drafts then have the p_d of `draft_chain` recomputed from scratch over the committed sequence's
+    features (never a rejected draft's), fed the same drafts."""
     seen = []
 
     class Recording(Eagle3Proposer):
         def propose(self, **kwargs):
-            seen.append((kwargs["anchor_position"], list(self._tokens), self._features.view().clone()))
-            return super().propose(**kwargs)
+            proposal = super().propose(**kwargs)
+            seen.append((kwargs["anchor_position"], kwargs["anchor_token"], list(self._tokens), proposal))
+            return proposal
 
-    result = run(engine(with_stop_ids(target, []), Recording(make_drafter(target, "eagle3")), temperature=1.0,
-                        max_new_tokens=12), prompt)
+    drafter = make_drafter(target, "eagle3")
+    result = run(engine(with_stop_ids(target, []), Recording(drafter), temperature=1.0, max_new_tokens=16), prompt)
+    assert any(r.num_accepted < r.num_verified for r in result.rounds)  # some drafts were rejected and dropped
     sequence = [*prompt, *result.new_tokens]
-    features = target.forward(torch.tensor([sequence])).features
-    assert len(seen) == len(result.rounds) > 1
-    for position, tokens, context in seen:
-        assert tokens == sequence[:position]
-        torch.testing.assert_close(context, features[:, :position], atol=1e-5, rtol=1e-5)
+    with torch.no_grad():
+        features = target.forward(torch.tensor([sequence])).features
+    assert len(seen) == len(result.rounds) > 2
+    to_draft = {int(t): d for d, t in enumerate(drafter.draft_to_target.tolist())}
+    for position, anchor, tokens, proposal in seen:
+        assert tokens == sequence[:position] and anchor == sequence[position]
+        queue = [to_draft[t] for t in proposal.tokens.tolist()]
+
+        def forced(logits):
+            return torch.tensor([queue.pop(0)]), torch.softmax(logits.float(), dim=-1)
+
+        fresh = drafter.draft_chain(context_features=features[:, :position],
+                                    context_ids=torch.tensor([sequence[:position + 1]]),
+                                    num_tokens=len(queue), sample_fn=forced)
+        assert fresh.tokens[0].tolist() == proposal.tokens.tolist()
+        torch.testing.assert_close(proposal.draft_probs, fresh.probs[0].float(), atol=1e-5, rtol=1e-4)
+
+
+def test_eagle3_extending_the_context_by_pieces_equals_one_pass(target):
+    """extend_context over a prefix split into pieces (1, 3, then 2 positions) gives the keys, values and last
+    output of one pass over the whole prefix."""
+    drafter = make_drafter(target, "eagle3")
+    generator = torch.Generator().manual_seed(3)
+    ids = torch.randint(0, target.vocab_size, (1, 7), generator=generator)
+    with torch.no_grad():
+        features = target.forward(ids[:, :6]).features
+        whole, last = drafter.extend_context(None, features=features, next_ids=ids[:, 1:])
+        context = None
+        for lo, hi in [(0, 1), (1, 4), (4, 6)]:
+            context, piece_last = drafter.extend_context(context, features=features[:, lo:hi],
+                                                         next_ids=ids[:, lo + 1:hi + 1])
+    for got, expected in zip(context, whole):
+        torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(piece_last, last, atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match="next_ids"):
+        drafter.extend_context(None, features=features, next_ids=ids[:, 1:3])
 
 
 @pytest.mark.parametrize("head", ["markov", "rnn", "none"])

@@ -11,7 +11,8 @@ layer, the context keys (k-norm and RoPE applied) and values, so a round costs o
 
     logits_k = U_k + B_k(x_{k-1}),  c_k = σ(w·[h_k; W_1[x_{k-1}]] + b),  x_k ~ softmax(logits_k / T)  (T = 0: argmax)
 
-`Eagle3Proposer` drafts a chain with `Eagle3Drafter.draft_chain` (which re-reads the whole prefix every round).
+`Eagle3Proposer` keeps EAGLE-3's step-0 keys/values of the committed positions and runs step 0 only over the positions
+committed since the last round, then the chain of γ one-token steps (`Eagle3Drafter.extend_context`, `draft_from`).
 """
 from __future__ import annotations
 
@@ -246,7 +247,12 @@ def _spare_room(keys: GrowingBuffer, values: GrowingBuffer) -> ExtendKV:
 
 
 class Eagle3Proposer:
-    """EAGLE-3 chain drafting (METHOD §4); keeps the committed tokens and features it re-reads every round."""
+    """EAGLE-3 chain drafting (METHOD §4) on cached step-0 keys/values.
+
+    Position i's step-0 output needs the token after it (x_{i+1}, the training shift), so committed positions wait
+    in `_pending` until the next anchor is known; each `propose` runs step 0 over the waiting positions only
+    (`Eagle3Drafter.extend_context`, timed as the parallel stage), then the chain (`draft_from`, sequential).
+    """
 
     has_confidence = False
 
@@ -256,38 +262,47 @@ class Eagle3Proposer:
         self.vocab_size = drafter.spec.vocab_size
         self._ids = draft_to_target(drafter)
         self._draft_vocab = self.vocab_size if self._ids is None else int(self._ids.numel())
-        # EAGLE-3's chain is one layer re-run over the prefix: no bf16 copy (precision is accepted for symmetry and
+        # EAGLE-3's chain is one small layer per draft: no bf16 copy (precision is accepted for symmetry and
         # checked, but the chain stays in the drafter's dtype).
         resolve_precision(precision)
-        self._features = GrowingBuffer(dim=1)
-        self._tokens: list[int] = []
+        self._reset()
+
+    def _reset(self) -> None:
+        self._context: tuple[Tensor, Tensor] | None = None  # step-0 keys/values of the positions run so far
+        self._pending = GrowingBuffer(dim=1)                 # features of committed positions not yet run
+        self._tokens: list[int] = []                        # committed tokens x_0..x_{S-1}
 
     @property
     def context_length(self) -> int:
-        return self._features.length
+        return len(self._tokens)
 
     def start(self, *, features: Tensor, token_ids: list[int]) -> None:
-        self._features, self._tokens = GrowingBuffer(dim=1), []
+        self._reset()
         self.extend(features=features, token_ids=token_ids)
 
     def extend(self, *, features: Tensor, token_ids: list[int]) -> None:
         if features.shape[1] != len(token_ids):
             raise ValueError(f"Eagle3Proposer.extend: {features.shape[1]} feature rows for {len(token_ids)} tokens")
-        self._features.append(features)
+        self._pending.append(features)
         self._tokens.extend(int(t) for t in token_ids)
 
     @torch.no_grad()
     def propose(self, *, anchor_token: int, anchor_position: int, temperature: float,
                 generator: torch.Generator | None, stop_ids: Collection[int],
                 policy_hook: PolicyHook | None = None) -> Proposal:
-        """`policy_hook` is unused: EAGLE-3 has no confidences. All drafting time counts as sequential. Sampling is
-        over the draft vocabulary; a step with unusable logits ends the chain before it (`drafting` module)."""
+        """`policy_hook` is unused: EAGLE-3 has no confidences. Sampling is over the draft vocabulary; a step with
+        unusable logits ends the chain before it (`drafting` module)."""
         if anchor_position != self.context_length:
             raise ValueError(f"Eagle3Proposer: anchor at position {anchor_position} but the context holds "
                              f"{self.context_length} positions; it must hold exactly the positions before the anchor")
-        features = self._features.view()
         start = time.perf_counter()
-        ids = torch.tensor([[*self._tokens, anchor_token]], device=features.device)
+        pending = self._pending.view()
+        cached = self.context_length - pending.shape[1]
+        next_ids = torch.tensor([[*self._tokens[cached + 1:], anchor_token]], device=pending.device)
+        self._context, last = self.drafter.extend_context(self._context, features=pending, next_ids=next_ids)
+        self._pending = GrowingBuffer(dim=1)
+        synchronize(pending.device)
+        chain_start = time.perf_counter()
         tokens, probs = [], []
 
         def sample(logits: Tensor) -> tuple[Tensor, Tensor]:
@@ -299,14 +314,14 @@ class Eagle3Proposer:
             return index, p
 
         try:
-            self.drafter.draft_chain(context_features=features, context_ids=ids, num_tokens=self.block_size,
-                                     sample_fn=sample, stop_ids=stop_ids)
+            self.drafter.draft_from(self._context, last, num_tokens=self.block_size, sample_fn=sample,
+                                    stop_ids=stop_ids)
         except _UnusableSlot:
             pass  # the drafts before the faulty step stand (each was sampled from its own, usable p_d)
-        synchronize(features.device)
-        tokens_, probs_, _ = _stack_proposal(tokens, probs, None, self._draft_vocab, features.device)
+        synchronize(pending.device)
+        tokens_, probs_, _ = _stack_proposal(tokens, probs, None, self._draft_vocab, pending.device)
         return Proposal(tokens_, to_target_probs(probs_.float(), self._ids, self.vocab_size), None,
-                        seconds_sequential=time.perf_counter() - start)
+                        seconds_parallel=chain_start - start, seconds_sequential=time.perf_counter() - chain_start)
 
 
 class _UnusableSlot(Exception):

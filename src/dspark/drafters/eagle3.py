@@ -251,17 +251,52 @@ class Eagle3Drafter(nn.Module):
         `sample_fn(logits [1, V]) -> (token [1] long, probs [1, V])` owns temperature and sampling; drafting
         stops after a token in `stop_ids` (kept as the last draft).
 
-        Cost: nothing is cached across calls, so every call re-runs the layer over the whole prefix,
-        O(S·d² + S²·d), then O((S + k)·d + d²) per further draft and one LM-head row per draft.
+        Cost: this runs step 0 over the whole prefix, O(S·d² + S²·d); a decoding loop keeps the step-0 keys and
+        values instead (`extend_context`, then `draft_from`), as `Eagle3Proposer` does.
         """
         self._check_chain_inputs(context_features, context_ids, num_tokens)
-        seq_len = context_features.shape[1]
-        g = self.fc(context_features.to(self.fc.weight.dtype))
-        embeds = self.embed_tokens(context_ids[:, 1:]).to(g.dtype)
-        cos, sin = self.rotary(torch.arange(seq_len, device=context_ids.device))
-        causal = create_ttt_mask(seq_len, 0).to(context_ids.device)
-        hidden, kv = self.layer(g, embeds, rope=(cos[None], sin[None]), past=[], mask=causal)
-        hidden, past = hidden[:, -1:], [kv]
+        context, last = self.extend_context(None, features=context_features, next_ids=context_ids[:, 1:])
+        return self.draft_from(context, last, num_tokens=num_tokens, sample_fn=sample_fn, stop_ids=stop_ids)
+
+    @torch.no_grad()
+    def extend_context(self, context: KeyValue | None, *, features: Tensor,
+                       next_ids: Tensor) -> tuple[KeyValue, Tensor]:
+        """Step 0 over n more positions after the L already in `context`.
+
+        context: step-0 (keys, values) of positions 0..L-1, each [1, KV heads, L, hd] (None: L = 0);
+        features [1, n, m·d] of positions L..L+n-1; next_ids [1, n] long, the token after each of them
+        (x_{i+1} at position i, the training shift) → (step-0 keys/values of positions 0..L+n-1, the last
+        position's output h [1, 1, d]). Step 0 is causal, so positions already cached never change: extending
+        by pieces gives the keys, values and last output of one pass over the whole prefix.
+        """
+        past = [] if context is None else [context]
+        cached = 0 if context is None else context[0].shape[2]
+        count = features.shape[1]
+        if count < 1 or tuple(next_ids.shape) != (1, count) or features.shape[0] != 1:
+            raise ValueError(f"extend_context: features must be [1, n >= 1, m·d] and next_ids [1, n], got "
+                             f"{tuple(features.shape)} and {tuple(next_ids.shape)}")
+        self._check_features(features, next_ids)
+        g = self.fc(features.to(self.fc.weight.dtype))
+        embeds = self.embed_tokens(next_ids).to(g.dtype)
+        cos, sin = self.rotary(torch.arange(cached, cached + count, device=next_ids.device))
+        # new position i sees every cached key and the new keys up to itself; one query sees everything
+        mask = None if count == 1 else torch.cat(
+            [torch.ones(count, cached, dtype=torch.bool), create_ttt_mask(count, 0)], dim=1
+        ).to(next_ids.device)[None, None]
+        hidden, (keys, values) = self.layer(g, embeds, rope=(cos[None], sin[None]), past=past, mask=mask)
+        if context is not None:
+            keys, values = torch.cat([context[0], keys], dim=2), torch.cat([context[1], values], dim=2)
+        return (keys, values), hidden[:, -1:]
+
+    @torch.no_grad()
+    def draft_from(self, context: KeyValue, last_hidden: Tensor, *, num_tokens: int, sample_fn: SampleFn,
+                   stop_ids: Collection[int] = ()) -> Eagle3Draft:
+        """The chain after step 0 (`draft_chain` has the contract): context = step-0 keys/values of positions
+        0..S-1 (`extend_context`), last_hidden [1, 1, d] = position S-1's step-0 output."""
+        if num_tokens < 1:
+            raise ValueError(f"draft_from needs num_tokens >= 1 (block_size), got {num_tokens}")
+        seq_len = context[0].shape[2]
+        hidden, past = last_hidden, [context]
         stops = {int(s) for s in stop_ids}
         tokens, probs = [], []
         for step in range(num_tokens):

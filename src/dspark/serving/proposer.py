@@ -55,7 +55,7 @@ def check_serving_drafter(drafter: nn.Module | None) -> DSparkDrafter | None:
     if drafter is None or isinstance(drafter, DSparkDrafter):
         return drafter
     raise ValueError(f"serving supports drafter=dspark/dflash (a DSparkDrafter), not a {type(drafter).__name__}: "
-                     "EAGLE-3 re-reads its whole prefix every round and has no batched proposer; serve it with "
+                     "EAGLE-3 has no batched proposer (its chain runs per request); serve it with "
                      "drafter=dspark or dflash, or evaluate it with the single-request engine")
 
 
