@@ -77,3 +77,27 @@ def test_keep_freed_memory_reuses_large_blocks_instead_of_faulting_them_in_again
     # settled heap serves the same block without a fault
     assert faults_default >= 5 * pages
     assert faults_kept <= pages // 2
+
+
+_TRIM_SCRIPT = """
+import torch
+from dspark.hardware import keep_freed_memory, release_freed_memory
+def resident_mib():
+    with open("/proc/self/statm") as handle:
+        return int(handle.read().split()[1]) * 4096 / 2**20
+keep_freed_memory()
+blocks = [torch.ones(8 * 2**20) for _ in range(8)]  # 8 × 32 MiB, kept by the heap once freed
+del blocks
+kept = resident_mib()
+released = release_freed_memory()
+print(int(released), kept - resident_mib())
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux") or platform.libc_ver()[0] != "glibc",
+                    reason="release_freed_memory trims glibc's heap only")
+def test_release_freed_memory_returns_kept_blocks_to_the_os():
+    out = subprocess.run([sys.executable, "-c", _TRIM_SCRIPT], capture_output=True, text=True, check=True)
+    released, freed_mib = out.stdout.split()
+    assert released == "1"
+    assert float(freed_mib) > 200  # most of the 256 MiB the heap had kept

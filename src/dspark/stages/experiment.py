@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from dspark.config import ConfigError, ResolvedConfig
+from dspark.hardware import release_freed_memory
 
 if TYPE_CHECKING:  # the CLI imports this module: torch and MLflow load only when a run starts
     from dspark.stages.context import StageContext
@@ -147,6 +148,7 @@ def run_stages(ctx: StageContext) -> None:
     drafter_path = run_train(ctx, data)
     if stage == "train" or is_ddp_worker():
         return
+    release_freed_memory()  # training's kept heap blocks are the wrong sizes for evaluation
     _evaluate_or_serve(ctx, drafter_path, prepared=data)
 
 

@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
 from dspark.config import ConfigError, ResolvedConfig, parse_overrides, resolve_config, to_dict
+from dspark.hardware import release_freed_memory
 from dspark.sweeps import runs as sweep_runs
 from dspark.sweeps.identity import arg_key, hashable_config, parent_tags, sweep_dir
 from dspark.sweeps.spec import Cell, SweepSpec, coerce_value, load_sweep
@@ -175,6 +176,7 @@ def execute_grid(plan: SweepPlan, *, rc: ResolvedConfig, store: TrackingStore, m
             attempt, current = uuid.uuid4().hex, pc.cell.key
             outcomes.append(run_cell(pc, plan=plan, store=store, parent_id=parent_id, attempt=attempt))
             current = ""
+            release_freed_memory()  # the next cell starts from a trimmed heap (`dspark.hardware`)
     except (KeyboardInterrupt, SystemExit) as err:  # SystemExit: a cell that called sys.exit
         return interrupted(store, parent_id, attempt=attempt, cell=current, name=spec.name, outcomes=outcomes,
                            kept=getattr(err, "kept", ""), out_dir=out_dir)
