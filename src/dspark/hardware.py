@@ -11,6 +11,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import os
+import platform
 import sys
 from pathlib import Path
 
@@ -106,7 +107,7 @@ def keep_freed_memory() -> bool:
     return bool(libc.mallopt(_M_MMAP_MAX, 0)) and bool(libc.mallopt(_M_TRIM_THRESHOLD, _TRIM_THRESHOLD_BYTES))
 
 
-
+@functools.lru_cache(maxsize=1)
 def _glibc():
     """libc as a ctypes handle when it is glibc (mallopt / malloc_trim mean what glibc documents), else None."""
     if not sys.platform.startswith("linux"):
@@ -140,6 +141,4 @@ def cpu_model() -> str:
                 return line.split(":", 1)[1].strip()
     except OSError:
         pass
-    import platform
-
     return platform.processor() or "unknown CPU"
