@@ -79,3 +79,22 @@ def test_bad_serving_config_fails_before_work(capsys, tmp_path):
     assert main(["stage=serve", "budget=smoke", f"serve.sps_table={tmp_path / 'missing.json'}",
                  f"paths.root={tmp_path}"]) == 2
     assert "serve.sps_table" in capsys.readouterr().err
+
+
+def test_each_simulated_level_is_timed_with_a_table_profiled_at_that_concurrency(serving_sweep):
+    """budget=smoke simulates R = 4 and 8: each level gets its own SPS(B), profiled with that many rows up to
+    R·(γ+1) tokens, instead of the cell's R = 2 table extrapolated past its largest batch."""
+    from dspark.scheduling.sps import SPSTable
+
+    import yaml
+
+    cfg = serving_sweep.cfg
+    sweep_file = Path(__file__).resolve().parents[1] / "sweeps" / "serving.yaml"
+    levels = yaml.safe_load(sweep_file.read_text())["budget_overrides"]["smoke"]["serve.simulate_concurrency"]
+    assert levels == [4, 8]  # the cells' levels (the sweep's smoke override, not the command line's default)
+    sps_dir = Path(cfg.paths.root) / "cache" / "sps"
+    for level in levels:
+        tables = sorted(sps_dir.glob(f"serving-*-r{level}-c*.json"))
+        assert len(tables) == 1, (level, [p.name for p in sps_dir.iterdir()])
+        table = SPSTable.load(tables[0])
+        assert table.batch_tokens[0] == level and table.batch_tokens[-1] >= level * 2

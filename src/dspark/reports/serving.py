@@ -163,8 +163,10 @@ def build_serving(ctx: ReportContext) -> list[Section]:
     ]
     if simulated:
         sections.append(Section("Simulated concurrency levels (labelled simulated)",
-                                "Trace replay of recorded confidences and acceptance outcomes against the SPS(B) "
-                                "table (extrapolated linearly beyond the profiled batch sizes):\n\n"
+                                "Trace replay of recorded confidences and acceptance outcomes; each level's steps "
+                                "are timed with the SPS(B) of that level: this machine's batched verify forward "
+                                "profiled with R rows (up to R·(γ+1) tokens), or the `serve.sps_table` the run "
+                                "names:\n\n"
                                 + _sim_table(simulated)))
     sections.append(Section("Simulator validation", _validation_section(frame)))
     return sections

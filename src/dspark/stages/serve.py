@@ -9,7 +9,8 @@ prepare → train (reused by training key) → `run_serve`:
    `BatchedEngine` with `serve.policy` at `serve.concurrency` (closed loop: a finished request is replaced at once);
 4. the simulator: a policy=fixed trace of the same requests (recorded once per drafter and setting, cached in the
    run directory) replayed with this policy at this concurrency (validation against step 3) and at every
-   `serve.simulate_concurrency` level, against this machine's SPS table or `serve.sps_table`.
+   `serve.simulate_concurrency` level, against `serve.sps_table` or else this machine's SPS table profiled with
+   that many rows (`simulation_sps`).
 
 MLflow: `serve/{throughput,user_speed,budget,tau,num_requests,rejected,steps,wall_seconds}` (real engine),
 `sim/R{R}/{throughput,user_speed,budget,tau}` (simulated) and `sim/validation/<metric>_rel_err`; the step records
@@ -170,13 +171,18 @@ def fixed_trace_steps(ctx: StageContext, *, engine_args: dict, requests: list, r
     return result.steps
 
 
-def simulation_sps(ctx: StageContext, measured: Any) -> tuple[Any, str]:
-    """The SPS table the simulator times steps with: serve.sps_table when given, else this machine's."""
-    from dspark.serving.profile import load_sps_table
+def simulation_sps(ctx: StageContext, target: Target, *, level: int, block_size: int) -> tuple[Any, str]:
+    """The SPS table the simulator times R = `level` with: serve.sps_table when given, else this machine's batched
+    verify forward profiled with `level` rows up to level·(γ+1) tokens (cached like the cell's own table, so each
+    level is profiled once per target and machine). A table profiled with fewer rows would have to be extrapolated
+    beyond its largest batch, and a linear extrapolation of the memory-bound slope makes big batches look cheap."""
+    from dspark.serving.profile import load_or_profile_serving_sps, load_sps_table
 
     if ctx.cfg.serve.sps_table:
         return load_sps_table(ctx.cfg.serve.sps_table), ctx.cfg.serve.sps_table
-    return measured, "this machine's batched SPS(B)"
+    table, path = load_or_profile_serving_sps(target, cache_dir=ctx.paths.cache, num_rows=level,
+                                              max_batch_tokens=level * (block_size + 1))
+    return table, f"this machine's batched SPS(B) at R = {level} ({path.name})"
 
 
 def simulate_levels(ctx: StageContext, *, engine_args: dict, requests: list, real: Any, real_summary: Any,
@@ -194,12 +200,15 @@ def simulate_levels(ctx: StageContext, *, engine_args: dict, requests: list, rea
     own = simulate_serving(trace, concurrency=serve.concurrency, sps=sps, num_requests=len(requests),
                            **options).summary()
     metrics = {f"sim/validation/{k}_rel_err": float(v) for k, v in validate(real_summary, own).items()}
-    table, source = simulation_sps(ctx, sps)
+    sources = []
     for level in serve.simulate_concurrency:
+        table, source = simulation_sps(ctx, engine_args["target"], level=int(level),
+                                       block_size=engine_args["drafter"].block_size)
+        sources.append(source)
         summary = simulate_serving(trace, concurrency=int(level), sps=table, max_new_tokens=serve.max_new_tokens,
                                    **options).summary()
         metrics |= metrics_of(summary, f"sim/R{int(level)}")
     log.info("simulated %s at R = %s on %s; validation at R=%d: %s", serve.policy, serve.simulate_concurrency,
-             source, serve.concurrency, ", ".join(f"{k.split('/')[-1]} {v:+.1%}" for k, v in metrics.items()
-                                                  if k.startswith("sim/validation/")))
+             "; ".join(sources) or "no level", serve.concurrency,
+             ", ".join(f"{k.split('/')[-1]} {v:+.1%}" for k, v in metrics.items() if k.startswith("sim/validation/")))
     return metrics
