@@ -2,10 +2,10 @@
 
 A config field added later must not re-key every drafter already trained: at its default it is left out of the hash
 (HASH_NEUTRAL_DEFAULTS). The pinned keys below are those of trained drafters a resumed sweep or a rerun must find
-again: budget=smoke's from before `data.regen_precision` existed, budget=cpu-long's (the drafter the decoding benchmarks
-name, `dspark-markov-d2-g7-s0-697cb62890ba`) and budget=cpu-ref's (its one-epoch recipe of 2026-12-03, which the
-reference reports rerun since then name: `dspark-markov-d2-g7-s0-ef5e3f089b00`; before it, the 420-step
-`2151f9733bde` and `12a64fdce0f9`); a change
+again: budget=smoke's from before `data.regen_precision` existed, budget=cpu-long's (the drafter the decoding
+benchmarks name: its three-epoch recipe of 2026-12-03, `dspark-markov-d2-g7-s0-e8d47478ad0c`; before it, two epochs,
+`697cb62890ba`) and budget=cpu-ref's (its one-epoch recipe of 2026-12-03, which the reference reports rerun since then
+name: `dspark-markov-d2-g7-s0-ef5e3f089b00`; before it, the 420-step `2151f9733bde` and `12a64fdce0f9`); a change
 that moves them must be a decision, made here, not a side effect.
 """
 from __future__ import annotations
@@ -22,7 +22,7 @@ OFF_DEFAULT = {("data", "regen_precision"): "fp32", ("model", "import_from"): "/
 
 
 @pytest.mark.parametrize("argv, key", [(["budget=smoke"], "de85e8c9262c"), (["budget=cpu-ref"], "ef5e3f089b00"),
-                                       (["budget=cpu-long"], "697cb62890ba")])
+                                       (["budget=cpu-long"], "e8d47478ad0c")])
 def test_default_budget_keys_are_stable(argv, key):
     assert training_key(resolve_config(argv).cfg) == key
 
