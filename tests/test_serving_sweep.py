@@ -84,9 +84,9 @@ def test_bad_serving_config_fails_before_work(capsys, tmp_path):
 def test_each_simulated_level_is_timed_with_a_table_profiled_at_that_concurrency(serving_sweep):
     """budget=smoke simulates R = 4 and 8: each level gets its own SPS(B), profiled with that many rows up to
     R·(γ+1) tokens, instead of the cell's R = 2 table extrapolated past its largest batch."""
-    from dspark.scheduling.sps import SPSTable
-
     import yaml
+
+    from dspark.scheduling.sps import SPSTable
 
     cfg = serving_sweep.cfg
     sweep_file = Path(__file__).resolve().parents[1] / "sweeps" / "serving.yaml"

@@ -71,12 +71,13 @@ def serve_calibration(ctx: StageContext, trained: TrainedDrafter, *, prepared: P
     return report.sts
 
 
-def serving_sps(ctx: StageContext, target: Target, *, block_size: int) -> Any:
-    """SPS(B) of the batched verify forward of R = serve.concurrency rows, up to R·(γ+1) tokens (what the
-    scheduler plans with, and what the simulator times this concurrency with)."""
+def serving_sps(ctx: StageContext, target: Target, *, block_size: int, rows: int | None = None) -> Any:
+    """SPS(B) of the batched verify forward of R = `rows` (default serve.concurrency) rows, up to R·(γ+1) tokens
+    (what the scheduler plans with, and what the simulator times that concurrency with); cached per target, machine
+    and R, and attached to the run."""
     from dspark.serving.profile import load_or_profile_serving_sps
 
-    rows = ctx.cfg.serve.concurrency
+    rows = ctx.cfg.serve.concurrency if rows is None else int(rows)
     table, path = load_or_profile_serving_sps(target, cache_dir=ctx.paths.cache, num_rows=rows,
                                               max_batch_tokens=rows * (block_size + 1))
     log.info("serving SPS(B) table: %s", path)
@@ -173,16 +174,14 @@ def fixed_trace_steps(ctx: StageContext, *, engine_args: dict, requests: list, r
 
 def simulation_sps(ctx: StageContext, target: Target, *, level: int, block_size: int) -> tuple[Any, str]:
     """The SPS table the simulator times R = `level` with: serve.sps_table when given, else this machine's batched
-    verify forward profiled with `level` rows up to level·(γ+1) tokens (cached like the cell's own table, so each
-    level is profiled once per target and machine). A table profiled with fewer rows would have to be extrapolated
-    beyond its largest batch, and a linear extrapolation of the memory-bound slope makes big batches look cheap."""
-    from dspark.serving.profile import load_or_profile_serving_sps, load_sps_table
+    verify forward profiled with `level` rows (`serving_sps`). A table profiled with fewer rows would have to be
+    extrapolated beyond its largest batch, and a linear extrapolation of the memory-bound slope makes big batches
+    look cheap."""
+    from dspark.serving.profile import load_sps_table
 
     if ctx.cfg.serve.sps_table:
         return load_sps_table(ctx.cfg.serve.sps_table), ctx.cfg.serve.sps_table
-    table, path = load_or_profile_serving_sps(target, cache_dir=ctx.paths.cache, num_rows=level,
-                                              max_batch_tokens=level * (block_size + 1))
-    return table, f"this machine's batched SPS(B) at R = {level} ({path.name})"
+    return serving_sps(ctx, target, block_size=block_size, rows=level), f"this machine's batched SPS(B) at R = {level}"
 
 
 def simulate_levels(ctx: StageContext, *, engine_args: dict, requests: list, real: Any, real_summary: Any,
