@@ -88,7 +88,8 @@ class OracleProposer:
         assert features.shape[1] == len(token_ids)
         self.tokens += list(token_ids)
 
-    def propose(self, *, anchor_token, anchor_position, temperature, generator, stop_ids, policy_hook=None):
+    def propose(self, *, anchor_token, anchor_position, temperature, generator, stop_ids, policy_hook=None,
+                max_drafts=None):
         assert anchor_position == len(self.tokens)
         greedy = greedy_continuation(self.target, [*self.tokens, anchor_token], self.block_size)
         drafts = [g if k < self.correct else (g + 1) % self.target.vocab_size for k, g in enumerate(greedy)]

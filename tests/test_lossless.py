@@ -49,6 +49,8 @@ CASES = ([(d, p) for d in ("dspark-markov", "dspark-gated", "dspark-rnn", "dflas
 CALIBRATION = STSCalibration(temperatures=[2.0, 0.5, 1.0], grid=[0.5, 1.0, 2.0], n_bins=20, ece_before=[],
                              ece_after=[])
 EXPECTED_LENGTHS = {"fixed": {GAMMA}, "mtp1": {1}, "static": {2}}  # others: every ℓ in 0..2 at least
+# Policies whose proposers stop drafting early (`max_drafts`, `stop_drafting`) → the most slots a proposal may have.
+LEAN_POLICIES = {"mtp1": 1, "static": 2, "threshold": GAMMA, "calibrated_threshold": GAMMA, "scheduler": GAMMA}
 
 
 def draft_vocab(target) -> torch.Tensor:
@@ -134,6 +136,9 @@ def test_sampling_matches_the_target_distribution(target, prompt, drafter_name, 
     assert any(r.num_accepted > 0 for r in rounds) and any(r.num_accepted < r.num_verified for r in rounds)
     expected = EXPECTED_LENGTHS.get(policy, {0, 1, 2})
     assert expected <= {r.num_verified for r in rounds}  # the policy really truncates, differently per round
+    if policy in LEAN_POLICIES:  # drafts nobody verifies are not drawn (the lean round), and that stays lossless
+        assert all(len(r.drafts) <= LEAN_POLICIES[policy] for r in rounds)
+        assert any(len(r.drafts) == r.num_verified < GAMMA for r in rounds)
     if "-vd" in drafter_name:
         allowed = set(draft_vocab(target).tolist())
         assert all(set(r.drafts) <= allowed for r in rounds)

@@ -147,6 +147,63 @@ def test_stop_drafting_agrees_with_choose_on_every_prefix():
         assert choose1(policy, values[:full], full) == full
 
 
+def _staircase(generator: torch.Generator) -> SPSTable:
+    """A random staircase SPS(B), B = 1..64 (flat stretches, then steps down), like a CPU target's."""
+    times, current = [], 1.0
+    for _ in range(64):
+        if float(torch.rand((), generator=generator)) < 0.3:
+            current += float(torch.rand((), generator=generator))
+        times.append(current)
+    return SPSTable(batch_tokens=list(range(1, 65)), steps_per_second=[1 / t for t in times])
+
+
+@pytest.mark.parametrize("policy_name", ["scheduler", "threshold"])
+def test_batched_drafting_stop_never_changes_the_plan_and_does_fire(policy_name):
+    """R requests drafted slot by slot: stopping before slot k when `stop_drafting(c[:, :k])` says so gives the
+    plan of the full proposal (the shorter proposal's columns past γ' are ignored), and on these random cases the
+    stop saves slots (it is not a rule that never fires). Scheduler: on random staircase SPS tables."""
+    generator = torch.Generator().manual_seed(3)
+    fired = 0
+    for trial in range(300):
+        sps = _staircase(generator)
+        policy = build_policy(policy_name, sps=sps, threshold=0.6)
+        rows = int(torch.randint(1, 6, (1,), generator=generator))
+        block = int(torch.randint(1, 8, (1,), generator=generator))
+        values = torch.rand(rows, block, generator=generator, dtype=torch.float64) ** float(
+            torch.rand((), generator=generator) * 2)
+        drafted = torch.randint(0, block + 1, (rows,), generator=generator)  # a drafted stop id ends a row early
+        values[torch.arange(block).unsqueeze(0) >= drafted.unsqueeze(1)] = 0.0
+        full = policy.choose(confidences=values, num_drafts=drafted)
+        stop_at = next((k for k in range(1, block + 1) if policy.stop_drafting(values[:, :k])), None)
+        if stop_at is None:
+            continue
+        fired += 1
+        assert bool((full < stop_at).all()), (trial, full, stop_at)
+        shorter = values.clone()
+        shorter[:, stop_at - 1:] = 0.0
+        assert torch.equal(policy.choose(confidences=shorter, num_drafts=drafted.clamp(max=stop_at - 1)), full)
+    assert fired > 50
+
+
+def test_scheduler_single_request_drafting_stop_equals_the_full_choice():
+    """One request: the scheduler stops drafting before slot k exactly when it would not verify slot k."""
+    generator = torch.Generator().manual_seed(5)
+    for _ in range(300):
+        policy = build_policy("scheduler", sps=_staircase(generator))
+        values = torch.rand(7, generator=generator, dtype=torch.float64) ** 0.3
+        full = choose1(policy, values, 7)
+        stop_at = next((k for k in range(1, 8) if policy.stop_drafting(values[:k])), None)
+        assert (stop_at - 1 if stop_at else 7) == full
+        assert policy.stop_drafting(values[:full + 1].reshape(1, -1)) == (full < 7)  # the [1, k] form agrees
+
+
+def test_static_policies_draft_no_more_than_they_verify():
+    assert build_policy("static", static_k=3).max_drafts == 3
+    assert build_policy("mtp1").max_drafts == 1
+    assert build_policy("fixed").max_drafts is None
+    assert build_policy("scheduler", sps=SPS).max_drafts is None
+
+
 def test_registry_lists_policies_and_rejects_unknown_names():
     names = ["async", "calibrated_threshold", "fixed", "mtp1", "scheduler", "static", "threshold"]
     assert POLICIES.names() == names

@@ -33,7 +33,7 @@ import torch
 from torch import Tensor
 
 from dspark.calibration.sts import STSCalibration
-from dspark.decoding.policies import VerificationPolicy, build_policy, calibrate_confidences
+from dspark.decoding.policies import VerificationPolicy, build_policy
 from dspark.decoding.proposers import PolicyHook, Proposal, Proposer
 from dspark.decoding.records import GenerationResult, RoundRecord
 from dspark.decoding.shared import (
@@ -44,6 +44,8 @@ from dspark.decoding.shared import (
     check_policy_drafter,
     check_temperature,
     commit_verified,
+    draft_limit,
+    drafting_hook,
     is_done,
     prompt_error,
     sample_first,
@@ -88,21 +90,12 @@ class SpeculativeEngine:
         self.target, self.proposer, self.policy, self.calibration = target, proposer, policy, calibration
         self.stop_ids = frozenset(int(t) for t in target.stop_token_ids)
         self.max_positions = getattr(target.hf_config, "max_position_embeddings", None)
-        self._policy_hook = self._make_policy_hook()
+        self._policy_hook = drafting_hook(policy, calibration)
+        self._max_drafts = draft_limit(policy)
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
-
-    def _make_policy_hook(self) -> PolicyHook | None:
-        """The policy's early stop on c_1..c_k, calibrated first when the policy reads calibrated confidences."""
-        stop = getattr(self.policy, "stop_drafting", None)
-        if stop is None:
-            return None
-        if getattr(self.policy, "reads", "raw") == "calibrated" and self.calibration is not None:
-            calibration = self.calibration
-            return lambda confidences: stop(calibrate_confidences(calibration, confidences))
-        return stop
 
     def generate(self, prompt_ids: list[int], *, generator: torch.Generator | None,
                  max_new_tokens: int | None = None) -> GenerationResult:
@@ -190,7 +183,8 @@ class SpeculativeEngine:
                             torch.zeros(0, vocab, dtype=torch.float32, device=device), None)
         return self.proposer.propose(anchor_token=state.anchor, anchor_position=state.position,
                                      temperature=self.temperature, generator=generator, stop_ids=self.stop_ids,
-                                     policy_hook=self._policy_hook)
+                                     policy_hook=self._policy_hook,
+                                     max_drafts=self._max_drafts)
 
     def _num_to_verify(self, confidences: Tensor | None, drafts: list[int], position: int) -> int:
         """ℓ_eff = min(policy's ℓ, slot of the first drafted stop id, room left in the target's context)."""

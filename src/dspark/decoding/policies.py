@@ -23,8 +23,11 @@ calibration reads the raw c_k. So `threshold` compares the same numbers in `deco
 the same thing in the Fig. 5 sweep, in evaluation and under load.
 
 All are prefix rules whose decision on slot k depends on c_{≤k} only (or on stale confidences), so verification
-stays lossless (METHOD §5, Appendix A). `threshold` also offers `stop_drafting(c_1..c_k)`: slot k will not be verified
-whatever comes later, so the single-request proposer stops before sampling x_k (same ℓ on the shorter proposal).
+stays lossless (METHOD §5, Appendix A). Drafts that will never be verified are not drafted (the lean round, issue 11):
+- `max_drafts` (static k, mtp1 1; None otherwise): the proposers sample at most that many slots;
+- `stop_drafting(c [R, k] or [k])` (threshold, calibrated_threshold, scheduler): True when no request's slot k or
+  later will be verified whatever is drafted next, so the proposers stop before sampling x_{·,k}. The ℓ chosen on
+  the shorter proposal is the one the full proposal would get (tested), and fewer random numbers are drawn.
 Policies with history (`async`) are reset by the engines when a generation / a serve call starts.
 """
 from __future__ import annotations
@@ -38,7 +41,13 @@ from torch import Tensor
 
 from dspark.calibration.sts import STSCalibration
 from dspark.registry import Registry, unknown_name_message
-from dspark.scheduling.scheduler import async_capacity_schedule, schedule_single, schedule_verification
+from dspark.scheduling.scheduler import (
+    async_capacity_schedule,
+    drafting_done,
+    schedule_single,
+    schedule_verification,
+    single_drafting_done,
+)
 from dspark.scheduling.sps import SPSTable
 
 RAW, CALIBRATED = "raw", "calibrated"
@@ -119,6 +128,11 @@ class StaticPolicy:
         if self.k is not None and int(self.k) < 0:
             raise ValueError(f"{self.key}.static_k={self.k} must be >= 0 (drafts verified per request)")
 
+    @property
+    def max_drafts(self) -> int | None:
+        """No slot past k is ever verified, so none is drafted (None: every slot may be)."""
+        return None if self.k is None else int(self.k)
+
     def choose(self, *, confidences: Tensor | None, num_drafts: Tensor | int) -> Tensor:
         num_drafts = as_counts(num_drafts)
         return num_drafts.clone() if self.k is None else num_drafts.clamp(max=int(self.k))
@@ -149,10 +163,13 @@ class ThresholdPolicy:
         passing = (values >= self.threshold).to(torch.long).cumprod(dim=1)  # 1 up to the first failure
         return _cap(passing.sum(dim=1), num_drafts)
 
+    max_drafts = None
+
     def stop_drafting(self, confidences: Tensor) -> bool:
-        """confidences [k] = c_1..c_k of one request (what `reads` names, known before x_k is sampled) → True
-        when slot k will not be verified."""
-        return bool((torch.nan_to_num(confidences, nan=0.0) < self.threshold).any())
+        """confidences [k] = c_1..c_k of one request, or [R, k] of R (what `reads` names, known before x_k is
+        sampled; 0 for a request that stopped drafting) → True when no request's slot k will be verified."""
+        failed = torch.nan_to_num(confidences, nan=0.0) < self.threshold
+        return bool(failed.any(dim=-1).all())
 
     def reset(self) -> None:
         pass
@@ -189,6 +206,18 @@ class SchedulerPolicy:
             return torch.zeros(values.shape[0], dtype=torch.long)
         return _cap(schedule_verification(values, sps=self.sps), num_drafts)
 
+    max_drafts = None
+
+    def stop_drafting(self, confidences: Tensor) -> bool:
+        """confidences [k] (one request) or [R, k]: c̃ of slots 1..k, known before x_{·,k} is sampled → True when
+        the early-stop plan can admit no slot ≥ k whatever is drafted next (`scheduling.scheduler.drafting_done`;
+        for one request, `schedule_single` on c̃_1..c̃_k stops before k)."""
+        row = _single_request_row(confidences, confidences.shape[-1])
+        if row is not None:
+            return single_drafting_done(row, rates=self._rates(len(row) + 1))
+        values = torch.nan_to_num(confidences.detach().to(device="cpu", dtype=torch.float64), nan=0.0)
+        return drafting_done(values, sps=self.sps)
+
     def _rates(self, count: int) -> list[float]:
         """SPS(1..count) as floats, evaluated once per table (the exact float64 values the tensor path uses)."""
         if len(self._rate_cache) < count:
@@ -208,6 +237,7 @@ class AsyncPolicy:
     name = "async"
     needs_confidences = True
     reads = CALIBRATED
+    max_drafts = None
     _history: deque = field(default_factory=lambda: deque(maxlen=2), repr=False)
 
     def __post_init__(self) -> None:

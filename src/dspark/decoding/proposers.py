@@ -67,8 +67,9 @@ class Proposer(Protocol):
 
     def propose(self, *, anchor_token: int, anchor_position: int, temperature: float,
                 generator: torch.Generator | None, stop_ids: Collection[int],
-                policy_hook: PolicyHook | None = None) -> Proposal:
-        """Draft after `anchor_token` at `anchor_position` (== the number of context positions)."""
+                policy_hook: PolicyHook | None = None, max_drafts: int | None = None) -> Proposal:
+        """Draft after `anchor_token` at `anchor_position` (== the number of context positions); at most
+        `max_drafts` slots (the policy's `max_drafts`: no later slot would be verified), γ when None."""
 
 
 
@@ -171,7 +172,7 @@ class DSparkProposer:
     @torch.no_grad()
     def propose(self, *, anchor_token: int, anchor_position: int, temperature: float,
                 generator: torch.Generator | None, stop_ids: Collection[int],
-                policy_hook: PolicyHook | None = None) -> Proposal:
+                policy_hook: PolicyHook | None = None, max_drafts: int | None = None) -> Proposal:
         if anchor_position != self.context_length:
             raise ValueError(f"DSparkProposer: anchor at position {anchor_position} but the context holds "
                              f"{self.context_length} positions; it must hold exactly the positions before the anchor")
@@ -183,7 +184,8 @@ class DSparkProposer:
         middle = time.perf_counter()
         tokens, probs, confidences = self._sequential(hidden, parallel_logits, anchor_token=anchor_token,
                                                       temperature=temperature, generator=generator,
-                                                      stop_ids=stop_ids, policy_hook=policy_hook)
+                                                      stop_ids=stop_ids, policy_hook=policy_hook,
+                                                      max_drafts=max_drafts)
         synchronize(device)
         return Proposal(tokens, probs, confidences, seconds_parallel=middle - start,
                         seconds_sequential=time.perf_counter() - middle)
@@ -204,14 +206,16 @@ class DSparkProposer:
 
     def _sequential(self, hidden: Tensor, parallel_logits: Tensor, *, anchor_token: int, temperature: float,
                     generator: torch.Generator | None, stop_ids: Collection[int],
-                    policy_hook: PolicyHook | None) -> tuple[Tensor, Tensor, Tensor | None]:
+                    policy_hook: PolicyHook | None, max_drafts: int | None = None,
+                    ) -> tuple[Tensor, Tensor, Tensor | None]:
         """Left-to-right sampling over the draft vocabulary: x_k from U_k + B_k(x_{k-1}); c_k before x_k (so a hook
-        may stop first); a slot with unusable logits ends the proposal before it is sampled (fault guard)."""
+        may stop first); a slot with unusable logits ends the proposal before it is sampled (fault guard); at most
+        `max_drafts` slots."""
         ids = self.stage.ids
         prev = torch.tensor([anchor_token], device=hidden.device)
         state, tokens, probs = None, [], []
         confidences: list[Tensor] | None = [] if self.has_confidence else None
-        for k in range(self.block_size):
+        for k in range(draft_count(self.block_size, max_drafts)):
             logits, conf_logit, state = self.drafter.sequential_step(
                 hidden_k=hidden[k:k + 1], parallel_logits_k=parallel_logits[k:k + 1], prev_token=prev, state=state)
             if not bool(usable_logits(logits)):
@@ -229,6 +233,15 @@ class DSparkProposer:
         tokens_, probs_, confidences_ = _stack_proposal(tokens, probs, confidences, parallel_logits.shape[-1],
                                                         hidden.device)
         return tokens_, to_target_probs(probs_, ids, self.vocab_size), confidences_
+
+
+def draft_count(block_size: int, max_drafts: int | None) -> int:
+    """Slots to draft: γ, or fewer when the policy verifies at most `max_drafts`."""
+    if max_drafts is None:
+        return block_size
+    if int(max_drafts) < 0:
+        raise ValueError(f"max_drafts must be >= 0 or None, got {max_drafts}")
+    return min(block_size, int(max_drafts))
 
 
 def _spare_room(keys: GrowingBuffer, values: GrowingBuffer) -> ExtendKV:
@@ -289,8 +302,8 @@ class Eagle3Proposer:
     @torch.no_grad()
     def propose(self, *, anchor_token: int, anchor_position: int, temperature: float,
                 generator: torch.Generator | None, stop_ids: Collection[int],
-                policy_hook: PolicyHook | None = None) -> Proposal:
-        """`policy_hook` is unused: EAGLE-3 has no confidences. Sampling is over the draft vocabulary; a step with
+                policy_hook: PolicyHook | None = None, max_drafts: int | None = None) -> Proposal:
+        """`policy_hook` is unused: EAGLE-3 has no confidences; the chain runs at most `max_drafts` steps. Sampling is over the draft vocabulary; a step with
         unusable logits ends the chain before it (`drafting` module)."""
         if anchor_position != self.context_length:
             raise ValueError(f"Eagle3Proposer: anchor at position {anchor_position} but the context holds "
@@ -304,6 +317,7 @@ class Eagle3Proposer:
         synchronize(pending.device)
         chain_start = time.perf_counter()
         tokens, probs = [], []
+        count = draft_count(self.block_size, max_drafts)
 
         def sample(logits: Tensor) -> tuple[Tensor, Tensor]:
             if not bool(usable_logits(logits).all()):
@@ -314,8 +328,8 @@ class Eagle3Proposer:
             return index, p
 
         try:
-            self.drafter.draft_from(self._context, last, num_tokens=self.block_size, sample_fn=sample,
-                                    stop_ids=stop_ids)
+            if count > 0:
+                self.drafter.draft_from(self._context, last, num_tokens=count, sample_fn=sample, stop_ids=stop_ids)
         except _UnusableSlot:
             pass  # the drafts before the faulty step stand (each was sampled from its own, usable p_d)
         synchronize(pending.device)

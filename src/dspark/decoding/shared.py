@@ -1,10 +1,10 @@
 """What the single-request engine (`dspark.decoding.engine`) and the batched serving engine (`dspark.serving.engine`)
 share, so that the two mean the same thing (METHOD §5–§6): argument and prompt checks, the first token after the
 prompt, the commit rule with its EOS handling, stop reasons, the policy's confidence check and the one place where
-confidences are calibrated for a policy."""
+confidences are calibrated for a policy (also inside the proposers' drafting stop, `drafting_hook`)."""
 from __future__ import annotations
 
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 
 import torch
 from torch import Tensor
@@ -94,3 +94,20 @@ def step_confidences(policy: VerificationPolicy | None, raw: Tensor | None, cali
     raw = raw.float()
     calibrated = None if calibration is None else calibrate_confidences(calibration, raw)
     return calibrated, policy_confidences(policy, raw=raw, calibrated=calibrated)
+
+
+def drafting_hook(policy: VerificationPolicy | None,
+                  calibration: STSCalibration | None) -> Callable[[Tensor], bool] | None:
+    """The policy's `stop_drafting` as the proposers call it, on raw c [k] / [R, k] (None when the policy has no
+    drafting stop): calibrated first when the policy reads calibrated confidences, as `step_confidences` does."""
+    stop = getattr(policy, "stop_drafting", None)
+    if stop is None:
+        return None
+    if getattr(policy, "reads", "raw") == "calibrated" and calibration is not None:
+        return lambda confidences: stop(calibrate_confidences(calibration, confidences.float()))
+    return stop
+
+
+def draft_limit(policy: VerificationPolicy | None) -> int | None:
+    """The policy's `max_drafts` (no later slot is ever verified), None when every slot may be."""
+    return getattr(policy, "max_drafts", None)

@@ -141,6 +141,43 @@ def schedule_single(confidences: list[float], *, rates: list[float]) -> int:
     return admitted
 
 
+def single_drafting_done(confidences: list[float], *, rates: list[float]) -> bool:
+    """True when slot k = len(confidences) will not be verified for the one request of `schedule_single`, whatever
+    is drafted after it: c̃_1..c̃_k are known before x_k is sampled, and `schedule_single`'s decision on slot k
+    depends on them only, so the proposer may stop before sampling x_k and the chosen ℓ is unchanged."""
+    return schedule_single(confidences, rates=rates) < len(confidences)
+
+
+def drafting_done(confidences: Tensor, *, sps: SPSTable) -> bool:
+    """True when no request's slot k or later can be admitted by `schedule_verification` (with the early stop),
+    whatever is drafted from slot k on; confidences [R, k] hold c̃ of slots 1..k of every request, known before the
+    x_{·,k} are sampled (0 for a request that stopped drafting).
+
+    Why it is exact. Every candidate (r, j > k) has survival a_{r,j} ≤ a_{r,k} ≤ U = max_r a_{r,k}, and ranks after
+    every known candidate (r', j' ≤ k) with a ≥ U (ties go to the smaller j). So the known candidates with a ≥ U,
+    in the scheduler's order, are a prefix of the full order, fixed before x_{·,k} is drawn. If the early stop ends
+    inside that prefix and has admitted no slot-k candidate, no slot ≥ k is ever admitted and the plan on the
+    shorter proposal is the same plan; otherwise the answer is False (keep drafting), which is always safe.
+    """
+    values = _check_confidences(confidences)
+    num_requests, block = values.shape
+    if block == 0:
+        return False
+    bound = float(values.cumprod(dim=1)[:, -1].max()) if num_requests else 0.0
+    if bound <= 0.0:
+        return True  # no slot-≥k candidate has positive survival: none is ever admitted
+    requests, slots, survival = sorted_candidates(values)
+    known = int((survival >= bound).sum())  # sorted descending: the known prefix of the full order
+    batch = num_requests + torch.arange(known + 1, dtype=torch.float64)
+    expected = num_requests + torch.cat([torch.zeros(1, dtype=torch.float64), survival[:known].cumsum(0)])
+    throughput = expected * sps(batch)
+    improved = throughput[1:] > throughput[:-1]
+    if bool(improved.all()):
+        return False  # the early stop lies beyond the known prefix: later slots may still be admitted
+    admitted = int(improved.to(torch.long).cumprod(0).sum())
+    return not bool((slots[:admitted] == block).any())
+
+
 def expected_throughput(confidences: Tensor, lengths: Tensor, *, sps: SPSTable) -> float:
     """Θ = τ·SPS(B) of a plan (METHOD §7): τ = Σ_r (1 + Σ_{j≤ℓ_r} a_{r,j}), B = Σ_r (1 + ℓ_r)."""
     values = _check_confidences(confidences)

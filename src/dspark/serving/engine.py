@@ -41,6 +41,8 @@ from dspark.decoding.shared import (
     check_policy_drafter,
     check_temperature,
     commit_verified,
+    draft_limit,
+    drafting_hook,
     is_done,
     prompt_error,
     sample_first,
@@ -274,7 +276,9 @@ class BatchedEngine:
                                  torch.zeros(rows, 0, self.target.vocab_size, device=device), None,
                                  torch.zeros(rows, dtype=torch.long, device=device))
         return self.proposer.propose(anchor_tokens=anchors, anchor_positions=positions, temperature=self.temperature,
-                                     generators=[s.generator for s in run.active], stop_ids=self.stop_ids)
+                                     generators=[s.generator for s in run.active], stop_ids=self.stop_ids,
+                                     policy_hook=drafting_hook(self.policy, self.calibration),
+                                     max_drafts=draft_limit(self.policy))
 
     def _choose(self, proposal: BatchProposal, confidences: Tensor | None, positions: Tensor) -> Tensor:
         """ℓ_r [R] long (CPU) = min(policy's ℓ_r on what it reads, room left in the target's context)."""
@@ -303,12 +307,14 @@ class BatchedEngine:
         if not state.done:
             state.anchor, state.position = extra, anchor_position + len(accepted) + 1
         num_drafted = int(proposal.num_drafts[row])
+        # a proposal the policy cut short says nothing about the drafts it did not draw: no accept_if_all then
+        cut = proposal.policy_cut is not None and bool(proposal.policy_cut[row])
         confidences = None if proposal.confidences is None else proposal.confidences[row, :num_drafted].tolist()
         round_ = ServeRound(request_id=state.request.request_id, step=step, anchor_position=anchor_position,
                             num_drafted=num_drafted, confidences=confidences,
                             calibrated=None if calibrated is None else calibrated[row, :num_drafted].tolist(),
                             num_verified=length, num_accepted=len(accepted), committed=len(committed),
-                            accept_if_all=len(accepted) if length == num_drafted else None)
+                            accept_if_all=len(accepted) if length == num_drafted and not cut else None)
         return round_, 0 if state.done else len(accepted) + 1
 
     def _retire(self, run: _Run) -> None:

@@ -10,6 +10,9 @@ committed positions). One step:
     2  the sequential loop batched over rows: logits_k = U_k + B_k(x_{k-1}), c_k = σ(·) (before x_k),
        x_{r,k} ~ softmax(logits_k / T) drawn with row r's own generator (T = 0: argmax)
     3  a row stops drafting after a drafted stop id (num_drafts[r] < γ); it draws no more random numbers
+    4  all rows stop at `max_drafts` slots, or before slot k when `policy_hook(c_{·,1..k})` says no row's slot k or
+       later will be verified (the policy's `max_drafts` / `stop_drafting`, `decoding.policies`): drafts nobody
+       verifies are not drawn
 
 Each row draws exactly the uniforms the single-request proposer would (one float64 per sampled slot, in slot
 order), so a request's drafts do not depend on which other requests share its step.
@@ -31,6 +34,7 @@ from dspark.decoding.drafting import (
     to_target_probs,
     usable_logits,
 )
+from dspark.decoding.proposers import PolicyHook, draft_count
 from dspark.decoding.verify import draw_uniforms, probs_from_logits, sample_from_probs
 from dspark.drafters.dspark import DSparkDrafter
 from dspark.timing import synchronize
@@ -46,6 +50,7 @@ class BatchProposal:
     draft_probs: Tensor         # [R, γ, V] float32, the distribution each x_{r,k} was drawn from (one-hot at T = 0)
     confidences: Tensor | None  # [R, γ] float32 raw c_k (0 after γ'_r); None without a confidence head
     num_drafts: Tensor          # [R] long, γ'_r ≤ γ
+    policy_cut: Tensor | None = None  # [R] bool: drafting ended by the policy (step 4), not by a stop id, γ or a fault
     seconds_parallel: float = 0.0
     seconds_sequential: float = 0.0
 
@@ -146,8 +151,10 @@ class BatchedDSparkProposer:
 
     @torch.no_grad()
     def propose(self, *, anchor_tokens: Tensor, anchor_positions: Tensor, temperature: float,
-                generators: list[torch.Generator | None], stop_ids: Collection[int]) -> BatchProposal:
-        """Draft after anchor_tokens [R] at anchor_positions [R] (each == that row's context length)."""
+                generators: list[torch.Generator | None], stop_ids: Collection[int],
+                policy_hook: PolicyHook | None = None, max_drafts: int | None = None) -> BatchProposal:
+        """Draft after anchor_tokens [R] at anchor_positions [R] (each == that row's context length); at most
+        `max_drafts` slots; `policy_hook(c [R, k])` → True stops before slot k (module docstring, step 4)."""
         anchor_tokens, anchor_positions = anchor_tokens.to(self.device), anchor_positions.to(self.device)
         if not torch.equal(anchor_positions, self.lengths):
             raise ValueError(f"BatchedDSparkProposer: anchors at positions {anchor_positions.tolist()} but the "
@@ -159,7 +166,8 @@ class BatchedDSparkProposer:
         synchronize(self.device)
         middle = time.perf_counter()
         proposal = self._sequential(hidden, parallel_logits, anchor_tokens=anchor_tokens, temperature=temperature,
-                                    generators=generators, stop_ids=stop_ids)
+                                    generators=generators, stop_ids=stop_ids, policy_hook=policy_hook,
+                                    max_drafts=max_drafts)
         synchronize(self.device)
         proposal.seconds_parallel, proposal.seconds_sequential = middle - start, time.perf_counter() - middle
         return proposal
@@ -181,9 +189,11 @@ class BatchedDSparkProposer:
         return backbone.norm(hidden).float()
 
     def _sequential(self, hidden: Tensor, parallel_logits: Tensor, *, anchor_tokens: Tensor, temperature: float,
-                    generators: list[torch.Generator | None], stop_ids: Collection[int]) -> BatchProposal:
+                    generators: list[torch.Generator | None], stop_ids: Collection[int],
+                    policy_hook: PolicyHook | None = None, max_drafts: int | None = None) -> BatchProposal:
         """Slot by slot for all rows, over the draft vocabulary: c_k from x_{k-1} first, then x_k; a row stops
-        after a drafted stop id, or before a slot whose logits are unusable (fault guard, `decoding.drafting`)."""
+        after a drafted stop id, or before a slot whose logits are unusable (fault guard, `decoding.drafting`);
+        every row stops at `max_drafts` or when `policy_hook` says so (before sampling that slot)."""
         rows, gamma, _ = parallel_logits.shape
         ids = self.stage.ids
         stops = torch.tensor(sorted(int(s) for s in stop_ids), dtype=torch.long, device=self.device)
@@ -193,12 +203,18 @@ class BatchedDSparkProposer:
         drafting = torch.ones(rows, dtype=torch.bool, device=self.device)
         num_drafts = torch.zeros(rows, dtype=torch.long, device=self.device)
         prev, state = anchor_tokens, None
-        for k in range(gamma):
+        count = draft_count(gamma, max_drafts)
+        cut = torch.zeros(rows, dtype=torch.bool, device=self.device)
+        for k in range(count):
             logits, conf_logit, state = self.drafter.sequential_step(
                 hidden_k=hidden[:, k], parallel_logits_k=parallel_logits[:, k], prev_token=prev, state=state)
             drafting &= usable_logits(logits)
             if confidences is not None:
                 confidences[:, k] = torch.where(drafting, clean_confidences(torch.sigmoid(conf_logit.float())), 0.0)
+                if policy_hook is not None and policy_hook(confidences[:, :k + 1]):
+                    confidences[:, k] = 0.0  # slot k is not drafted: γ'_r stays k
+                    cut = drafting.clone()
+                    break
             slot_probs = torch.where(drafting.unsqueeze(1), probs_from_logits(logits, temperature), 0.0)
             probs[:, k] = to_target_probs(slot_probs, ids, self.vocab_size)
             index = _sample_rows(slot_probs, drafting, temperature=temperature, generators=generators)
@@ -208,7 +224,10 @@ class BatchedDSparkProposer:
             drafting &= ~torch.isin(prev, stops)
             if not bool(drafting.any()):
                 break
-        return BatchProposal(tokens, probs, confidences, num_drafts)
+        else:
+            if count < gamma:
+                cut = drafting.clone()  # stopped at max_drafts
+        return BatchProposal(tokens, probs, confidences, num_drafts, policy_cut=cut)
 
 
 def _after(keys: Tensor, values: Tensor):
