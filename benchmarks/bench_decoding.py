@@ -10,10 +10,12 @@ prompt (so load drift hits all alike), each after one warm-up call, at every `--
   EAGLE-3 stand-ins of `--depth` / `--block-size` / `--draft-vocab`, which measure round costs only: τ ≈ 1) under
   `fixed` (ℓ = γ), every static ℓ = 1..γ−1 and `scheduler` (this machine's SPS(B) profile, cached, and the STS
   calibration stored in the drafter.pt at that temperature when there is one; raw confidences otherwise).
-Columns: tokens/s (prefill included), ratio to target-only, τ, mean ℓ, and ms per round split into verify / draft
-parallel (block forward + LM head + context update) / draft sequential (Markov loop; all of EAGLE-3's chain) / other
-(policy, verifier, commit, rollback: the engine's Python overhead). The round-cost section reads the γ = 7 DSpark
-rows: the sequential loop's share of a round and the drafter's round against one plain target step.
+Columns: tokens/s (prefill included), ratio to target-only with its paired bootstrap 95% CI over prompts, τ, mean ℓ,
+and ms per round split into verify / draft parallel (block forward + LM head + context update) / draft sequential
+(Markov loop; all of EAGLE-3's chain) / other (policy, verifier, commit, rollback: the engine's Python overhead). Each
+scheduler row is compared with its drafter's fixed and static rows (ratio, paired 95% CI, ahead / behind / not
+distinguishable). The round-cost section reads the γ = 7 DSpark rows: the sequential loop's share of a round and the
+drafter's round against one plain target step.
 Writes `--output` (benchmarks/results/decoding.md) with the command, machine (CPU model, its bf16 instructions, drafter
 precision), load averages and git commit.
 
@@ -194,17 +196,55 @@ def build_modes(target, drafters: list[Drafter], *, temperature: float, args, sp
 def run_interleaved(modes: dict[str, Mode], prompts: list, *, label: str) -> dict[str, dict]:
     for run in modes.values():
         run(prompts[0], max_new_tokens=4)  # warm-up (first-call allocations, lazy caches)
-    totals = {name: {"tokens": 0, "seconds": 0.0, "rounds": []} for name in modes}
+    totals = {name: {"tokens": 0, "seconds": 0.0, "rounds": [], "per_prompt": []} for name in modes}
     for index, prompt in enumerate(prompts):
         for name, run in modes.items():
             out = run(prompt)
             for key in ("tokens", "seconds", "rounds"):
                 totals[name][key] += out[key]
+            totals[name]["per_prompt"].append((out["tokens"], out["seconds"]))
         print(f"{label}: prompt {index + 1}/{len(prompts)} done", file=sys.stderr, flush=True)
     return totals
 
 
 # ---- tables ----
+
+BOOTSTRAP_DRAWS = 4000
+
+
+def paired_ratio_ci(mode: list[tuple[int, float]], base: list[tuple[int, float]], *, seed: int = 0,
+                    confidence: float = 0.95) -> tuple[float, float]:
+    """Percentile-bootstrap CI of (Σ tokens / Σ seconds of `mode`) / (the same of `base`) over prompts resampled
+    jointly: both modes ran on the same prompts, interleaved, so resampling pairs keeps what they share (prompt
+    length, the machine's drift at that minute) out of the interval. Lists of per-prompt (tokens, seconds)."""
+    if len(mode) != len(base) or len(mode) < 2:
+        return float("nan"), float("nan")
+    data = torch.tensor([[t, s, tb, sb] for (t, s), (tb, sb) in zip(mode, base)], dtype=torch.float64)
+    draws = torch.randint(0, len(mode), (BOOTSTRAP_DRAWS, len(mode)), generator=torch.Generator().manual_seed(seed))
+    sums = data[draws].sum(dim=1)  # [draws, 4]
+    ratios = (sums[:, 0] / sums[:, 1]) / (sums[:, 2] / sums[:, 3])
+    tail = (1 - confidence) / 2
+    low, high = torch.quantile(ratios, torch.tensor([tail, 1 - tail], dtype=torch.float64)).tolist()
+    return low, high
+
+
+def scheduler_comparison(totals: dict[str, dict]) -> list[str]:
+    """Each drafter's scheduler row against its fixed and static rows: tok/s ratio with its paired 95% CI (the
+    issue's "ahead of every static ℓ", judged by whether the interval lies above 1)."""
+    lines = []
+    for name, t in totals.items():
+        if not name.endswith("· scheduler"):
+            continue
+        drafter = name[: -len("· scheduler")]
+        rate = t["tokens"] / t["seconds"]
+        for other, o in totals.items():
+            if other == name or not other.startswith(drafter):
+                continue
+            low, high = paired_ratio_ci(t["per_prompt"], o["per_prompt"])
+            verdict = "ahead" if low > 1 else ("behind" if high < 1 else "not distinguishable")
+            lines.append(f"- scheduler vs {other[len(drafter) + 2:]}: {rate / (o['tokens'] / o['seconds']):.3f}× "
+                         f"[{low:.3f}, {high:.3f}] → {verdict}")
+    return lines
 
 def mean_ms(rounds, attribute: str) -> float:
     return 1000 * sum(getattr(r, attribute) for r in rounds) / len(rounds) if rounds else float("nan")
@@ -217,15 +257,17 @@ def fmt(value: float, digits: int = 2) -> str:
 def speed_table(totals: dict[str, dict]) -> str:
     base = totals["target-only (our engine)"]
     base_rate = base["tokens"] / base["seconds"]
-    head = ("| mode | tokens | tok/s | × target-only | τ | mean ℓ | rounds | ms / round | verify | draft parallel | "
-            "draft sequential | other |")
-    lines = [head, "|" + "---|" * 12]
+    head = ("| mode | tokens | tok/s | × target-only | 95% CI | τ | mean ℓ | rounds | ms / round | verify | "
+            "draft parallel | draft sequential | other |")
+    lines = [head, "|" + "---|" * 13]
     for name, t in totals.items():
         rate, rounds = t["tokens"] / t["seconds"], t["rounds"]
         tau = sum(r.committed for r in rounds) / len(rounds) if rounds else float("nan")
         ell = sum(r.num_verified for r in rounds) / len(rounds) if rounds else float("nan")
         phases = " | ".join(fmt(mean_ms(rounds, attribute)) for attribute, _ in PHASES)
-        lines.append(f"| {name} | {t['tokens']} | {rate:.1f} | {rate / base_rate:.2f}× | {fmt(tau)} | {fmt(ell)} | "
+        low, high = paired_ratio_ci(t["per_prompt"], base["per_prompt"]) if t is not base else (1.0, 1.0)
+        lines.append(f"| {name} | {t['tokens']} | {rate:.1f} | {rate / base_rate:.2f}× | [{fmt(low)}, {fmt(high)}] | "
+                     f"{fmt(tau)} | {fmt(ell)} | "
                      f"{len(rounds) or '–'} | {fmt(mean_ms(rounds, 'seconds'), 1)} | {phases} |")
     return "\n".join(lines)
 
@@ -247,6 +289,16 @@ def round_costs(totals: dict[str, dict]) -> list[str]:
                      f"{100 * drafting / step_ms:.0f}% of a plain target step (target ≤ 20%); Python overhead "
                      f"{mean_ms(rounds, 'seconds_other'):.2f} ms per round (target ≤ 1 ms)")
     return lines
+
+
+def load_verdict(start_load: float, threads: int) -> str:
+    """What the load average says: the start value is read before this run's own work (so it is other jobs'),
+    the end value includes this run's own `threads`."""
+    cores = os.cpu_count() or 1
+    if start_load + threads > cores + 0.5:
+        return (f"other jobs were running at the start (load {start_load:.1f}) beside this run's {threads} threads on "
+                f"{cores} cores: absolute times are inflated, ratios between interleaved modes less so")
+    return f"the end value includes this run's own {threads} threads; no other load at the start"
 
 
 def machine_line(args) -> str:
@@ -293,8 +345,11 @@ def main(argv: list[str]) -> int:
     for temperature in args.temperatures:
         modes = build_modes(target, drafters, temperature=temperature, args=args, sps=sps)
         totals = run_interleaved(modes, prompts, label=f"T={temperature:g}")
-        sections += [f"## Temperature {temperature:g}", "", speed_table(totals), "", "Round costs (fixed ℓ = γ):", "",
-                     *round_costs(totals), ""]
+        comparison = scheduler_comparison(totals)
+        sections += [f"## Temperature {temperature:g}", "", speed_table(totals), "",
+                     *(["Scheduler against the same drafter's other policies (tok/s ratio, paired bootstrap 95% CI "
+                        "over prompts):", "", *comparison, ""] if comparison else []),
+                     "Round costs (fixed ℓ = γ):", "", *round_costs(totals), ""]
     trained = all(d.trained for d in drafters)
     note = ("trained drafters: " + ", ".join(args.drafter)) if trained else (
         "**untrained drafters** (no --drafter given): τ ≈ 1, so their rows measure round costs, not a speed-up; "
@@ -309,8 +364,7 @@ def main(argv: list[str]) -> int:
         f"Command: `python benchmarks/bench_decoding.py {shlex.join(argv)}` ({time.time() - started:.0f} s in all)  ",
         f"Machine: {machine_line(args)}  ",
         f"Git commit {git_commit()}; {time.strftime('%Y-%m-%d %H:%M %Z')}; 1-min load average {loads} at the start / "
-        f"end on {os.cpu_count()} cores (above the core count other jobs competed: absolute times are inflated, "
-        "ratios between interleaved modes less so).", "",
+        f"end on {os.cpu_count()} cores ({load_verdict(load_start[0], args.threads)}).", "",
         f"Prompts: the first {args.prompts} of {', '.join(args.sets)} ({len(prompts)} in all), chat-templated; "
         f"max_new_tokens {args.max_new_tokens}; modes interleaved per prompt after a warm-up call; tok/s include "
         f"prefill. Drafters: {note}.", "",
