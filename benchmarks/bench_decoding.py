@@ -11,8 +11,10 @@ prompt (so load drift hits all alike), each after one warm-up call, at every `--
   `fixed` (ℓ = γ), every static ℓ = 1..γ−1 and `scheduler` (this machine's SPS(B) profile, cached, and the STS
   calibration stored in the drafter.pt at that temperature when there is one; raw confidences otherwise).
 Columns: tokens/s (prefill included), ratio to target-only with its paired bootstrap 95% CI over prompts, τ, mean ℓ,
-and ms per round split into verify / draft parallel (block forward + LM head + context update) / draft sequential
-(Markov loop; all of EAGLE-3's chain) / other (policy, verifier, commit, rollback: the engine's Python overhead). Each
+and ms per round split into verify (target forward, p_t and the verifier's rejection sampling; until 2026-12-03 the
+verifier counted as other) / draft parallel (block forward + LM head + context update) / draft sequential (Markov loop
+with the policy's drafting stop; all of EAGLE-3's chain) / other (calibration, policy, commit, rollback, records: the
+engine's Python overhead). Each
 scheduler row is compared with its drafter's fixed and static rows (ratio, paired 95% CI, ahead / behind / not
 distinguishable). The round-cost section reads the γ = 7 DSpark rows: the sequential loop's share of a round and the
 drafter's round against one plain target step.

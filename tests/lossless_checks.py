@@ -10,7 +10,7 @@ import numpy as np
 import torch
 from scipy import stats
 
-from dspark.decoding.verify import VerifyResult, draw_uniforms, sample_from_probs
+from dspark.decoding.verify import VerifyResult, draw_uniforms, probs_from_logits, sample_from_probs
 
 
 def pit_values(target, prompt, sequences, rng: np.random.Generator) -> list[np.ndarray]:
@@ -38,8 +38,10 @@ def uniformity_p_values(groups: dict[str, np.ndarray]) -> dict[str, float]:
     return {name: stats.chisquare(np.histogram(u, bins=10, range=(0.0, 1.0))[0]).pvalue for name, u in groups.items()}
 
 
-def residual_ignoring_verifier(*, draft_tokens, draft_probs, target_probs, generator, greedy=False):
-    """A plausible bug: the correction after a rejection is drawn from p_t instead of norm(max(0, p_t − p_d))."""
+def residual_ignoring_verifier(*, draft_tokens, draft_probs, target_logits, temperature, generator):
+    """A plausible bug: the correction after a rejection is drawn from p_t instead of norm(max(0, p_t − p_d)).
+    (Stands in for `verify_drafts_from_logits`, the engines' verifier.)"""
+    target_probs = probs_from_logits(target_logits, temperature)
     length = draft_tokens.shape[0]
     uniforms = draw_uniforms((length + 1,), generator, target_probs.device)
     accepted = 0

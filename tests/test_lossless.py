@@ -189,7 +189,7 @@ def test_faulty_drafter_slots_are_never_proposed_and_the_output_is_still_the_tar
 
 
 def test_the_test_can_fail(target, prompt, monkeypatch):
-    monkeypatch.setattr(engine_module, "verify_drafts", residual_ignoring_verifier)
+    monkeypatch.setattr(engine_module, "verify_drafts_from_logits", residual_ignoring_verifier)
     results = sample_generations(make_engine(target, "dspark-markov", "fixed"), prompt, NUM_GENERATIONS)
     assert chi_square_p_values(target, prompt, results)["pooled"] < P_MIN
 

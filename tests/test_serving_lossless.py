@@ -189,7 +189,7 @@ def accepted_drafts(sequence, round_):
 
 
 def test_the_test_can_fail(target, prompts, drafter, monkeypatch):
-    monkeypatch.setattr(engine_module, "verify_drafts", residual_ignoring_verifier)
+    monkeypatch.setattr(engine_module, "verify_drafts_from_logits", residual_ignoring_verifier)
     requests = interleaved_requests(prompts, NUM_REQUESTS)
     result = serve(make_engine(target, drafter, "fixed"), requests)
     assert chi_square_p_values(target, prompts, requests, result.requests)["pooled"] < P_MIN

@@ -206,3 +206,36 @@ def test_shape_and_randomness_errors():
     with pytest.raises(ValueError, match="lengths"):
         verify_drafts_batched(draft_tokens=torch.zeros(2, 1, dtype=torch.long), draft_probs=torch.ones(2, 1, V),
                               target_probs=torch.ones(2, 2, V), lengths=torch.tensor([0, 2]), greedy=True)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.7, 1.0])
+def test_verifying_from_logits_equals_verifying_the_full_probabilities(temperature):
+    """The lazy verifier (p_t rows only up to the first rejection) gives exactly `verify_drafts` on the softmax of
+    every row, for the same uniforms: same A, same extra token — drafts from a draft vocabulary, from the target's
+    own argmax (long accepted runs) and at random, every ℓ in 0..7."""
+    from dspark.decoding.verify import verify_drafts_from_logits
+
+    generator = torch.Generator().manual_seed(11)
+    vocab, accepted_counts = 300, set()
+    for trial in range(400):
+        length = trial % 8
+        logits = torch.randn(length + 1, vocab, generator=generator) * 3
+        draft_logits = logits[:length] + torch.randn(length, vocab, generator=generator) * (trial % 3)
+        draft_logits[:, vocab // 2:] = float("-inf") if trial % 4 == 0 else draft_logits[:, vocab // 2:]
+        draft_probs = probs_from_logits(draft_logits, max(temperature, 1.0))
+        tokens = (draft_probs.argmax(-1) if trial % 2 else
+                  torch.multinomial(draft_probs, 1, generator=generator).squeeze(-1)) if length else \
+            torch.zeros(0, dtype=torch.long)
+        uniforms = torch.rand(length + 1, generator=generator, dtype=torch.float64)
+        expected = verify_drafts(draft_tokens=tokens, draft_probs=draft_probs,
+                                 target_probs=probs_from_logits(logits, temperature), uniforms=uniforms,
+                                 greedy=temperature == 0)
+        got = verify_drafts_from_logits(draft_tokens=tokens, draft_probs=draft_probs, target_logits=logits,
+                                        temperature=temperature, uniforms=uniforms)
+        assert (got.num_accepted, got.next_token) == (expected.num_accepted, expected.next_token), trial
+        assert torch.equal(got.accepted_tokens, expected.accepted_tokens)
+        accepted_counts.add(got.num_accepted)
+    assert accepted_counts >= {0, 1, 2, 3}
+    with pytest.raises(ValueError, match=r"target_logits \[ℓ\+1, V\]"):
+        verify_drafts_from_logits(draft_tokens=torch.zeros(2, dtype=torch.long), draft_probs=torch.zeros(2, 5),
+                                  target_logits=torch.zeros(2, 5), temperature=1.0, uniforms=torch.rand(3))

@@ -9,14 +9,15 @@ before the current anchor x_0 at position p; so does the proposer's context (`kv
     3  confidences → STS calibration (when given) → policy.choose with R = 1 (c_k depends on x_<k only) → ℓ, cut at
        the first drafted stop id and the end of the target's context (ℓ_eff)
     4  one target forward over [x_0, x_1..x_ℓ] at p..p+ℓ appended to the cache → p_t for slots 1..ℓ+1, features
-    5  verify_drafts (rejection sampling; greedy matching when temperature == 0) → A, extra token y
+    5  the verifier on the target's logits (rejection sampling; greedy matching at T = 0) → A, extra token y
     6  commit x_1..x_A and y; an accepted stop id ends the round there (τ = A, no y)
     7  roll the target cache back to positions ≤ p+A
     8  extend the proposer with the features of p..p+A; y is the next anchor at p+A+1
 
 Round timings: `seconds_draft_parallel` = the proposer's parallel forward plus extending its context with this
 round's committed positions (drafter compute), `seconds_draft_sequential` = its sampling loop, `seconds_verify` = the target
-forward and p_t, `seconds_other` = the rest (policy, verifier, commit, rollback): the engine's Python overhead.
+forward, p_t and the verifier's rejection sampling (steps 4–5), `seconds_other` = the rest (calibration, policy,
+commit, rollback, records): the engine's Python overhead. (Until 2026-12-03 the verifier counted as "other".)
 The checks, first token, commit rule and stop reasons are shared with the batched engine (`decoding.shared`).
 
 Generation stops at a stop id or once `max_new_tokens` are committed (the last round counts whole in the records;
@@ -52,7 +53,7 @@ from dspark.decoding.shared import (
     step_confidences,
     stop_reason,
 )
-from dspark.decoding.verify import probs_from_logits, verify_drafts
+from dspark.decoding.verify import probs_from_logits, verify_drafts_from_logits
 from dspark.timing import synchronize
 
 __all__ = ["STOP_EOS", "STOP_MAX_NEW_TOKENS", "SpeculativeEngine", "commit_verified"]
@@ -147,13 +148,14 @@ class SpeculativeEngine:
         verify_start = time.perf_counter()
         block = torch.tensor([[anchor, *drafts[:num_verified]]], dtype=torch.long, device=self.target.device)
         forward = self.target.forward(block, cache=state.cache)
-        target_probs = probs_from_logits(self.target.logits_from_hidden(forward.final_hidden[0]), self.temperature)
-        synchronize(target_probs.device)
+        target_logits = self.target.logits_from_hidden(forward.final_hidden[0])
+        # 5. The one verifier (p_t = softmax(logits / T) row by row, only as far as it reads: the same result as on
+        #    every row's p_t, `verify_drafts_from_logits`).
+        result = verify_drafts_from_logits(draft_tokens=proposal.tokens[:num_verified],
+                                           draft_probs=proposal.draft_probs[:num_verified], target_logits=target_logits,
+                                           temperature=self.temperature, generator=generator)
+        synchronize(target_logits.device)
         verify_seconds = time.perf_counter() - verify_start
-        # 5. The one verifier.
-        result = verify_drafts(draft_tokens=proposal.tokens[:num_verified],
-                               draft_probs=proposal.draft_probs[:num_verified], target_probs=target_probs,
-                               generator=generator, greedy=self.greedy)
         # 6. Commit the accepted drafts and the extra token (an accepted stop id ends the round without one).
         accepted, committed, extra = commit_verified(result, self.stop_ids)
         state.new_tokens.extend(committed)
@@ -168,7 +170,7 @@ class SpeculativeEngine:
                 extend_start = time.perf_counter()
                 self.proposer.extend(features=forward.features[:, :len(accepted) + 1],
                                      token_ids=[anchor, *accepted])
-                synchronize(target_probs.device)
+                synchronize(target_logits.device)
                 extend_seconds = time.perf_counter() - extend_start
             state.anchor, state.position = extra, keep
         total = time.perf_counter() - start

@@ -169,6 +169,50 @@ def verify_drafts(*, draft_tokens: Tensor, draft_probs: Tensor, target_probs: Te
     return VerifyResult(accepted, int(next_token), draft_tokens[:accepted])
 
 
+def verify_drafts_from_logits(*, draft_tokens: Tensor, draft_probs: Tensor, target_logits: Tensor,
+                              temperature: float, generator: torch.Generator | None = None,
+                              uniforms: Tensor | None = None) -> VerifyResult:
+    """`verify_drafts(target_probs=probs_from_logits(target_logits, temperature), ...)`, the same result for the
+    same random numbers, computing p_t only for the rows the verifier reads.
+
+    target_logits [ℓ+1, V]: the target's logits for slots 1..ℓ+1. Why: slot k's p_t row is read only when slots
+    1..k−1 were accepted, so with τ ≈ 1.5 a round needs ~1.5 of its ℓ+1 softmaxes over V (each a full pass with an
+    exp per entry; at ℓ = 7 the whole [8, V] softmax was the verifier's largest cost on a CPU). Greedy mode takes
+    the argmax of the logits (that of the one-hot p_t). Uniforms: the module docstring's layout, drawn up front.
+    """
+    length = draft_tokens.shape[0] if draft_tokens.dim() == 1 else -1
+    if length < 0 or target_logits.dim() != 2 or target_logits.shape[0] != length + 1:
+        raise ValueError(f"verify_drafts_from_logits: expected draft_tokens [ℓ] and target_logits [ℓ+1, V], got "
+                         f"{tuple(draft_tokens.shape)} and {tuple(target_logits.shape)}")
+    if tuple(draft_probs.shape) != (length, target_logits.shape[1]):
+        raise ValueError(f"verify_drafts_from_logits: draft_probs must be [ℓ, V] = {(length, target_logits.shape[1])}, "
+                         f"got {tuple(draft_probs.shape)}")
+    if temperature == 0:
+        best = target_logits.argmax(-1).tolist()
+        accepted = next((k for k, token in enumerate(draft_tokens.tolist()) if token != best[k]), length)
+        return VerifyResult(accepted, best[accepted], draft_tokens[:accepted])
+    if uniforms is None:
+        if generator is None:
+            raise ValueError("verify_drafts_from_logits: sampling mode needs a torch.Generator or pre-drawn uniforms")
+        uniforms = draw_uniforms((length + 1,), generator, target_logits.device)
+    uniforms = uniforms.to(device=target_logits.device, dtype=torch.float64)
+    if tuple(uniforms.shape) != (length + 1,):
+        raise ValueError(f"verify_drafts_from_logits: uniforms must be [ℓ+1] = {(length + 1,)}, got "
+                         f"{tuple(uniforms.shape)}")
+    tokens, thresholds = draft_tokens.tolist(), (uniforms[:length] * draft_probs.gather(
+        -1, draft_tokens.unsqueeze(-1)).squeeze(-1).to(torch.float64)).tolist()  # u_k · p_d(x_k), as in the tests
+    for k in range(length + 1):
+        row = probs_from_logits(target_logits[k:k + 1], temperature)[0]  # [V], the row verify_drafts would read
+        if k == length:
+            next_token = sample_from_probs(_extra_token_weights(row, None), uniforms=uniforms[length], trusted=True)
+            return VerifyResult(length, int(next_token), draft_tokens)
+        if not thresholds[k] < float(row[tokens[k]]):  # float32 p_t widens exactly: _rejection_tests' comparison
+            weights = _extra_token_weights(row, draft_probs[k])
+            next_token = sample_from_probs(weights, uniforms=uniforms[length], trusted=True)
+            return VerifyResult(k, int(next_token), draft_tokens[:k])
+    raise AssertionError("unreachable")
+
+
 def _check_batched(draft_tokens: Tensor, draft_probs: Tensor, target_probs: Tensor, lengths: Tensor) -> None:
     if draft_tokens.dim() != 2 or target_probs.dim() != 3:
         raise ValueError("verify_drafts_batched: expected draft_tokens [R, L] and target_probs [R, L+1, V], got "

@@ -10,7 +10,7 @@ at the next step. Positions are per request and absolute (prompt at 0..S-1). One
     2  confidences → STS calibration (when given) → policy.choose → ℓ_r, cut at the context end (a drafted stop
        id is always the row's last draft)
     3  ONE target forward over every row's [x_0, x_{r,1..ℓ_r}] right-padded to max ℓ + 1, at per-token positions
-    4  per row, `verify_drafts` with that row's generator (rejection sampling; greedy matching at T = 0)
+    4  per row, the verifier on its logits with that row's generator (rejection sampling; greedy matching at\n       T = 0; p_t rows are formed only as far as it reads them, `verify_drafts_from_logits`)
     5  commit (METHOD §5 EOS rule), keep the KV columns of p..p+A_r (the rest become holes), extend the drafter
        context with the features of p..p+A_r from the verify forward; y_r anchors at p+A_r+1
     6  record `ServeRound`s and the `ServeStep`; rows at a stop id or max_new_tokens leave; compact the KV store
@@ -49,7 +49,7 @@ from dspark.decoding.shared import (
     step_confidences,
     stop_reason,
 )
-from dspark.decoding.verify import probs_from_logits, verify_drafts
+from dspark.decoding.verify import probs_from_logits, verify_drafts_from_logits
 from dspark.timing import synchronize
 from dspark.serving.kv import BatchedKVCache, check_concurrency, kv_budget, prefill
 from dspark.serving.proposer import BatchedDSparkProposer, BatchProposal, check_serving_drafter
@@ -246,13 +246,14 @@ class BatchedEngine:
         ids, block_positions, block_valid = _verify_block(anchors, positions, proposal.tokens, lengths)
         verify_start = time.perf_counter()
         forward = self.kv.forward(ids, position_ids=block_positions, input_valid=block_valid)
-        target_probs = probs_from_logits(self.target.logits_from_hidden(forward.final_hidden), self.temperature)
+        target_logits = self.target.logits_from_hidden(forward.final_hidden)
         synchronize(device)
         verified = time.perf_counter()
-        # 4.–5. Verify and commit row by row; keep the KV of p..p+A_r; extend the drafter's context.
+        # 4.–5. Verify and commit row by row (p_t rows only as far as each verifier reads them); keep the KV of
+        #       p..p+A_r; extend the drafter's context.
         rounds, keep = [], []
         for r, state in enumerate(active):
-            round_, kept = self._verify_row(state, proposal=proposal, row=r, target_probs=target_probs[r],
+            round_, kept = self._verify_row(state, proposal=proposal, row=r, target_logits=target_logits[r],
                                             length=int(lengths[r]), calibrated=calibrated, step=index)
             rounds.append(round_)
             keep.append(kept)
@@ -293,13 +294,14 @@ class BatchedEngine:
             chosen = torch.minimum(chosen, (self.max_positions - 1 - positions.cpu()).clamp(min=0))
         return chosen
 
-    def _verify_row(self, state: _Active, *, proposal: BatchProposal, row: int, target_probs: Tensor, length: int,
+    def _verify_row(self, state: _Active, *, proposal: BatchProposal, row: int, target_logits: Tensor, length: int,
                     calibrated: Tensor | None, step: int) -> tuple[ServeRound, int]:
         """Verify, commit and record one row; returns its round and how many block columns stay valid."""
         anchor_position = state.position
-        result = verify_drafts(draft_tokens=proposal.tokens[row, :length],
-                               draft_probs=proposal.draft_probs[row, :length], target_probs=target_probs[:length + 1],
-                               generator=state.generator, greedy=self.greedy)
+        result = verify_drafts_from_logits(draft_tokens=proposal.tokens[row, :length],
+                                           draft_probs=proposal.draft_probs[row, :length],
+                                           target_logits=target_logits[:length + 1], temperature=self.temperature,
+                                           generator=state.generator)
         accepted, committed, extra = commit_verified(result, self.stop_ids)
         state.new_tokens.extend(committed)
         state.num_rounds += 1

@@ -37,8 +37,8 @@ class ServeStep:
     batch_tokens: int                  # B = Σ_r (1 + ℓ_r), tokens in the verify forward
     committed: int                     # Σ_r τ_r
     seconds_draft: float               # drafter forward + sequential loop for all requests
-    seconds_verify: float              # the one target forward and its probabilities
-    seconds_other: float               # policy, verifier, rollback, context updates, joins and leaves
+    seconds_verify: float              # the one target forward and its logits
+    seconds_other: float               # policy, verifier (p_t rows, sampling), rollback, context updates, joins, leaves
     seconds_prefill: float = 0.0       # prefill of requests that joined at this step (part of the step's wall time)
     seconds_draft_sequential: float = 0.0  # the sequential head's loop, part of seconds_draft (Fig. 4 right at R)
     rounds: list[ServeRound] = field(default_factory=list)
