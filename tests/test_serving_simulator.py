@@ -315,3 +315,59 @@ def test_load_sps_table_errors(tmp_path):
     bad.write_text("{not json")
     with pytest.raises(ValueError, match="is not an SPS table"):
         load_sps_table(bad)
+
+
+class _NoDraftingStop:
+    """The same policy without `max_drafts` / `stop_drafting`: the proposer would draw every slot."""
+
+    def __init__(self, policy):
+        self._policy = policy
+        self.name, self.reads, self.needs_confidences = policy.name, policy.reads, policy.needs_confidences
+
+    def choose(self, **kwargs):
+        return self._policy.choose(**kwargs)
+
+    def reset(self):
+        self._policy.reset()
+
+
+@pytest.mark.parametrize("policy", ["mtp1", "static", "threshold", "scheduler"])
+def test_lean_steps_draw_only_what_the_policy_can_verify_and_keep_its_plan(trace, policy):
+    """The simulated proposer stops where the engine's lean proposer does (`max_drafts`, `stop_drafting`): the
+    plan (every ℓ, A, τ) is the one drawn from full proposals, drafting is priced per drawn slot, and some step
+    draws fewer slots than the longest recorded row."""
+    from dspark.serving.policies import build_serve_policy
+
+    costs = StepCosts(0.010, 0.002, 0.003, 0.001, 0.0, slot_intercept=0.001, slot_per_request=0.0005,
+                      trace_slots=trace.block_size)
+    sps = SPSTable([1], [1.0])  # time ∝ B: the scheduler admits only confident slots, so it stops drafting early
+    common = dict(concurrency=3, sps=sps, costs=costs, max_new_tokens=14, seed=1)
+    lean = simulate_serving(trace, policy=build_serve_policy(policy, threshold=0.6, sps=sps), **common)
+    full = simulate_serving(trace, policy=_NoDraftingStop(build_serve_policy(policy, threshold=0.6, sps=sps)),
+                            **common)
+    plan = [[(r.num_verified, r.num_accepted, r.committed) for r in s.rounds] for s in lean.steps]
+    assert plan == [[(r.num_verified, r.num_accepted, r.committed) for r in s.rounds] for s in full.steps]
+    cheaper = 0
+    for lean_step, full_step in zip(lean.steps, full.steps):
+        slots = max(r.num_drafted for r in lean_step.rounds)
+        assert lean_step.seconds_draft == pytest.approx(costs.draft_seconds(lean_step.num_active, slots))
+        assert lean_step.seconds_draft_sequential == pytest.approx(slots * costs.slot_seconds(lean_step.num_active))
+        assert all(r.num_verified <= r.num_drafted for r in lean_step.rounds)
+        cheaper += lean_step.seconds_draft < full_step.seconds_draft
+    assert cheaper > 0
+    if policy == "mtp1":
+        assert all(r.num_drafted <= 1 for s in lean.steps for r in s.rounds)
+
+
+def test_fit_step_costs_recovers_the_cost_per_drawn_slot():
+    """Steps drawing 1–5 slots with a sequential loop of (1 ms + 0.5 ms · R) per slot: the fit finds both."""
+    steps = []
+    for index, (active, slots) in enumerate([(1, 5), (2, 1), (3, 3), (4, 2), (2, 4), (3, 5)]):
+        rounds = [ServeRound(r, index, 0, slots, None, None, 0, 0, 1) for r in range(active)]
+        sequential = slots * (0.001 + 0.0005 * active)
+        steps.append(ServeStep(index, active, active, active, seconds_draft=0.01 + sequential, seconds_verify=0.1,
+                               seconds_other=0.0, seconds_draft_sequential=sequential, rounds=rounds))
+    costs = fit_step_costs(steps)
+    assert costs.slot_intercept == pytest.approx(0.001) and costs.slot_per_request == pytest.approx(0.0005)
+    assert costs.trace_slots == pytest.approx(20 / 6)
+    assert costs.draft_seconds(2, 3) == pytest.approx(costs.draft_seconds(2) + (3 - 20 / 6) * 0.002)

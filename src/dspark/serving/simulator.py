@@ -18,7 +18,11 @@ which is exact under the rejection sampler's coupling: whether slot k is accepte
 verifying fewer drafts only truncates the outcome (τ_all = A_all when an accepted draft was a stop id; that can
 only be the last drafted slot). The step takes
 
-    seconds = 1 / SPS(B) + draft(R) + other(R) + joins · prefill,   B = Σ_r (1 + ℓ_r)
+    seconds = 1 / SPS(B) + draft(R, K) + other(R) + joins · prefill,   B = Σ_r (1 + ℓ_r)
+
+where K is the number of slots the proposer draws at that step, as the engine's lean step does: γ, or fewer when
+the policy's `max_drafts` or `stop_drafting` ends drafting early (replayed on the recorded confidences), and
+draft(R, K) = parallel(R) + K · per_slot(R) (the sequential loop costs per drawn slot; `StepCosts`).
 
 with SPS from any `SPSTable` (e.g. one profiled on the machine being modelled, `serving.profile`) and the other
 costs fitted from the real engine's `ServeStep` timings (`fit_step_costs`) or given by hand. Requests finish at the
@@ -139,14 +143,25 @@ def _trace_round(round_: ServeRound) -> TraceRound:
 class StepCosts:
     """Seconds per engine step outside the verify forward, linear in the number of active requests R."""
 
-    draft_intercept: float = 0.0      # drafter forward + sequential loop: a + b·R
+    draft_intercept: float = 0.0      # drafter forward + sequential loop at the trace's slots: a + b·R
     draft_per_request: float = 0.0
     other_intercept: float = 0.0      # policy, verifier, rollback, context updates: a + b·R
     other_per_request: float = 0.0
     prefill_per_request: float = 0.0  # prefill of one joining request
+    slot_intercept: float = 0.0       # the sequential loop per drawn slot: a + b·R (0 and 0: drafting is not
+    slot_per_request: float = 0.0     #   split, draft_seconds is the same whatever the slots)
+    trace_slots: float = 0.0          # mean slots drawn per step in the fitted trace
 
-    def draft_seconds(self, num_active: int) -> float:
-        return max(0.0, self.draft_intercept + self.draft_per_request * num_active)
+    def draft_seconds(self, num_active: int, slots: int | None = None) -> float:
+        """Drafting seconds of a step with R = num_active rows drawing `slots` slots (None: as in the trace)."""
+        total = max(0.0, self.draft_intercept + self.draft_per_request * num_active)
+        if slots is None:
+            return total
+        per_slot = max(0.0, self.slot_intercept + self.slot_per_request * num_active)
+        return max(0.0, total + (slots - self.trace_slots) * per_slot)
+
+    def slot_seconds(self, num_active: int) -> float:
+        return max(0.0, self.slot_intercept + self.slot_per_request * num_active)
 
     def other_seconds(self, num_active: int) -> float:
         return max(0.0, self.other_intercept + self.other_per_request * num_active)
@@ -181,13 +196,17 @@ def fit_step_costs(steps: Sequence[ServeStep]) -> StepCosts:
     active = [float(s.num_active) for s in steps]
     draft = _linear_fit(active, [s.seconds_draft for s in steps])
     other = _linear_fit(active, [s.seconds_other for s in steps])
+    slots = [max((r.num_drafted for r in s.rounds), default=0) for s in steps]
+    per_slot = _linear_fit([a for a, k in zip(active, slots) if k > 0],
+                           [s.seconds_draft_sequential / k for s, k in zip(steps, slots) if k > 0])
     joins, previous = 0, set()
     for step in steps:
         ids = {r.request_id for r in step.rounds}
         joins, previous = joins + len(ids - previous), ids
     prefill = sum(s.seconds_prefill for s in steps) / joins if joins else 0.0
     return StepCosts(draft_intercept=draft[0], draft_per_request=draft[1], other_intercept=other[0],
-                     other_per_request=other[1], prefill_per_request=prefill)
+                     other_per_request=other[1], prefill_per_request=prefill, slot_intercept=per_slot[0],
+                     slot_per_request=per_slot[1], trace_slots=sum(slots) / len(slots))
 
 
 # ---- replay ----
@@ -323,26 +342,45 @@ def _step(active: list[_Active], *, policy: ServePolicy, sps: SPSTable, costs: S
     """One engine step over the active requests: choose ℓ, apply the coupling, advance them, time it."""
     rounds = [a.next_round() for a in active]
     confidences, num_drafts = _policy_inputs(rounds, block_size=block_size, source=source)
+    slots = drawn_slots(policy, confidences, num_drafts, block_size=block_size)
+    num_drafts = num_drafts.clamp(max=slots)  # what the lean proposer would have drawn
     lengths = policy.choose(confidences=confidences, num_drafts=num_drafts).tolist()
     records = []
-    for item, round_, verified in zip(active, rounds, lengths):
+    for item, round_, verified, drafted in zip(active, rounds, lengths, num_drafts.tolist()):
         accepted, committed = round_.outcome(verified)
-        records.append(ServeRound(item.request_id, index, anchor_position=-1, num_drafted=round_.num_drafted,
-                                  confidences=_as_list(round_.confidences), calibrated=_as_list(round_.calibrated),
+        cut = drafted < round_.num_drafted
+        records.append(ServeRound(item.request_id, index, anchor_position=-1, num_drafted=drafted,
+                                  confidences=_cut(round_.confidences, drafted),
+                                  calibrated=_cut(round_.calibrated, drafted),
                                   num_verified=int(verified), num_accepted=accepted, committed=committed,
-                                  accept_if_all=round_.accept_if_all if verified == round_.num_drafted else None))
+                                  accept_if_all=round_.accept_if_all if verified == drafted and not cut else None))
         item.tokens, item.rounds = item.tokens + committed, item.rounds + 1
     batch_tokens = len(active) + sum(int(v) for v in lengths)
     forward_tokens = len(active) * (1 + max(int(v) for v in lengths)) if pad_to_longest else batch_tokens
     return ServeStep(step=index, num_active=len(active), batch_tokens=batch_tokens,
                      committed=sum(r.committed for r in records),
-                     seconds_draft=costs.draft_seconds(len(active)), seconds_verify=1.0 / sps(forward_tokens),
+                     seconds_draft=costs.draft_seconds(len(active), slots), seconds_verify=1.0 / sps(forward_tokens),
                      seconds_other=costs.other_seconds(len(active)),
-                     seconds_prefill=joins * costs.prefill_per_request, rounds=records)
+                     seconds_prefill=joins * costs.prefill_per_request,
+                     seconds_draft_sequential=slots * costs.slot_seconds(len(active)), rounds=records)
 
 
-def _as_list(values: tuple[float, ...] | None) -> list[float] | None:
-    return None if values is None else list(values)
+def drawn_slots(policy: ServePolicy, confidences, num_drafts, *, block_size: int) -> int:
+    """Slots the engine's lean proposer draws at a step (`BatchedDSparkProposer`, step 4): up to the policy's
+    `max_drafts`, before the first slot k at which `stop_drafting(c[:, :k])` holds, and no more than the longest
+    recorded row (a drafted stop id ends a row). `confidences` [R, γ] are what the policy reads."""
+    longest = int(num_drafts.max()) if num_drafts.numel() else 0
+    limit = getattr(policy, "max_drafts", None)
+    count = min(longest, block_size if limit is None else int(limit))
+    stop = getattr(policy, "stop_drafting", None)
+    if stop is None or confidences is None:
+        return count
+    masked = torch.where(torch.arange(confidences.shape[1]).unsqueeze(0) < num_drafts.unsqueeze(1), confidences, 0.0)
+    return next((k - 1 for k in range(1, count + 1) if stop(masked[:, :k])), count)
+
+
+def _cut(values: tuple[float, ...] | None, count: int) -> list[float] | None:
+    return None if values is None else list(values[:count])
 
 
 def simulate_frontier(trace: ServeTrace, *, policies: Sequence[str], concurrency_levels: Sequence[int],
