@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -102,7 +103,7 @@ def _client(root):
 def test_report_stage_rebuilds_from_saved_rounds(root, capsys):
     if not _eval_dirs(root):
         assert main(["budget=smoke", f"paths.root={root}"]) == 0
-    report = root / "reports" / f"eval-{next(root.glob('runs/dspark-markov-d2-g7-s0-*')).name}-fixed-T1.md"
+    [report] = (root / "reports").glob(f"eval-{next(root.glob('runs/dspark-markov-d2-g7-s0-*')).name}-fixed-T1-*.md")
     report.unlink()
     assert main(["budget=smoke", f"paths.root={root}", "stage=report"]) == 0
     assert "τ pooled" in report.read_text() and str(_eval_dirs(root)[-1]) in capsys.readouterr().out
@@ -132,3 +133,24 @@ def test_eval_without_the_target_only_baseline(root):
     latest = _eval_dirs(root)[-1]
     rows = [json.loads(line) for line in (latest / "rounds.jsonl").read_text().splitlines()]
     assert {r["mode"] for r in rows} == {"speculative"} and len(rows) == 2 * len(DATASETS)
+
+
+def test_report_names_tell_evaluations_of_one_drafter_apart():
+    """The same drafter evaluated on other prompts (sweep=main's nine sets, sweep=head's three) gets its own report
+    file; the same evaluation keeps its name (stage=report rebuilds it in place)."""
+    from types import SimpleNamespace
+
+    from dspark.config.schema import DecodeConfig
+    from dspark.stages.evaluate import report_stem
+
+    def stem(**decode):
+        cfg = SimpleNamespace(decode=DecodeConfig(**decode), seed=0)
+        return report_stem(SimpleNamespace(cfg=cfg, run_dir=Path("runs/dspark-markov-d2-g7-s0-abc")))
+
+    base = stem(eval_sets=["gsm8k", "humaneval", "mt-bench"], prompts_per_set=10)
+    assert base.startswith("eval-dspark-markov-d2-g7-s0-abc-fixed-T1-")
+    assert base == stem(eval_sets=["gsm8k", "humaneval", "mt-bench"], prompts_per_set=10)
+    others = {stem(eval_sets=["gsm8k", "math500"], prompts_per_set=10),
+              stem(eval_sets=["gsm8k", "humaneval", "mt-bench"], prompts_per_set=4),
+              stem(eval_sets=["gsm8k", "humaneval", "mt-bench"], prompts_per_set=10, max_new_tokens=32)}
+    assert base not in others and len(others) == 3

@@ -4,12 +4,13 @@
 confidences) → (SPS table, for the scheduler) → speculative decoding and (decode.baseline) target-only decoding
 of the same prompts → per-dataset / per-domain / overall metrics (`dspark.evaluation.summary`) → MLflow (`eval/…`,
 `summary/…`), raw round records (`<run dir>/evals/<stamp>-<policy>-T<temperature>/rounds.jsonl` + `meta.json`)
-and a markdown report `<reports>/eval-<run dir>-<policy>-T<temperature>.md` with its figures next to it (also
+and a markdown report `<reports>/eval-<run dir>-<policy>-T<temperature>-<prompts digest>.md` with its figures next to it (also
 attached to the MLflow run).
 `run_report` rebuilds that report from the latest saved records of this config; `run_profile` re-measures SPS(B).
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import time
@@ -50,12 +51,17 @@ def check_decode_config(decode: Any) -> None:
 
 
 def report_stem(ctx: StageContext) -> str:
-    """`eval-<run directory>-<policy>[-th<θ>]-T<temperature>`: the run directory name carries the training-config
-    hash, so drafters of different budgets (or sweeps) and different decode settings never overwrite each other."""
+    """`eval-<run directory>-<policy>[-th<θ>|-k<k>]-T<temperature>-<prompts digest>`: the run directory name carries
+    the training-config hash and the digest the evaluated prompts (decode.eval_sets, prompts_per_set, max_new_tokens,
+    seed), so neither another drafter nor the same drafter evaluated on other prompts (sweep=main's nine sets vs
+    sweep=head's three) overwrites a report."""
     decode = ctx.cfg.decode
     threshold = (f"-th{decode.threshold:g}" if "threshold" in decode.policy else
                  f"-k{decode.static_k}" if decode.policy == "static" else "")
-    return f"eval-{ctx.run_dir.name}-{decode.policy}{threshold}-T{decode.temperature:g}"
+    prompts = json.dumps([list(decode.eval_sets), int(decode.prompts_per_set), int(decode.max_new_tokens),
+                          int(ctx.cfg.seed)])
+    digest = hashlib.sha1(prompts.encode()).hexdigest()[:6]
+    return f"eval-{ctx.run_dir.name}-{decode.policy}{threshold}-T{decode.temperature:g}-{digest}"
 
 
 def report_paths(ctx: StageContext) -> dict[str, Path]:
