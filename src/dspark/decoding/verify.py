@@ -125,17 +125,40 @@ def _extra_token_weights(target_row: Tensor, draft_row: Tensor | None) -> Tensor
     return torch.where(empty, target_row.to(torch.float64), weights) if bool(empty.any()) else weights
 
 
-def _check_single(draft_tokens: Tensor, draft_probs: Tensor, target_probs: Tensor) -> int:
+def _check_single(draft_tokens: Tensor, draft_probs: Tensor, target_rows: Tensor, *, caller: str = "verify_drafts",
+                  rows_name: str = "target_probs") -> int:
+    """ℓ after checking draft_tokens [ℓ], draft_probs [ℓ, V] and the target's rows [ℓ+1, V] (probabilities or
+    logits); errors name the caller and its argument."""
     length = draft_tokens.shape[0] if draft_tokens.dim() == 1 else -1
-    if length < 0 or target_probs.dim() != 2 or target_probs.shape[0] != length + 1:
+    if length < 0 or target_rows.dim() != 2 or target_rows.shape[0] != length + 1:
         raise ValueError(
-            f"verify_drafts: expected draft_tokens [ℓ] and target_probs [ℓ+1, V], got "
-            f"{tuple(draft_tokens.shape)} and {tuple(target_probs.shape)}"
+            f"{caller}: expected draft_tokens [ℓ] and {rows_name} [ℓ+1, V], got "
+            f"{tuple(draft_tokens.shape)} and {tuple(target_rows.shape)}"
         )
-    if tuple(draft_probs.shape) != (length, target_probs.shape[1]):
-        raise ValueError(f"verify_drafts: draft_probs must be [ℓ, V] = {(length, target_probs.shape[1])}, "
+    if tuple(draft_probs.shape) != (length, target_rows.shape[1]):
+        raise ValueError(f"{caller}: draft_probs must be [ℓ, V] = {(length, target_rows.shape[1])}, "
                          f"got {tuple(draft_probs.shape)}")
     return length
+
+
+def _greedy_result(best: list[int], draft_tokens: Tensor) -> VerifyResult:
+    """Greedy verification from the target's argmax per slot `best` [ℓ+1]: accept while x_k == best[k]."""
+    length = draft_tokens.shape[0]
+    accepted = next((k for k, token in enumerate(draft_tokens.tolist()) if token != best[k]), length)
+    return VerifyResult(accepted, best[accepted], draft_tokens[:accepted])
+
+
+def _single_uniforms(uniforms: Tensor | None, generator: torch.Generator | None, *, length: int,
+                     device: torch.device, caller: str) -> Tensor:
+    """The round's ℓ+1 float64 uniforms (module docstring layout): the given ones, checked, or drawn."""
+    if uniforms is None:
+        if generator is None:
+            raise ValueError(f"{caller}: sampling mode needs a torch.Generator or pre-drawn uniforms")
+        uniforms = draw_uniforms((length + 1,), generator, device)
+    uniforms = uniforms.to(device=device, dtype=torch.float64)
+    if tuple(uniforms.shape) != (length + 1,):
+        raise ValueError(f"{caller}: uniforms must be [ℓ+1] = {(length + 1,)}, got {tuple(uniforms.shape)}")
+    return uniforms
 
 
 def verify_drafts(*, draft_tokens: Tensor, draft_probs: Tensor, target_probs: Tensor,
@@ -150,16 +173,8 @@ def verify_drafts(*, draft_tokens: Tensor, draft_probs: Tensor, target_probs: Te
     """
     length = _check_single(draft_tokens, draft_probs, target_probs)
     if greedy:
-        best = target_probs.argmax(-1).tolist()  # one reduction for every row, one host sync
-        accepted = next((k for k, token in enumerate(draft_tokens.tolist()) if token != best[k]), length)
-        return VerifyResult(accepted, best[accepted], draft_tokens[:accepted])
-    if uniforms is None:
-        if generator is None:
-            raise ValueError("verify_drafts: sampling mode needs a torch.Generator or pre-drawn uniforms")
-        uniforms = draw_uniforms((length + 1,), generator, target_probs.device)
-    uniforms = uniforms.to(device=target_probs.device, dtype=torch.float64)
-    if tuple(uniforms.shape) != (length + 1,):
-        raise ValueError(f"verify_drafts: uniforms must be [ℓ+1] = {(length + 1,)}, got {tuple(uniforms.shape)}")
+        return _greedy_result(target_probs.argmax(-1).tolist(), draft_tokens)  # one reduction, one host sync
+    uniforms = _single_uniforms(uniforms, generator, length=length, device=target_probs.device, caller="verify_drafts")
     # every slot's test at once (the batched verifier's float64 arithmetic); A = the leading run of passes
     passed = _rejection_tests(draft_tokens.unsqueeze(0), draft_probs.unsqueeze(0), target_probs[:length].unsqueeze(0),
                               uniforms[:length].unsqueeze(0))[0].tolist()
@@ -180,25 +195,11 @@ def verify_drafts_from_logits(*, draft_tokens: Tensor, draft_probs: Tensor, targ
     exp per entry; at ℓ = 7 the whole [8, V] softmax was the verifier's largest cost on a CPU). Greedy mode takes
     the argmax of the logits (that of the one-hot p_t). Uniforms: the module docstring's layout, drawn up front.
     """
-    length = draft_tokens.shape[0] if draft_tokens.dim() == 1 else -1
-    if length < 0 or target_logits.dim() != 2 or target_logits.shape[0] != length + 1:
-        raise ValueError(f"verify_drafts_from_logits: expected draft_tokens [ℓ] and target_logits [ℓ+1, V], got "
-                         f"{tuple(draft_tokens.shape)} and {tuple(target_logits.shape)}")
-    if tuple(draft_probs.shape) != (length, target_logits.shape[1]):
-        raise ValueError(f"verify_drafts_from_logits: draft_probs must be [ℓ, V] = {(length, target_logits.shape[1])}, "
-                         f"got {tuple(draft_probs.shape)}")
+    caller = "verify_drafts_from_logits"
+    length = _check_single(draft_tokens, draft_probs, target_logits, caller=caller, rows_name="target_logits")
     if temperature == 0:
-        best = target_logits.argmax(-1).tolist()
-        accepted = next((k for k, token in enumerate(draft_tokens.tolist()) if token != best[k]), length)
-        return VerifyResult(accepted, best[accepted], draft_tokens[:accepted])
-    if uniforms is None:
-        if generator is None:
-            raise ValueError("verify_drafts_from_logits: sampling mode needs a torch.Generator or pre-drawn uniforms")
-        uniforms = draw_uniforms((length + 1,), generator, target_logits.device)
-    uniforms = uniforms.to(device=target_logits.device, dtype=torch.float64)
-    if tuple(uniforms.shape) != (length + 1,):
-        raise ValueError(f"verify_drafts_from_logits: uniforms must be [ℓ+1] = {(length + 1,)}, got "
-                         f"{tuple(uniforms.shape)}")
+        return _greedy_result(target_logits.argmax(-1).tolist(), draft_tokens)
+    uniforms = _single_uniforms(uniforms, generator, length=length, device=target_logits.device, caller=caller)
     tokens, thresholds = draft_tokens.tolist(), (uniforms[:length] * draft_probs.gather(
         -1, draft_tokens.unsqueeze(-1)).squeeze(-1).to(torch.float64)).tolist()  # u_k · p_d(x_k), as in the tests
     for k in range(length + 1):
