@@ -11,6 +11,10 @@ layer, the context keys (k-norm and RoPE applied) and values, so a round costs o
 
     logits_k = U_k + B_k(x_{k-1}),  c_k = σ(w·[h_k; W_1[x_{k-1}]] + b),  x_k ~ softmax(logits_k / T)  (T = 0: argmax)
 
+Both proposers draw no draft that cannot be verified: at most `max_drafts` slots (static / mtp1), and the DSpark loop
+stops before sampling x_k when `policy_hook(c_1..c_k)` says slot k will not be verified (threshold, scheduler; the
+engine builds the hook with `decoding.shared.drafting_hook`).
+
 `Eagle3Proposer` keeps EAGLE-3's step-0 keys/values of the committed positions and runs step 0 only over the positions
 committed since the last round, then the chain of γ one-token steps (`Eagle3Drafter.extend_context`, `draft_from`).
 """
