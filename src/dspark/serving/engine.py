@@ -10,7 +10,8 @@ at the next step. Positions are per request and absolute (prompt at 0..S-1). One
     2  confidences → STS calibration (when given) → policy.choose → ℓ_r, cut at the context end (a drafted stop
        id is always the row's last draft)
     3  ONE target forward over every row's [x_0, x_{r,1..ℓ_r}] right-padded to max ℓ + 1, at per-token positions
-    4  per row, the verifier on its logits with that row's generator (rejection sampling; greedy matching at\n       T = 0; p_t rows are formed only as far as it reads them, `verify_drafts_from_logits`)
+    4  per row, the verifier on its logits with that row's generator (rejection sampling; greedy matching at
+       T = 0; p_t rows are formed only as far as it reads them, `verify_drafts_from_logits`)
     5  commit (METHOD §5 EOS rule), keep the KV columns of p..p+A_r (the rest become holes), extend the drafter
        context with the features of p..p+A_r from the verify forward; y_r anchors at p+A_r+1
     6  record `ServeRound`s and the `ServeStep`; rows at a stop id or max_new_tokens leave; compact the KV store
@@ -147,6 +148,7 @@ class BatchedEngine:
         self.max_positions = getattr(target.hf_config, "max_position_embeddings", None)
         self.kv: BatchedKVCache | None = None
         self.proposer: BatchedDSparkProposer | None = None
+        self._policy_hook, self._max_drafts = drafting_hook(policy, calibration), draft_limit(policy)
 
     @property
     def greedy(self) -> bool:
@@ -278,8 +280,7 @@ class BatchedEngine:
                                  torch.zeros(rows, dtype=torch.long, device=device))
         return self.proposer.propose(anchor_tokens=anchors, anchor_positions=positions, temperature=self.temperature,
                                      generators=[s.generator for s in run.active], stop_ids=self.stop_ids,
-                                     policy_hook=drafting_hook(self.policy, self.calibration),
-                                     max_drafts=draft_limit(self.policy))
+                                     policy_hook=self._policy_hook, max_drafts=self._max_drafts)
 
     def _choose(self, proposal: BatchProposal, confidences: Tensor | None, positions: Tensor) -> Tensor:
         """ℓ_r [R] long (CPU) = min(policy's ℓ_r on what it reads, room left in the target's context)."""

@@ -157,8 +157,7 @@ class StepCosts:
         total = max(0.0, self.draft_intercept + self.draft_per_request * num_active)
         if slots is None:
             return total
-        per_slot = max(0.0, self.slot_intercept + self.slot_per_request * num_active)
-        return max(0.0, total + (slots - self.trace_slots) * per_slot)
+        return max(0.0, total + (slots - self.trace_slots) * self.slot_seconds(num_active))
 
     def slot_seconds(self, num_active: int) -> float:
         return max(0.0, self.slot_intercept + self.slot_per_request * num_active)
@@ -368,15 +367,15 @@ def _step(active: list[_Active], *, policy: ServePolicy, sps: SPSTable, costs: S
 def drawn_slots(policy: ServePolicy, confidences, num_drafts, *, block_size: int) -> int:
     """Slots the engine's lean proposer draws at a step (`BatchedDSparkProposer`, step 4): up to the policy's
     `max_drafts`, before the first slot k at which `stop_drafting(c[:, :k])` holds, and no more than the longest
-    recorded row (a drafted stop id ends a row). `confidences` [R, γ] are what the policy reads."""
+    recorded row (a drafted stop id ends a row). `confidences` [R, γ] are what the policy reads, 0 past each row's
+    γ' (`_policy_inputs`), as the engine's stopped rows read."""
     longest = int(num_drafts.max()) if num_drafts.numel() else 0
     limit = getattr(policy, "max_drafts", None)
     count = min(longest, block_size if limit is None else int(limit))
     stop = getattr(policy, "stop_drafting", None)
     if stop is None or confidences is None:
         return count
-    masked = torch.where(torch.arange(confidences.shape[1]).unsqueeze(0) < num_drafts.unsqueeze(1), confidences, 0.0)
-    return next((k - 1 for k in range(1, count + 1) if stop(masked[:, :k])), count)
+    return next((k - 1 for k in range(1, count + 1) if stop(confidences[:, :k])), count)
 
 
 def _cut(values: tuple[float, ...] | None, count: int) -> list[float] | None:
