@@ -98,3 +98,33 @@ def test_each_simulated_level_is_timed_with_a_table_profiled_at_that_concurrency
         assert len(tables) == 1, (level, [p.name for p in sps_dir.iterdir()])
         table = SPSTable.load(tables[0])
         assert table.batch_tokens[0] == level and table.batch_tokens[-1] >= level * 2
+
+
+def test_serve_target_dtype_serves_a_bf16_load_with_the_same_drafter(serving_sweep):
+    """serve.target_dtype=bfloat16 serves the drafter trained against the fp32 target (same training key, no
+    retraining) with a bf16 load of the same checkpoint; its SPS table and trace are the bf16 target's own."""
+    import torch
+
+    from dspark.stages.context import StageContext, training_key
+    from dspark.stages.serve import serving_target, trace_key
+
+    base = ["stage=serve", *FAST, "serve.concurrency=2", f"paths.root={serving_sweep.cfg.paths.root}",
+            "tracking.experiment=serving-sweep"]
+    fp32, bf16 = resolve_config(base), resolve_config([*base, "serve.target_dtype=bfloat16"])
+    assert training_key(fp32.cfg) == training_key(bf16.cfg)
+    assert trace_key(StageContext(fp32, paths=None)) != trace_key(StageContext(bf16, paths=None))
+    ctx = StageContext(bf16, paths=serving_sweep_paths(bf16))
+    trained_target = ctx.load_target()
+    served = serving_target(ctx, trained_target)
+    assert next(trained_target.model.parameters()).dtype == torch.float32
+    assert next(served.model.parameters()).dtype == torch.bfloat16
+    assert served.checkpoint_fingerprint == trained_target.checkpoint_fingerprint
+    assert served.fingerprint != trained_target.fingerprint  # the SPS tables are keyed by the served weights
+    assert serving_target(StageContext(fp32, paths=serving_sweep_paths(fp32)), trained_target) is trained_target
+    assert main([*base, "serve.target_dtype=bfloat16", "serve.policy=static"]) == 0  # end to end, drafter reused
+
+
+def serving_sweep_paths(rc):
+    from dspark.stages.context import RunPaths
+
+    return RunPaths.from_config(rc.cfg)

@@ -17,6 +17,7 @@ FIXED_HEAD = {"dspark": None, "dflash": "none", "eagle3": "none"}
 CONFIDENCE_HEAD = {"dspark": True, "dflash": False, "eagle3": False}
 EXPORT_LAYOUTS = ("deepspec", "speculators")  # dspark.interop.layouts.LAYOUTS
 EXPORT_DTYPES = ("float32", "bfloat16", "float16")
+TARGET_DTYPES = EXPORT_DTYPES  # target_options.dtype and serve.target_dtype
 BUDGETS = ("smoke", "cpu", "cpu-ref", "cpu-long", "paper")
 RESPONSE_MODES = ("regenerate", "reference", "mix")
 STAGES = ("prepare", "train", "eval", "all", "report", "profile", "serve", "export")
@@ -189,6 +190,9 @@ class ServeConfig:
     trace_concurrency: int = 4  #: concurrency of the policy=fixed run whose rounds the simulator replays
     simulate_concurrency: list[int] = field(default_factory=lambda: [8, 16, 32, 64])  #: simulated R levels
     sps_table: str = ""  #: SPS(B) JSON for the simulator (e.g. profiled on a GPU); "" = this machine's batched SPS
+    #: the target's dtype while serving (float32 | bfloat16 | float16); "" = target_options.dtype. Serving only: the
+    #: drafter, its data and its calibration keep target_options.dtype, so a bf16 serve reuses an fp32-trained drafter
+    target_dtype: str = ""
 
 
 @dataclass

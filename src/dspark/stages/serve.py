@@ -71,6 +71,26 @@ def serve_calibration(ctx: StageContext, trained: TrainedDrafter, *, prepared: P
     return report.sts
 
 
+def serving_target(ctx: StageContext, target: Target) -> Target:
+    """The target the engine serves with: `target` itself, or the same checkpoint loaded in serve.target_dtype.
+
+    The drafter was trained (and is calibrated) against target_options.dtype; a bf16 load of the same files serves it
+    (drafters record the checkpoint's fp32 fingerprint), and on CPUs with AMX-BF16 its verify forward is nearly flat
+    from 1 to 5 tokens where fp32's is a staircase (benchmarks/results/decoding*.md)."""
+    dtype = ctx.cfg.serve.target_dtype or ctx.cfg.target_options.dtype
+    if dtype == ctx.cfg.target_options.dtype:
+        return target
+    from dspark.targets import load_target
+
+    cfg = ctx.cfg
+    log.info("serving with the target in %s (serve.target_dtype; trained and calibrated in %s)", dtype,
+             cfg.target_options.dtype)
+    return load_target(cfg.target, cache_dir=ctx.paths.cache, feature_layers=cfg.model.feature_layers or None,
+                       trust_remote_code=cfg.target_options.trust_remote_code, dtype=dtype, seed=cfg.seed,
+                       mask_token_id=cfg.target_options.mask_token_id,
+                       num_feature_layers=cfg.model.num_feature_layers)
+
+
 def serving_sps(ctx: StageContext, target: Target, *, block_size: int, rows: int | None = None) -> Any:
     """SPS(B) of the batched verify forward of R = `rows` (default serve.concurrency) rows, up to R·(γ+1) tokens
     (what the scheduler plans with, and what the simulator times that concurrency with); cached per target, machine
@@ -115,8 +135,9 @@ def run_serve(ctx: StageContext, drafter_path: str | Path, *, prepared: Prepared
 
     cfg, serve = ctx.cfg, ctx.cfg.serve
     trained = open_trained_drafter(ctx, drafter_path)
-    target, drafter, spec = trained.target, trained.drafter, trained.spec
-    calibration = serve_calibration(ctx, trained, prepared=prepared)
+    drafter, spec = trained.drafter, trained.spec
+    calibration = serve_calibration(ctx, trained, prepared=prepared)  # against the training target (drafter.pt)
+    target = serving_target(ctx, trained.target)
     sps = serving_sps(ctx, target, block_size=spec.block_size)
     requests = serve_requests(ctx, target)
     policy = build_serve_policy(serve.policy, static_k=serve.static_k, threshold=serve.threshold, sps=sps)
@@ -150,7 +171,8 @@ def trace_key(ctx: StageContext) -> str:
     payload = {"requests": cfg.serve.num_requests, "max_new_tokens": cfg.serve.max_new_tokens,
                "sets": cfg.serve.prompt_sets, "concurrency": cfg.serve.trace_concurrency,
                "temperature": cfg.decode.temperature, "seed": cfg.seed, "calibrated": True,
-               "precision": cfg.decode.drafter_precision}  # older traces lacked c̃
+               "precision": cfg.decode.drafter_precision,  # older traces lacked c̃
+               "target_dtype": cfg.serve.target_dtype or cfg.target_options.dtype}
     return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:12]
 
 
