@@ -102,3 +102,34 @@ def test_release_freed_memory_returns_kept_blocks_to_the_os():
     released, freed_mib = out.stdout.split()
     assert released == "1"
     assert float(freed_mib) > 200  # most of the 256 MiB the heap had kept
+
+
+def test_autocast_linear_weights_is_bit_identical_and_restores_the_weights(tiny):
+    """Pre-cast linear weights give exactly autocast's numbers (sampled text and features), leave a tied embedding
+    in fp32, and put the original fp32 parameters back, also when the body raises."""
+    import torch
+
+    model = tiny.model
+    originals = {name: p for name, p in model.named_parameters()}
+    ids = torch.tensor([[5, 9, 17, 33, 2, 41, 7, 12]])
+
+    def sample():
+        torch.manual_seed(3)
+        return model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=True,
+                              max_new_tokens=12, pad_token_id=0)
+
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        plain_text, plain = sample(), tiny.forward(ids)
+        with hardware.autocast_linear_weights(model) as cast:
+            assert cast is model
+            assert all(m.weight.dtype == torch.bfloat16 for m in model.modules() if isinstance(m, torch.nn.Linear))
+            assert model.get_input_embeddings().weight.dtype == torch.float32
+            fast_text, fast = sample(), tiny.forward(ids)
+    assert torch.equal(plain_text, fast_text)
+    assert torch.equal(plain.features, fast.features) and torch.equal(plain.final_hidden, fast.final_hidden)
+    assert all(p is originals[name] for name, p in model.named_parameters())
+    with pytest.raises(RuntimeError, match="boom"), hardware.autocast_linear_weights(model):
+        raise RuntimeError("boom")
+    assert all(p is originals[name] for name, p in model.named_parameters())
+    with hardware.autocast_linear_weights(model, None):
+        assert all(p is originals[name] for name, p in model.named_parameters())

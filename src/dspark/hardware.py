@@ -8,6 +8,7 @@ than fp32, and fp32 stays the default.
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import os
@@ -142,3 +143,28 @@ def cpu_model() -> str:
     except OSError:
         pass
     return platform.processor() or "unknown CPU"
+
+
+@contextlib.contextmanager
+def autocast_linear_weights(model: torch.nn.Module, dtype: torch.dtype | None = torch.bfloat16):
+    """Inside `torch.autocast(dtype)`: give every `nn.Linear` of a frozen `model` its weight already cast to `dtype`
+    for the duration, restoring the originals after (even on error); `dtype` None does nothing.
+
+    Autocast casts a linear layer's fp32 weight on every call and caches the cast only for leaves that require grad,
+    so a frozen target re-casts all its matrices at every decoding step (SmolLM2: ~0.8 GB of memory traffic per
+    step). The pre-cast copy is the very tensor autocast would make (fp32 → bf16 rounding is deterministic), so the
+    outputs are bit-identical (tested); norms and embeddings keep their dtype, and a tied LM head gets its own copy
+    while the embedding it shares keeps the fp32 rows. Measured: regeneration at batch 48 ~10–20% faster."""
+    if dtype is None:
+        yield model
+        return
+    saved = []
+    try:
+        for module in model.modules():
+            if isinstance(module, torch.nn.Linear) and module.weight.dtype != dtype:
+                saved.append((module, module.weight))
+                module.weight = torch.nn.Parameter(module.weight.detach().to(dtype), requires_grad=False)
+        yield model
+    finally:
+        for module, weight in saved:
+            module.weight = weight

@@ -40,6 +40,7 @@ from torch import Tensor
 from tqdm.auto import tqdm
 
 from dspark.data.integrity import building, seal_cache
+from dspark.hardware import autocast_linear_weights
 from dspark.data.regenerate import COMPLETE, MANIFEST, load_regenerated, read_manifest
 
 FEATURE_FORMAT_VERSION = 3  # 2: log_normalizer per position, length-batched (optionally bf16) prefill; 3: target_mass
@@ -119,18 +120,20 @@ def cache_features(
         bar = tqdm(total=total, desc=f"features ({precision})", unit="tok", unit_scale=True,
                    disable=not show_progress)
         started, done = time.perf_counter(), 0
-        for shard in todo:
-            start = shard * shard_size
-            items = [dataset[i] for i in range(start, min(start + shard_size, len(dataset)))]
-            rows = [item["input_ids"] for item in items]
-            tensors = _shard_tensors(target, rows, first_index=start, batch_size=batch_size,
-                                     token_budget=token_budget, precision=precision,
-                                     loss_masks=[item["loss_mask"].bool() for item in items])
-            _atomic_write(_shard_path(out_dir, shard), lambda tmp: save_file(tensors, str(tmp)))
-            tokens = sum(len(r) for r in rows)
-            done += tokens
-            bar.update(tokens)
-            bar.set_postfix(tok_s=f"{done / max(time.perf_counter() - started, 1e-9):.0f}")
+        # bf16: the linear weights cast once for every shard, not by autocast at every layer of every batch
+        with autocast_linear_weights(target.model, torch.bfloat16 if precision == "bf16" else None):
+            for shard in todo:
+                start = shard * shard_size
+                items = [dataset[i] for i in range(start, min(start + shard_size, len(dataset)))]
+                rows = [item["input_ids"] for item in items]
+                tensors = _shard_tensors(target, rows, first_index=start, batch_size=batch_size,
+                                         token_budget=token_budget, precision=precision,
+                                         loss_masks=[item["loss_mask"].bool() for item in items])
+                _atomic_write(_shard_path(out_dir, shard), lambda tmp: save_file(tensors, str(tmp)))
+                tokens = sum(len(r) for r in rows)
+                done += tokens
+                bar.update(tokens)
+                bar.set_postfix(tok_s=f"{done / max(time.perf_counter() - started, 1e-9):.0f}")
         bar.close()
         info["tokens_per_second"] = done / max(time.perf_counter() - started, 1e-9) if done else None
         seal_cache(out_dir, info, [_shard_path(out_dir, s).name for s in range(num_shards)])

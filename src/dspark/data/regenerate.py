@@ -37,6 +37,7 @@ from transformers import GenerationConfig
 
 from dspark.config.schema import SamplingConfig
 from dspark.data.integrity import COMPLETE, MANIFEST, building, seal_cache
+from dspark.hardware import autocast_linear_weights
 
 if TYPE_CHECKING:
     from dspark.data.prompts import PromptRecord
@@ -161,9 +162,11 @@ def regenerate_responses(
         bar = tqdm(total=len(batches), initial=len(batches) - len(todo), unit="batch", desc="regenerate",
                    disable=not show_progress)
         tokens, seconds = 0, 0.0
+        bf16 = precision == "bf16"
         for index in todo:
             started = time.perf_counter()
-            with torch.autocast(device_type=target.device.type, dtype=torch.bfloat16, enabled=precision == "bf16"):
+            with torch.autocast(device_type=target.device.type, dtype=torch.bfloat16, enabled=bf16), \
+                    autocast_linear_weights(target.model, torch.bfloat16 if bf16 else None):
                 rows, stats = regenerate_batch(target, batches[index], sampling=sampling,
                                                seed=derive_seed(seed, index), max_length=max_length,
                                                min_loss_tokens=min_loss_tokens, multi_turn=multi_turn)
