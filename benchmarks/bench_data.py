@@ -188,6 +188,63 @@ def bench_regeneration_precision(target, args, work: Path) -> list[tuple[str, fl
     return out
 
 
+def bench_precast(target, args, work: Path) -> list[tuple[str, str, float, float]]:
+    """(stage, weights, tokens, seconds): bf16 regeneration (--precision-batch prompts, one batch) and bf16 reference
+    prefill (--reference-prompts sequences), each with the linear weights cast once (`autocast_linear_weights`, what
+    the pipeline does) and re-cast by autocast at every call (before 2026-12-03), alternated twice so drift hits
+    both alike; the outputs are bit-identical (tests/test_hardware.py), only the time differs."""
+    import contextlib
+
+    import dspark.data.features as features_module
+    import dspark.data.regenerate as regenerate_module
+    from dspark.data.reference import build_reference_dataset
+
+    prompts = sorted(training_prompts(args.precision_batch), key=lambda p: len(p.prompt))
+    sampling = SamplingConfig(temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=args.max_new_tokens,
+                              batch_size=args.precision_batch)
+    ref_dir = build_reference_dataset(target, training_prompts(args.reference_prompts), cache_dir=work / "pc_ref",
+                                      max_length=512)
+    ref_tokens = sum(len(r) for r in load_regenerated(ref_dir)["input_ids"])
+    out = []
+    for rep in range(2):
+        for weights in ("cast once", "autocast re-cast"):
+            patch = contextlib.ExitStack()
+            if weights != "cast once":
+                for module in (features_module, regenerate_module):
+                    original = module.autocast_linear_weights
+                    module.autocast_linear_weights = lambda model, dtype=None: contextlib.nullcontext(model)
+                    patch.callback(setattr, module, "autocast_linear_weights", original)
+            with patch:
+                tag = f"{weights.replace(' ', '_')}_{rep}"
+                regen_dir = regenerate_responses(target, prompts, sampling=sampling, cache_dir=work / f"pc_{tag}",
+                                                 seed=0, min_loss_tokens=1, show_progress=False, precision="bf16")
+                stats = read_manifest(regen_dir)["stats"]
+                out.append(("regeneration", weights, stats["generated_tokens"], stats["seconds"]))
+                start = time.perf_counter()
+                cache_features(target, ref_dir, cache_dir=work / f"pcf_{tag}", batch_size=16, show_progress=False,
+                               precision="bf16")
+                out.append(("prefill", weights, ref_tokens, time.perf_counter() - start))
+    return out
+
+
+def precast_rows(name: str, results: list[tuple[str, str, float, float]], args) -> list[list[str]]:
+    """Summed over the two alternations, with the ratio of cast-once to re-cast tok/s."""
+    rows = []
+    for stage in ("regeneration", "prefill"):
+        totals = {w: (sum(t for s, ww, t, _ in results if s == stage and ww == w),
+                      sum(sec for s, ww, _, sec in results if s == stage and ww == w))
+                  for w in ("autocast re-cast", "cast once")}
+        base = totals["autocast re-cast"][0] / totals["autocast re-cast"][1]
+        size = f"{args.precision_batch} prompts in one batch" if stage == "regeneration" else \
+            f"{args.reference_prompts} reference sequences, batch 16"
+        for weights, (tokens, seconds) in totals.items():
+            rate = tokens / seconds
+            rows.append([name, f"bf16 {stage} ({size}), linear weights {weights}, 2 alternations",
+                         f"{tokens:.0f} tokens in {seconds:.1f} s", f"{rate:.0f} tok/s",
+                         f"{rate / base:.2f}× re-cast"])
+    return rows
+
+
 def run_target(name: str, args) -> list[list[str]]:
     target = load_target(name, cache_dir=args.cache_dir)
     with tempfile.TemporaryDirectory(prefix="bench_data_") as tmp:
@@ -198,6 +255,7 @@ def run_target(name: str, args) -> list[list[str]]:
         prefill = bench_reference_prefill(target, args, work)
         order = bench_regeneration_order(target, args, work)
         by_precision = bench_regeneration_precision(target, args, work)
+        precast = bench_precast(target, args, work) if "bf16" in precisions_here() else []
     regen_tok_s = stats["generated_tokens"] / stats["seconds"]
     rows = [[name, "regeneration (sampling, batch %d)" % args.num_prompts,
              f"{stats['generated_tokens']:.0f} tokens in {stats['seconds']:.1f} s", f"{regen_tok_s:.1f} tok/s", ""]]
@@ -216,6 +274,7 @@ def run_target(name: str, args) -> list[list[str]]:
         rate = tokens / seconds
         rows.append([name, f"reference prefill → feature cache ({precision}, length-batched)",
                      f"{tokens} tokens in {seconds:.1f} s", f"{rate:.0f} tok/s", f"{rate / regen_tok_s:.0f}× regeneration"])
+    rows += precast_rows(name, precast, args) if precast else []
     for label, r in ((f"features, regenerated batch (B={args.batch_size})", short),
                      (f"features, B={args.batch_size} × T={args.long_length}", long)):
         winner = "cached" if r["cached_s"] < r["online_s"] else "online"
