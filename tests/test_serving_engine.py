@@ -315,3 +315,45 @@ def test_policies_with_history_are_reset_at_serve_start(target, prompts):
     assert [r.new_tokens for r in first.requests] == [r.new_tokens for r in second.requests]
     lengths = [[r.num_verified for r in s.rounds] for s in first.steps]
     assert lengths == [[r.num_verified for r in s.rounds] for s in second.steps]
+
+
+def test_step_overhead_table_and_plan():
+    """with_step_overhead adds the seconds to every step's time; a steep verify table that makes a 0.35-survival
+    draft not worth verifying alone makes it worth verifying once the step's other ~110 ms are priced."""
+    from dspark.scheduling import schedule_verification
+
+    steep = SPSTable(batch_tokens=[8, 9, 16], steps_per_second=[10.0, 9.0, 7.0])  # R = 8: +1 token costs 11%
+    priced = steep.with_step_overhead(0.11)
+    assert priced.batch_tokens == steep.batch_tokens
+    assert priced.steps_per_second == pytest.approx([1 / (0.1 + 0.11), 1 / (1 / 9 + 0.11), 1 / (1 / 7 + 0.11)])
+    assert steep.with_step_overhead(0.0).steps_per_second == steep.steps_per_second
+    with pytest.raises(ValueError, match="finite and >= 0"):
+        steep.with_step_overhead(-0.01)
+    survival = torch.full((8, 1), 0.6, dtype=torch.float64)
+    assert schedule_verification(survival, sps=steep).sum() == 0  # 8.6 × 9 < 8 × 10: the first draft does not pay
+    assert schedule_verification(survival, sps=priced).sum() > 0  # 8.6 / 0.221 > 8 / 0.21 once 110 ms are priced
+
+
+@pytest.mark.parametrize("policy", ["scheduler", "async"])
+def test_measured_step_overhead_reprices_the_policy(target, prompts, policy):
+    """serve.step_overhead=measured: after every step the policy plans with its verify table plus the EMA of the
+    recorded draft + other seconds; each serve starts again from the verify table; none leaves it untouched."""
+    sps = SPSTable(batch_tokens=list(range(1, 17)), steps_per_second=[1 / (1 + (b - 1) / 6) for b in range(1, 17)])
+    requests = [ServeRequest(i, prompts[i % 3]) for i in range(4)]
+    plain = build_serve_policy(policy, sps=sps)
+    BatchedEngine(target=target, drafter=make_drafter(target), policy=plain, temperature=1.0,
+                  max_new_tokens=6).serve(requests, concurrency=2, seed=0, progress=False)
+    assert plain.sps is sps
+    measured = build_serve_policy(policy, sps=sps)
+    engine = BatchedEngine(target=target, drafter=make_drafter(target), policy=measured, temperature=1.0,
+                           max_new_tokens=6, step_overhead="measured")
+    result = engine.serve(requests, concurrency=2, seed=0, progress=False)
+    expected = None
+    for step in result.steps:
+        seconds = step.seconds_draft + step.seconds_other
+        expected = seconds if expected is None else 0.8 * expected + 0.2 * seconds
+    assert measured.sps is not sps and expected > 0
+    assert measured.sps.steps_per_second == pytest.approx(sps.with_step_overhead(expected).steps_per_second)
+    with pytest.raises(ValueError, match="serve.step_overhead"):
+        BatchedEngine(target=target, drafter=make_drafter(target), policy=build_serve_policy(policy, sps=sps),
+                      temperature=1.0, max_new_tokens=6, step_overhead="guess")

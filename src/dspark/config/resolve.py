@@ -134,6 +134,7 @@ def _name_errors(cfg: RunConfig) -> list[str]:
               ("export.dtype", cfg.export.dtype, EXPORT_DTYPES),
               ("target_options.dtype", cfg.target_options.dtype, TARGET_DTYPES),
               ("serve.target_dtype", cfg.serve.target_dtype or cfg.target_options.dtype, TARGET_DTYPES),
+              ("serve.step_overhead", cfg.serve.step_overhead, ("none", "measured")),
               ("decode.drafter_precision", cfg.decode.drafter_precision, PRECISIONS)]
     errors = [unknown_name_message(key, value, list(valid)) for key, value, valid in checks if value not in valid]
     if cfg.sweep and cfg.sweep not in available_sweeps():

@@ -193,6 +193,10 @@ class ServeConfig:
     #: the target's dtype while serving (float32 | bfloat16 | float16); "" = target_options.dtype. Serving only: the
     #: drafter, its data and its calibration keep target_options.dtype, so a bf16 serve reuses an fp32-trained drafter
     target_dtype: str = ""
+    #: what the SPS-planning policies (scheduler, async) price per step: none = the verify forward alone (SPS(B), the
+    #: paper's Algorithm 1) | measured = the verify forward plus this engine's measured drafting and per-row work
+    #: per step (an EMA; on this CPU ~5.5 ms per row besides the forward). The simulator plans on SPS(B) either way
+    step_overhead: str = "none"
 
 
 @dataclass

@@ -218,6 +218,11 @@ class SchedulerPolicy:
         values = torch.nan_to_num(confidences.detach().to(device="cpu", dtype=torch.float64), nan=0.0)
         return drafting_done(values, sps=self.sps)
 
+    def reprice(self, sps: SPSTable) -> None:
+        """Plan with `sps` from now on (the serving engine's measured whole-step rates, `serve.step_overhead`)."""
+        _require_sps(self.name, sps, self.key)
+        self.sps, self._rate_cache = sps, []
+
     def _rates(self, count: int) -> list[float]:
         """SPS(1..count) as floats, evaluated once per table (the exact float64 values the tensor path uses)."""
         if len(self._rate_cache) < count:
@@ -254,6 +259,11 @@ class AsyncPolicy:
             lengths = schedule_verification(values, sps=self.sps)
         self._history.append(values)
         return _cap(lengths, num_drafts)
+
+    def reprice(self, sps: SPSTable) -> None:
+        """Plan with `sps` from now on (the serving engine's measured whole-step rates, `serve.step_overhead`)."""
+        _require_sps(self.name, sps, self.key)
+        self.sps = sps
 
     def reset(self) -> None:
         self._history.clear()

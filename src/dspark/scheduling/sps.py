@@ -90,6 +90,17 @@ class SPSTable:
             per_token = ((last_time - 1.0 / rates[-2]) / (sizes[-1] - sizes[-2])).clamp_min(0.0)
         return 1.0 / (last_time + per_token * (query - sizes[-1]).clamp_min(0.0))
 
+    def with_step_overhead(self, seconds: float) -> "SPSTable":
+        """The rates of a whole step that spends `seconds` outside this forward besides it: 1 / (1 / SPS(B) + seconds)
+        at every profiled B (the serving engine's drafting, per-row verification and bookkeeping, which the verify
+        profile does not see). seconds 0 returns the same rates; a copy either way."""
+        seconds = float(seconds)
+        if not (seconds >= 0.0 and seconds != float("inf")):
+            raise ValueError(f"SPSTable.with_step_overhead: seconds must be finite and >= 0, got {seconds}")
+        return SPSTable(batch_tokens=list(self.batch_tokens),
+                        steps_per_second=[1.0 / (1.0 / rate + seconds) for rate in self.steps_per_second],
+                        target_fingerprint=self.target_fingerprint, machine=self.machine, created=self.created)
+
     def matches(self, target_fingerprint: str, machine: str) -> bool:
         """Whether this table was profiled for this target on this machine (else re-profile)."""
         return self.target_fingerprint == target_fingerprint and self.machine == machine

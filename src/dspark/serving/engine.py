@@ -59,6 +59,8 @@ from dspark.serving.records import RequestResult, ServeRound, ServeStep, ServeSu
 __all__ = ["STOP_EOS", "STOP_MAX_NEW_TOKENS", "STOP_REJECTED", "BatchedEngine", "ServeRequest", "ServeResult",
            "request_generator"]
 KEY = "serve"
+STEP_OVERHEADS = ("none", "measured")  # serve.step_overhead
+OVERHEAD_EMA = 0.2  # weight of the newest step in the measured overhead (~5-step memory)
 
 
 @dataclass
@@ -134,7 +136,8 @@ class BatchedEngine:
     """
 
     def __init__(self, *, target, drafter, policy: VerificationPolicy | None, temperature: float,
-                 max_new_tokens: int, calibration: STSCalibration | None = None, precision: str = "fp32") -> None:
+                 max_new_tokens: int, calibration: STSCalibration | None = None, precision: str = "fp32",
+                 step_overhead: str = "none") -> None:
         temperature = check_temperature(temperature, KEY)
         max_new_tokens = check_max_new_tokens(max_new_tokens, KEY)
         drafter = check_serving_drafter(drafter)
@@ -149,6 +152,12 @@ class BatchedEngine:
         self.kv: BatchedKVCache | None = None
         self.proposer: BatchedDSparkProposer | None = None
         self._policy_hook, self._max_drafts = drafting_hook(policy, calibration), draft_limit(policy)
+        if step_overhead not in STEP_OVERHEADS:
+            raise ValueError(f"serve.step_overhead={step_overhead!r}: choose one of {', '.join(STEP_OVERHEADS)}")
+        # "measured": an SPS-planning policy plans with whole-step rates, its verify table plus this engine's own
+        # drafting and per-row work per step (an EMA of the recorded seconds), not the verify forward alone
+        self._verify_sps = getattr(policy, "sps", None) if step_overhead == "measured" else None
+        self._overhead: float | None = None
 
     @property
     def greedy(self) -> bool:
@@ -164,6 +173,9 @@ class BatchedEngine:
         self._check_serve_args(requests, concurrency)
         if self.policy is not None and hasattr(self.policy, "reset"):
             self.policy.reset()
+        if self._verify_sps is not None:  # every serve starts from the verify table
+            self._overhead = None
+            self.policy.reprice(self._verify_sps)
         self.kv = BatchedKVCache(self.target)
         self.proposer = (BatchedDSparkProposer(self.drafter, precision=self.precision)
                          if self.drafter is not None else None)
@@ -175,9 +187,21 @@ class BatchedEngine:
                 prefill_seconds = self._admit(run, concurrency)
                 if run.active:
                     steps.append(self._step(run, index=len(steps), prefill_seconds=prefill_seconds))
+                    self._reprice(steps[-1])
         wall = run.now()
         return ServeResult(requests=[run.results[r.request_id] for r in requests], steps=steps, wall_seconds=wall,
                            concurrency=int(concurrency))
+
+    def _reprice(self, step: ServeStep) -> None:
+        """serve.step_overhead=measured: fold this step's seconds outside the verify forward (drafting, per-row
+        verification, commits, context extension; not prefill, which admitting requests costs whatever the plan)
+        into an EMA and hand the policy its verify table with that overhead added to every step."""
+        if self._verify_sps is None:
+            return
+        seconds = step.seconds_draft + step.seconds_other
+        self._overhead = seconds if self._overhead is None else \
+            (1 - OVERHEAD_EMA) * self._overhead + OVERHEAD_EMA * seconds
+        self.policy.reprice(self._verify_sps.with_step_overhead(self._overhead))
 
     def _check_serve_args(self, requests: list[ServeRequest], concurrency: int) -> None:
         if int(concurrency) < 1:

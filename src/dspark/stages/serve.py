@@ -143,7 +143,7 @@ def run_serve(ctx: StageContext, drafter_path: str | Path, *, prepared: Prepared
     policy = build_serve_policy(serve.policy, static_k=serve.static_k, threshold=serve.threshold, sps=sps)
     engine = BatchedEngine(target=target, drafter=drafter, policy=policy, temperature=cfg.decode.temperature,
                            max_new_tokens=serve.max_new_tokens, calibration=calibration,
-                           precision=cfg.decode.drafter_precision)
+                           precision=cfg.decode.drafter_precision, step_overhead=serve.step_overhead)
     log.info("serving %d requests (%s) with serve.policy=%s at concurrency %d", len(requests),
              ", ".join(serve.prompt_sets), serve.policy, serve.concurrency)
     result = engine.serve(requests, concurrency=serve.concurrency, seed=cfg.seed)
