@@ -84,18 +84,22 @@ class StageContext:
     def load_target(self) -> Target:
         """Load (once) the frozen target named by `target=`."""
         if self.target is None:
-            from dspark.targets import load_target
-
-            cfg = self.cfg
-            self.target = load_target(
-                cfg.target, cache_dir=self.paths.cache, feature_layers=cfg.model.feature_layers or None,
-                trust_remote_code=cfg.target_options.trust_remote_code, dtype=cfg.target_options.dtype,
-                seed=cfg.seed, mask_token_id=cfg.target_options.mask_token_id,
-                num_feature_layers=cfg.model.num_feature_layers)
+            self.target = self.load_target_in(self.cfg.target_options.dtype)
             log.info("target %s: %d layers, d=%d, V=%d, feature layers %s, MASK id %d", self.target.name,
                      self.target.num_layers, self.target.hidden_size, self.target.vocab_size,
                      self.target.feature_layer_ids, self.target.mask_token_id)
         return self.target
+
+    def load_target_in(self, dtype: str) -> Target:
+        """A fresh load of the `target=` checkpoint in `dtype`, with the run's options (not cached; `load_target`
+        keeps the run's own, and `serve.target_dtype` serves with another)."""
+        from dspark.targets import load_target
+
+        cfg = self.cfg
+        return load_target(cfg.target, cache_dir=self.paths.cache, feature_layers=cfg.model.feature_layers or None,
+                           trust_remote_code=cfg.target_options.trust_remote_code, dtype=dtype, seed=cfg.seed,
+                           mask_token_id=cfg.target_options.mask_token_id,
+                           num_feature_layers=cfg.model.num_feature_layers)
 
     def load_prompts(self, name: str, **options: Any) -> list:
         """The prompt set `name` (`dspark.data.prompts.load_prompts` options): from data.local_dir when it has the

@@ -80,15 +80,9 @@ def serving_target(ctx: StageContext, target: Target) -> Target:
     dtype = ctx.cfg.serve.target_dtype or ctx.cfg.target_options.dtype
     if dtype == ctx.cfg.target_options.dtype:
         return target
-    from dspark.targets import load_target
-
-    cfg = ctx.cfg
     log.info("serving with the target in %s (serve.target_dtype; trained and calibrated in %s)", dtype,
-             cfg.target_options.dtype)
-    return load_target(cfg.target, cache_dir=ctx.paths.cache, feature_layers=cfg.model.feature_layers or None,
-                       trust_remote_code=cfg.target_options.trust_remote_code, dtype=dtype, seed=cfg.seed,
-                       mask_token_id=cfg.target_options.mask_token_id,
-                       num_feature_layers=cfg.model.num_feature_layers)
+             ctx.cfg.target_options.dtype)
+    return ctx.load_target_in(dtype)
 
 
 def serving_sps(ctx: StageContext, target: Target, *, block_size: int, rows: int | None = None) -> Any:
