@@ -202,8 +202,8 @@ def bench_precast(target, args, work: Path) -> list[tuple[str, str, float, float
     prompts = sorted(training_prompts(args.precision_batch), key=lambda p: len(p.prompt))
     sampling = SamplingConfig(temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=args.max_new_tokens,
                               batch_size=args.precision_batch)
-    ref_dir = build_reference_dataset(target, training_prompts(args.reference_prompts), cache_dir=work / "pc_ref",
-                                      max_length=512)
+    ref_dir = build_reference_dataset(target, training_prompts(args.reference_prompts), cache_dir=work,
+                                      max_length=512)  # bench_reference_prefill's, reused from the same cache
     ref_tokens = sum(len(r) for r in load_regenerated(ref_dir)["input_ids"])
     out = []
     for rep in range(2):

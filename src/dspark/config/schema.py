@@ -25,6 +25,7 @@ STAGES = ("prepare", "train", "eval", "all", "report", "profile", "serve", "expo
 POLICIES = ("fixed", "mtp1", "static", "threshold", "calibrated_threshold", "scheduler", "async")
 SERVE_POLICIES = POLICIES
 PRECISIONS = ("auto", "fp32", "bf16")
+STEP_OVERHEADS = ("none", "measured")  # serve.step_overhead (dspark.serving.engine)
 # the policies that read the confidence head's c_k (their classes say needs_confidences = True; a test pins this);
 # only drafters with CONFIDENCE_HEAD can run them, offline (decode.policy) or served (serve.policy)
 CONFIDENCE_POLICIES = ("threshold", "calibrated_threshold", "scheduler", "async")

@@ -32,6 +32,7 @@ from torch import Tensor
 from tqdm.auto import tqdm
 
 from dspark.calibration.sts import STSCalibration
+from dspark.config.schema import STEP_OVERHEADS
 from dspark.decoding.policies import VerificationPolicy, build_policy
 from dspark.decoding.shared import (
     STOP_EOS,
@@ -59,7 +60,6 @@ from dspark.serving.records import RequestResult, ServeRound, ServeStep, ServeSu
 __all__ = ["STOP_EOS", "STOP_MAX_NEW_TOKENS", "STOP_REJECTED", "BatchedEngine", "ServeRequest", "ServeResult",
            "request_generator"]
 KEY = "serve"
-STEP_OVERHEADS = ("none", "measured")  # serve.step_overhead
 OVERHEAD_EMA = 0.2  # weight of the newest step in the measured overhead (~5-step memory)
 
 
