@@ -84,6 +84,7 @@ def test_dflash_means_no_head_and_ce_only():
     (["drafter=dflash", "model.head=markov"], ["dflash", "model.head"]),
     (["drafter=eagle3", "model.head=rnn"], ["eagle3", "model.head"]),
     (["sweep=no_such_sweep"], ["sweep", "no_such_sweep"]),
+    (["serve.scheduler_cost=bogus"], ["serve.scheduler_cost", "bogus", "tokens", "columns"]),
     (["model"], ["key=value"]),
 ])
 def test_bad_input_names_the_problem(argv, needles):

@@ -242,3 +242,171 @@ def test_profile_sps_times_each_size():
     assert calls == [1] * 5 + [4] * 5 + [8] * 5
     assert all(rate > 0 for rate in table.steps_per_second)
     assert table.target_fingerprint == "t" and table.machine == machine_fingerprint()
+
+
+# ---- the column planner for padded engines (plan_columns, columns_drafting_done) ----
+
+
+def _reference_columns(conf: list[list[float]], sps: SPSTable, drafts: list[int]) -> int:
+    """The column plan written plainly: k* of admitting whole columns while Θ(k) = E(k)·SPS(R·(k+1)) strictly
+    improves (a column nobody can accept is refused), stopping at the first refusal."""
+    num_requests, block = len(conf), len(conf[0])
+    survival = []
+    for row, drafted in zip(conf, drafts):
+        product, values = 1.0, []
+        for j, c in enumerate(row, start=1):
+            product *= c
+            values.append(product if j <= drafted else 0.0)
+        survival.append(values)
+    expected, best, admitted = float(num_requests), num_requests * sps(num_requests), 0
+    for k in range(1, block + 1):
+        mass = 0.0
+        for r in range(num_requests):
+            mass += survival[r][k - 1]
+        expected += mass
+        theta = expected * sps(num_requests * (k + 1))
+        if not (mass > 0 and theta > best):
+            break
+        best, admitted = theta, k
+    return admitted
+
+
+def _staircase_table(rng: random.Random, size: int) -> SPSTable:
+    """Flat stretches, then steps down (a CPU target's SPS(B)), sometimes a step up (profiling noise)."""
+    times, current = [], 1.0
+    for _ in range(size):
+        if rng.random() < 0.3:
+            current = max(0.05, current + rng.uniform(-0.2 if rng.random() < 0.2 else 0.0, 1.0))
+        times.append(current)
+    return SPSTable(list(range(1, size + 1)), [1 / t for t in times])
+
+
+def _random_column_case(rng: random.Random) -> tuple[torch.Tensor, SPSTable, list[int] | None]:
+    num_requests, block = rng.randint(1, 8), rng.randint(1, 7)
+    power = rng.choice([0.3, 1.0, 2.0])
+    conf = [[rng.choice([0.0, 1.0, rng.random() ** power, rng.random() ** power, rng.random() ** power])
+             for _ in range(block)] for _ in range(num_requests)]
+    if rng.random() < 0.5:
+        sizes = sorted(rng.sample(range(1, num_requests * (block + 1) + 3), k=rng.randint(1, 5)))
+        sps = SPSTable(sizes, sorted((rng.uniform(0.2, 1.0) for _ in sizes), reverse=rng.random() < 0.85))
+    else:
+        sps = _staircase_table(rng, num_requests * (block + 1))
+    drafts = [rng.randint(0, block) for _ in range(num_requests)] if rng.random() < 0.5 else None
+    return torch.tensor(conf, dtype=torch.float64), sps, drafts
+
+
+def test_column_plan_matches_plain_reference():
+    """Random R, γ, c̃ (zeros and ones included), monotone / staircase / noisy SPS tables and drafted-count caps:
+    plan_columns' k* and ℓ_r = min(k*, n_r) equal the plain loop's; its trace is E(k), Θ(k) of every column."""
+    from dspark.scheduling import plan_columns
+
+    rng = random.Random(7)
+    sizes = set()
+    for _ in range(1000):
+        conf, sps, drafts = _random_column_case(rng)
+        num_requests, block = conf.shape
+        caps = drafts if drafts is not None else [block] * num_requests
+        plan = plan_columns(conf, sps=sps, num_drafts=None if drafts is None else torch.tensor(drafts))
+        admitted = _reference_columns(conf.tolist(), sps, caps)
+        assert plan.num_columns == admitted
+        assert plan.lengths.tolist() == [min(admitted, n) for n in caps]
+        assert plan.throughput.shape == (block + 1,) and plan.throughput[0] == pytest.approx(num_requests * sps(
+            num_requests))
+        sizes.add(admitted)
+    assert sizes >= {0, 1, 2, 3}, sizes  # the cases exercise refusals at several columns, not only k* = 0
+
+
+def test_column_plan_ignores_every_column_after_the_first_refused_one():
+    """Lossless early stop: whether column k is admitted depends on c̃_{·,≤k} only (c̃_{r,k+1} depends on the
+    sampled x_{r,k}), so redrawing every column after k never changes it; the whole plan is a function of the
+    columns up to and including the first refused one."""
+    from dspark.scheduling import plan_columns
+
+    rng = random.Random(8)
+    for _ in range(600):
+        conf, sps, drafts = _random_column_case(rng)
+        num_requests, block = conf.shape
+        counts = None if drafts is None else torch.tensor(drafts)
+        plan = plan_columns(conf, sps=sps, num_drafts=counts)
+        redrawn = conf.clone()
+        decided = min(plan.num_columns + 1, block)  # the admitted columns and the first refused one
+        redrawn[:, decided:] = torch.rand(num_requests, block - decided, dtype=torch.float64)
+        again = plan_columns(redrawn, sps=sps, num_drafts=counts)
+        assert again.num_columns == plan.num_columns and torch.equal(again.lengths, plan.lengths)
+        k = rng.randint(1, block)
+        later = conf.clone()
+        later[:, k:] = torch.rand(num_requests, block - k, dtype=torch.float64)
+        assert (plan_columns(later, sps=sps, num_drafts=counts).num_columns >= k) == (plan.num_columns >= k)
+
+
+def test_a_full_search_over_columns_would_break_the_early_stop_property():
+    """The property above can fail: the argmax of Θ(k) over all columns (looking past a drop) lets column 2 decide
+    whether column 1 is verified — Appendix A's bias, one column per slot."""
+    from dspark.scheduling import plan_columns
+
+    sps = SPSTable([1, 2, 3], [1.0, 0.5, 0.45])
+
+    def argmax_columns(conf):
+        return int(torch.argmax(plan_columns(conf, sps=sps).throughput))
+
+    assert argmax_columns(torch.tensor([[0.8, 0.9]])) == 2 and argmax_columns(torch.tensor([[0.8, 0.0]])) == 0
+    assert plan_columns(torch.tensor([[0.8, 0.9]]), sps=sps).num_columns == 0  # the early stop refuses column 1
+    assert plan_columns(torch.tensor([[0.8, 0.0]]), sps=sps).num_columns == 0
+
+
+def test_columns_and_tokens_agree_with_one_request():
+    """R = 1: a column is one candidate, so the column plan is Algorithm 1 (tensor path and float fast path), capped
+    by the drafted count; and the scheduler policy's two cost models choose alike."""
+    from dspark.decoding.policies import build_policy
+    from dspark.scheduling import plan_columns
+    from dspark.scheduling.scheduler import schedule_single
+
+    rng = random.Random(9)
+    for _ in range(800):
+        block = rng.randint(1, 12)
+        conf = [rng.choice([0.0, 1.0, 0.5, rng.random(), rng.random() ** 0.3, rng.random()]) for _ in range(block)]
+        sps = _staircase_table(rng, block + 2) if rng.random() < 0.7 else SPSTable([1, 64], [1.0, 1.0])
+        drafted = rng.randint(0, block)
+        capped = torch.tensor([[c if j < drafted else 0.0 for j, c in enumerate(conf)]], dtype=torch.float64)
+        tokens = int(schedule_verification(capped, sps=sps)[0])
+        columns = plan_columns(torch.tensor([conf], dtype=torch.float64), sps=sps, num_drafts=torch.tensor([drafted]))
+        assert columns.lengths.tolist() == [tokens]
+        rates = sps(torch.arange(1, block + 2, dtype=torch.float64)).tolist()
+        assert schedule_single(conf[:drafted], rates=rates) == tokens
+        chosen = {cost: build_policy("scheduler", sps=sps, scheduler_cost=cost).choose(
+            confidences=torch.tensor([conf]), num_drafts=drafted).tolist() for cost in ("tokens", "columns")}
+        assert chosen == {"tokens": [tokens], "columns": [tokens]}
+
+
+def test_columns_drafting_done_is_the_plan_over_the_known_columns():
+    """Drafting stops before slot k exactly when the plan over the k known columns admits fewer than k; the first
+    such k is k* + 1 of the full plan (never earlier, so no verified slot goes undrafted), and the stop fires."""
+    from dspark.scheduling import columns_drafting_done, plan_columns
+
+    rng = random.Random(10)
+    fired = 0
+    for _ in range(400):
+        conf, sps, drafts = _random_column_case(rng)
+        num_requests, block = conf.shape
+        if drafts is not None:  # a row that stopped drafting reads c̃ = 0 from there on
+            conf[torch.arange(block).unsqueeze(0) >= torch.tensor(drafts).unsqueeze(1)] = 0.0
+        done = [columns_drafting_done(conf[:, :k], sps=sps) for k in range(1, block + 1)]
+        assert done == [plan_columns(conf[:, :k], sps=sps).num_columns < k for k in range(1, block + 1)]
+        full = plan_columns(conf, sps=sps, num_drafts=None if drafts is None else torch.tensor(drafts)).num_columns
+        stop_at = next((k for k, stop in enumerate(done, start=1) if stop), None)
+        assert stop_at == (full + 1 if full < block else None)
+        fired += stop_at is not None and stop_at < block
+    assert fired > 50
+    assert not columns_drafting_done(torch.zeros(3, 0), sps=APPENDIX_SPS)  # nothing known yet: keep drafting
+
+
+def test_column_plan_input_checks():
+    from dspark.scheduling import plan_columns
+
+    with pytest.raises(ValueError, match="STS"):
+        plan_columns(torch.tensor([[1.2, 0.5]]), sps=APPENDIX_SPS)
+    with pytest.raises(ValueError, match="num_drafts"):
+        plan_columns(torch.tensor([[0.5, 0.5]]), sps=APPENDIX_SPS, num_drafts=torch.tensor([3]))
+    with pytest.raises(ValueError, match="num_drafts"):
+        plan_columns(torch.tensor([[0.5, 0.5]]), sps=APPENDIX_SPS, num_drafts=torch.tensor([1, 1]))
+    assert plan_columns(torch.zeros(0, 3), sps=APPENDIX_SPS).lengths.tolist() == []

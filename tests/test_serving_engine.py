@@ -334,17 +334,20 @@ def test_step_overhead_table_and_plan():
     assert schedule_verification(survival, sps=priced).sum() > 0  # 8.6 / 0.221 > 8 / 0.21 once 110 ms are priced
 
 
-@pytest.mark.parametrize("policy", ["scheduler", "async"])
+@pytest.mark.parametrize("policy", ["scheduler", "scheduler:columns", "async"])
 def test_measured_step_overhead_reprices_the_policy(target, prompts, policy):
     """serve.step_overhead=measured: after every step the policy plans with its verify table plus the EMA of the
-    recorded draft + other seconds; each serve starts again from the verify table; none leaves it untouched."""
+    recorded draft + other seconds; each serve starts again from the verify table; none leaves it untouched.
+    "scheduler:columns" (serve.scheduler_cost=columns) keeps its cost model across the repricing."""
     sps = SPSTable(batch_tokens=list(range(1, 17)), steps_per_second=[1 / (1 + (b - 1) / 6) for b in range(1, 17)])
     requests = [ServeRequest(i, prompts[i % 3]) for i in range(4)]
-    plain = build_serve_policy(policy, sps=sps)
+    policy, _, cost = policy.partition(":")
+    cost = {"scheduler_cost": cost} if cost else {}
+    plain = build_serve_policy(policy, sps=sps, **cost)
     BatchedEngine(target=target, drafter=make_drafter(target), policy=plain, temperature=1.0,
                   max_new_tokens=6).serve(requests, concurrency=2, seed=0, progress=False)
     assert plain.sps is sps
-    measured = build_serve_policy(policy, sps=sps)
+    measured = build_serve_policy(policy, sps=sps, **cost)
     engine = BatchedEngine(target=target, drafter=make_drafter(target), policy=measured, temperature=1.0,
                            max_new_tokens=6, step_overhead="measured")
     result = engine.serve(requests, concurrency=2, seed=0, progress=False)
@@ -354,6 +357,7 @@ def test_measured_step_overhead_reprices_the_policy(target, prompts, policy):
         expected = seconds if expected is None else 0.8 * expected + 0.2 * seconds
     assert measured.sps is not sps and expected > 0
     assert measured.sps.steps_per_second == pytest.approx(sps.with_step_overhead(expected).steps_per_second)
+    assert getattr(measured, "cost", None) == cost.get("scheduler_cost", "tokens" if policy == "scheduler" else None)
     with pytest.raises(ValueError, match="serve.step_overhead"):
         BatchedEngine(target=target, drafter=make_drafter(target), policy=build_serve_policy(policy, sps=sps),
                       temperature=1.0, max_new_tokens=6, step_overhead="guess")

@@ -42,7 +42,8 @@ TEXTS = ("What is 2+2?", "Hi", "Write a short poem about the sea and the wind, p
 # Admitting candidate n of the scheduler's order pays off while its survival is large enough (see
 # tests/test_policies.py): with R = 3 rows B starts at 3 and the steps shrink slowly, so ℓ varies from 0 to γ.
 SPS = SPSTable(batch_tokens=list(range(1, 17)), steps_per_second=[1 / (1 + (b - 1) / 6) for b in range(1, 17)])
-POLICIES = ("mtp1", "static", "fixed", "threshold", "calibrated_threshold", "scheduler", "async")
+# "scheduler:columns" is the scheduler with serve.scheduler_cost=columns (whole columns, `plan_columns`).
+POLICIES = ("mtp1", "static", "fixed", "threshold", "calibrated_threshold", "scheduler", "scheduler:columns", "async")
 CALIBRATION = STSCalibration(temperatures=[2.0, 0.5, 1.0], grid=[0.5, 1.0, 2.0], n_bins=20, ece_before=[],
                              ece_after=[])
 
@@ -100,7 +101,10 @@ def vocab_drafter(target):
 
 
 def make_engine(target, drafter, policy, *, temperature=1.0, max_new_tokens=NEW_TOKENS, calibration=None):
-    serve_policy = None if drafter is None else build_serve_policy(policy, static_k=2, threshold=0.5, sps=SPS)
+    """policy: a serve.policy name, or "scheduler:<serve.scheduler_cost>"."""
+    name, _, cost = policy.partition(":")
+    serve_policy = None if drafter is None else build_serve_policy(name, static_k=2, threshold=0.5, sps=SPS,
+                                                                   scheduler_cost=cost or "tokens")
     return BatchedEngine(target=target, drafter=drafter, policy=serve_policy, temperature=temperature,
                          max_new_tokens=max_new_tokens, calibration=calibration)
 
@@ -139,6 +143,10 @@ def test_sampling_matches_the_target_distribution(target, prompts, drafter, poli
     lengths = {r.num_verified for r in rounds}
     expected = {"mtp1": {1}, "static": {2}, "fixed": {GAMMA}}.get(policy, {0, 1, 2, GAMMA})
     assert expected <= lengths, lengths  # the policy really chooses per request (drafted stop ids aside)
+    if policy == "scheduler:columns":  # whole columns: one k per step, ℓ_r = min(k, γ'_r), and k varies
+        widths = {max(r.num_verified for r in step.rounds) for step in result.steps}
+        assert len(widths) > 1 and all(r.num_verified == min(max(o.num_verified for o in step.rounds), r.num_drafted)
+                                       for step in result.steps for r in step.rounds)
     if policy not in ("fixed", "async"):  # the lean step (async: its capacity is not known while drafting): drafts nobody verifies are not drawn, and the records say so
         assert any(r.num_drafted == r.num_verified < GAMMA and r.accept_if_all is None for r in rounds)
     p_values = chi_square_p_values(target, prompts, requests, result.requests)

@@ -331,20 +331,21 @@ class _NoDraftingStop:
         self._policy.reset()
 
 
-@pytest.mark.parametrize("policy", ["mtp1", "static", "threshold", "scheduler"])
+@pytest.mark.parametrize("policy", ["mtp1", "static", "threshold", "scheduler", "scheduler:columns"])
 def test_lean_steps_draw_only_what_the_policy_can_verify_and_keep_its_plan(trace, policy):
     """The simulated proposer stops where the engine's lean proposer does (`max_drafts`, `stop_drafting`): the
     plan (every ℓ, A, τ) is the one drawn from full proposals, drafting is priced per drawn slot, and some step
-    draws fewer slots than the longest recorded row."""
+    draws fewer slots than the longest recorded row. "scheduler:columns": serve.scheduler_cost=columns."""
     from dspark.serving.policies import build_serve_policy
 
+    name, _, cost = policy.partition(":")
     costs = StepCosts(0.010, 0.002, 0.003, 0.001, 0.0, slot_intercept=0.001, slot_per_request=0.0005,
                       trace_slots=trace.block_size)
     sps = SPSTable([1], [1.0])  # time ∝ B: the scheduler admits only confident slots, so it stops drafting early
     common = dict(concurrency=3, sps=sps, costs=costs, max_new_tokens=14, seed=1)
-    lean = simulate_serving(trace, policy=build_serve_policy(policy, threshold=0.6, sps=sps), **common)
-    full = simulate_serving(trace, policy=_NoDraftingStop(build_serve_policy(policy, threshold=0.6, sps=sps)),
-                            **common)
+    options = dict(threshold=0.6, sps=sps, scheduler_cost=cost or "tokens")
+    lean = simulate_serving(trace, policy=build_serve_policy(name, **options), **common)
+    full = simulate_serving(trace, policy=_NoDraftingStop(build_serve_policy(name, **options)), **common)
     plan = [[(r.num_verified, r.num_accepted, r.committed) for r in s.rounds] for s in lean.steps]
     assert plan == [[(r.num_verified, r.num_accepted, r.committed) for r in s.rounds] for s in full.steps]
     cheaper = 0
@@ -371,3 +372,32 @@ def test_fit_step_costs_recovers_the_cost_per_drawn_slot():
     assert costs.slot_intercept == pytest.approx(0.001) and costs.slot_per_request == pytest.approx(0.0005)
     assert costs.trace_slots == pytest.approx(20 / 6)
     assert costs.draft_seconds(2, 3) == pytest.approx(costs.draft_seconds(2) + (3 - 20 / 6) * 0.002)
+
+
+def test_scheduler_cost_columns_plans_whole_columns(trace):
+    """simulate_serving(policy="scheduler", scheduler_cost="columns") builds the scheduler with the column planner,
+    as stage=serve's cells with serve.scheduler_cost=columns do: every step's ℓ_r are `plan_columns` on the
+    calibrated confidences the step read (one k, ℓ_r = min(k, γ'_r)); "tokens" stays Algorithm 1; bad names fail."""
+    from dspark.scheduling import plan_columns
+
+    # a column of R = 3 rows costs half a 3-token forward: it pays when its mass beats ~1.1, so k varies by step
+    sps = SPSTable(list(range(1, 17)), [1 / (1 + (b - 1) / 6) for b in range(1, 17)])
+    common = dict(policy="scheduler", concurrency=3, sps=sps, max_new_tokens=14, seed=1, pad_to_longest=True)
+    columns = simulate_serving(trace, scheduler_cost="columns", **common)
+    widths = set()
+    for step in columns.steps:
+        drafted = torch.tensor([r.num_drafted for r in step.rounds])
+        conf = torch.zeros(len(step.rounds), trace.block_size, dtype=torch.float64)
+        for row, r in enumerate(step.rounds):
+            conf[row, :r.num_drafted] = torch.tensor(r.calibrated, dtype=torch.float64)
+        plan = plan_columns(conf, sps=sps, num_drafts=drafted)
+        assert [r.num_verified for r in step.rounds] == plan.lengths.tolist()
+        widths.add(plan.num_columns)
+    assert len(widths) > 1, widths
+    tokens = simulate_serving(trace, **common)
+    assert [[r.num_verified for r in s.rounds] for s in tokens.steps] != \
+        [[r.num_verified for r in s.rounds] for s in columns.steps]
+    assert simulate_frontier(trace, policies=["scheduler"], concurrency_levels=[3], sps=sps, max_new_tokens=14,
+                             seed=1, pad_to_longest=True, scheduler_cost="columns")[0] == columns.summary()
+    with pytest.raises(ValueError, match="serve.scheduler_cost"):
+        simulate_serving(trace, scheduler_cost="bogus", **common)

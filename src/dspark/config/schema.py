@@ -26,6 +26,7 @@ POLICIES = ("fixed", "mtp1", "static", "threshold", "calibrated_threshold", "sch
 SERVE_POLICIES = POLICIES
 PRECISIONS = ("auto", "fp32", "bf16")
 STEP_OVERHEADS = ("none", "measured")  # serve.step_overhead (dspark.serving.engine)
+SCHEDULER_COSTS = ("tokens", "columns")  # serve.scheduler_cost (dspark.decoding.policies.SchedulerPolicy)
 # the policies that read the confidence head's c_k (their classes say needs_confidences = True; a test pins this);
 # only drafters with CONFIDENCE_HEAD can run them, offline (decode.policy) or served (serve.policy)
 CONFIDENCE_POLICIES = ("threshold", "calibrated_threshold", "scheduler", "async")
@@ -198,6 +199,11 @@ class ServeConfig:
     #: paper's Algorithm 1) | measured = the verify forward plus this engine's measured drafting and per-row work
     #: per step (an EMA; on this CPU ~5.5 ms per row besides the forward). The simulator plans on SPS(B) either way
     step_overhead: str = "none"
+    #: how serve.policy=scheduler prices a plan: tokens = Algorithm 1, one candidate at a time at B = Σ_r (1 + ℓ_r)
+    #: tokens (the paper's; keeps reports/serving.md reproducible) | columns = whole columns at B = R·(k + 1), what
+    #: the BatchedEngine's right-padded verify forward really costs (scheduling.scheduler.plan_columns). Composes
+    #: with step_overhead; the simulator plans with it too. Equal at R = 1; other policies ignore it
+    scheduler_cost: str = "tokens"
 
 
 @dataclass

@@ -13,7 +13,9 @@ single-request engine calls it with R = 1:
     threshold             prefix before the first RAW c_k < θ          METHOD §6, the paper's Fig. 5 sweep
     calibrated_threshold  prefix before the first calibrated c̃_k < θ  (serve.policy=threshold before the merge)
     scheduler             Algorithm 1 over all R requests with the early stop, on calibrated survival
-                          a_{r,j} = Π_{i≤j} c̃_{r,i} and this machine's SPS(B)
+                          a_{r,j} = Π_{i≤j} c̃_{r,i} and this machine's SPS(B) (cost "tokens"); cost "columns"
+                          (serve.scheduler_cost) admits whole columns, ℓ_r = min(k, γ'_r), priced at
+                          SPS(R·(k+1)) as the padded BatchedEngine verifies them (`plan_columns`)
     async                 capacity K = Σℓ of the full search on the calibrated confidences of two steps ago,
                           filled with the K best current candidates; the first two steps use `scheduler`
 
@@ -40,10 +42,13 @@ import torch
 from torch import Tensor
 
 from dspark.calibration.sts import STSCalibration
+from dspark.config.schema import SCHEDULER_COSTS
 from dspark.registry import Registry, unknown_name_message
 from dspark.scheduling.scheduler import (
     async_capacity_schedule,
+    columns_drafting_done,
     drafting_done,
+    plan_columns,
     schedule_single,
     schedule_verification,
     single_drafting_done,
@@ -51,6 +56,7 @@ from dspark.scheduling.scheduler import (
 from dspark.scheduling.sps import SPSTable
 
 RAW, CALIBRATED = "raw", "calibrated"
+TOKENS, COLUMNS = SCHEDULER_COSTS  # the scheduler's cost models (serve.scheduler_cost)
 
 
 class VerificationPolicy(Protocol):
@@ -182,12 +188,23 @@ def _require_sps(name: str, sps: SPSTable | None, key: str) -> None:
                          f"{key}.policy=fixed, mtp1, static or threshold")
 
 
+def _check_scheduler_cost(cost: str, key: str) -> None:
+    if cost not in SCHEDULER_COSTS:
+        raise ValueError(f"{key}.scheduler_cost={cost!r}: choose one of {', '.join(SCHEDULER_COSTS)} (tokens: "
+                         "Algorithm 1 at B = Σ(1 + ℓ); columns: whole columns at B = R·(k + 1), a padded engine)")
+
+
 @dataclass
 class SchedulerPolicy:
-    """Algorithm 1 over all R requests with the early stop (lossless), on calibrated survival."""
+    """Early-stop (lossless) planning on calibrated survival: Algorithm 1 per token (cost "tokens"), or whole
+    columns priced as the padded batched engine pays for them (cost "columns", `scheduler.plan_columns`).
+
+    With one request a column is a candidate and both costs make Algorithm 1's decision (tested), so R = 1 takes the
+    float fast path whatever the cost."""
 
     sps: SPSTable | None
     key: str = "decode"
+    cost: str = TOKENS
     name = "scheduler"
     needs_confidences = True
     reads = CALIBRATED
@@ -195,6 +212,7 @@ class SchedulerPolicy:
 
     def __post_init__(self) -> None:
         _require_sps(self.name, self.sps, self.key)
+        _check_scheduler_cost(self.cost, self.key)
 
     def choose(self, *, confidences: Tensor | None, num_drafts: Tensor | int) -> Tensor:
         row = _single_request_row(confidences, num_drafts)
@@ -204,22 +222,28 @@ class SchedulerPolicy:
         values = _check(self.name, confidences, num_drafts, key=self.key)
         if values.numel() == 0:
             return torch.zeros(values.shape[0], dtype=torch.long)
+        if self.cost == COLUMNS:
+            return plan_columns(values, sps=self.sps, num_drafts=num_drafts).lengths
         return _cap(schedule_verification(values, sps=self.sps), num_drafts)
 
     max_drafts = None
 
     def stop_drafting(self, confidences: Tensor) -> bool:
         """confidences [k] (one request) or [R, k]: c̃ of slots 1..k, known before x_{·,k} is sampled → True when
-        the early-stop plan can admit no slot ≥ k whatever is drafted next (`scheduling.scheduler.drafting_done`;
-        for one request, `schedule_single` on c̃_1..c̃_k stops before k)."""
+        the early-stop plan can admit no slot ≥ k whatever is drafted next (`scheduling.scheduler.drafting_done`,
+        or `columns_drafting_done` for cost "columns"; for one request, `schedule_single` on c̃_1..c̃_k stops
+        before k)."""
         row = _single_request_row(confidences, confidences.shape[-1])
         if row is not None:
             return single_drafting_done(row, rates=self._rates(len(row) + 1))
         values = torch.nan_to_num(confidences.detach().to(device="cpu", dtype=torch.float64), nan=0.0)
+        if self.cost == COLUMNS:
+            return columns_drafting_done(values, sps=self.sps)
         return drafting_done(values, sps=self.sps)
 
     def reprice(self, sps: SPSTable) -> None:
-        """Plan with `sps` from now on (the serving engine's measured whole-step rates, `serve.step_overhead`)."""
+        """Plan with `sps` from now on (the serving engine's measured whole-step rates, `serve.step_overhead`);
+        the cost model stays."""
         _require_sps(self.name, sps, self.key)
         self.sps, self._rate_cache = sps, []
 
@@ -269,21 +293,24 @@ class AsyncPolicy:
         self._history.clear()
 
 
+# Every builder takes the same keywords (static_k, threshold, sps, key, cost) and uses those it needs.
 POLICIES: Registry = Registry("decode.policy / serve.policy")
-POLICIES.add("fixed", lambda *, static_k, threshold, sps, key: StaticPolicy(None, name="fixed", key=key))
-POLICIES.add("mtp1", lambda *, static_k, threshold, sps, key: StaticPolicy(1, name="mtp1", key=key))
-POLICIES.add("static", lambda *, static_k, threshold, sps, key: StaticPolicy(static_k, name="static", key=key))
-POLICIES.add("threshold", lambda *, static_k, threshold, sps, key: ThresholdPolicy(threshold, key=key))
-POLICIES.add("calibrated_threshold", lambda *, static_k, threshold, sps, key: ThresholdPolicy(
+POLICIES.add("fixed", lambda *, static_k, threshold, sps, key, cost: StaticPolicy(None, name="fixed", key=key))
+POLICIES.add("mtp1", lambda *, static_k, threshold, sps, key, cost: StaticPolicy(1, name="mtp1", key=key))
+POLICIES.add("static", lambda *, static_k, threshold, sps, key, cost: StaticPolicy(static_k, name="static", key=key))
+POLICIES.add("threshold", lambda *, static_k, threshold, sps, key, cost: ThresholdPolicy(threshold, key=key))
+POLICIES.add("calibrated_threshold", lambda *, static_k, threshold, sps, key, cost: ThresholdPolicy(
     threshold, name="calibrated_threshold", reads=CALIBRATED, key=key))
-POLICIES.add("scheduler", lambda *, static_k, threshold, sps, key: SchedulerPolicy(sps, key=key))
-POLICIES.add("async", lambda *, static_k, threshold, sps, key: AsyncPolicy(sps, key=key))
+POLICIES.add("scheduler", lambda *, static_k, threshold, sps, key, cost: SchedulerPolicy(sps, key=key, cost=cost))
+POLICIES.add("async", lambda *, static_k, threshold, sps, key, cost: AsyncPolicy(sps, key=key))
 
 
 def build_policy(name: str, *, threshold: float = 0.5, static_k: int = 2, sps: SPSTable | None = None,
-                 key: str = "decode", calibration: None = None) -> VerificationPolicy:
+                 key: str = "decode", calibration: None = None, scheduler_cost: str = TOKENS) -> VerificationPolicy:
     """The policy named by `decode.policy` (key "decode") or `serve.policy` (key "serve"); errors name that key.
 
+    scheduler_cost: the `scheduler`'s cost model, "tokens" (Algorithm 1) or "columns" (`serve.scheduler_cost`);
+    checked for every name, used by the scheduler only.
     Policies never calibrate: pass the STS calibration to the engine (`SpeculativeEngine(calibration=...)`,
     `BatchedEngine(calibration=...)`), which applies it before the policy. `calibration` is accepted only as None
     (older callers passed it here).
@@ -293,7 +320,8 @@ def build_policy(name: str, *, threshold: float = 0.5, static_k: int = 2, sps: S
                          "policy; pass it as SpeculativeEngine(calibration=...) or BatchedEngine(calibration=...)")
     if name not in POLICIES:
         raise ValueError(unknown_name_message(f"{key}.policy", name, POLICIES.names()))
-    return POLICIES.resolve(name)(static_k=static_k, threshold=threshold, sps=sps, key=key)
+    _check_scheduler_cost(scheduler_cost, key)
+    return POLICIES.resolve(name)(static_k=static_k, threshold=threshold, sps=sps, key=key, cost=scheduler_cost)
 
 
 def calibrate_confidences(calibration: STSCalibration, confidences: Tensor) -> Tensor:

@@ -17,6 +17,18 @@ output; it exists only behind an explicit flag for reproducing that appendix.
 
 `async_capacity_schedule` is the paper's production variant (§5.2): a token budget from stale confidences, filled
 with the best current candidates.
+
+Column planner (`plan_columns`, for a padded engine). The `BatchedEngine` verifies all R rows in one forward
+right-padded to max_r ℓ_r + 1 tokens, so a step costs SPS(R·(max ℓ + 1)) whatever Σ ℓ_r is, and the first draft of
+any row costs a whole column. Algorithm 1 prices one candidate per token and refuses that column one c̃ at a time
+(reports/serving.notes.md: R = 8, c̃ ≈ 0.35). The planner admits whole columns instead: with k columns every row
+verifies ℓ_r = min(k, n_r) drafts (n_r = drafted slots) and
+
+    E(k) = R + Σ_r Σ_{j≤min(k, n_r)} S_{r,j},    S_{r,j} = Π_{i≤j} c̃_{r,i},    Θ(k) = E(k)·SPS(R·(k+1)),
+
+admitting column k while Θ(k) > Θ(k-1), stopping at the first non-improvement — the same early stop, for the same
+reason: column k's fate depends on c̃_{·,≤k} only, known before any x_{·,k} is sampled. At R = 1 a column is a
+candidate and the planner is Algorithm 1.
 """
 from __future__ import annotations
 
@@ -49,6 +61,17 @@ class SchedulePlan:
     survival: Tensor     # [N] float64, a_{r,j} of each sorted candidate
     throughput: Tensor   # [N+1] float64, Θ_0..Θ_N (Θ_n after admitting the first n candidates)
     num_admitted: int    # n*, the admitted prefix of the order
+
+
+@dataclass
+class ColumnPlan:
+    """A column decision (`plan_columns`) with its trace over all γ columns; only Θ(0..k*+1) decided it."""
+
+    lengths: Tensor      # [R] long, ℓ_r = min(k*, n_r)
+    mass: Tensor         # [γ] float64, Σ_r S_{r,k} of column k (S = 0 past n_r)
+    expected: Tensor     # [γ+1] float64, E(0)..E(γ)
+    throughput: Tensor   # [γ+1] float64, Θ(0)..Θ(γ), Θ(k) = E(k)·SPS(R·(k+1))
+    num_columns: int     # k*, the admitted columns
 
 
 def _check_confidences(confidences: Tensor) -> Tensor:
@@ -176,6 +199,54 @@ def drafting_done(confidences: Tensor, *, sps: SPSTable) -> bool:
         return False  # the early stop lies beyond the known prefix: later slots may still be admitted
     admitted = int(improved.to(torch.long).cumprod(0).sum())
     return not bool((slots[:admitted] == block).any())
+
+
+def _draft_counts(num_drafts: Tensor | None, num_requests: int, block: int) -> Tensor:
+    if num_drafts is None:
+        return torch.full((num_requests,), block, dtype=torch.long)
+    counts = torch.as_tensor(num_drafts).to(device="cpu", dtype=torch.long).reshape(-1)
+    if counts.shape[0] != num_requests or bool((counts < 0).any()) or bool((counts > block).any()):
+        raise ValueError(f"plan_columns: num_drafts must be [R] = [{num_requests}] counts in [0, γ = {block}], got "
+                         f"{counts.tolist()}")
+    return counts
+
+
+def plan_columns(confidences: Tensor, *, sps: SPSTable, num_drafts: Tensor | None = None) -> ColumnPlan:
+    """Column plan for an engine that pads every row to max ℓ + 1 (module docstring): ℓ_r = min(k*, n_r).
+
+    confidences [R, γ]: calibrated c̃_{r,j} in [0, 1] (slot j → column j-1). num_drafts [R] long: n_r ≤ γ drafted
+    slots per row (None: all γ); slots past n_r count as S = 0. `sps` prices a forward of R·(k+1) tokens.
+    Early stop: column k is admitted iff Θ(j) > Θ(j-1) and column j has positive mass for every j ≤ k, so the plan
+    is a function of the columns up to the first refused one and never of a column past it (lossless, as
+    Algorithm 1). A column with no mass is refused even on a table where SPS grows: it adds no expected token,
+    Algorithm 1 admits no a = 0 candidate either, and so at R = 1 both decide alike.
+    """
+    values = _check_confidences(confidences)
+    num_requests, block = values.shape
+    counts = _draft_counts(num_drafts, num_requests, block)
+    drafted = torch.arange(block).unsqueeze(0) < counts.unsqueeze(1)
+    survival = torch.where(drafted, values.cumprod(dim=1), 0.0)
+    mass = survival.sum(dim=0)
+    expected = num_requests + torch.cat([torch.zeros(1, dtype=torch.float64), mass.cumsum(0)])
+    # Every row is padded to k + 1 tokens, so the forward has R·(k+1) tokens whatever the rows' ℓ_r.
+    columns = torch.arange(block + 1, dtype=torch.float64)
+    throughput = expected * sps(num_requests * (columns + 1))
+    improved = (throughput[1:] > throughput[:-1]) & (mass > 0)
+    num_columns = int(improved.to(torch.long).cumprod(0).sum())  # the leading run of admitted columns
+    return ColumnPlan(counts.clamp(max=num_columns), mass, expected, throughput, num_columns)
+
+
+def columns_drafting_done(confidences: Tensor, *, sps: SPSTable) -> bool:
+    """True when slot k = confidences.shape[1] will never be verified under `plan_columns`, whatever is drafted
+    from slot k on; confidences [R, k] hold c̃ of slots 1..k of every row, known before the x_{·,k} are sampled (0
+    for a row that stopped drafting, which `plan_columns` reads as S = 0, like a cap n_r).
+
+    Why it is exact: the plan over the k known columns is the full plan's whenever it refuses a column ≤ k (the
+    early stop never looks past the first refused column), so if it admits fewer than k columns no slot ≥ k is ever
+    verified and stopping changes nothing; if it admits all k, slot k will be verified and must be drafted.
+    """
+    values = _check_confidences(confidences)
+    return plan_columns(values, sps=sps).num_columns < values.shape[1]
 
 
 def expected_throughput(confidences: Tensor, lengths: Tensor, *, sps: SPSTable) -> float:

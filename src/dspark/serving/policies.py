@@ -18,10 +18,11 @@ SERVE_POLICIES = POLICIES
 ServePolicy = VerificationPolicy
 
 
-def build_serve_policy(name: str, *, static_k: int = 2, threshold: float = 0.5,
-                       sps: SPSTable | None = None) -> VerificationPolicy:
-    """The policy named by `serve.policy` (errors name the serve.* keys)."""
-    return build_policy(name, static_k=static_k, threshold=threshold, sps=sps, key="serve")
+def build_serve_policy(name: str, *, static_k: int = 2, threshold: float = 0.5, sps: SPSTable | None = None,
+                       scheduler_cost: str = "tokens") -> VerificationPolicy:
+    """The policy named by `serve.policy` (errors name the serve.* keys); `scheduler_cost` is serve.scheduler_cost."""
+    return build_policy(name, static_k=static_k, threshold=threshold, sps=sps, key="serve",
+                        scheduler_cost=scheduler_cost)
 
 
 __all__ = ["SERVE_POLICIES", "AsyncPolicy", "SchedulerPolicy", "ServePolicy", "StaticPolicy", "ThresholdPolicy",

@@ -32,7 +32,8 @@ end of the step that brings them to their length. The output has the real engine
 B = Σ_r (1 + ℓ_r) is the cost of an engine that packs the verify tokens without padding (paper §5.3). The
 `BatchedEngine` of this package right-pads every row to max_r ℓ_r + 1 tokens, and the profiled table's entry at
 R·q is exactly an R-row forward of q tokens per row (`serving.profile`), so `pad_to_longest=True` times its steps
-at SPS(R·(max_r ℓ_r + 1)) instead; `ServeStep.batch_tokens` stays B either way.
+at SPS(R·(max_r ℓ_r + 1)) instead; `ServeStep.batch_tokens` stays B either way. A scheduler built here by name plans
+with `scheduler_cost` (serve.scheduler_cost), as the engine's does: "columns" prices exactly that padded forward.
 """
 from __future__ import annotations
 
@@ -272,13 +273,15 @@ def _policy_inputs(rounds: list[TraceRound], *, block_size: int, source: str | N
 def simulate_serving(trace: ServeTrace, *, policy: str | ServePolicy, concurrency: int, sps: SPSTable,
                      costs: StepCosts | None = None, max_new_tokens: int | None = None,
                      num_requests: int | None = None, seed: int = 0, calibrated: bool | None = None,
-                     static_k: int = 2, threshold: float = 0.5, pad_to_longest: bool = False) -> SimResult:
+                     static_k: int = 2, threshold: float = 0.5, pad_to_longest: bool = False,
+                     scheduler_cost: str = "tokens") -> SimResult:
     """Replay `trace` at concurrency R under `policy` (module docstring).
 
     policy: a `ServePolicy` (it keeps its own SPS table, if any; `sps` still times the steps) or its name (built
-    with `sps`, `static_k`, `threshold`). num_requests: simulated requests (default: the smallest multiple of the
-    trace's request count that is >= 4R, so every recorded request is replayed equally often). calibrated: which
-    recorded confidences the policy reads (None: calibrated when every round has them, else raw).
+    with `sps`, `static_k`, `threshold` and `scheduler_cost`, serve.scheduler_cost). num_requests: simulated requests
+    (default: the smallest multiple of the trace's request count that is >= 4R, so every recorded request is
+    replayed equally often). calibrated: which recorded confidences the policy reads (None: calibrated when every
+    round has them, else raw).
     pad_to_longest: time the verify forward as R rows of max ℓ_r + 1 tokens (module docstring).
     """
     count = len(trace.requests)
@@ -289,7 +292,8 @@ def simulate_serving(trace: ServeTrace, *, policy: str | ServePolicy, concurrenc
         raise ValueError(f"serve.max_new_tokens={max_new_tokens} must be >= 2 to simulate rounds (the first token "
                          "comes from the prefill)")
     if isinstance(policy, str):
-        policy = build_serve_policy(policy, static_k=static_k, threshold=threshold, sps=sps)
+        policy = build_serve_policy(policy, static_k=static_k, threshold=threshold, sps=sps,
+                                    scheduler_cost=scheduler_cost)
     costs = costs if costs is not None else StepCosts()
     order = torch.randperm(count, generator=torch.Generator().manual_seed(seed)).tolist()
     queue = [trace.requests[order[i % count]] for i in range(total)]
@@ -386,7 +390,7 @@ def simulate_frontier(trace: ServeTrace, *, policies: Sequence[str], concurrency
                       sps: SPSTable | Mapping[int, SPSTable], costs: StepCosts | None = None,
                       max_new_tokens: int | None = None, seed: int = 0, static_k: int = 2,
                       threshold: float = 0.5, calibrated: bool | None = None,
-                      pad_to_longest: bool = False) -> list[ServeSummary]:
+                      pad_to_longest: bool = False, scheduler_cost: str = "tokens") -> list[ServeSummary]:
     """Simulated `ServeSummary` for every (policy, R); `sps` may map R to the table profiled with R rows (the
     closest R is used when a level has no table of its own)."""
     summaries = []
@@ -395,7 +399,8 @@ def simulate_frontier(trace: ServeTrace, *, policies: Sequence[str], concurrency
         for name in policies:
             result = simulate_serving(trace, policy=name, concurrency=concurrency, sps=table, costs=costs,
                                       max_new_tokens=max_new_tokens, seed=seed, static_k=static_k,
-                                      threshold=threshold, calibrated=calibrated, pad_to_longest=pad_to_longest)
+                                      threshold=threshold, calibrated=calibrated, pad_to_longest=pad_to_longest,
+                                      scheduler_cost=scheduler_cost)
             summaries.append(result.summary())
     return summaries
 

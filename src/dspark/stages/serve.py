@@ -6,7 +6,8 @@ prepare → train (reused by training key) → `run_serve`:
    confidence head;
 2. the SPS(B) table of the batched verify forward (`dspark.serving.profile`, cached per target and machine);
 3. `serve.num_requests` prompts, round-robin over `serve.prompt_sets` (the math / code / chat mix), served by the
-   `BatchedEngine` with `serve.policy` at `serve.concurrency` (closed loop: a finished request is replaced at once);
+   `BatchedEngine` with `serve.policy` at `serve.concurrency` (closed loop: a finished request is replaced at once;
+   the scheduler plans with `serve.scheduler_cost`);
 4. the simulator: a policy=fixed trace of the same requests (recorded once per drafter and setting, cached in the
    run directory) replayed with this policy at this concurrency (validation against step 3) and at every
    `serve.simulate_concurrency` level, against `serve.sps_table` or else this machine's SPS table profiled with
@@ -134,7 +135,8 @@ def run_serve(ctx: StageContext, drafter_path: str | Path, *, prepared: Prepared
     target = serving_target(ctx, trained.target)
     sps = serving_sps(ctx, target, block_size=spec.block_size)
     requests = serve_requests(ctx, target)
-    policy = build_serve_policy(serve.policy, static_k=serve.static_k, threshold=serve.threshold, sps=sps)
+    policy = build_serve_policy(serve.policy, static_k=serve.static_k, threshold=serve.threshold, sps=sps,
+                                scheduler_cost=serve.scheduler_cost)
     engine = BatchedEngine(target=target, drafter=drafter, policy=policy, temperature=cfg.decode.temperature,
                            max_new_tokens=serve.max_new_tokens, calibration=calibration,
                            precision=cfg.decode.drafter_precision, step_overhead=serve.step_overhead)
@@ -211,7 +213,7 @@ def simulate_levels(ctx: StageContext, *, engine_args: dict, requests: list, rea
     trace = trace_from_steps(trace_steps)
     costs = fit_step_costs(list(real.steps) + ([] if trace_steps is real.steps else list(trace_steps)))
     options = {"policy": serve.policy, "costs": costs, "seed": ctx.cfg.seed, "static_k": serve.static_k,
-               "threshold": serve.threshold, "pad_to_longest": True}
+               "threshold": serve.threshold, "pad_to_longest": True, "scheduler_cost": serve.scheduler_cost}
     own = simulate_serving(trace, concurrency=serve.concurrency, sps=sps, num_requests=len(requests),
                            **options).summary()
     metrics = {f"sim/validation/{k}_rel_err": float(v) for k, v in validate(real_summary, own).items()}
