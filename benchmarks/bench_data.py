@@ -1,7 +1,8 @@
 """Data-pipeline speed on this machine: regeneration vs reference-response prefill, and cached vs online features.
 
 Side by side in one run per target: regeneration tok/s of the same prompts in input order and batched by prompt
-length (what `stage=prepare` does), regeneration at fp32 and bf16 autocast (`data.regen_precision`), and the
+length (what `stage=prepare` does), regeneration at fp32 and bf16 autocast (`data.regen_precision`), with
+transformers' `generate` and with the lean sampling loop (`data.sampling.sampler`), and the
 feature-cache prefill of prompt + reference response (what
 `data.responses=reference` costs per token) at fp32 and at bf16 autocast (CPUs with AMX-BF16 or AVX512-BF16 only).
 
@@ -227,6 +228,43 @@ def bench_precast(target, args, work: Path) -> list[tuple[str, str, float, float
     return out
 
 
+def bench_sampler(target, args, work: Path) -> list[tuple[str, float, float]]:
+    """(sampler, generated tokens, seconds): regeneration at T = 1 of --precision-batch prompts in one batch with
+    transformers' `generate` and with the lean loop (`data.sampling.sampler`), under the precision the pipeline
+    picks here, alternated twice so drift hits both alike. The two draw different random streams, so their
+    responses (and lengths) differ: tok/s counts generated tokens only."""
+    import dataclasses
+
+    from dspark.data.features import resolve_prefill_precision
+
+    precision = resolve_prefill_precision("auto", target, key="data.regen_precision")
+    prompts = sorted(training_prompts(args.precision_batch), key=lambda p: len(p.prompt))
+    sampling = SamplingConfig(temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=args.max_new_tokens,
+                              batch_size=args.precision_batch)
+    out = []
+    for rep in range(2):
+        for sampler in ("generate", "lean"):
+            regen_dir = regenerate_responses(target, prompts, sampling=dataclasses.replace(sampling, sampler=sampler),
+                                             cache_dir=work / f"sampler_{sampler}_{rep}", seed=rep,
+                                             min_loss_tokens=1, show_progress=False, precision=precision)
+            stats = read_manifest(regen_dir)["stats"]
+            out.append((f"{sampler} ({precision})", stats["generated_tokens"], stats["seconds"]))
+    return out
+
+
+def sampler_rows(name: str, results: list[tuple[str, float, float]], args) -> list[list[str]]:
+    """Summed over the two alternations, with the lean loop's tok/s over generate's."""
+    totals = {}
+    for label, tokens, seconds in results:
+        done = totals.get(label, (0.0, 0.0))
+        totals[label] = (done[0] + tokens, done[1] + seconds)
+    base_label = next(label for label in totals if label.startswith("generate"))
+    base = totals[base_label][0] / totals[base_label][1]
+    return [[name, f"regeneration at T = 1 of {args.precision_batch} prompts in one batch, sampler {label}, "
+                   "2 alternations", f"{tokens:.0f} tokens in {seconds:.1f} s", f"{tokens / seconds:.1f} tok/s",
+             f"{tokens / seconds / base:.2f}× generate"] for label, (tokens, seconds) in totals.items()]
+
+
 def precast_rows(name: str, results: list[tuple[str, str, float, float]], args) -> list[list[str]]:
     """Summed over the two alternations, with the ratio of cast-once to re-cast tok/s."""
     rows = []
@@ -256,6 +294,7 @@ def run_target(name: str, args) -> list[list[str]]:
         order = bench_regeneration_order(target, args, work)
         by_precision = bench_regeneration_precision(target, args, work)
         precast = bench_precast(target, args, work) if "bf16" in precisions_here() else []
+        samplers = bench_sampler(target, args, work)
     regen_tok_s = stats["generated_tokens"] / stats["seconds"]
     rows = [[name, "regeneration (sampling, batch %d)" % args.num_prompts,
              f"{stats['generated_tokens']:.0f} tokens in {stats['seconds']:.1f} s", f"{regen_tok_s:.1f} tok/s", ""]]
@@ -275,6 +314,7 @@ def run_target(name: str, args) -> list[list[str]]:
         rows.append([name, f"reference prefill → feature cache ({precision}, length-batched)",
                      f"{tokens} tokens in {seconds:.1f} s", f"{rate:.0f} tok/s", f"{rate / regen_tok_s:.0f}× regeneration"])
     rows += precast_rows(name, precast, args) if precast else []
+    rows += sampler_rows(name, samplers, args)
     for label, r in ((f"features, regenerated batch (B={args.batch_size})", short),
                      (f"features, B={args.batch_size} × T={args.long_length}", long)):
         winner = "cached" if r["cached_s"] < r["online_s"] else "online"

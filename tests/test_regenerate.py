@@ -15,7 +15,9 @@ from dspark.data.regenerate import (
     read_manifest,
     regen_cache_key,
     regenerate_batch,
+    draw_tokens,
     regenerate_responses,
+    sample_lean,
     sample_responses,
 )
 
@@ -128,6 +130,7 @@ def test_cache_key_changes_with_what_determines_output(tiny) -> None:
         {**base, "sampling": dataclasses.replace(SAMPLING, system_prompt="You are helpful.")},
         {**base, "max_length": 512},
         {**base, "precision": "bf16"},
+        {**base, "sampling": dataclasses.replace(SAMPLING, sampler="lean")},
     ]
     for variant in variants:
         assert regen_cache_key(tiny, PROMPTS, **variant) != key
@@ -195,3 +198,114 @@ def test_sampling_config_validation() -> None:
 def test_load_incomplete_dir_fails(tmp_path) -> None:
     with pytest.raises(ValueError, match="COMPLETE"):
         load_regenerated(tmp_path)
+
+
+def _warped_probabilities(logits: torch.Tensor, sampling: SamplingConfig, suppress: list[int]) -> torch.Tensor:
+    """The distribution `generate` samples from, built with transformers' own processors (the reference)."""
+    from transformers.generation.logits_process import (
+        SuppressTokensLogitsProcessor,
+        TemperatureLogitsWarper,
+        TopKLogitsWarper,
+        TopPLogitsWarper,
+    )
+
+    scores = SuppressTokensLogitsProcessor(suppress)(torch.zeros(1, 1, dtype=torch.long), logits.clone())
+    for warper in (TemperatureLogitsWarper(sampling.temperature), TopKLogitsWarper(sampling.top_k or logits.shape[-1]),
+                   TopPLogitsWarper(sampling.top_p)):
+        scores = warper(torch.zeros(1, 1, dtype=torch.long), scores)
+    return scores.softmax(dim=-1)[0].double()
+
+
+@pytest.mark.parametrize("settings", [dict(temperature=1.0, top_p=1.0, top_k=0), dict(temperature=0.7, top_p=0.8, top_k=20),
+                                      dict(temperature=1.3, top_p=0.6, top_k=0), dict(temperature=0.5, top_p=1.0, top_k=4)])
+def test_draw_tokens_samples_generates_distribution(settings) -> None:
+    """draw_tokens (inverse CDF) against transformers' processors: chi-square over 60,000 draws, and no draw ever
+    falls on a token the processors give probability 0."""
+    from scipy.stats import chisquare
+
+    sampling = SamplingConfig(**settings)
+    gen = torch.Generator().manual_seed(7)
+    logits = torch.randn(1, 30, generator=gen) * 2.0
+    expected = _warped_probabilities(logits, sampling, suppress=[3])
+    torch.manual_seed(11)
+    draws = draw_tokens(logits.expand(60_000, -1), sampling=sampling, suppress=torch.tensor([3]))
+    counts = torch.bincount(draws, minlength=30).double()
+    assert counts[expected == 0].sum() == 0
+    support = expected > 0
+    assert support.sum() >= 2 and counts[3] == 0
+    observed, wanted = counts[support], expected[support] * 60_000
+    assert chisquare(observed.numpy(), wanted.numpy() * observed.sum().item() / wanted.sum().item()).pvalue > 1e-3
+
+
+def test_draw_tokens_greedy_and_rounding_edge() -> None:
+    logits = torch.tensor([[0.1, 2.0, -1.0, 2.5], [5.0, 0.0, 0.0, 0.0]])
+    assert draw_tokens(logits, sampling=SamplingConfig(temperature=0)).tolist() == [3, 0]
+    # a uniform that rounds up to the total must still land on a token with mass, never on a masked tail token
+    masked = torch.tensor([[1.0, 1.0, float("-inf"), float("-inf")]])
+    full = SamplingConfig(temperature=1.0, top_p=1.0, top_k=0)
+    assert draw_tokens(masked, sampling=full, uniform=torch.ones(1, 1)).item() == 1
+    assert draw_tokens(masked, sampling=full, uniform=torch.zeros(1, 1)).item() == 0
+
+
+def test_lean_sampler_greedy_equals_generate_with_rows_leaving_the_batch(tiny, tmp_path, monkeypatch) -> None:
+    """At T = 0 the lean loop's tokens are generate's, token for token, over left-padded prompts of unequal length
+    while rows finish early and leave the batch and its KV cache (a mid-response token made a stop id). The tiny
+    target of seed 1: seed 0's greedy text is one token repeated, which would hide a misplaced position."""
+    from dspark.targets import load_target
+
+    tiny = load_target("tiny", cache_dir=tmp_path, seed=1)
+    greedy = dataclasses.replace(SAMPLING, temperature=0.0, max_new_tokens=10)
+    prompts = [tiny.chat_prompt_ids(p.prompt) for p in PROMPTS]
+    eot = tiny.tokenizer.eos_token_id
+    free = [response for response, _ in sample_responses(tiny, prompts, sampling=greedy, eot=eot)]
+    # a token that first appears mid-response in one row and never in another: that row ends there, the other not
+    row, index = next((r, j) for r, resp in enumerate(free) for j in range(1, 8)
+                      if resp[j] not in resp[:j] and any(resp[j] not in other for other in free))
+    stop = free[row][index]
+    monkeypatch.setattr(tiny, "stop_token_ids", [*tiny.stop_token_ids, stop])
+    reference = sample_responses(tiny, prompts, sampling=greedy, eot=eot)
+    lean = sample_responses(tiny, prompts, sampling=dataclasses.replace(greedy, sampler="lean"), eot=eot)
+    assert lean == reference
+    assert reference[row] == (free[row][: index + 1], True)
+    assert any(not hit for _, hit in reference)  # some rows ran the full length after others left
+
+
+def test_lean_regeneration_end_to_end(tiny, tmp_path) -> None:
+    lean = dataclasses.replace(SAMPLING, sampler="lean")
+    out = run(tiny, tmp_path, sampling=lean)
+    data = load_regenerated(out)
+    assert len(data) == len(PROMPTS) and read_manifest(out)["sampling"]["sampler"] == "lean"
+    again = load_regenerated(run(tiny, tmp_path / "again", sampling=lean))
+    assert data.to_dict() == again.to_dict()  # seeded per batch: reproducible
+    with pytest.raises(ValueError, match="data.sampling.sampler"):
+        SamplingConfig(sampler="beam")
+
+
+def test_lean_sampler_logits_equal_a_full_recomputation(tiny, monkeypatch) -> None:
+    """Every step of the lean loop samples from the logits a cache-free forward over prompt + response so far gives,
+    row by row without padding (positions, masks and the KV cache right while rows leave the batch: a wrong position
+    alone moves the tiny target's logits by ~2e-3, far above the 1e-4 tolerance)."""
+    import dspark.data.regenerate as regenerate_module
+
+    seen: list[torch.Tensor] = []
+    real_draw = regenerate_module.draw_tokens
+
+    def spy(logits, **kwargs):
+        seen.append(logits.detach().clone())
+        return real_draw(logits, **kwargs)
+
+    monkeypatch.setattr(regenerate_module, "draw_tokens", spy)
+    monkeypatch.setattr(tiny, "stop_token_ids", [*tiny.stop_token_ids, *range(100, 160)])  # rows end early
+    sampling = dataclasses.replace(SAMPLING, temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=12, sampler="lean")
+    prompts = [tiny.chat_prompt_ids(p.prompt) for p in PROMPTS]
+    torch.manual_seed(3)
+    out = sample_lean(tiny, prompts, sampling=sampling, eot=tiny.tokenizer.eos_token_id)
+    steps = [len(response) - (0 if hit else 1) for response, hit in out]  # the steps each row took part in
+    assert any(hit for _, hit in out) and any(not hit for _, hit in out) and len(set(steps)) > 1
+    for row, (prompt, (response, _)) in enumerate(zip(prompts, out)):
+        ids = torch.tensor([prompt + response[: steps[row]]])
+        with torch.no_grad():
+            full = tiny.model(input_ids=ids).logits[0, len(prompt) - 1 :]
+        for step in range(steps[row]):
+            slot = sum(1 for other in range(row) if steps[other] > step)  # rows keep their order as others leave
+            assert torch.allclose(seen[step][slot], full[step], atol=1e-4), (row, step)

@@ -18,7 +18,8 @@ from dspark.config import RunConfig, resolve_config
 from dspark.stages.context import HASH_NEUTRAL_DEFAULTS, training_key
 
 
-OFF_DEFAULT = {("data", "regen_precision"): "fp32", ("model", "import_from"): "/some/checkpoint", ("data", "seed"): 3}
+OFF_DEFAULT = {("data", "regen_precision"): "fp32", ("model", "import_from"): "/some/checkpoint", ("data", "seed"): 3,
+               ("data", "sampling.sampler"): "lean"}
 
 
 @pytest.mark.parametrize("argv, key", [(["budget=smoke"], "de85e8c9262c"), (["budget=cpu-ref"], "ef5e3f089b00"),
@@ -27,13 +28,23 @@ def test_default_budget_keys_are_stable(argv, key):
     assert training_key(resolve_config(argv).cfg) == key
 
 
+def _replace_nested(obj, dotted: str, value):
+    """A copy of dataclass `obj` with the field at `dotted` (e.g. "sampling.sampler") set to `value`."""
+    head, _, rest = dotted.partition(".")
+    return dataclasses.replace(obj, **{head: _replace_nested(getattr(obj, head), rest, value) if rest else value})
+
+
 @pytest.mark.parametrize("group, name, default", HASH_NEUTRAL_DEFAULTS)
 def test_neutral_fields_default_to_what_the_hash_leaves_out_and_count_off_it(group, name, default):
-    fields = {f.name: f for f in dataclasses.fields(type(getattr(RunConfig(), group)))}
-    assert getattr(getattr(RunConfig(), group), name) == default  # neutral exactly at the schema default
-    assert name in fields
+    *parents, leaf = name.split(".")
+    owner = getattr(RunConfig(), group)
+    for parent in parents:
+        owner = getattr(owner, parent)
+    fields = {f.name: f for f in dataclasses.fields(type(owner))}
+    assert getattr(owner, leaf) == default  # neutral exactly at the schema default
+    assert leaf in fields
     base = resolve_config(["budget=smoke"])
     other = OFF_DEFAULT.get((group, name)) or {bool: lambda: not default, str: lambda: default + "x",
                                                 float: lambda: default + 0.25}[type(default)]()
-    changed = dataclasses.replace(base.cfg, **{group: dataclasses.replace(getattr(base.cfg, group), **{name: other})})
+    changed = dataclasses.replace(base.cfg, **{group: _replace_nested(getattr(base.cfg, group), name, other)})
     assert training_key(changed) != training_key(base.cfg)

@@ -25,6 +25,7 @@ STAGES = ("prepare", "train", "eval", "all", "report", "profile", "serve", "expo
 POLICIES = ("fixed", "mtp1", "static", "threshold", "calibrated_threshold", "scheduler", "async")
 SERVE_POLICIES = POLICIES
 PRECISIONS = ("auto", "fp32", "bf16")
+SAMPLERS = ("generate", "lean")  # data.sampling.sampler (dspark.data.regenerate)
 STEP_OVERHEADS = ("none", "measured")  # serve.step_overhead (dspark.serving.engine)
 SCHEDULER_COSTS = ("tokens", "columns")  # serve.scheduler_cost (dspark.decoding.policies.SchedulerPolicy)
 # the policies that read the confidence head's c_k (their classes say needs_confidences = True; a test pins this);
@@ -96,9 +97,15 @@ class SamplingConfig:
     max_new_tokens: int = 256
     batch_size: int = 8
     system_prompt: Optional[str] = None  #: None = whatever the target's chat template does by default
+    #: generate = transformers' `generate`; lean = our own loop (`dspark.data.regenerate.sample_lean`): the same
+    #: distribution (same processors, in the same order), drawn with one uniform per row by inverse CDF instead of
+    #: torch.multinomial, finished rows dropped from the batch and its KV cache; a different random stream, so part
+    #: of the cache key only when it is lean
+    sampler: str = "generate"
 
     def __post_init__(self) -> None:
         checks = [
+            (self.sampler in SAMPLERS, "sampler", f"must be one of {', '.join(SAMPLERS)}"),
             (self.temperature >= 0, "temperature", "must be >= 0 (0 = greedy)"),
             (0 < self.top_p <= 1, "top_p", "must be in (0, 1]"),
             (self.top_k >= 0, "top_k", "must be >= 0 (0 = off)"),

@@ -23,7 +23,7 @@ TRAINING_GROUPS = ("target", "drafter", "seed", "model", "loss", "data", "optim"
 # (group, key, default) of training keys added after runs were cached: left out of the hash at their default
 HASH_NEUTRAL_DEFAULTS = (("model", "confidence_with_markov", True), ("model", "import_from", ""),
                          ("loss", "kind", "paper"), ("loss", "dpard_alpha", 0.5), ("data", "regen_precision", "auto"),
-                         ("data", "seed", None))
+                         ("data", "seed", None), ("data", "sampling.sampler", "generate"))
 
 
 @dataclass
@@ -48,8 +48,12 @@ def training_key(cfg: RunConfig) -> str:
     tree = to_dict(cfg)
     payload = {k: tree[k] for k in TRAINING_GROUPS}
     for group, key, default in HASH_NEUTRAL_DEFAULTS:  # keys added later: at their default, old run dirs stay valid
-        if payload[group].get(key) == default:
-            payload[group].pop(key)
+        *parents, leaf = key.split(".")  # a dotted key names a nested field (data.sampling.sampler)
+        node = payload[group]
+        for parent in parents:
+            node = node.get(parent, {})
+        if node.get(leaf) == default:
+            node.pop(leaf)
     payload["trainer"] = {k: tree["trainer"][k] for k in ("precision",)}
     return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:12]
 
