@@ -317,7 +317,7 @@ def sample_lean(
     rows = list(range(len(prompt_ids)))  # the batch's rows, by their index in prompt_ids
     cache = DynamicCache()
     with torch.no_grad():
-        logits = target.model(input_ids=input_ids, attention_mask=mask, position_ids=positions, past_key_values=cache,
+        logits = target.model(input_ids=input_ids, attention_mask=mask, position_ids=positions, cache=cache,
                               use_cache=True, logits_to_keep=1).logits[:, -1]
         next_position = positions[:, -1] + 1
         for step in range(sampling.max_new_tokens):
@@ -338,7 +338,7 @@ def sample_lean(
                 rows = [rows[slot] for slot in keep]
             mask = torch.cat([mask, mask.new_ones(len(rows), 1)], dim=1)
             logits = target.model(input_ids=tokens[:, None], attention_mask=mask, position_ids=next_position[:, None],
-                                  past_key_values=cache, use_cache=True).logits[:, -1]
+                                  cache=cache, use_cache=True).logits[:, -1]
             next_position = next_position + 1
     return [(response, True) if stopped else (response + [eot], False)
             for response, stopped in zip(responses, hit_stop)]
