@@ -276,10 +276,8 @@ def sample_responses(
     if sampling.sampler == "lean":
         return sample_lean(target, prompt_ids, sampling=sampling, eot=eot)
     pad = _pad_id(target)
-    width = max(len(ids) for ids in prompt_ids)
-    input_ids = torch.tensor([[pad] * (width - len(ids)) + list(ids) for ids in prompt_ids], device=target.device)
-    attention_mask = torch.tensor([[0] * (width - len(ids)) + [1] * len(ids) for ids in prompt_ids],
-                                  device=target.device)
+    input_ids, attention_mask = _left_padded(target, prompt_ids)
+    width = input_ids.shape[1]
     with torch.no_grad():
         out = target.model.generate(input_ids=input_ids, attention_mask=attention_mask,
                                     generation_config=_generation_config(target, sampling, pad=pad))
@@ -289,6 +287,14 @@ def sample_responses(
         end = next((j for j, tok in enumerate(row) if tok in stops), None)
         results.append((row[: end + 1], True) if end is not None else (row + [eot], False))
     return results
+
+
+def _left_padded(target: Target, prompt_ids: Sequence[list[int]]) -> tuple[Tensor, Tensor]:
+    """input_ids and attention_mask [B, max length], left-padded with the pad id (both samplers' batch)."""
+    pad, width = _pad_id(target), max(len(ids) for ids in prompt_ids)
+    input_ids = torch.tensor([[pad] * (width - len(ids)) + list(ids) for ids in prompt_ids], device=target.device)
+    mask = torch.tensor([[0] * (width - len(ids)) + [1] * len(ids) for ids in prompt_ids], device=target.device)
+    return input_ids, mask
 
 
 def sample_lean(
@@ -304,11 +310,8 @@ def sample_lean(
     cache (`DynamicCache.batch_select_indices`). The random stream is torch's global one (regenerate_batch seeds it
     per batch), so a batch is reproducible, but not the one `generate` draws.
     """
-    pad = _pad_id(target)
-    width = max(len(ids) for ids in prompt_ids)
     device = target.device
-    input_ids = torch.tensor([[pad] * (width - len(ids)) + list(ids) for ids in prompt_ids], device=device)
-    mask = torch.tensor([[0] * (width - len(ids)) + [1] * len(ids) for ids in prompt_ids], device=device)
+    input_ids, mask = _left_padded(target, prompt_ids)
     positions = (mask.cumsum(-1) - 1).clamp_min(0)
     stops = set(target.stop_token_ids)
     suppress = torch.tensor([int(target.mask_token_id)], device=device)
