@@ -52,18 +52,21 @@ def step():
     del block  # freed at once, as a training step frees its activations
 for _ in range(12):  # warm-up: the heap settles after a few rounds (torch's own small allocations interleave)
     step()
-before = faults()
+rounds = []
 for _ in range(6):
+    before = faults()
     step()
-print(int(kept), faults() - before)
+    rounds.append(faults() - before)
+print(int(kept), *rounds)
 """
 
 
-def _page_faults(keep: str) -> tuple[bool, int]:
+def _page_faults(keep: str) -> tuple[bool, list[int]]:
+    """Whether the setting took effect, and the minor page faults of each of six 64 MiB allocate-fill-free rounds."""
     env = {**os.environ, "DSPARK_KEEP_FREED_MEMORY": keep}
     out = subprocess.run([sys.executable, "-c", _FAULTS_SCRIPT], env=env, capture_output=True, text=True, check=True)
-    kept, faults = out.stdout.split()
-    return kept == "1", int(faults)
+    kept, *rounds = out.stdout.split()
+    return kept == "1", [int(faults) for faults in rounds]
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux") or platform.libc_ver()[0] != "glibc",
@@ -74,9 +77,11 @@ def test_keep_freed_memory_reuses_large_blocks_instead_of_faulting_them_in_again
     assert kept and not off
     pages = 64 * 2**20 // 4096
     # glibc's default maps and unmaps each 64 MiB block: every round faults all its pages in again; kept, the
-    # settled heap serves the same block without a fault
-    assert faults_default >= 5 * pages
-    assert faults_kept <= pages // 2
+    # settled heap serves the same block without a fault. Judged per round, by majority: on a busy CI machine one
+    # kept round once faulted a whole block in (the heap had not settled yet: torch's small allocations interleave),
+    # which a sum over rounds read as failure
+    assert sum(faults >= pages for faults in faults_default) >= 5, faults_default
+    assert sum(faults <= pages // 2 for faults in faults_kept) >= 4, faults_kept
 
 
 _TRIM_SCRIPT = """
