@@ -70,7 +70,8 @@ def main(argv: list[str]) -> int:
     averages = prof.key_averages()
     mm_seconds = sum(e.self_cpu_time_total for e in averages if e.key == "aten::mm") / 1e6
     total_seconds = sum(e.self_cpu_time_total for e in averages) / 1e6
-    body = sum(p.numel() for name, p in target.model.named_parameters() if p.dim() == 2 and "embed" not in name and "lm_head" not in name)
+    body = sum(p.numel() for name, p in target.model.named_parameters()
+               if p.dim() == 2 and "embed" not in name and "lm_head" not in name)  # the transformer's matrices
     head = target.lm_head.weight.numel()
     flop = 2 * tokens * (body + head)
     print(f"{tokens} tokens of {len(rows)} sequences (mean length {tokens / len(rows):.0f}), precision {precision}, "
