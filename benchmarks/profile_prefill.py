@@ -76,7 +76,8 @@ def main(argv: list[str]) -> int:
     flop = 2 * tokens * (body + head)
     print(f"{tokens} tokens of {len(rows)} sequences (mean length {tokens / len(rows):.0f}), precision {precision}, "
           f"batch {args.batch_size}, token budget {args.token_budget}: {seconds:.2f} s = {tokens / seconds:.0f} tok/s")
-    print(f"under the profiler: aten::mm {mm_seconds:.2f} s of {total_seconds:.2f} s ({mm_seconds / total_seconds:.0%}); "
+    print(f"under the profiler: aten::mm {mm_seconds:.2f} s of {total_seconds:.2f} s "
+          f"({mm_seconds / total_seconds:.0%}); "
           f"matrix products at {flop / mm_seconds / 1e9:.0f} GFLOP/s ({(body + head) * 2 / 1e6:.0f} MFLOP per token: "
           f"target body {2 * body / 1e6:.0f}, lm head for log Z {2 * head / 1e6:.0f})")
     print(averages.table(sort_by="self_cpu_time_total", row_limit=12, max_name_column_width=44))
