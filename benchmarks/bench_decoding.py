@@ -248,6 +248,36 @@ def scheduler_comparison(totals: dict[str, dict]) -> list[str]:
                          f"[{low:.3f}, {high:.3f}] → {verdict}")
     return lines
 
+def headroom_lines(totals: dict[str, dict]) -> list[str]:
+    """Per drafter with a fixed-ℓ = γ row: the hindsight bound of `dspark.evaluation.headroom` — how far ahead of
+    the best static ℓ any verify-length policy could be on its rounds, with the verify cost at each ℓ measured in
+    this run (the target-only rounds for ℓ = 0, the drafter's fixed and static rounds grouped by ℓ_eff)."""
+    from collections import defaultdict
+
+    from dspark.evaluation.headroom import policy_headroom
+
+    plain = totals["target-only (our engine)"]["rounds"]
+    lines = []
+    for name, t in totals.items():
+        if "· fixed" not in name or not t["rounds"] or not plain:
+            continue
+        drafter = name[: name.index("· fixed")]
+        by_length = defaultdict(list)
+        for other, o in totals.items():
+            if other.startswith(drafter) and ("· fixed" in other or "· static" in other):
+                for r in o["rounds"]:
+                    by_length[r.num_verified].append(r.seconds_verify)
+        verify = {0: sum(r.seconds_verify for r in plain) / len(plain)}
+        verify |= {ell: sum(v) / len(v) for ell, v in by_length.items() if ell > 0 and len(v) >= 5}
+        gamma = max(r.num_verified for r in t["rounds"])
+        head = policy_headroom(t["rounds"], verify_seconds=verify, block_size=gamma)
+        measured = ", ".join(f"{ell}: {1000 * verify[ell]:.1f}" for ell in sorted(verify))
+        lines.append(f"- {name}: hindsight (each round's ℓ chosen knowing its accepted count; not causal, a bound) "
+                     f"{head.ratio:.3f}× the best static ℓ = {head.best_static} on the same {len(t['rounds'])} "
+                     f"rounds — the most any verify-length policy could be ahead here (verify ms by ℓ: {measured})")
+    return lines
+
+
 def mean_ms(rounds, attribute: str) -> float:
     return 1000 * sum(getattr(r, attribute) for r in rounds) / len(rounds) if rounds else float("nan")
 
@@ -351,7 +381,9 @@ def main(argv: list[str]) -> int:
         sections += [f"## Temperature {temperature:g}", "", speed_table(totals), "",
                      *(["Scheduler against the same drafter's other policies (tok/s ratio, paired bootstrap 95% CI "
                         "over prompts):", "", *comparison, ""] if comparison else []),
-                     "Round costs (fixed ℓ = γ):", "", *round_costs(totals), ""]
+                     "Round costs (fixed ℓ = γ):", "", *round_costs(totals), "",
+                     "Headroom of any verify-length policy (replayed on the fixed-ℓ = γ rounds, "
+                     "`dspark.evaluation.headroom`):", "", *headroom_lines(totals), ""]
     trained = all(d.trained for d in drafters)
     note = ("trained drafters: " + ", ".join(args.drafter)) if trained else (
         "**untrained drafters** (no --drafter given): τ ≈ 1, so their rows measure round costs, not a speed-up; "
