@@ -340,8 +340,8 @@ def machine_line(args) -> str:
     model = cpu_model()
     precision = resolve_precision(args.precision)
     return (f"{model}, {os.cpu_count()} cores, bf16 instructions {cpu_bf16_unit() or 'none'}; torch "
-            f"{torch.__version__}, {args.threads} threads; target {args.target_dtype} (every mode), drafter parallel stage "
-            f"{str(precision).replace('torch.', '')} (decode.drafter_precision={args.precision})")
+            f"{torch.__version__}, {args.threads} threads; target {args.target_dtype} (every mode), drafter parallel "
+            f"stage {str(precision).replace('torch.', '')} (decode.drafter_precision={args.precision})")
 
 
 def git_commit() -> str:
