@@ -17,7 +17,10 @@ with the policy's drafting stop; all of EAGLE-3's chain) / other (calibration, p
 engine's Python overhead). Each
 scheduler row is compared with its drafter's fixed and static rows (ratio, paired 95% CI, ahead / behind / not
 distinguishable). The round-cost section reads the γ = 7 DSpark rows: the sequential loop's share of a round and the
-drafter's round against one plain target step.
+drafter's round against one plain target step. The headroom section replays static ℓ and the hindsight policy (each
+round's ℓ chosen knowing its accepted count) on each drafter's fixed-ℓ = γ rounds with this run's verify cost per ℓ
+(`dspark.evaluation.headroom`): the most any verify-length policy, the scheduler included, could be ahead of the best
+static ℓ — read the scheduler's paired CIs against it.
 Writes `--output` (benchmarks/results/decoding.md) with the command, machine (CPU model, its bf16 instructions, drafter
 precision), load averages and git commit.
 
