@@ -251,6 +251,7 @@ def scheduler_comparison(totals: dict[str, dict]) -> list[str]:
                          f"[{low:.3f}, {high:.3f}] → {verdict}")
     return lines
 
+
 def headroom_lines(totals: dict[str, dict]) -> list[str]:
     """Per drafter with a fixed-ℓ = γ row: the hindsight bound of `dspark.evaluation.headroom` — how far ahead of
     the best static ℓ any verify-length policy could be on its rounds, with the verify cost at each ℓ measured in
