@@ -218,3 +218,37 @@ def test_head_and_main_reports_judge_the_claims_with_intervals(store_root, tmp_p
     assert "significantly raised at k ∈ [2]" in markov
     rnn = text.split("rnn vs none, 95% CIs:")[1]
     assert "not resolved" in rnn
+
+
+def test_depth_report_judges_the_trend_against_the_shallowest(store_root, tmp_path):
+    """Each deeper DSpark against depth 1 with CIs (rollout τ per prompt, held-out τ_prob between seeds), the
+    summary line reading the deepest; a single seed gives the τ_prob values without an interval."""
+    store = _store(store_root, "depth-trend")
+
+    def metrics(tau: float, seed: int) -> dict[str, float]:
+        out = {}
+        for scope in ("eval/all", "eval/domain/math", "eval/domain/code", "eval/domain/chat"):
+            out |= {f"{scope}/tau": tau, f"{scope}/tau_prompt_mean": tau + 0.001 * seed,
+                    f"{scope}/tau_prompt_ci95": 0.02, f"{scope}/prompts": 30.0}
+        return out | {"val/tau_prob": tau + 0.1 + 0.001 * seed, "summary/tau": tau}
+
+    taus = {1: 1.30, 3: 1.40, 5: 1.31}
+    cells = [({"drafter": "dspark", "model.depth": d, "seed": s}, metrics(t, s)) for s in (0, 1) for d, t in taus.items()]
+    cells.append(({"drafter": "dflash", "model.depth": 5, "seed": 0}, metrics(1.2, 0)))
+    _seed_sweep(store, sweep="depth", cells=cells)
+    text, _ = build_report(collect_sweep_runs(store, sweep="depth"), spec=load_sweep("depth"), out_dir=tmp_path,
+                           provenance=PROVENANCE)
+    trend = text.split("Deeper DSpark vs depth 1")[1].split("## ")[0]
+    depth3 = next(line for line in trend.splitlines() if line.startswith("- depth 3:"))
+    depth5 = next(line for line in trend.splitlines() if line.startswith("- depth 5:"))
+    assert "τ all (per prompt): +7.7%" in depth3 and "**holds**" in depth3
+    assert "held-out τ_prob (seeds only): +0.100" in depth3
+    assert depth5.count("not resolved") == 1 and "held-out τ_prob (seeds only): +0.010" in depth5
+    assert '"τ rises with depth" (depth 5 vs 1): rollout τ **not resolved' in trend
+
+    store = _store(store_root, "depth-trend-one-seed")
+    _seed_sweep(store, sweep="depth", cells=[c for c in cells if c[0]["seed"] == 0])
+    text, _ = build_report(collect_sweep_runs(store, sweep="depth"), spec=load_sweep("depth"), out_dir=tmp_path,
+                           provenance=PROVENANCE)
+    assert "held-out τ_prob 1.410 vs 1.400 (a single seed: no interval)" in text
+    assert "held-out τ_prob **not measured**" in text

@@ -243,10 +243,41 @@ def build_depth(ctx: ReportContext) -> list[Section]:
                 f"**reversed** in {', '.join(worse)}" if worse else
                 "**holds** (no domain significantly below; " + ", ".join(
                     f"{s} {d.verdict}" for s, d in diffs.items() if s != "all") + ")"))
+    lines += depth_trend(ctx, [g for g in groups if drafter_of(g) == "dspark"])
     return [Section("How to read", tau_note(ctx)),
             Section("τ by depth", config_table(ctx, groups, label=label, reference=reference)
                     + f"\n\n![depth]({path.name})"),
             claim_section("depth", lines)]
+
+
+def depth_trend(ctx: ReportContext, dspark: list[Group]) -> list[str]:
+    """Each deeper DSpark against the shallowest (the groups come sorted by depth), with 95% CIs: per-prompt
+    rollout τ over all sets, and held-out τ_prob between seeds (no within-run se: one seed gives no interval).
+    The paper's Fig. 3 has τ rise with depth; the verdict line reads the deepest against the shallowest."""
+    if len(dspark) < 2:
+        return []
+    base = dspark[0]
+    shallow = base["axis.model.depth"]
+    rollouts = ctx.has("eval/all/tau_prompt_mean")
+    lines = ["", f"Deeper DSpark vs depth {shallow} (the paper: τ rises with depth), 95% CIs:"]
+    for group in dspark[1:]:
+        parts, verdicts = [], {}  # the loop ends on the deepest: its verdicts make the summary line
+        if rollouts:
+            rollout = tau_difference(ctx, group, base, "all")
+            parts.append(judged("τ all (per prompt)", rollout))
+            verdicts["rollout τ"] = rollout.verdict
+        proxy = Difference(pooled_plain(ctx.rows_of(group), TAU_PROB), pooled_plain(ctx.rows_of(base), TAU_PROB))
+        if proxy.ok:
+            parts.append(judged("held-out τ_prob (seeds only)", proxy, relative=False))
+            verdicts["held-out τ_prob"] = proxy.verdict
+        elif proxy.a.ok and proxy.b.ok:
+            parts.append(f"held-out τ_prob {proxy.a.mean:.3f} vs {proxy.b.mean:.3f} (a single seed: no interval)")
+            verdicts["held-out τ_prob"] = "not measured"
+        lines.append(f"- depth {group['axis.model.depth']}: " + ("; ".join(parts) or "not measured"))
+    deepest = dspark[-1]["axis.model.depth"]
+    lines.append(f"- → \"τ rises with depth\" (depth {deepest} vs {shallow}): "
+                 + "; ".join(f"{name} **{verdict}**" for name, verdict in verdicts.items()))
+    return lines
 
 
 # ---- block size (Fig. 4 left) ----
