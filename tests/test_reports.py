@@ -155,6 +155,31 @@ def test_cells_missing_an_axis_of_another_grid_block_are_reported(tmp_path, stor
     assert "γ=3 +9.1%, γ=7 +9.1%" in ours, ours  # 1.2 / 1.1 − 1 without per-domain τ: the DFlash runs count
 
 
+def test_block_size_claim_reads_rollouts_and_the_teacher_forced_proxy(tmp_path, store_root):
+    """With evaluated cells the block-size claim states DSpark's gain over DFlash per γ twice — rollout τ and
+    held-out τ_prob — each with its own verdict: here the proxy's gain grows with γ while the rollouts' does not."""
+    store = _store(store_root, "block-proxy")
+    rollout = {"dspark": {3: 1.40, 7: 1.35, 15: 1.42}, "dflash": {3: 1.27, 7: 1.24, 15: 1.23}}
+    proxy = {"dspark": {3: 1.50, 7: 1.49, 15: 1.49}, "dflash": {3: 1.33, 7: 1.30, 15: 1.29}}
+    cells = []
+    for drafter in ("dspark", "dflash"):
+        for g in (3, 7, 15):
+            axes = {"drafter": drafter, "model.block_size": g, "seed": 0} | (
+                {"model.head": "markov"} if drafter == "dspark" else {})
+            tau = rollout[drafter][g]
+            cells.append((axes, {"eval/domain/math/tau": tau, "eval/all/tau": tau, "summary/tau": tau,
+                                 "val/tau_prob": proxy[drafter][g]}))
+    _seed_sweep(store, sweep="block_size", cells=cells)
+    runs = collect_sweep_runs(store, sweep="block_size")
+    text, _ = build_report(runs, spec=load_sweep("block_size"), out_dir=tmp_path / "reports", provenance=PROVENANCE)
+    lines = [line for line in text.splitlines() if line.startswith("Ours, DSpark (markov) vs DFlash")]
+    assert len(lines) == 2, lines
+    assert lines[0].startswith("Ours, DSpark (markov) vs DFlash (eval/all/tau): γ=3 +10.2%, γ=7 +8.9%, γ=15 +15.4%")
+    assert lines[0].endswith("→ the point estimates do not grow monotonically with γ.")
+    assert lines[1].startswith("Ours, DSpark (markov) vs DFlash (val/tau_prob): γ=3 +12.8%, γ=7 +14.6%, γ=15 +15.5%")
+    assert lines[1].endswith("→ the point estimates grow with γ.")
+
+
 def test_claim_intervals_pool_prompts_and_seeds():
     """The claims module's arithmetic against a hand computation, and its verdicts."""
     import math
