@@ -197,18 +197,40 @@ def test_feature_cache_matches_online_and_feeds_batches(tiny, regen_dir, tmp_pat
 
 
 def test_bf16_log_normalizer_and_mass_stay_close_to_fp32(tiny) -> None:
-    """A bf16 prefill takes log Z and the token mass from a bf16 lm-head product with fp32 logits: within a few
-    thousandths of the fp32 values (the training step reads p_t through the same rows under the same autocast)."""
+    """A bf16 prefill takes log Z and the token mass from a bf16 lm-head product and recomputes the logits near
+    each row's maximum in fp32: log Z within a few thousandths of fp32 even where the logits are large enough
+    (|z| ≈ 20–40, as SmolLM2's) for bf16 rounding alone to move it by hundredths (the training step reads p_t's
+    draft-vocabulary rows in fp32, so an unrefined log Z made p_t sum past 1)."""
     from dspark.data.features import log_normalizer_and_mass
 
-    hidden = torch.randn(37, tiny.hidden_size, generator=torch.Generator().manual_seed(0))
-    rows = torch.arange(37) % 3 == 0
+    gen = torch.Generator().manual_seed(0)
+    hidden = torch.randn(64, tiny.hidden_size, generator=gen)
+    logits = tiny.lm_head(hidden).float()
+    hidden = hidden * (30.0 / logits.abs().amax(-1, keepdim=True))  # lm_head has no bias: the largest |z| is 30
+    rows = torch.arange(64) % 3 == 0
     ref_z, ref_mass = log_normalizer_and_mass(tiny, hidden, mass_rows=rows)
-    z, mass = log_normalizer_and_mass(tiny, hidden, mass_rows=rows, weight=tiny.lm_head.weight.bfloat16(), chunk=8)
+    torch.testing.assert_close(ref_z, torch.logsumexp(tiny.lm_head(hidden).float(), dim=-1), atol=1e-5, rtol=0)
+    bf16_head = tiny.lm_head.weight.bfloat16()
+    plain = torch.logsumexp(torch.nn.functional.linear(hidden.bfloat16(), bf16_head).float(), dim=-1)
+    assert (plain - ref_z).abs().max() > 2e-2  # what the product alone gives: the case the refinement is for
+    z, mass = log_normalizer_and_mass(tiny, hidden, mass_rows=rows, weight=bf16_head, chunk=8)
     assert z.dtype == torch.float32 and mass.dtype == torch.float32
-    torch.testing.assert_close(z, ref_z, atol=2e-2, rtol=0)
-    torch.testing.assert_close(mass, ref_mass, atol=2e-2, rtol=0)
+    torch.testing.assert_close(z, ref_z, atol=5e-3, rtol=0)
+    torch.testing.assert_close(mass, ref_mass, atol=1e-2, rtol=0)
     assert mass.sum().item() == pytest.approx(int(rows.sum()), rel=1e-4)  # each selected row's p_t sums to 1
+
+
+def test_refine_top_logits_recomputes_exactly_the_entries_near_the_maximum() -> None:
+    from dspark.data.features import refine_top_logits
+
+    gen = torch.Generator().manual_seed(1)
+    hidden, weight = torch.randn(5, 16, generator=gen), torch.randn(40, 16, generator=gen)
+    exact = hidden @ weight.T
+    rough = exact + 0.5 * torch.rand(exact.shape, generator=gen)  # a low-precision product's errors
+    near = rough > rough.amax(-1, keepdim=True) - 3.0
+    out = refine_top_logits(rough.clone(), hidden, weight, nats=3.0)
+    torch.testing.assert_close(out[near], exact[near])
+    assert torch.equal(out[~near], rough[~near])
 
 
 def test_length_batches_respect_row_and_token_caps() -> None:

@@ -14,7 +14,8 @@ skips finished shards.
 
 `log_normalizer` [T] fp32 is log Σ_V exp(z) of the target's full-vocabulary logits z = lm_head(final_hidden), computed
 from the *stored* (fp16-rounded) final hidden state, so a training step with a draft vocabulary gets exact p_t over
-its Vd ids (exp(z_Vd − log Z)) without any full-vocabulary product. Each shard also holds `target_mass` [V] fp32,
+its Vd ids (exp(z_Vd − log Z)) without any full-vocabulary product (a bf16 prefill takes the product in bf16 and
+recomputes the logits that carry Z in fp32: `refine_top_logits`). Each shard also holds `target_mass` [V] fp32,
 Σ p_t over the positions that predict a supervised token: the target's *expected* token counts, from which the draft
 vocabulary is chosen (what the target would write there, not what the reference text wrote: on SmolLM2 an 8k
 vocabulary counted on reference tokens covered only 0.83 of p_t on the target's own chat generations).
@@ -44,8 +45,15 @@ from dspark.hardware import autocast_linear_weights
 from dspark.data.regenerate import COMPLETE, MANIFEST, load_regenerated, read_manifest
 
 FEATURE_FORMAT_VERSION = 3  # 2: log_normalizer per position, length-batched (optionally bf16) prefill; 3: target_mass
-# (a bf16 prefill's log Z from a bf16 lm-head product kept the version: it moves log Z by ~1e-4, below the fp16
-# storage error of the features the same cache holds, so caches built before it stay valid)
+# bf16 caches only (fp32 ones were exact and keep their keys): 1 = log Z and the mass from the logits of a bf16
+# lm-head product refined in fp32 near each row's maximum. Before it, a bf16 product's rounded logits (bf16 keeps 8
+# bits: ±0.06 at |z| ≈ 20) moved log Z by 0.037 (std; up to 0.165) on SmolLM2, so the training step's fp32 p_t over
+# the draft vocabulary summed to more than 1 at a third of the positions (measured on the cpu-ref cache, 2026-12-04).
+BF16_LOG_Z_VERSION = 1
+#: logits within this many nats of their row's maximum are recomputed in fp32 after a low-precision product: they
+#: carry nearly all of Z (the rest are < e^-6 each, with unbiased rounding); on SmolLM2 ~40 per row, log Z error
+#: 0.0008 std / 0.008 max against an fp32 product (0.037 / 0.165 unrefined) for ~20% of the bf16 product's time
+REFINE_NATS = 6.0
 STORE_DTYPE = torch.float16
 PREFILL_PRECISIONS = ("auto", "bf16", "fp32")
 
@@ -54,7 +62,7 @@ def feature_cache_key(regen_key: str, *, target: Any, precision: str = "fp32") -
     """sha256 of what determines the cached tensors: the data, the target weights, the feature layers and the
     prefill precision."""
     payload = [FEATURE_FORMAT_VERSION, regen_key, target.fingerprint, list(target.feature_layer_ids), str(STORE_DTYPE),
-               precision]
+               precision] + ([BF16_LOG_Z_VERSION] if precision == "bf16" else [])
     return hashlib.sha256(json.dumps(payload).encode()).hexdigest()
 
 
@@ -164,8 +172,8 @@ def _shard_tensors(target: Any, rows: list[Tensor], *, first_index: int, batch_s
     device = target.device
     use_bf16 = precision == "bf16"
     # The full-vocabulary product behind log Z and the mass was half of a bf16 prefill's time in fp32 (1.3 ms of
-    # 2.9 ms per token on one AMX core); in bf16 with fp32 logits it costs a third of that, and log Z moves by ~1e-4
-    # (the training step reads p_t through the same lm-head rows under the same autocast).
+    # 2.9 ms per token on one AMX core); in bf16 it costs a third of that, and the logits that carry Z are then
+    # recomputed in fp32 (`refine_top_logits`): the training step reads p_t's draft-vocabulary rows in fp32.
     head_dtype = torch.bfloat16 if use_bf16 else torch.float32
     head_weight = target.lm_head.weight.to(head_dtype)
     for chunk_index in length_batches([len(r) for r in rows], batch_size=batch_size, token_budget=token_budget):
@@ -205,14 +213,18 @@ def log_normalizer_and_mass(target: Any, final_hidden: Tensor, *, mass_rows: Ten
     """(log Σ_V exp z per row [T] fp32, Σ_{rows in mass_rows} softmax(z) [V] fp32) from final_hidden [T, d].
 
     mass_rows [T] bool selects the rows whose p_t is summed (None: none, a zero vector). `weight` [V, d] is the
-    lm-head weight in the dtype of the product (default: the target's, in fp32); the logits are fp32 either way."""
+    lm-head weight in the dtype of the product (default: the target's, in fp32); a lower-precision product's logits
+    near each row's maximum are recomputed in fp32 (`refine_top_logits`), so log Z stays within ~1e-2 of fp32."""
+    exact_weight = target.lm_head.weight.float()
     if weight is None:
-        weight = target.lm_head.weight.float()
+        weight = exact_weight
     bias = getattr(target.lm_head, "bias", None)
     out, mass = [], torch.zeros(weight.shape[0], dtype=torch.float32)
     for start in range(0, final_hidden.shape[0], chunk):
         h = final_hidden[start:start + chunk].to(weight.device, weight.dtype)
         logits = torch.nn.functional.linear(h, weight).float()
+        if weight.dtype != torch.float32:
+            refine_top_logits(logits, final_hidden[start:start + chunk].to(weight.device, torch.float32), exact_weight)
         if bias is not None:
             logits = logits + bias.float()
         # log Z and the mass from one exp pass, in place: exp(z - max) is both log Z's sum and (divided by it) p_t;
@@ -226,6 +238,27 @@ def log_normalizer_and_mass(target: Any, final_hidden: Tensor, *, mass_rows: Ten
             if bool(keep.any()):
                 mass += ((keep.float() / total) @ exp_shifted).cpu()  # Σ_kept rows exp(z - max) / Σ_V exp(z - max)
     return (torch.cat(out) if out else torch.zeros(0)), mass
+
+
+@torch.no_grad()
+def refine_top_logits(logits: Tensor, hidden: Tensor, weight: Tensor, *, nats: float = REFINE_NATS) -> Tensor:
+    """In place: the entries of `logits` [T, V] (fp32 values of a low-precision product, bias not added) within
+    `nats` of their row's maximum, recomputed as fp32 dot products of `hidden` [T, d] fp32 and `weight` [V, d] fp32.
+
+    A bf16 product rounds each logit to 8 significant bits (±0.06 at |z| ≈ 20) and its inputs to bf16: summed into
+    Z, that moved log Z by up to 0.17 on SmolLM2. The entries near the maximum carry nearly all of Z; the others
+    are < e^-nats each and their rounding is unbiased. Returns `logits`."""
+    top = logits.amax(dim=-1, keepdim=True)
+    rows, cols = (logits > top - nats).nonzero(as_tuple=True)  # row-major: each row's entries are contiguous
+    exact = torch.empty(rows.numel(), dtype=torch.float32, device=logits.device)
+    start = 0
+    # one [n, d] @ [d] per row: ~7× faster on a CPU than one [P, d] gather of every pair (measured, SmolLM2)
+    for row, count in enumerate(torch.bincount(rows, minlength=logits.shape[0]).tolist()):
+        if count:
+            exact[start:start + count] = weight.index_select(0, cols[start:start + count]) @ hidden[row]
+            start += count
+    logits[rows, cols] = exact
+    return logits
 
 
 def pad_right(rows: list[Tensor], *, pad_id: int) -> tuple[Tensor, Tensor]:
