@@ -183,17 +183,15 @@ def render(groups: Groups, *, argv: list[str], run_dir: Path, seconds: float, th
     return "\n".join(lines)
 
 
-def main(argv: list[str]) -> int:
+def load_run(overrides: list[str]):
+    """(ctx, prepared data, datamodule set up for validation, drafter, checkpoint payload) of the run that
+    `experiments/run.py OVERRIDES` names; exits with what to run when its drafter does not exist yet."""
     from dspark.config import resolve_config
-    from dspark.data.regenerate import load_regenerated
-    from dspark.drafters.checkpoint import load_drafter, read_checkpoint
+    from dspark.drafters.checkpoint import load_drafter
     from dspark.stages.context import RunPaths, StageContext
     from dspark.stages.prepare import run_prepare
     from dspark.stages.train import build_datamodule
 
-    args, overrides = parse_args(argv)
-    torch.set_num_threads(args.threads)
-    started, load = time.time(), os.getloadavg()[0]
     rc = resolve_config(overrides)
     ctx = StageContext(rc=rc, paths=RunPaths.from_config(rc.cfg))
     drafter_path = ctx.run_dir / "drafter.pt"
@@ -204,6 +202,18 @@ def main(argv: list[str]) -> int:
     datamodule = build_datamodule(ctx, prepared)
     datamodule.setup("validate")
     drafter, _, payload = load_drafter(drafter_path, ctx.load_target())
+    return ctx, prepared, datamodule, drafter, payload
+
+
+def main(argv: list[str]) -> int:
+    from dspark.data.regenerate import load_regenerated
+    from dspark.drafters.checkpoint import read_checkpoint
+
+    args, overrides = parse_args(argv)
+    torch.set_num_threads(args.threads)
+    started, load = time.time(), os.getloadavg()[0]
+    ctx, prepared, datamodule, drafter, payload = load_run(overrides)
+    drafter_path = ctx.run_dir / "drafter.pt"
     domains = load_regenerated(prepared.regen_dir)["domain"]
     groups = collect(ctx, drafter, datamodule, reference_count(prepared.regen_dir), list(domains))
     logged = {k: float(v) for k, v in (payload.get("metrics") or read_checkpoint(drafter_path).get("metrics")
