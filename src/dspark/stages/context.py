@@ -20,6 +20,10 @@ log = logging.getLogger("dspark")
 
 # Keys that change what a trained drafter is; everything else (decode.*, stage, tracking, paths) does not.
 TRAINING_GROUPS = ("target", "drafter", "seed", "model", "loss", "data", "optim", "target_options")
+# What the training data's supervision is, beside the config: 2 = the bf16 feature caches' log-normaliser refined in
+# fp32 (`dspark.data.features.BF16_LOG_Z_VERSION`, 2026-12-04). Drafters trained on caches from before it read p_t up
+# to ±4% off and are not reused: a resumed sweep would otherwise mix them with cells trained on the fixed caches.
+SUPERVISION_VERSION = 2
 # (group, key, default) of training keys added after runs were cached: left out of the hash at their default
 HASH_NEUTRAL_DEFAULTS = (("model", "confidence_with_markov", True), ("model", "import_from", ""),
                          ("loss", "kind", "paper"), ("loss", "dpard_alpha", 0.5), ("data", "regen_precision", "auto"),
@@ -55,6 +59,7 @@ def training_key(cfg: RunConfig) -> str:
         if node.get(leaf) == default:
             node.pop(leaf)
     payload["trainer"] = {k: tree["trainer"][k] for k in ("precision",)}
+    payload["supervision"] = SUPERVISION_VERSION
     return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:12]
 
 
