@@ -317,6 +317,8 @@ def block_claim(ctx: ReportContext, groups: list[Group], sizes: list[int]) -> li
     columns = ["eval/all/tau", TAU_PROB] if eval_domains(ctx.frame) else [TAU_PROB]
     lines = []
     for variant in dict.fromkeys(variant_label(g) for g in groups if drafter_of(g) == "dspark"):
+        if lines and lines[-1]:
+            lines.append("")  # a variant's lines must not continue the previous one's list in markdown
         for col in (c for c in columns if ctx.has(c)):
             gains = []
             for size in sizes:
