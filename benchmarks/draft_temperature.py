@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 
 from bench_decoding import git_commit  # this directory is on sys.path when run as a script
-from heldout_breakdown import load_run
+from heldout_breakdown import load_run, write_result
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "benchmarks" / "results"
@@ -49,9 +49,8 @@ def scan(ctx, drafter, datamodule, temperatures: list[float]) -> dict[float, dic
     """{T_d: {"accept/pos1"…, "tau_prob"}} over the run's validation blocks."""
     from tqdm.auto import tqdm
 
-    from dspark.data.blocks import build_blocks
     from dspark.metrics.acceptance import TeacherForcedAcceptance
-    from dspark.training.steps import target_distribution, target_features
+    from dspark.training.steps import block_forward, target_distribution
 
     cfg = ctx.cfg
     if cfg.drafter not in ("dspark", "dflash"):
@@ -60,12 +59,7 @@ def scan(ctx, drafter, datamodule, temperatures: list[float]) -> dict[float, dic
     metrics = {t: TeacherForcedAcceptance(gamma) for t in temperatures}
     target = ctx.load_target()
     for batch in tqdm(datamodule.val_dataloader(), desc="held-out blocks", unit="batch"):
-        features, final_hidden = target_features(target, batch)
-        blocks = build_blocks(batch["input_ids"], batch["loss_mask"], batch["anchors"], batch["anchor_valid"],
-                              block_size=gamma, mask_token_id=target.mask_token_id)
-        out = drafter(context_features=features, context_valid=batch["attention_mask"].bool(),
-                      block_input_ids=blocks.block_input_ids, anchor_positions=batch["anchors"],
-                      prev_tokens=blocks.prev_tokens)
+        out, blocks, final_hidden = block_forward(drafter=drafter, target=target, batch=batch, block_size=gamma)
         p_t = target_distribution(drafter, target, batch, final_hidden, blocks.target_positions).probs
         logits = out.logits.float()
         for t in temperatures:
@@ -104,10 +98,7 @@ def main(argv: list[str]) -> int:
     results = scan(ctx, drafter, datamodule, sorted(set(args.temperatures)))
     text = render(results, gamma=ctx.cfg.model.block_size, argv=argv, run_dir=ctx.run_dir,
                   seconds=time.time() - started, threads=args.threads, load=load)
-    output = args.output or RESULTS / f"draft-temperature-{ctx.run_dir.name}.md"
-    output.parent.mkdir(parents=True, exist_ok=True)
-    output.write_text(text)
-    print(text)
+    write_result(text, args.output or RESULTS / f"draft-temperature-{ctx.run_dir.name}.md")
     return 0
 
 

@@ -220,11 +220,15 @@ def main(argv: list[str]) -> int:
                                         or {}).items() if k.startswith("val/")}
     text = render(groups, argv=argv, run_dir=ctx.run_dir, seconds=time.time() - started, threads=args.threads,
                   load=load, logged=logged)
-    output = args.output or RESULTS / f"heldout-{ctx.run_dir.name}.md"
+    write_result(text, args.output or RESULTS / f"heldout-{ctx.run_dir.name}.md")
+    return 0
+
+
+def write_result(text: str, output: Path) -> None:
+    """Write a results file (its folder made) and echo it."""
     output.parent.mkdir(parents=True, exist_ok=True)
     output.write_text(text)
     print(text)
-    return 0
 
 
 if __name__ == "__main__":

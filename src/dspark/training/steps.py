@@ -114,18 +114,25 @@ def _zero(like: Tensor) -> Tensor:
     return torch.zeros((), device=like.device, dtype=like.dtype)
 
 
-def dspark_step(*, drafter, target, batch: dict[str, Tensor], block_size: int, alpha_ce: float, alpha_tv: float,
-                alpha_conf: float, decay: float, kind: str = "paper", dpard_alpha: float = 0.5,
-                normalizer: Callable[[Tensor], Tensor] | None = None) -> StepResult:
-    """DSpark / DFlash (METHOD §2.1 table, §3): blocks from anchors, p_t from the target's final-norm hidden;
-    `kind` picks the objective (`loss.kind`: paper | dpard); `normalizer` (Σ w → denominator) pools the paper
-    objective's denominators across data-parallel ranks (D-PARD keeps its per-rank block count)."""
+def block_forward(*, drafter, target, batch: dict[str, Tensor], block_size: int) -> tuple[Any, Any, Tensor]:
+    """The DSpark/DFlash drafter's teacher-forced forward over a batch's anchored blocks: (drafter output, the blocks
+    of `build_blocks`, the target's final-norm hidden [B, T, d] whose LM-head image is p_t)."""
     features, final_hidden = target_features(target, batch)
     blocks = build_blocks(batch["input_ids"], batch["loss_mask"], batch["anchors"], batch["anchor_valid"],
                           block_size=block_size, mask_token_id=target.mask_token_id)
     out = drafter(context_features=features, context_valid=batch["attention_mask"].bool(),
                   block_input_ids=blocks.block_input_ids, anchor_positions=batch["anchors"],
                   prev_tokens=blocks.prev_tokens)
+    return out, blocks, final_hidden
+
+
+def dspark_step(*, drafter, target, batch: dict[str, Tensor], block_size: int, alpha_ce: float, alpha_tv: float,
+                alpha_conf: float, decay: float, kind: str = "paper", dpard_alpha: float = 0.5,
+                normalizer: Callable[[Tensor], Tensor] | None = None) -> StepResult:
+    """DSpark / DFlash (METHOD §2.1 table, §3): blocks from anchors, p_t from the target's final-norm hidden;
+    `kind` picks the objective (`loss.kind`: paper | dpard); `normalizer` (Σ w → denominator) pools the paper
+    objective's denominators across data-parallel ranks (D-PARD keeps its per-rank block count)."""
+    out, blocks, final_hidden = block_forward(drafter=drafter, target=target, batch=batch, block_size=block_size)
     with torch.no_grad():  # the paper objective reads p_t at its supervised slots only: gather just those
         p_t = target_distribution(drafter, target, batch, final_hidden, blocks.target_positions,
                                   select=blocks.label_valid if kind == "paper" else None)
