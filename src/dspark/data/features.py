@@ -47,12 +47,12 @@ from dspark.data.regenerate import COMPLETE, MANIFEST, load_regenerated, read_ma
 FEATURE_FORMAT_VERSION = 3  # 2: log_normalizer per position, length-batched (optionally bf16) prefill; 3: target_mass
 # bf16 caches only (fp32 ones were exact and keep their keys): 1 = log Z and the mass from the logits of a bf16
 # lm-head product refined in fp32 near each row's maximum. Before it, a bf16 product's rounded logits (bf16 keeps 8
-# bits: ±0.06 at |z| ≈ 20) moved log Z by 0.037 (std; up to 0.165) on SmolLM2, so the training step's fp32 p_t over
+# bits: ±0.06 at |z| ≈ 20) moved log Z by 0.037 (std; up to 0.2) on SmolLM2, so the training step's fp32 p_t over
 # the draft vocabulary summed to more than 1 at a third of the positions (measured on the cpu-ref cache, 2026-12-04).
 BF16_LOG_Z_VERSION = 1
 #: logits within this many nats of their row's maximum are recomputed in fp32 after a low-precision product: they
-#: carry nearly all of Z (the rest are < e^-6 each, with unbiased rounding); on SmolLM2 ~40 per row, log Z error
-#: 0.0008 std / 0.008 max against an fp32 product (0.037 / 0.165 unrefined) for ~20% of the bf16 product's time
+#: carry nearly all of Z (the rest are < e^-6 each, with unbiased rounding); on SmolLM2 ~15–40 per row, log Z error
+#: 0.0008 std / 0.008 max against an fp32 product (0.037 / 0.165 unrefined) for ~40% of the bf16 product's time
 REFINE_NATS = 6.0
 STORE_DTYPE = torch.float16
 PREFILL_PRECISIONS = ("auto", "bf16", "fp32")
@@ -246,7 +246,7 @@ def refine_top_logits(logits: Tensor, hidden: Tensor, weight: Tensor, *, nats: f
     `nats` of their row's maximum, recomputed as fp32 dot products of `hidden` [T, d] fp32 and `weight` [V, d] fp32.
 
     A bf16 product rounds each logit to 8 significant bits (±0.06 at |z| ≈ 20) and its inputs to bf16: summed into
-    Z, that moved log Z by up to 0.17 on SmolLM2. The entries near the maximum carry nearly all of Z; the others
+    Z, that moved log Z by up to 0.2 on SmolLM2. The entries near the maximum carry nearly all of Z; the others
     are < e^-nats each and their rounding is unbiased. Returns `logits`."""
     top = logits.amax(dim=-1, keepdim=True)
     rows, cols = (logits > top - nats).nonzero(as_tuple=True)  # row-major: each row's entries are contiguous
