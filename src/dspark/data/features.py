@@ -49,7 +49,7 @@ FEATURE_FORMAT_VERSION = 3  # 2: log_normalizer per position, length-batched (op
 # lm-head product refined in fp32 near each row's maximum. Before it, a bf16 product's rounded logits (bf16 keeps 8
 # bits: ±0.06 at |z| ≈ 20) moved log Z by 0.037 (std; up to 0.2) on SmolLM2, so the training step's fp32 p_t over
 # the draft vocabulary summed to more than 1 at a third of the positions (measured on the cpu-ref cache, 2026-12-04).
-BF16_LOG_Z_VERSION = 1
+BF16_LOG_Z_VERSION = 2  # 2: the refinement's fp32 head taken outside the bf16 weight swap (1 used its bf16 copy)
 #: logits within this many nats of their row's maximum are recomputed in fp32 after a low-precision product: they
 #: carry nearly all of Z (the rest are < e^-6 each, with unbiased rounding); on SmolLM2 ~15–40 per row, log Z error
 #: 0.0008 std / 0.008 max against an fp32 product (0.037 / 0.165 unrefined) for ~40% of the bf16 product's time
@@ -128,6 +128,8 @@ def cache_features(
         bar = tqdm(total=total, desc=f"features ({precision})", unit="tok", unit_scale=True,
                    disable=not show_progress)
         started, done = time.perf_counter(), 0
+        # the fp32 LM head taken before the context below swaps in bf16 copies: log Z's refinement needs it exact
+        exact_head = target.lm_head.weight.detach().float()
         # bf16: the linear weights cast once for every shard, not by autocast at every layer of every batch
         with autocast_linear_weights(target.model, torch.bfloat16 if precision == "bf16" else None):
             for shard in todo:
@@ -135,7 +137,7 @@ def cache_features(
                 items = [dataset[i] for i in range(start, min(start + shard_size, len(dataset)))]
                 rows = [item["input_ids"] for item in items]
                 tensors = _shard_tensors(target, rows, first_index=start, batch_size=batch_size,
-                                         token_budget=token_budget, precision=precision,
+                                         token_budget=token_budget, precision=precision, exact_head=exact_head,
                                          loss_masks=[item["loss_mask"].bool() for item in items])
                 _atomic_write(_shard_path(out_dir, shard), lambda tmp: save_file(tensors, str(tmp)))
                 tokens = sum(len(r) for r in rows)
@@ -166,7 +168,8 @@ def length_batches(lengths: list[int], *, batch_size: int, token_budget: int) ->
 
 
 def _shard_tensors(target: Any, rows: list[Tensor], *, first_index: int, batch_size: int, token_budget: int,
-                   precision: str, loss_masks: list[Tensor] | None = None) -> dict[str, Tensor]:
+                   precision: str, exact_head: Tensor | None = None,
+                   loss_masks: list[Tensor] | None = None) -> dict[str, Tensor]:
     tensors: dict[str, Tensor] = {}
     mass = torch.zeros(target.vocab_size, dtype=torch.float32)
     device = target.device
@@ -193,7 +196,7 @@ def _shard_tensors(target: Any, rows: list[Tensor], *, first_index: int, batch_s
             predicts.append(predicts_label)
         # one product for the whole batch: its rows are the real positions of every sequence, concatenated
         log_z, batch_mass = log_normalizer_and_mass(target, torch.cat(stored), mass_rows=torch.cat(predicts),
-                                                    weight=head_weight)
+                                                    weight=head_weight, exact_weight=exact_head)
         for j, part in zip(chunk_index, log_z.split([len(r) for r in chunk])):
             tensors[f"log_normalizer.{first_index + j}"] = part.clone()
         mass += batch_mass
@@ -209,13 +212,16 @@ def log_normalizer(target: Any, final_hidden: Tensor, *, chunk: int = 1024) -> T
 
 @torch.no_grad()
 def log_normalizer_and_mass(target: Any, final_hidden: Tensor, *, mass_rows: Tensor | None = None,
-                            chunk: int = 1024, weight: Tensor | None = None) -> tuple[Tensor, Tensor]:
+                            chunk: int = 1024, weight: Tensor | None = None,
+                            exact_weight: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """(log Σ_V exp z per row [T] fp32, Σ_{rows in mass_rows} softmax(z) [V] fp32) from final_hidden [T, d].
 
     mass_rows [T] bool selects the rows whose p_t is summed (None: none, a zero vector). `weight` [V, d] is the
     lm-head weight in the dtype of the product (default: the target's, in fp32); a lower-precision product's logits
-    near each row's maximum are recomputed in fp32 (`refine_top_logits`), so log Z stays within ~1e-2 of fp32."""
-    exact_weight = target.lm_head.weight.float()
+    near each row's maximum are recomputed in fp32 (`refine_top_logits`) with `exact_weight` [V, d] fp32 (default the
+    target's head: pass it when that is a bf16 copy, inside `autocast_linear_weights`), so log Z stays within ~1e-2."""
+    if exact_weight is None:
+        exact_weight = target.lm_head.weight.float()
     if weight is None:
         weight = exact_weight
     bias = getattr(target.lm_head, "bias", None)
