@@ -220,6 +220,31 @@ def test_bf16_log_normalizer_and_mass_stay_close_to_fp32(tiny) -> None:
     assert mass.sum().item() == pytest.approx(int(rows.sum()), rel=1e-4)  # each selected row's p_t sums to 1
 
 
+def test_bf16_feature_cache_log_normalizer_is_exact_at_large_logits(tiny, regen_dir, tmp_path, monkeypatch) -> None:
+    """The whole bf16 prefill: `cache_features(precision="bf16")` runs the target with bf16 copies of its linear
+    weights (`autocast_linear_weights`), the LM head's included; the stored log Z must still be the fp32 logsumexp of
+    the stored hidden states. The head is scaled so the logits reach SmolLM2's |z| ≈ 30, where a bf16 head product
+    moves log Z by hundredths; the first fix refined with the swapped-in bf16 head and stayed ~8× off (session 16)."""
+    head = tiny.lm_head.weight.detach()
+    ids = torch.tensor([load_regenerated(regen_dir)[0]["input_ids"]])
+    _, hidden = compute_features(tiny, ids, attention_mask=torch.ones_like(ids, dtype=torch.bool))
+    scale = 30.0 / (hidden[0] @ head.T).abs().amax().item()
+    monkeypatch.setattr(tiny.lm_head, "weight", torch.nn.Parameter(head * scale, requires_grad=False))
+    feature_dir = cache_features(tiny, regen_dir, cache_dir=tmp_path, batch_size=3, shard_size=5,
+                                 show_progress=False, precision="bf16")
+    assert torch.equal(tiny.lm_head.weight, head * scale)  # the swap put the fp32 head back
+    cache = FeatureCache(feature_dir)
+    errors, plain_errors = [], []
+    for index in range(len(cache)):
+        hidden = cache[index][1].float()
+        exact = torch.logsumexp(hidden @ tiny.lm_head.weight.T, dim=-1)
+        errors.append((cache.log_normalizer(index) - exact).abs())
+        bf16_logits = torch.nn.functional.linear(hidden.bfloat16(), tiny.lm_head.weight.bfloat16()).float()
+        plain_errors.append((torch.logsumexp(bf16_logits, dim=-1) - exact).abs())
+    assert torch.cat(plain_errors).max() > 2e-2  # the logits are large enough for the bf16 product to be off
+    assert torch.cat(errors).max() < 5e-3
+
+
 def test_refine_top_logits_recomputes_exactly_the_entries_near_the_maximum() -> None:
     from dspark.data.features import refine_top_logits
 
