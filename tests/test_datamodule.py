@@ -224,7 +224,8 @@ def test_bf16_feature_cache_log_normalizer_is_exact_at_large_logits(tiny, regen_
     """The whole bf16 prefill: `cache_features(precision="bf16")` runs the target with bf16 copies of its linear
     weights (`autocast_linear_weights`), the LM head's included; the stored log Z must still be the fp32 logsumexp of
     the stored hidden states. The head is scaled so the logits reach SmolLM2's |z| ≈ 30, where a bf16 head product
-    moves log Z by hundredths; the first fix refined with the swapped-in bf16 head and stayed ~8× off (session 16)."""
+    moves log Z by hundredths; the first fix refined with the swapped-in bf16 head and stayed ~8× off (now the
+    refinement reads `hardware.uncast_weight`)."""
     head = tiny.lm_head.weight.detach()
     ids = torch.tensor([load_regenerated(regen_dir)[0]["input_ids"]])
     _, hidden = compute_features(tiny, ids, attention_mask=torch.ones_like(ids, dtype=torch.bool))

@@ -130,7 +130,15 @@ def test_autocast_linear_weights_is_bit_identical_and_restores_the_weights(tiny)
             assert all(m.weight.dtype == torch.bfloat16 for m in model.modules() if isinstance(m, torch.nn.Linear))
             assert model.get_input_embeddings().weight.dtype == torch.float32
             fast_text, fast = sample(), tiny.forward(ids)
+            # the full-precision originals stay reachable (and out of the parameters and the state_dict)
+            head = tiny.lm_head
+            assert hardware.uncast_weight(head).data_ptr() == originals["lm_head.weight"].data_ptr()
+            assert hardware.uncast_weight(head).dtype == torch.float32
+            assert set(dict(model.named_parameters())) == set(originals)
+            assert not any("before_cast" in key for key in model.state_dict())
     assert torch.equal(plain_text, fast_text)
+    assert hardware.uncast_weight(tiny.lm_head) is originals["lm_head.weight"]
+    assert not any("weight_before_cast" in vars(m) for m in model.modules())
     assert torch.equal(plain.features, fast.features) and torch.equal(plain.final_hidden, fast.final_hidden)
     assert all(p is originals[name] for name, p in model.named_parameters())
     with pytest.raises(RuntimeError, match="boom"), hardware.autocast_linear_weights(model):

@@ -41,7 +41,7 @@ from torch import Tensor
 from tqdm.auto import tqdm
 
 from dspark.data.integrity import building, seal_cache
-from dspark.hardware import autocast_linear_weights
+from dspark.hardware import autocast_linear_weights, uncast_weight
 from dspark.data.regenerate import COMPLETE, MANIFEST, load_regenerated, read_manifest
 
 FEATURE_FORMAT_VERSION = 3  # 2: log_normalizer per position, length-batched (optionally bf16) prefill; 3: target_mass
@@ -128,8 +128,6 @@ def cache_features(
         bar = tqdm(total=total, desc=f"features ({precision})", unit="tok", unit_scale=True,
                    disable=not show_progress)
         started, done = time.perf_counter(), 0
-        # the fp32 LM head taken before the context below swaps in bf16 copies: log Z's refinement needs it exact
-        exact_head = target.lm_head.weight.detach().float()
         # bf16: the linear weights cast once for every shard, not by autocast at every layer of every batch
         with autocast_linear_weights(target.model, torch.bfloat16 if precision == "bf16" else None):
             for shard in todo:
@@ -137,7 +135,7 @@ def cache_features(
                 items = [dataset[i] for i in range(start, min(start + shard_size, len(dataset)))]
                 rows = [item["input_ids"] for item in items]
                 tensors = _shard_tensors(target, rows, first_index=start, batch_size=batch_size,
-                                         token_budget=token_budget, precision=precision, exact_head=exact_head,
+                                         token_budget=token_budget, precision=precision,
                                          loss_masks=[item["loss_mask"].bool() for item in items])
                 _atomic_write(_shard_path(out_dir, shard), lambda tmp: save_file(tensors, str(tmp)))
                 tokens = sum(len(r) for r in rows)
@@ -168,8 +166,7 @@ def length_batches(lengths: list[int], *, batch_size: int, token_budget: int) ->
 
 
 def _shard_tensors(target: Any, rows: list[Tensor], *, first_index: int, batch_size: int, token_budget: int,
-                   precision: str, exact_head: Tensor | None = None,
-                   loss_masks: list[Tensor] | None = None) -> dict[str, Tensor]:
+                   precision: str, loss_masks: list[Tensor] | None = None) -> dict[str, Tensor]:
     tensors: dict[str, Tensor] = {}
     mass = torch.zeros(target.vocab_size, dtype=torch.float32)
     device = target.device
@@ -196,7 +193,7 @@ def _shard_tensors(target: Any, rows: list[Tensor], *, first_index: int, batch_s
             predicts.append(predicts_label)
         # one product for the whole batch: its rows are the real positions of every sequence, concatenated
         log_z, batch_mass = log_normalizer_and_mass(target, torch.cat(stored), mass_rows=torch.cat(predicts),
-                                                    weight=head_weight, exact_weight=exact_head)
+                                                    weight=head_weight)
         for j, part in zip(chunk_index, log_z.split([len(r) for r in chunk])):
             tensors[f"log_normalizer.{first_index + j}"] = part.clone()
         mass += batch_mass
@@ -219,9 +216,10 @@ def log_normalizer_and_mass(target: Any, final_hidden: Tensor, *, mass_rows: Ten
     mass_rows [T] bool selects the rows whose p_t is summed (None: none, a zero vector). `weight` [V, d] is the
     lm-head weight in the dtype of the product (default: the target's, in fp32); a lower-precision product's logits
     near each row's maximum are recomputed in fp32 (`refine_top_logits`) with `exact_weight` [V, d] fp32 (default the
-    target's head: pass it when that is a bf16 copy, inside `autocast_linear_weights`), so log Z stays within ~1e-2."""
+    target's head in fp32 — its original weights inside `autocast_linear_weights`, `uncast_weight`), so log Z stays
+    within ~1e-2."""
     if exact_weight is None:
-        exact_weight = target.lm_head.weight.float()
+        exact_weight = uncast_weight(target.lm_head).float()
     if weight is None:
         weight = exact_weight
     bias = getattr(target.lm_head, "bias", None)
