@@ -163,10 +163,11 @@ def autocast_linear_weights(model: torch.nn.Module, dtype: torch.dtype | None = 
     try:
         for module in model.modules():
             if isinstance(module, torch.nn.Linear) and module.weight.dtype != dtype:
-                saved.append((module, module.weight))
-                module.weight = torch.nn.Parameter(module.weight.detach().to(dtype), requires_grad=False)
+                original = module.weight
+                saved.append((module, original))
+                module.weight = torch.nn.Parameter(original.detach().to(dtype), requires_grad=False)
                 # a plain tensor attribute, not a Parameter: the module's parameters and state_dict stay as they are
-                module.weight_before_cast = saved[-1][1].detach()
+                module.weight_before_cast = original.detach()
         yield model
     finally:
         for module, weight in saved:

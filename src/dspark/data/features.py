@@ -209,17 +209,14 @@ def log_normalizer(target: Any, final_hidden: Tensor, *, chunk: int = 1024) -> T
 
 @torch.no_grad()
 def log_normalizer_and_mass(target: Any, final_hidden: Tensor, *, mass_rows: Tensor | None = None,
-                            chunk: int = 1024, weight: Tensor | None = None,
-                            exact_weight: Tensor | None = None) -> tuple[Tensor, Tensor]:
+                            chunk: int = 1024, weight: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """(log Σ_V exp z per row [T] fp32, Σ_{rows in mass_rows} softmax(z) [V] fp32) from final_hidden [T, d].
 
     mass_rows [T] bool selects the rows whose p_t is summed (None: none, a zero vector). `weight` [V, d] is the
     lm-head weight in the dtype of the product (default: the target's, in fp32); a lower-precision product's logits
-    near each row's maximum are recomputed in fp32 (`refine_top_logits`) with `exact_weight` [V, d] fp32 (default the
-    target's head in fp32 — its original weights inside `autocast_linear_weights`, `uncast_weight`), so log Z stays
-    within ~1e-2."""
-    if exact_weight is None:
-        exact_weight = uncast_weight(target.lm_head).float()
+    near each row's maximum are recomputed in fp32 (`refine_top_logits`) with the target's head in fp32 (its
+    original weights inside `autocast_linear_weights`: `uncast_weight`), so log Z stays within ~1e-2."""
+    exact_weight = uncast_weight(target.lm_head).float()
     if weight is None:
         weight = exact_weight
     bias = getattr(target.lm_head, "bias", None)
