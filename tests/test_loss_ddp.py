@@ -91,17 +91,19 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD,
                             timeout=timedelta(seconds=120))
     try:
-        out = {}
+        # One DDP wrapper for both steps: a second wrapper around the same parameters would leave two reducers'
+        # hooks on them. The normaliser is looked up at call time, so swapping the module attribute switches it.
+        step, out = nn.parallel.DistributedDataParallel(_TrainStep(module), find_unused_parameters=True), {}
         for label, normalizer in (("pooled", module_lib.pooled_weight_sum), ("per_rank", lambda local: local)):
             module_lib.pooled_weight_sum, saved = normalizer, module_lib.pooled_weight_sum  # the control: old rule
             try:
-                step = nn.parallel.DistributedDataParallel(_TrainStep(module), find_unused_parameters=True)
                 module.drafter.zero_grad(set_to_none=True)
                 step(_shard(batch, rank)).backward()  # DDP all-reduces and averages the gradients here
                 out[label] = _gradients(module)
             finally:
                 module_lib.pooled_weight_sum = saved
         torch.save(out, Path(out_dir) / f"rank{rank}.pt")
+        dist.barrier()  # nobody tears down (rank 0 hosts the rendezvous store) while another rank still talks
     finally:
         dist.destroy_process_group()
 

@@ -79,6 +79,7 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
                             timeout=timedelta(seconds=60))
     try:
         synced = compute_all(shard(data, rank))
+        dist.barrier()  # nobody tears down (rank 0 hosts the rendezvous store) while another rank still talks
     finally:
         dist.destroy_process_group()
     local_rounds = synced.pop("local:rounds")

@@ -19,11 +19,13 @@ def _raise_on_rank_zero(rank: int) -> None:
         raise ValueError("rank zero broke")
 
 
-def test_a_hung_rank_fails_the_test_at_the_deadline():
+def test_a_hung_rank_fails_the_test_at_the_deadline_and_prints_where_it_hung(capfd):
     start = time.monotonic()
     with pytest.raises(pytest.fail.Exception, match=r"ranks \[1\] still running"):
         run_ranks(_sleep_on_rank_one, args=(), world=2, deadline_s=8.0)
     assert time.monotonic() - start < 60  # killed, not waited for
+    stderr = capfd.readouterr().err
+    assert "in _sleep_on_rank_one" in stderr, stderr  # faulthandler's frame line of the hung worker
 
 
 def test_a_worker_error_is_raised_in_the_parent():
