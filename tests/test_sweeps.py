@@ -168,6 +168,54 @@ def test_rerun_and_interrupted_sweep_resume_without_duplicates(interrupt, shared
     assert sum(r.info.status == "FINISHED" for r in cells) == 3
 
 
+def test_a_supervision_fix_starts_a_new_sweep_instead_of_resuming_cells_trained_before_it(
+        shared_root, monkeypatch, one_thread, tmp_path):
+    """Bumping SUPERVISION_VERSION moves every training key; the sweep must retrain under a new parent (and the
+    report read it), not count the old parent's cells as done."""
+    import dspark.stages.context as context
+
+    experiment = "supervision-bump"
+    argv = ["sweep=depth", "stage=train", *FAST, f"paths.root={shared_root}", f"tracking.experiment={experiment}"]
+    real_train, trained = train_stage.run_train, []
+
+    def counting(ctx, data):
+        trained.append(context.training_key(ctx.cfg))
+        return real_train(ctx, data)
+
+    monkeypatch.setattr(train_stage, "run_train", counting)
+    assert run_sweep(resolve_config(argv), max_cells=1) == 0
+    assert run_sweep(resolve_config(argv), max_cells=1) == 0  # same supervision: resumed, nothing retrained
+    assert len(trained) == 1
+    old_hash = plan_grid(resolve_config(argv), load_sweep("depth")).sweep_hash
+
+    monkeypatch.setattr(context, "SUPERVISION_VERSION", context.SUPERVISION_VERSION + 1)
+    new_hash = plan_grid(resolve_config(argv), load_sweep("depth")).sweep_hash
+    assert new_hash != old_hash
+    assert run_sweep(resolve_config(argv), max_cells=1) == 0
+    assert len(trained) == 2 and trained[1] != trained[0]  # the cell was trained again, under its new key
+    parents, cells = _sweep_runs(shared_root, experiment, "depth")
+    assert sorted(p.data.tags["sweep.hash"] for p in parents) == sorted([old_hash, new_hash])
+    new_parent = next(p for p in parents if p.data.tags["sweep.hash"] == new_hash).info.run_id
+    assert [c.data.tags["training.key"] for c in cells
+            if c.data.tags["mlflow.parentRunId"] == new_parent] == [trained[1]]
+
+    report = ["sweep=depth", "stage=report", *FAST, f"paths.root={shared_root}", f"paths.reports={tmp_path}",
+              f"tracking.experiment={experiment}"]
+    assert main(report) == 0
+    assert new_parent in (tmp_path / "depth.md").read_text()
+
+
+def test_a_supervision_fix_starts_a_new_optuna_study(monkeypatch):
+    import dspark.stages.context as context
+    from dspark.sweeps.optuna_search import search_hash
+
+    rc, spec = resolve_config(["sweep=rank", "budget=smoke"]), load_sweep("rank")
+    before = search_hash(rc, spec)
+    assert search_hash(rc, spec) == before
+    monkeypatch.setattr(context, "SUPERVISION_VERSION", context.SUPERVISION_VERSION + 1)
+    assert search_hash(rc, spec) != before
+
+
 def test_failed_cell_is_marked_and_the_sweep_goes_on(shared_root, monkeypatch, one_thread, capsys):
     experiment = "failing"
     argv = ["sweep=head", "stage=train", *FAST, f"paths.root={shared_root}", f"tracking.experiment={experiment}"]

@@ -5,7 +5,7 @@
 2. A command-line key that is also an axis of the sweep selects the cells with that value
    (`sweep=block_size drafter=dflash` runs the DFlash cells only); any other key applies to every cell.
 3. Find this sweep's parent run by its tags (sweep name + a hash of every cell's resolved config, output paths and
-   tracking excluded) and reuse it, or create it; attach the sweep file and every resolved cell config to it.
+   tracking excluded, and of the supervision version) and reuse it, or create it; attach the sweep file and every resolved cell config to it.
 4. Run the cells one after another in this process (one device; no DDP inside a sweep), each in its own child
    run; cells whose child already completed are skipped (resume), cells that fail are marked FAILED and the
    sweep goes on. Cells that differ only in decode.* share one trained drafter (`training_key`).
@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any, Callable
 from dspark.config import ConfigError, ResolvedConfig, parse_overrides, resolve_config, to_dict
 from dspark.hardware import release_freed_memory
 from dspark.sweeps import runs as sweep_runs
-from dspark.sweeps.identity import arg_key, hashable_config, parent_tags, sweep_dir
+from dspark.sweeps.identity import arg_key, hashable_config, parent_tags, supervision_identity, sweep_dir
 from dspark.sweeps.spec import Cell, SweepSpec, coerce_value, load_sweep
 from dspark.tracking import runs as run_tree
 
@@ -139,8 +139,9 @@ def select_cells(spec: SweepSpec, planned: list[PlannedCell], cli: dict[str, Any
 
 
 def config_hash(spec: SweepSpec, planned: list[PlannedCell]) -> str:
-    """Stable hash of what the sweep computes: every cell's key and resolved config, plus the runner options."""
-    payload = {"runner": spec.runner, "latency": spec.latency,
+    """Stable hash of what the sweep computes: every cell's key and resolved config, the runner options and the
+    supervision version (a fix that moves every training key starts a new parent instead of resuming the old one)."""
+    payload = {"runner": spec.runner, "latency": spec.latency, **supervision_identity(),
                "cells": [[pc.cell.key, hashable_config(pc.rc)] for pc in planned]}
     return hashlib.sha256(json.dumps(payload, sort_keys=True, default=str).encode()).hexdigest()[:12]
 

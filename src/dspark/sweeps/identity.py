@@ -22,6 +22,17 @@ def hashable_config(rc: ResolvedConfig) -> dict[str, Any]:
     return {k: v for k, v in tree.items() if k not in HASH_EXCLUDED}
 
 
+def supervision_identity() -> dict[str, Any]:
+    """What a sweep's results depend on beside its resolved config: the version of the training data's supervision.
+
+    A fix that changes what cached features mean (`SUPERVISION_VERSION`, part of every training key) must start a
+    new sweep parent and a new Optuna study: resuming the old ones would count cells trained on the old supervision
+    as done, and a report would mix them with cells trained after the fix."""
+    from dspark.stages.context import SUPERVISION_VERSION
+
+    return {"supervision": SUPERVISION_VERSION}
+
+
 def parent_tags(rc: ResolvedConfig, spec: SweepSpec, *, total: int) -> dict[str, str]:
     """Provenance of the parent run (the report header reads these)."""
     from dspark.tracking import git_provenance
