@@ -146,3 +146,89 @@ def test_autocast_linear_weights_is_bit_identical_and_restores_the_weights(tiny)
     assert all(p is originals[name] for name, p in model.named_parameters())
     with hardware.autocast_linear_weights(model, None):
         assert all(p is originals[name] for name, p in model.named_parameters())
+
+
+# ---- few-row products: the (W xᵀ)ᵀ layout, chosen by measurement ----
+
+@pytest.mark.parametrize("rows", [1, 2, 7, 16, 17, 40])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_few_row_product_is_linear_up_to_summation_order(rows, with_bias):
+    import torch
+
+    gen = torch.Generator().manual_seed(rows)
+    x = torch.randn(1, rows, 24, generator=gen)  # [B, T, K]: rows counts B·T
+    weight, bias = torch.randn(40, 24, generator=gen), torch.randn(40, generator=gen) if with_bias else None
+    expected = torch.nn.functional.linear(x, weight, bias)
+    got = hardware.few_row_product(x, weight, bias)
+    assert got.shape == expected.shape == (1, rows, 40)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    if rows > hardware.FEW_ROWS:  # beyond the few-row range it is F.linear itself
+        assert torch.equal(got, expected)
+
+
+def test_few_row_layout_is_measured_only_where_it_can_matter(monkeypatch):
+    import torch
+
+    monkeypatch.delenv(hardware.FEW_ROW_LAYOUT_ENV, raising=False)
+    small = torch.randn(64, 32)  # a tiny model's head: in cache, never probed
+    assert hardware.few_row_layout(small) == ("linear", 1.0)
+    big_bf16 = torch.zeros(hardware.FEW_ROW_PROBE_MIN_ELEMENTS // 512 + 1, 512, dtype=torch.bfloat16)
+    assert hardware.few_row_layout(big_bf16) == ("linear", 1.0)
+    for forced in ("linear", "transposed"):
+        monkeypatch.setenv(hardware.FEW_ROW_LAYOUT_ENV, forced)
+        assert hardware.few_row_layout(small) == (forced, 1.0)
+    monkeypatch.setenv(hardware.FEW_ROW_LAYOUT_ENV, "fast")
+    with pytest.raises(ValueError, match="DSPARK_FEW_ROW_LAYOUT='fast': expected auto, linear or transposed"):
+        hardware.few_row_layout(small)
+
+
+def test_few_row_layout_follows_the_timings(monkeypatch):
+    """The probe's rule: transposed only when it is FEW_ROW_MARGIN× faster at every probed row count."""
+    import torch
+
+    monkeypatch.delenv(hardware.FEW_ROW_LAYOUT_ENV, raising=False)
+    weight = torch.zeros(hardware.FEW_ROW_PROBE_MIN_ELEMENTS // 256, 256)
+    timings = iter([])
+
+    def fake_median(fn, reps):
+        return next(timings)
+
+    monkeypatch.setattr(hardware, "_median_ms", fake_median)
+    timings = iter([30.0, 10.0, 40.0, 12.0])  # (shipped, transposed) at 2 and 4 rows: 3.0× and 3.3×
+    assert hardware.few_row_layout(weight) == ("transposed", 3.0)
+    timings = iter([30.0, 10.0, 12.0, 10.0])  # 3.0× at 2 rows, only 1.2× at 4
+    assert hardware.few_row_layout(weight) == ("linear", pytest.approx(1.2))
+
+
+def test_a_model_switched_to_few_row_products_computes_the_same_and_reads_its_current_weights():
+    import torch
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 4, bias=False))
+    x = torch.randn(3, 8)
+    before = model(x)
+    assert hardware.use_few_row_products(model) == 2
+    torch.testing.assert_close(model(x), before, rtol=1e-5, atol=1e-6)
+    model[2].weight = torch.nn.Parameter(torch.zeros(4, 16))  # e.g. autocast_linear_weights' swap
+    assert torch.equal(model(x), torch.zeros(3, 4))
+    del model[0].forward, model[2].forward  # the class's forward again
+    assert "forward" not in model[0].__dict__
+
+
+def test_a_target_in_the_transposed_layout_gives_the_same_logits(monkeypatch, tmp_path):
+    import torch
+
+    from dspark.targets import load_target
+
+    monkeypatch.setenv(hardware.FEW_ROW_LAYOUT_ENV, "linear")
+    shipped = load_target("tiny", cache_dir=tmp_path)
+    monkeypatch.setenv(hardware.FEW_ROW_LAYOUT_ENV, "transposed")
+    transposed = load_target("tiny", cache_dir=tmp_path)
+    assert (shipped.few_row_layout, transposed.few_row_layout) == ("linear", "transposed")
+    assert "forward" in transposed.lm_head.__dict__ and "forward" not in shipped.lm_head.__dict__
+    ids = torch.randint(10, shipped.vocab_size - 10, (1, 5), generator=torch.Generator().manual_seed(0))
+    for target_ids in (ids[:, :1], ids[:, :3]):  # a plain step and a verify of two drafts
+        a = shipped(target_ids, return_logits=True)
+        b = transposed(target_ids, return_logits=True)
+        torch.testing.assert_close(b.logits, a.logits, rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(b.features, a.features, rtol=1e-4, atol=1e-5)

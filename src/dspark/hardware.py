@@ -14,7 +14,10 @@ import functools
 import os
 import platform
 import sys
+import time
+import types
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -180,3 +183,82 @@ def uncast_weight(linear: torch.nn.Module) -> torch.Tensor:
     context, the module's own weight outside it. Exact computations beside a bf16 forward read this (the feature
     prefill's log-normaliser refinement read the bf16 copy once and was ~8× off)."""
     return linear.__dict__.get("weight_before_cast", linear.weight)
+
+
+#: products with at most this many rows (tokens) may take the (W xᵀ)ᵀ layout: a verify forward's B = ℓ + 1 tokens
+FEW_ROWS = 16
+#: the smallest weight (elements) worth probing: smaller ones sit in cache, where the layouts cost the same
+FEW_ROW_PROBE_MIN_ELEMENTS = 4_000_000
+#: how much faster the (W xᵀ)ᵀ layout must be, at every probed row count, to be chosen
+FEW_ROW_MARGIN = 1.5
+FEW_ROW_LAYOUT_ENV = "DSPARK_FEW_ROW_LAYOUT"
+
+
+def few_row_product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """`F.linear(x, weight, bias)` for x [..., K], weight [N, K] → [..., N], computed as (W xᵀ)ᵀ when x has at most
+    `FEW_ROWS` rows (the same numbers up to summation order), as `F.linear` otherwise.
+
+    Why: for a few rows, BLAS's x Wᵀ product can cost ~2–4× the (W xᵀ)ᵀ one for a weight that lives in DRAM (MKL on an
+    AVX2-only AMD EPYC Zen 3, fp32: SmolLM2's LM head at 2 rows 36.8 vs 13.3 ms, a 2-token target forward 198 vs
+    131 ms; benchmarks/results/matmul-layout.md), which made verifying one draft cost 1.5 plain decoding steps."""
+    flat = x.reshape(-1, x.shape[-1])
+    if flat.shape[0] > FEW_ROWS:
+        return torch.nn.functional.linear(x, weight, bias)
+    out = torch.mm(weight, flat.t()).t()
+    if bias is not None:
+        out = out + bias
+    return out.reshape(*x.shape[:-1], weight.shape[0])
+
+
+def _median_ms(fn: Callable[[], object], reps: int) -> float:
+    fn()
+    times = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - start) * 1e3)
+    return sorted(times)[len(times) // 2]
+
+
+def few_row_layout(weight: torch.Tensor, *, rows: tuple[int, ...] = (2, 4), reps: int = 3) -> tuple[str, float]:
+    """Which layout a frozen model's few-row products should take on this machine: ("transposed" | "linear", the
+    measured speed-up of (W xᵀ)ᵀ over x Wᵀ at the worst probed row count; 1.0 when not probed).
+
+    Measured, never assumed: `weight` (the model's largest, e.g. its LM head) is timed in both layouts at `rows`
+    rows, and "transposed" is chosen only when it is `FEW_ROW_MARGIN`× faster at every one of them. Probed only for
+    fp32 weights on the CPU of at least `FEW_ROW_PROBE_MIN_ELEMENTS` elements (so tiny test models keep
+    `nn.Linear`). `DSPARK_FEW_ROW_LAYOUT=linear|transposed` overrides the choice (`auto`, the default, probes)."""
+    forced = os.environ.get(FEW_ROW_LAYOUT_ENV, "auto")
+    if forced in ("linear", "transposed"):
+        return forced, 1.0
+    if forced != "auto":
+        raise ValueError(f"{FEW_ROW_LAYOUT_ENV}={forced!r}: expected auto, linear or transposed.")
+    if (weight.device.type != "cpu" or weight.dtype != torch.float32
+            or weight.numel() < FEW_ROW_PROBE_MIN_ELEMENTS):
+        return "linear", 1.0
+    gen = torch.Generator().manual_seed(0)
+    speedups = []
+    with torch.no_grad():
+        for n in rows:
+            x = torch.randn(n, weight.shape[1], generator=gen)
+            shipped = _median_ms(lambda: torch.nn.functional.linear(x, weight), reps)
+            transposed = _median_ms(lambda: few_row_product(x, weight), reps)
+            speedups.append(shipped / max(transposed, 1e-6))
+    worst = min(speedups)
+    return ("transposed" if worst >= FEW_ROW_MARGIN else "linear"), worst
+
+
+def use_few_row_products(model: torch.nn.Module) -> int:
+    """Make every `nn.Linear` of a frozen `model` compute through `few_row_product`; returns how many.
+
+    An instance attribute shadows `nn.Linear.forward` and reads the module's weight at each call (so
+    `autocast_linear_weights`' swapped weights still apply); state dict and hooks are untouched, and `del
+    module.forward` restores the class's."""
+    linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    for module in linears:
+        module.forward = types.MethodType(_few_row_forward, module)
+    return len(linears)
+
+
+def _few_row_forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    return few_row_product(x, self.weight, self.bias)

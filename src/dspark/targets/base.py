@@ -8,6 +8,7 @@ never used as a feature (METHOD §10).
 """
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Any
 
@@ -16,6 +17,9 @@ from torch import Tensor, nn
 from transformers import DynamicCache
 
 from dspark.drafters.layers import DraftLayerSpec
+from dspark.hardware import few_row_layout, use_few_row_products
+
+log = logging.getLogger("dspark")
 
 FEATURE_LAYERS_KEY = "model.feature_layers"
 
@@ -61,6 +65,18 @@ def _default_hint(num_layers: int) -> str:
         return ""
 
 
+def _choose_few_row_layout(model: nn.Module, head_weight: Tensor) -> str:
+    """Measure once whether this machine's few-row products (a verify forward's ℓ + 1 tokens) are faster in the
+    (W xᵀ)ᵀ layout, and switch every `nn.Linear` of the frozen model to it if so (`dspark.hardware.few_row_layout`:
+    fp32 CPU weights only, tiny models never). Returns the layout in use."""
+    layout, speedup = few_row_layout(head_weight.detach())
+    if layout == "transposed":
+        count = use_few_row_products(model)
+        log.info("target: %d linear layers compute few-token products as (W xᵀ)ᵀ (%.1f× x Wᵀ's speed measured on "
+                 "the LM head at 2–4 tokens; %s=linear turns this off)", count, speedup, "DSPARK_FEW_ROW_LAYOUT")
+    return layout
+
+
 @dataclass
 class TargetForward:
     """One target forward. B batch, T tokens in this call, m feature layers, d hidden size, V vocabulary."""
@@ -80,7 +96,8 @@ class Target:
     `fingerprint` (cache key: the weights as loaded, dtype included), `checkpoint_fingerprint` (the checkpoint's
     identity whatever dtype it was loaded in: the fp32 load's fingerprint; drafters record it, so a drafter trained
     against the fp32 target also serves a bf16 load of the same files), `default_system_prompt` (True when the chat template inserts its own system turn
-    if none is given, as SmolLM2's does; `chat_prompt_ids` keeps that behaviour).
+    if none is given, as SmolLM2's does; `chat_prompt_ids` keeps that behaviour), `few_row_layout` (`linear`, or
+    `transposed` where this machine computes few-token products faster as (W xᵀ)ᵀ: `_choose_few_row_layout`).
     """
 
     def __init__(
@@ -114,6 +131,7 @@ class Target:
         self.fingerprint = fingerprint
         self.checkpoint_fingerprint = checkpoint_fingerprint or fingerprint
         self.default_system_prompt = _template_adds_system_turn(tokenizer)
+        self.few_row_layout = _choose_few_row_layout(model, self.lm_head.weight)
 
     @property
     def device(self) -> torch.device:
