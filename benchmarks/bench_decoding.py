@@ -400,7 +400,8 @@ def main(argv: list[str]) -> int:
     text = "\n".join([
         f"# Decoding speed side by side — {args.target}", "",
         f"Command: `python benchmarks/bench_decoding.py {shlex.join(argv)}` ({time.time() - started:.0f} s in all)  ",
-        f"Machine: {machine_line(args)}  ",
+        f"Machine: {machine_line(args)}; the target's few-token products: {target.few_row_layout} layout "
+        "(`dspark.hardware.few_row_layout`)  ",
         f"Git commit {git_commit()}; {time.strftime('%Y-%m-%d %H:%M %Z')}; 1-min load average {loads} at the start / "
         f"end on {os.cpu_count()} cores ({load_verdict(load_start[0], args.threads)}).", "",
         f"Prompts: the first {args.prompts} of {', '.join(args.sets)} ({len(prompts)} in all), chat-templated; "

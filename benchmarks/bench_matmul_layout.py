@@ -90,6 +90,8 @@ def main(argv: list[str]) -> int:
     torch.set_num_threads(args.threads)
     keep_freed_memory()
     started, load_start = time.time(), os.getloadavg()
+    # the shipped nn.Linear layout at load: the target's own probe would otherwise already have switched it
+    os.environ["DSPARK_FEW_ROW_LAYOUT"] = "linear"
     target = load_target(args.target, cache_dir=args.cache_dir)
     weight = target.lm_head.weight.detach()
     gen = torch.Generator().manual_seed(0)
