@@ -9,7 +9,7 @@ interleaved round by round on this machine, with the real target (fp32, `--threa
 1. the LM head alone (W [V, d]) at B = 1, 2, 3, 4, 8 in both layouts;
 2. one target forward of B new tokens over a `--context`-token KV cache plus its LM head (what a verify round's
    target step does), with every `nn.Linear` of the target as shipped and with every one switched to the (W xᵀ)ᵀ
-   layout for B ≤ 16 (a patch local to this script).
+   layout for B ≤ 16 (`dspark.hardware.use_few_row_products`, undone after each cell).
 
 It measures; it changes nothing in the library. Writes `--output` with the command, machine, load and commit.
 
@@ -23,7 +23,6 @@ import os
 import statistics
 import sys
 import time
-import types
 from pathlib import Path
 
 import torch
@@ -47,29 +46,20 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def transposed_linear(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    """`nn.Linear.forward` as (W xᵀ)ᵀ for at most 16 rows; the shipped path otherwise."""
-    flat = x.reshape(-1, x.shape[-1])
-    if flat.shape[0] > 16:
-        return torch.nn.functional.linear(x, self.weight, self.bias)
-    y = torch.mm(self.weight, flat.t()).t()
-    if self.bias is not None:
-        y = y + self.bias
-    return y.reshape(*x.shape[:-1], self.weight.shape[0])
-
-
 @contextlib.contextmanager
 def layout(model: torch.nn.Module, transposed: bool):
-    """Every nn.Linear of `model` in the chosen layout for the duration of the block."""
-    linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    """Every nn.Linear of `model` in the chosen layout for the duration of the block: the library's own switch
+    (`dspark.hardware.use_few_row_products`), undone on exit."""
+    from dspark.hardware import use_few_row_products
+
     if transposed:
-        for m in linears:
-            m.forward = types.MethodType(transposed_linear, m)
+        use_few_row_products(model)
     try:
         yield
     finally:
-        for m in linears:
-            m.__dict__.pop("forward", None)
+        for m in model.modules():
+            if isinstance(m, torch.nn.Linear):
+                m.__dict__.pop("forward", None)
 
 
 def median_ms(fn, reps: int) -> float:
@@ -83,7 +73,7 @@ def median_ms(fn, reps: int) -> float:
 
 
 def main(argv: list[str]) -> int:
-    from dspark.hardware import cpu_bf16_unit, cpu_model, keep_freed_memory
+    from dspark.hardware import FEW_ROW_LAYOUT_ENV, cpu_bf16_unit, cpu_model, few_row_product, keep_freed_memory
     from dspark.targets import load_target
 
     args = parse_args(argv)
@@ -91,7 +81,7 @@ def main(argv: list[str]) -> int:
     keep_freed_memory()
     started, load_start = time.time(), os.getloadavg()
     # the shipped nn.Linear layout at load: the target's own probe would otherwise already have switched it
-    os.environ["DSPARK_FEW_ROW_LAYOUT"] = "linear"
+    os.environ[FEW_ROW_LAYOUT_ENV] = "linear"
     target = load_target(args.target, cache_dir=args.cache_dir)
     weight = target.lm_head.weight.detach()
     gen = torch.Generator().manual_seed(0)
@@ -101,8 +91,7 @@ def main(argv: list[str]) -> int:
 
     def head(b: int, transposed: bool):
         x = torch.randn(b, weight.shape[1], generator=gen)
-        return (lambda: torch.mm(weight, x.t()).t().contiguous()) if transposed else (
-            lambda: torch.nn.functional.linear(x, weight))
+        return (lambda: few_row_product(x, weight)) if transposed else (lambda: torch.nn.functional.linear(x, weight))
 
     def step(b: int):
         tokens = torch.randint(100, target.vocab_size - 100, (1, b), generator=gen)
@@ -132,8 +121,8 @@ def main(argv: list[str]) -> int:
              f"{torch.__version__} ({torch.backends.cpu.get_cpu_capability()}), {args.threads} threads; target "
              f"float32  ",
              f"Git commit {git_commit()}; {time.strftime('%Y-%m-%d %H:%M %Z')}; 1-min load average "
-             f"{load_start[0]:.1f} / {load_end[0]:.1f} at the start / end ({load_verdict(load_start[0], args.threads)})."
-             , "",
+             f"{load_start[0]:.1f} / {load_end[0]:.1f} at the start / end "
+             f"({load_verdict(load_start[0], args.threads)}).", "",
              f"Each cell: the median over {args.rounds} interleaved rounds of the median of {args.reps} calls (after a "
              f"warm-up). Step = one target forward of B new tokens over a {args.context}-token KV cache plus the LM "
              "head on its B positions (a verify round's target work at ℓ = B − 1; B = 1 is a plain decoding step).",

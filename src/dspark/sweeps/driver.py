@@ -5,7 +5,8 @@
 2. A command-line key that is also an axis of the sweep selects the cells with that value
    (`sweep=block_size drafter=dflash` runs the DFlash cells only); any other key applies to every cell.
 3. Find this sweep's parent run by its tags (sweep name + a hash of every cell's resolved config, output paths and
-   tracking excluded, and of the supervision version) and reuse it, or create it; attach the sweep file and every resolved cell config to it.
+   tracking excluded, and of the supervision version) and reuse it, or create it; attach the sweep file and every
+   resolved cell config to it.
 4. Run the cells one after another in this process (one device; no DDP inside a sweep), each in its own child
    run; cells whose child already completed are skipped (resume), cells that fail are marked FAILED and the
    sweep goes on. Cells that differ only in decode.* share one trained drafter (`training_key`).

@@ -17,7 +17,7 @@ from torch import Tensor, nn
 from transformers import DynamicCache
 
 from dspark.drafters.layers import DraftLayerSpec
-from dspark.hardware import few_row_layout, use_few_row_products
+from dspark.hardware import FEW_ROW_LAYOUT_ENV, few_row_layout, use_few_row_products
 
 log = logging.getLogger("dspark")
 
@@ -73,7 +73,7 @@ def _choose_few_row_layout(model: nn.Module, head_weight: Tensor) -> str:
     if layout == "transposed":
         count = use_few_row_products(model)
         log.info("target: %d linear layers compute few-token products as (W xᵀ)ᵀ (%.1f× x Wᵀ's speed measured on "
-                 "the LM head at 2–4 tokens; %s=linear turns this off)", count, speedup, "DSPARK_FEW_ROW_LAYOUT")
+                 "the LM head at 2–4 tokens; %s=linear turns this off)", count, speedup, FEW_ROW_LAYOUT_ENV)
     return layout
 
 
