@@ -9,7 +9,9 @@ prompt (so load drift hits all alike), each after one warm-up call, at every `--
 - each drafter (`--drafter NAME=RUN_DIR_OR_DRAFTER_PT`, repeatable; without any, untrained DSpark-markov, DFlash and
   EAGLE-3 stand-ins of `--depth` / `--block-size` / `--draft-vocab`, which measure round costs only: τ ≈ 1) under
   `fixed` (ℓ = γ), every static ℓ = 1..γ−1 and `scheduler` (this machine's SPS(B) profile, cached, and the STS
-  calibration stored in the drafter.pt at that temperature when there is one; raw confidences otherwise).
+  calibration stored in the drafter.pt at that temperature when there is one; raw confidences otherwise), once on
+  the profile and once re-priced after every round from the rounds' own costs (`--step-costs`,
+  `decode.step_costs=measured`, `dspark.scheduling.measured`; its final prices are listed).
 Columns: tokens/s (prefill included), ratio to target-only with its paired bootstrap 95% CI over prompts, τ, mean ℓ,
 and ms per round split into verify (target forward, p_t and the verifier's rejection sampling; until 2026-12-03 the
 verifier counted as other) / draft parallel (block forward + LM head + context update) / draft sequential (Markov loop
@@ -63,6 +65,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--temperatures", type=float, nargs="+", default=[1.0, 0.0])
     parser.add_argument("--static", type=int, nargs="*", default=None, help="static ℓ values (default 1..γ-1)")
     parser.add_argument("--no-scheduler", action="store_true")
+    parser.add_argument("--step-costs", nargs="+", default=["profile", "measured"], choices=["profile", "measured"],
+                        help="decode.step_costs of the scheduler rows, one row each: profile (the SPS(B) table of "
+                             "the start of the run) and measured (re-priced from the rounds' own costs)")
     parser.add_argument("--reuse-sps", action="store_true",
                         help="read the cached SPS(B) table instead of profiling it at the start of this run (a table "
                              "measured under another load misleads the scheduler: the rounds then pay other costs)")
@@ -144,7 +149,7 @@ Mode = Callable[[object], dict]  # prompt → {"tokens", "seconds", "rounds"}
 
 
 def engine_mode(target, drafter: Drafter | None, policy: str, *, temperature: float, args, sps=None,
-                static_k: int = 0) -> Mode:
+                static_k: int = 0, step_costs: str = "profile") -> Mode:
     from dspark.decoding import SpeculativeEngine, build_policy, build_proposer
     from dspark.evaluation.rollouts import prompt_generator
 
@@ -152,13 +157,31 @@ def engine_mode(target, drafter: Drafter | None, policy: str, *, temperature: fl
     engine = SpeculativeEngine(
         target=target, proposer=None if drafter is None else build_proposer(drafter.module, precision=args.precision),
         policy=build_policy(policy, static_k=static_k, sps=sps), temperature=temperature,
-        max_new_tokens=args.max_new_tokens, calibration=calibration)
+        max_new_tokens=args.max_new_tokens, calibration=calibration, step_costs=step_costs)
 
     def run(prompt, max_new_tokens=None):
         result = engine.generate(prompt.input_ids, max_new_tokens=max_new_tokens,
                                  generator=prompt_generator(seed=args.seed, prompt=prompt, device=target.device))
         return {"tokens": len(result.new_tokens), "seconds": result.total_seconds, "rounds": result.rounds}
+    run.engine = engine
     return run
+
+
+def measured_cost_lines(modes: dict[str, Mode]) -> list[str]:
+    """What each `decode.step_costs=measured` scheduler ended the run with: per B the verify ms it priced (measured
+    median, or the profile at today's level), the rounds measured at B, and the per-round overhead it added."""
+    lines = []
+    for name, run in modes.items():
+        costs = getattr(getattr(run, "engine", None), "round_costs", None)
+        if costs is None:
+            continue
+        measured = costs.measured()
+        sizes = ", ".join(f"B={b}: {1000 * costs.verify_seconds(b):.1f}"
+                          + (f" ({costs.samples(b)})" if b in measured else " (profile)")
+                          for b in costs.profile.batch_tokens)
+        lines.append(f"- {name}: {costs.rounds} rounds; verify ms by B (rounds in the window) {sizes}; overhead "
+                     f"{1000 * (costs.overhead or 0.0):.1f} ms per round; level {costs.level():.2f}× the profile")
+    return lines
 
 
 def hf_mode(target, *, temperature: float, lookup: int | None, args) -> Mode:
@@ -193,8 +216,10 @@ def build_modes(target, drafters: list[Drafter], *, temperature: float, args, sp
                 modes[f"{drafter.name} · static ℓ={k}"] = engine_mode(target, drafter, "static", static_k=k,
                                                                       temperature=temperature, args=args)
         if not args.no_scheduler and getattr(drafter.module, "confidence_head", None) is not None:
-            modes[f"{drafter.name} · scheduler"] = engine_mode(target, drafter, "scheduler", sps=sps,
-                                                               temperature=temperature, args=args)
+            for step_costs in args.step_costs:
+                label = f"{drafter.name} · scheduler" + ("" if step_costs == "profile" else f" ({step_costs} costs)")
+                modes[label] = engine_mode(target, drafter, "scheduler", sps=sps, temperature=temperature,
+                                           args=args, step_costs=step_costs)
     return modes
 
 
@@ -238,16 +263,17 @@ def scheduler_comparison(totals: dict[str, dict]) -> list[str]:
     issue's "ahead of every static ℓ", judged by whether the interval lies above 1)."""
     lines = []
     for name, t in totals.items():
-        if not name.endswith("· scheduler"):
+        if "· scheduler" not in name:
             continue
-        drafter = name[: -len("· scheduler")]
+        drafter = name[: name.index("· scheduler")]
         rate = t["tokens"] / t["seconds"]
         for other, o in totals.items():
             if other == name or not other.startswith(drafter):
                 continue
             low, high = paired_ratio_ci(t["per_prompt"], o["per_prompt"])
             verdict = "ahead" if low > 1 else ("behind" if high < 1 else "not distinguishable")
-            lines.append(f"- scheduler vs {other[len(drafter) + 2:]}: {rate / (o['tokens'] / o['seconds']):.3f}× "
+            lines.append(f"- {name[len(drafter) + 2:]} vs {other[len(drafter) + 2:]}: "
+                         f"{rate / (o['tokens'] / o['seconds']):.3f}× "
                          f"[{low:.3f}, {high:.3f}] → {verdict}")
     return lines
 
@@ -385,6 +411,8 @@ def main(argv: list[str]) -> int:
         sections += [f"## Temperature {temperature:g}", "", speed_table(totals), "",
                      *(["Scheduler against the same drafter's other policies (tok/s ratio, paired bootstrap 95% CI "
                         "over prompts):", "", *comparison, ""] if comparison else []),
+                     *(["Round costs the measured-cost scheduler ended with (`dspark.scheduling.measured`):", "",
+                        *measured, ""] if (measured := measured_cost_lines(modes)) else []),
                      "Round costs (fixed ℓ = γ):", "", *round_costs(totals), "",
                      "Headroom of any verify-length policy (replayed on the fixed-ℓ = γ rounds, "
                      "`dspark.evaluation.headroom`):", "", *headroom_lines(totals), ""]

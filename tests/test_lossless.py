@@ -102,13 +102,15 @@ def make_drafter(target, name):
     return drafter.eval()
 
 
-def make_engine(target, drafter_name, policy, *, temperature=1.0, max_new_tokens=NEW_TOKENS, drafter=None):
+def make_engine(target, drafter_name, policy, *, temperature=1.0, max_new_tokens=NEW_TOKENS, drafter=None,
+                step_costs="profile"):
     drafter = make_drafter(target, drafter_name) if drafter is None else drafter
     proposer = build_proposer(drafter, precision="bf16" if drafter_name.endswith("-bf16") else "fp32")
     calibration = CALIBRATION if "-vd" in drafter_name and proposer.has_confidence else None
     return SpeculativeEngine(target=target, proposer=proposer,
                              policy=build_policy(policy, threshold=0.5, static_k=2, sps=SPS),
-                             temperature=temperature, max_new_tokens=max_new_tokens, calibration=calibration)
+                             temperature=temperature, max_new_tokens=max_new_tokens, calibration=calibration,
+                             step_costs=step_costs)
 
 
 def sample_generations(engine, prompt, num, seed=0):
@@ -144,6 +146,18 @@ def test_sampling_matches_the_target_distribution(target, prompt, drafter_name, 
         assert all(set(r.drafts) <= allowed for r in rounds)
         outside = [t for result in results for t in result.new_tokens[1:] if t not in allowed]
         assert outside  # the target still emits tokens the drafter cannot propose (via corrections and bonuses)
+    p_values = chi_square_p_values(target, prompt, results)
+    assert len(p_values) == NEW_TOKENS and min(p_values.values()) > P_MIN, p_values
+
+
+def test_sampling_with_round_costs_measured_while_decoding_matches_the_target_distribution(target, prompt):
+    """decode.step_costs=measured: the scheduler is re-priced after every round from the rounds' own (real, timing-
+    dependent) verify and drafting times, so ℓ follows the clock, not just the confidences — still lossless."""
+    engine = make_engine(target, "dspark-markov-vd", "scheduler", step_costs="measured")
+    results = sample_generations(engine, prompt, NUM_GENERATIONS)
+    rounds = [r for result in results for r in result.rounds]
+    assert engine.round_costs.rounds == len(rounds) and engine.policy.sps is not SPS  # re-priced, from every round
+    assert any(r.num_accepted > 0 for r in rounds) and len({r.num_verified for r in rounds}) > 1
     p_values = chi_square_p_values(target, prompt, results)
     assert len(p_values) == NEW_TOKENS and min(p_values.values()) > P_MIN, p_values
 

@@ -27,6 +27,7 @@ SERVE_POLICIES = POLICIES
 PRECISIONS = ("auto", "fp32", "bf16")
 SAMPLERS = ("generate", "lean")  # data.sampling.sampler (dspark.data.regenerate)
 STEP_OVERHEADS = ("none", "measured")  # serve.step_overhead (dspark.serving.engine)
+STEP_COSTS = ("profile", "measured")  # decode.step_costs (dspark.decoding.engine)
 SCHEDULER_COSTS = ("tokens", "columns")  # serve.scheduler_cost (dspark.decoding.policies.SchedulerPolicy)
 # the policies that read the confidence head's c_k (their classes say needs_confidences = True; a test pins this);
 # only drafters with CONFIDENCE_HEAD can run them, offline (decode.policy) or served (serve.policy)
@@ -173,6 +174,10 @@ class DecodeConfig:
     policy: str = "fixed"
     threshold: float = 0.5  #: θ of threshold / calibrated_threshold
     static_k: int = 2  #: drafts verified per round by decode.policy=static
+    #: what scheduler / async price a round with: profile = the SPS(B) table profiled at the start (decisions
+    #: reproduce from a seed) | measured = re-priced after every round from the rounds' own verify time per B and
+    #: their drafting cost (dspark.scheduling.measured; follows the machine's real costs, timing-dependent ℓ)
+    step_costs: str = "profile"
     #: the drafter's parallel stage: auto (bf16 on AMX/AVX512-BF16 CPUs, else fp32) | fp32 | bf16; decode.* and serve.* alike
     drafter_precision: str = "auto"
     temperature: float = 1.0  #: 0 = greedy verification

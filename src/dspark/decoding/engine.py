@@ -20,6 +20,11 @@ forward, p_t and the verifier's rejection sampling (steps 4–5), `seconds_other
 commit, rollback, records): the engine's Python overhead. (Until 2026-12-03 the verifier counted as "other".)
 The checks, first token, commit rule and stop reasons are shared with the batched engine (`decoding.shared`).
 
+Round costs (`step_costs`): "profile" plans SPS-planning policies (scheduler, async) on the table they were built
+with; "measured" re-prices them after every round from what the rounds paid — the median verify time per B = ℓ + 1
+and the round's cost outside the verify forward (`scheduling.measured.MeasuredRoundCosts`), kept across `generate`
+calls of one engine.
+
 Generation stops at a stop id or once `max_new_tokens` are committed (the last round counts whole in the records;
 `new_tokens` is truncated). Without a proposer every round is one target forward over the anchor (ℓ = 0, τ = 1):
 the target-only baseline, through the same code path and the same verifier.
@@ -34,6 +39,7 @@ import torch
 from torch import Tensor
 
 from dspark.calibration.sts import STSCalibration
+from dspark.config.schema import STEP_COSTS
 from dspark.decoding.policies import VerificationPolicy, build_policy
 from dspark.decoding.proposers import PolicyHook, Proposal, Proposer
 from dspark.decoding.records import GenerationResult, RoundRecord
@@ -54,6 +60,7 @@ from dspark.decoding.shared import (
     stop_reason,
 )
 from dspark.decoding.verify import probs_from_logits, verify_drafts_from_logits
+from dspark.scheduling.measured import MeasuredRoundCosts
 from dspark.timing import synchronize
 
 __all__ = ["STOP_EOS", "STOP_MAX_NEW_TOKENS", "SpeculativeEngine", "commit_verified"]
@@ -77,13 +84,19 @@ class SpeculativeEngine:
     """Draft → choose ℓ → verify → commit loop for one sequence at a time (numbered steps: module docstring).
 
     policy None = `fixed`; `calibration` (STS) is applied to the confidences before policies that read calibrated
-    ones (`scheduler`, `async`, `calibrated_threshold`) and recorded in every round either way.
+    ones (`scheduler`, `async`, `calibrated_threshold`) and recorded in every round either way. `step_costs`
+    (`decode.step_costs`): "profile" | "measured" (module docstring; policies without an SPS table ignore it).
     """
 
     def __init__(self, *, target: Any, proposer: Proposer | None, policy: VerificationPolicy | None,
-                 temperature: float, max_new_tokens: int, calibration: STSCalibration | None = None) -> None:
+                 temperature: float, max_new_tokens: int, calibration: STSCalibration | None = None,
+                 step_costs: str = "profile") -> None:
         self.temperature = check_temperature(temperature, KEY)
         self.max_new_tokens = check_max_new_tokens(max_new_tokens, KEY)
+        if step_costs not in STEP_COSTS:
+            raise ValueError(f"{KEY}.step_costs={step_costs!r}: choose one of {', '.join(STEP_COSTS)} (profile: the "
+                             "SPS(B) table profiled at the start, reproducible from a seed; measured: re-priced from "
+                             "the rounds' own verify and drafting times)")
         policy = policy if policy is not None else build_policy("fixed")
         if proposer is not None:
             check_policy_drafter(policy, has_confidence=proposer.has_confidence, key=KEY)
@@ -93,6 +106,9 @@ class SpeculativeEngine:
         self.max_positions = getattr(target.hf_config, "max_position_embeddings", None)
         self._policy_hook = drafting_hook(policy, calibration)
         self._max_drafts = draft_limit(policy)
+        profile = getattr(policy, "sps", None)
+        self.round_costs = (MeasuredRoundCosts(profile) if step_costs == "measured" and profile is not None
+                            and proposer is not None and hasattr(policy, "reprice") else None)
 
     @property
     def greedy(self) -> bool:
@@ -174,6 +190,10 @@ class SpeculativeEngine:
                 extend_seconds = time.perf_counter() - extend_start
             state.anchor, state.position = extra, keep
         total = time.perf_counter() - start
+        if self.round_costs is not None:  # decode.step_costs=measured: price the next round by what this one paid
+            self.round_costs.observe(num_verified + 1, verify_seconds, total - verify_seconds)
+            self.policy.reprice(self.round_costs.table())
+            total = time.perf_counter() - start  # the re-pricing counts as this round's "other"
         return self._record(proposal, drafts, calibrated, anchor_position=position, num_verified=num_verified,
                             accepted=accepted, committed=committed, extra=extra,
                             seconds=(total, verify_seconds, extend_seconds))

@@ -242,8 +242,8 @@ class SchedulerPolicy:
         return drafting_done(values, sps=self.sps)
 
     def reprice(self, sps: SPSTable) -> None:
-        """Plan with `sps` from now on (the serving engine's measured whole-step rates, `serve.step_overhead`);
-        the cost model stays."""
+        """Plan with `sps` from now on (measured whole-step rates: the serving engine's `serve.step_overhead`, the
+        single-request engine's `decode.step_costs`); the cost model stays."""
         _require_sps(self.name, sps, self.key)
         self.sps, self._rate_cache = sps, []
 
@@ -285,7 +285,7 @@ class AsyncPolicy:
         return _cap(lengths, num_drafts)
 
     def reprice(self, sps: SPSTable) -> None:
-        """Plan with `sps` from now on (the serving engine's measured whole-step rates, `serve.step_overhead`)."""
+        """Plan with `sps` from now on (measured whole-step rates: `serve.step_overhead`, `decode.step_costs`)."""
         _require_sps(self.name, sps, self.key)
         self.sps = sps
 

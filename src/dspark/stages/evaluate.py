@@ -126,7 +126,7 @@ def run_eval(ctx: StageContext, drafter_path: str | Path, *, prepared: PreparedD
              ", ".join(decode.eval_sets), decode.policy, decode.temperature)
     engines = {"speculative": SpeculativeEngine(target=target, proposer=proposer, policy=policy,
                                                 temperature=decode.temperature, max_new_tokens=decode.max_new_tokens,
-                                                calibration=sts)}
+                                                calibration=sts, step_costs=decode.step_costs)}
     if decode.baseline:
         engines["target"] = SpeculativeEngine(target=target, proposer=None, policy=build_policy("fixed"),
                                               temperature=decode.temperature, max_new_tokens=decode.max_new_tokens)
