@@ -183,7 +183,9 @@ class DSparkProposer:
         device = self.drafter.backbone.mask_embedding.device
         start = time.perf_counter()
         hidden = self.block_hidden(anchor_token, anchor_position)  # [γ, d] float32
-        parallel_logits = self.stage.logits(hidden)  # [γ, Vd] float32
+        # U_k only for the slots that may be drafted: a policy that verifies at most `max_drafts` never reads the rest
+        # (the block forward itself stays whole: every slot attends to the whole block)
+        parallel_logits = self.stage.logits(hidden[:draft_count(self.block_size, max_drafts)])  # [γ'', Vd] float32
         synchronize(device)
         middle = time.perf_counter()
         tokens, probs, confidences = self._sequential(hidden, parallel_logits, anchor_token=anchor_token,
