@@ -1,6 +1,7 @@
 """The command line in-process: exit codes, messages, prepare/train stages on the tiny target with MLflow on."""
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -71,8 +72,11 @@ def test_prepare_stage_caches_regenerated_data(shared_root):
     ["drafter=dspark", "model.head=markov"], ["drafter=dspark", "model.head=rnn"],
     ["drafter=dspark", "model.head=none"], ["drafter=dflash"], ["drafter=eagle3"],
 ], ids=["markov", "rnn", "none", "dflash", "eagle3"])
-def test_train_stage_each_drafter(argv, shared_root):
+def test_train_stage_each_drafter(argv, shared_root, capsys):
     assert main(["stage=train", "budget=smoke", f"paths.root={shared_root}", *argv]) == 0
+    # tqdm's training bar reaches a stream that is not a terminal; rich's (Lightning's default when rich is
+    # installed) draws nothing there until the end ("Epoch 0/0 ━━━…"), so a redirected log showed no progress
+    assert re.search(r"Epoch 0: +\d+%\|", capsys.readouterr().out)
     client, runs = _runs(shared_root)
     run = next(r for r in runs if r.data.tags.get("stage") == "train"
                and r.data.tags["drafter"] == argv[0].split("=")[1]
@@ -82,6 +86,24 @@ def test_train_stage_each_drafter(argv, shared_root):
     assert "train/loss" in metrics and "val/accept/pos1" in metrics and "val/tau_prob" in metrics
     run_dirs = list((Path(shared_root) / "runs").glob("*/drafter.pt"))
     assert run_dirs
+
+
+def test_the_training_bar_refreshes_every_step_on_a_terminal_and_every_log_interval_in_a_file(tmp_path):
+    import io
+
+    from lightning.pytorch.callbacks import TQDMProgressBar
+
+    from dspark.stages.train import training_progress_bar
+
+    class Terminal(io.StringIO):
+        def isatty(self):
+            return True
+
+    with open(tmp_path / "log", "w") as log:
+        assert training_progress_bar(10, stream=log).refresh_rate == 10
+    assert training_progress_bar(10, stream=Terminal()).refresh_rate == 1
+    assert isinstance(training_progress_bar(0, stream=io.StringIO()), TQDMProgressBar)
+    assert training_progress_bar(0, stream=io.StringIO()).refresh_rate == 1
 
 
 def test_rerun_reuses_trained_drafter(shared_root, caplog):

@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -45,6 +46,18 @@ def build_module(ctx: StageContext, spec: DrafterSpec, *, draft_vocab_ids=None) 
                          loss=ctx.cfg.loss, optim=ctx.cfg.optim, drafter_config=spec.to_dict())
 
 
+def training_progress_bar(log_every_n_steps: int, *, stream: Any = None):
+    """Lightning's tqdm bar, explicitly: with `rich` installed (an mlflow dependency) Lightning defaults to its rich
+    bar, which draws nothing when stdout is not a terminal, so `make run > log` showed no training progress for 20
+    minutes. tqdm writes to files too; there it refreshes every `log_every_n_steps` steps (a readable log), on a
+    terminal every step."""
+    from lightning.pytorch.callbacks import TQDMProgressBar
+
+    stream = sys.stdout if stream is None else stream
+    interactive = bool(getattr(stream, "isatty", lambda: False)())
+    return TQDMProgressBar(refresh_rate=1 if interactive else max(1, int(log_every_n_steps)))
+
+
 def build_trainer(ctx: StageContext, run_dir: Path):
     import lightning as L
     from lightning.pytorch.callbacks import ModelCheckpoint
@@ -68,7 +81,8 @@ def build_trainer(ctx: StageContext, run_dir: Path):
                      precision=precision, max_epochs=o.epochs, max_steps=o.max_steps,
                      accumulate_grad_batches=o.accumulate_grad_batches, gradient_clip_val=o.grad_clip,
                      log_every_n_steps=t.log_every_n_steps, val_check_interval=t.val_check_interval,
-                     logger=loggers, callbacks=[checkpoint, *ctx.trainer_callbacks], default_root_dir=str(run_dir),
+                     logger=loggers, callbacks=[checkpoint, training_progress_bar(t.log_every_n_steps),
+                                                *ctx.trainer_callbacks], default_root_dir=str(run_dir),
                      enable_model_summary=False, num_sanity_val_steps=0, deterministic=False)
 
 
