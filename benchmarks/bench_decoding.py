@@ -33,6 +33,7 @@ precision), load averages and git commit.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import shlex
 import subprocess
@@ -76,7 +77,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--block-size", type=int, default=7, help="γ of untrained drafters and of prompt lookup")
     parser.add_argument("--depth", type=int, default=5, help="draft layers of untrained DSpark/DFlash drafters")
     parser.add_argument("--draft-vocab", type=int, default=8192, help="Vd of untrained drafters (0 = full V)")
-    parser.add_argument("--precision", default="auto", help="decode.drafter_precision: auto | fp32 | bf16")
+    parser.add_argument("--precision", default="auto", help="decode.drafter_precision: auto | fp32 | bf16 | int8")
+    parser.add_argument("--also-precision", nargs="*", default=[], metavar="PRECISION",
+                        help="every drafter again at these decode.drafter_precision values (rows named [int8], say), "
+                             "side by side with --precision in the same run")
     parser.add_argument("--target-dtype", default="float32", choices=["float32", "bfloat16"],
                         help="target.dtype of every mode (the baseline too): bfloat16 flattens the cost of verifying "
                              "2–8 tokens on AMX-BF16 CPUs")
@@ -100,6 +104,7 @@ class Drafter:
     module: torch.nn.Module
     trained: bool
     payload: dict = field(default_factory=dict)
+    precision: str | None = None  # decode.drafter_precision of its rows; None = --precision
 
 
 def trained_drafters(target, specs: list[str]) -> list[Drafter]:
@@ -155,7 +160,8 @@ def engine_mode(target, drafter: Drafter | None, policy: str, *, temperature: fl
 
     calibration = calibration_for(drafter, temperature) if drafter is not None and policy == "scheduler" else None
     engine = SpeculativeEngine(
-        target=target, proposer=None if drafter is None else build_proposer(drafter.module, precision=args.precision),
+        target=target, proposer=None if drafter is None else build_proposer(
+            drafter.module, precision=drafter.precision or args.precision),
         policy=build_policy(policy, static_k=static_k, sps=sps), temperature=temperature,
         max_new_tokens=args.max_new_tokens, calibration=calibration, step_costs=step_costs)
 
@@ -371,7 +377,8 @@ def machine_line(args) -> str:
     precision = resolve_precision(args.precision)
     return (f"{model}, {os.cpu_count()} cores, bf16 instructions {cpu_bf16_unit() or 'none'}; torch "
             f"{torch.__version__}, {args.threads} threads; target {args.target_dtype} (every mode), drafter parallel "
-            f"stage {str(precision).replace('torch.', '')} (decode.drafter_precision={args.precision})")
+            f"stage {str(precision).replace('torch.', '')} (decode.drafter_precision={args.precision})"
+            + "".join(f"; rows marked [{p}]: decode.drafter_precision={p}" for p in args.also_precision))
 
 
 def git_commit() -> str:
@@ -400,6 +407,8 @@ def main(argv: list[str]) -> int:
     records = {name: load_prompts(name, limit=args.prompts) for name in args.sets}
     prompts = encode_prompts(target, records, max_new_tokens=args.max_new_tokens)
     drafters = trained_drafters(target, args.drafter) if args.drafter else untrained_drafters(target, args)
+    drafters += [dataclasses.replace(d, name=f"{d.name} [{precision}]", precision=precision)
+                 for precision in args.also_precision for d in list(drafters)]
     gamma = max(d.module.block_size for d in drafters)
     sps, sps_path = load_or_profile_sps(target=target, cache_dir=args.cache_dir, block_size=gamma,
                                         refresh=not args.reuse_sps)

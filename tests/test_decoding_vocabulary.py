@@ -132,6 +132,35 @@ def test_auto_precision_follows_the_detected_hardware(monkeypatch):
     assert resolve_precision("fp32") == torch.float32 and resolve_precision("bf16") == torch.bfloat16
     with pytest.raises(ValueError, match=r"decode\.drafter_precision='fp16'.*auto"):
         resolve_precision("fp16")
+    assert resolve_precision("int8", "cpu") == torch.qint8
+    with pytest.raises(ValueError, match=r"int8 runs on the CPU only"):
+        resolve_precision("int8", "meta")
+
+
+def test_int8_parallel_stage_is_a_close_quantised_copy_and_drafts_through_the_engine(target, prompts):
+    """decode.drafter_precision=int8: the fusion, draft-layer and LM-head products become dynamic int8 copies (the
+    drafter itself untouched); U_k stays close to the fp32 one, the cached keys/values stay fp32, and a proposer on
+    it drafts through the engine (its losslessness: tests/test_lossless.py)."""
+    from torch.ao.nn.quantized.dynamic import Linear as DynamicLinear
+
+    drafter = build_test_drafter(target, draft_vocab(target))
+    before = {name: p.clone() for name, p in drafter.named_parameters()}
+    stage = ParallelStage(drafter, torch.qint8)
+    quantised = [m for m in stage.backbone.modules() if isinstance(m, DynamicLinear)]
+    assert len(quantised) == 1 + 7 * len(drafter.backbone.layers)  # fc + q, k, v, o, gate, up, down per layer
+    assert not any(isinstance(m, torch.nn.Linear) for m in stage.backbone.modules())
+    assert all(torch.equal(p, before[name]) for name, p in drafter.named_parameters())
+    assert stage.activation_dtype == torch.float32 and stage.backbone.embed_tokens is drafter.backbone.embed_tokens
+    hidden = torch.randn(4, target.hidden_size)
+    reference, logits = drafter.project(hidden), stage.logits(hidden)
+    assert logits.dtype == torch.float32 and logits.shape == (4, 256)
+    assert (logits - reference).abs().max() < 0.05 * reference.abs().max()
+    proposer = DSparkProposer(drafter, precision="int8")
+    engine = SpeculativeEngine(target=target, proposer=proposer, policy=build_policy("fixed"), temperature=1.0,
+                               max_new_tokens=12)
+    result = engine.generate(prompts[0], generator=torch.Generator().manual_seed(0))
+    assert len(result.new_tokens) == 12 and all(len(r.drafts) > 0 for r in result.rounds[:-1])
+    assert proposer._keys[0].view().dtype == torch.float32
 
 
 def test_bf16_parallel_stage_is_a_close_copy_and_leaves_the_drafter_alone(target):

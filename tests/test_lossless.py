@@ -13,7 +13,8 @@ correction ignores the residual.
 Also covered: a draft vocabulary (Vd = 256 of the tiny target's 512 ids, so p_t has mass the drafter can never
 propose) under every policy of the one family, with an STS calibration so `calibrated_threshold`, `scheduler` and
 `async` read other numbers than `threshold`; the bf16 parallel stage; and a faulty drafter (NaN, all −inf and
-all-zero logits at slots chosen by x_{k-1}, NaN confidences), whose unusable slots are never proposed.
+all-zero logits at slots chosen by x_{k-1}, NaN confidences), whose unusable slots are never proposed; the int8
+parallel stage (`decode.drafter_precision=int8`).
 """
 from __future__ import annotations
 
@@ -39,12 +40,14 @@ SPS = SPSTable(batch_tokens=list(range(1, 10)), steps_per_second=[1 / (1 + (b - 
 # name → (kind, head); a "-vd" suffix drafts over DRAFT_VOCAB, "-bf16" runs the parallel stage in bf16.
 DRAFTERS = {"dspark-markov": ("dspark", "markov"), "dspark-gated": ("dspark", "gated"), "dspark-rnn": ("dspark", "rnn"),
             "dflash": ("dflash", "none"), "eagle3": ("eagle3", "none"), "dspark-markov-vd": ("dspark", "markov"),
-            "dflash-vd": ("dflash", "none"), "eagle3-vd": ("eagle3", "none"), "dspark-rnn-vd-bf16": ("dspark", "rnn")}
+            "dflash-vd": ("dflash", "none"), "eagle3-vd": ("eagle3", "none"), "dspark-rnn-vd-bf16": ("dspark", "rnn"),
+            "dspark-markov-vd-int8": ("dspark", "markov")}
 POLICIES = ("fixed", "threshold", "scheduler")
 ALL_POLICIES = ("fixed", "mtp1", "static", "threshold", "calibrated_threshold", "scheduler", "async")
 CASES = ([(d, p) for d in ("dspark-markov", "dspark-gated", "dspark-rnn", "dflash", "eagle3") for p in POLICIES]
          + [("dspark-markov-vd", p) for p in ALL_POLICIES]
-         + [("dflash-vd", "fixed"), ("eagle3-vd", "fixed"), ("dspark-rnn-vd-bf16", "scheduler")])
+         + [("dflash-vd", "fixed"), ("eagle3-vd", "fixed"), ("dspark-rnn-vd-bf16", "scheduler"),
+            ("dspark-markov-vd-int8", "scheduler")])
 # Uneven per-slot temperatures: calibrated confidences differ from the raw ones in both directions.
 CALIBRATION = STSCalibration(temperatures=[2.0, 0.5, 1.0], grid=[0.5, 1.0, 2.0], n_bins=20, ece_before=[],
                              ece_after=[])
@@ -105,7 +108,8 @@ def make_drafter(target, name):
 def make_engine(target, drafter_name, policy, *, temperature=1.0, max_new_tokens=NEW_TOKENS, drafter=None,
                 step_costs="profile"):
     drafter = make_drafter(target, drafter_name) if drafter is None else drafter
-    proposer = build_proposer(drafter, precision="bf16" if drafter_name.endswith("-bf16") else "fp32")
+    precision = drafter_name.rsplit("-", 1)[-1] if drafter_name.endswith(("-bf16", "-int8")) else "fp32"
+    proposer = build_proposer(drafter, precision=precision)
     calibration = CALIBRATION if "-vd" in drafter_name and proposer.has_confidence else None
     return SpeculativeEngine(target=target, proposer=proposer,
                              policy=build_policy(policy, threshold=0.5, static_k=2, sps=SPS),

@@ -24,7 +24,7 @@ STAGES = ("prepare", "train", "eval", "all", "report", "profile", "serve", "expo
 # One policy family for decode.policy and serve.policy (dspark.decoding.policies; tests pin the two lists equal).
 POLICIES = ("fixed", "mtp1", "static", "threshold", "calibrated_threshold", "scheduler", "async")
 SERVE_POLICIES = POLICIES
-PRECISIONS = ("auto", "fp32", "bf16")
+PRECISIONS = ("auto", "fp32", "bf16", "int8")  # decode.drafter_precision (dspark.decoding.drafting)
 SAMPLERS = ("generate", "lean")  # data.sampling.sampler (dspark.data.regenerate)
 STEP_OVERHEADS = ("none", "measured")  # serve.step_overhead (dspark.serving.engine)
 STEP_COSTS = ("profile", "measured")  # decode.step_costs (dspark.decoding.engine)
@@ -178,7 +178,8 @@ class DecodeConfig:
     #: reproduce from a seed) | measured = re-priced after every round from the rounds' own verify time per B and
     #: their drafting cost (dspark.scheduling.measured; follows the machine's real costs, timing-dependent ℓ)
     step_costs: str = "profile"
-    #: the drafter's parallel stage: auto (bf16 on AMX/AVX512-BF16 CPUs, else fp32) | fp32 | bf16; decode.* and serve.* alike
+    #: the drafter's parallel stage: auto (bf16 on AMX/AVX512-BF16 CPUs, else fp32) | fp32 | bf16 | int8 (dynamic
+    #: int8 linear layers, CPU only: ~2-5x cheaper products where fp32 reads DRAM); decode.* and serve.* alike
     drafter_precision: str = "auto"
     temperature: float = 1.0  #: 0 = greedy verification
     max_new_tokens: int = 128

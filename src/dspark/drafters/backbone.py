@@ -222,7 +222,8 @@ class DSparkBackbone(nn.Module):
 
     def fuse_context(self, context_features: Tensor) -> Tensor:
         """[B, T, m·d] raw target features → H_ctx [B, T, d]. Per token, so it can be cached incrementally."""
-        return self.context_norm(self.fc(context_features.to(self.fc.weight.dtype)))
+        # the norm's dtype is the stage's activation dtype (fc's weight is packed int8 in a quantised copy)
+        return self.context_norm(self.fc(context_features.to(self.context_norm.weight.dtype)))
 
     def embed_block(self, block_input_ids: Tensor) -> Tensor:
         """[B, N, γ] ids → [B, N, γ, d]: target embedding, except the MASK id → `mask_embedding`."""

@@ -77,7 +77,7 @@ class BatchedDSparkProposer:
         self.device = drafter.backbone.fc.weight.device
         self.stage = ParallelStage(drafter, resolve_precision(precision, self.device))
         prepare_sequential_head(drafter, self.stage.ids)
-        self.dtype = self.stage.backbone.fc.weight.dtype  # of the cached keys/values
+        self.dtype = self.stage.activation_dtype  # of the cached keys/values
         self.lengths = torch.zeros(0, dtype=torch.long, device=self.device)  # [R] context positions per row
         self._keys = [self._empty(0, 0) for _ in drafter.backbone.layers]    # [R, H_kv, C, hd], RoPE applied
         self._values = [self._empty(0, 0) for _ in drafter.backbone.layers]  # [R, H_kv, C, hd]
