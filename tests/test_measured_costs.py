@@ -50,6 +50,21 @@ def test_only_the_last_window_verify_times_count():
     assert costs.measured()[1] == pytest.approx(0.1)  # median of [1.0, 0.1, 0.1, 0.1]
 
 
+def test_a_size_not_chosen_for_stale_rounds_forgets_its_measurements_and_is_priced_afresh():
+    """A few slow first rounds at B = 3 (first calls of a new shape) must not price it out for the rest of the run."""
+    costs = MeasuredRoundCosts(PROFILE, min_samples=3, stale_rounds=10)
+    for _ in range(3):
+        costs.observe(3, 0.500, 0.0)  # slow outliers
+    for _ in range(10):
+        costs.observe(2, 0.120, 0.0)
+    assert costs.measured()[3] == pytest.approx(0.500)  # 10 rounds since: still held
+    costs.observe(2, 0.120, 0.0)
+    assert 3 not in costs.measured() and costs.samples(3) == 0
+    assert costs.verify_seconds(3) == pytest.approx(0.120)  # the profile's value at today's level (1.0 here)
+    with pytest.raises(ValueError, match="stale_rounds"):
+        MeasuredRoundCosts(PROFILE, stale_rounds=0)
+
+
 def test_the_overhead_is_an_ema_added_to_every_size():
     costs = MeasuredRoundCosts(PROFILE, overhead_ema=0.2)
     costs.observe(1, 0.120, 0.020)

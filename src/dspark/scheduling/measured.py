@@ -17,7 +17,8 @@ B tokens as
     SPS_round(B) = 1 / (t(B) + overhead)
 
 so a B that was never chosen keeps the profile's *shape* at today's *level* (a uniformly slower machine does not
-make the untried sizes look cheap), and a B that was chosen is priced by what it cost. With one request this is the
+make the untried sizes look cheap), and a B that was chosen is priced by what it cost. A B not measured for
+`stale_rounds` rounds forgets its measurements, so a size priced dear by a few slow rounds is tried again. With one request this is the
 exact throughput objective of a round: (1 + Σ a) / (t(B) + overhead) (`scheduling.scheduler.schedule_single`).
 Decisions then depend on measured time, so a fixed seed no longer fixes the ℓ sequence (the output distribution stays
 the target's: every ℓ is verified losslessly); `decode.step_costs=profile` keeps the profile for reproducible runs.
@@ -35,21 +36,29 @@ MEASURED_WINDOW = 16
 MEASURED_MIN_SAMPLES = 3
 #: weight of the newest round in the overhead EMA (~5-round memory; the serving engine's OVERHEAD_EMA)
 MEASURED_OVERHEAD_EMA = 0.2
+#: rounds after which a size that was not chosen again forgets its measurements (back to the profile's shape at
+#: today's level), so a size priced dear by a few slow rounds — first calls of a new shape, a burst of load — is
+#: tried again instead of being avoided for the rest of the run
+MEASURED_STALE_ROUNDS = 64
 
 
 class MeasuredRoundCosts:
     """Per-B verify times and the per-round overhead measured by an engine, over a profiled `SPSTable` prior."""
 
     def __init__(self, profile: SPSTable, *, window: int = MEASURED_WINDOW, min_samples: int = MEASURED_MIN_SAMPLES,
-                 overhead_ema: float = MEASURED_OVERHEAD_EMA) -> None:
+                 overhead_ema: float = MEASURED_OVERHEAD_EMA, stale_rounds: int = MEASURED_STALE_ROUNDS) -> None:
         if window < 1 or not 1 <= min_samples <= window:
             raise ValueError(f"MeasuredRoundCosts: need window >= 1 and 1 <= min_samples <= window, got window={window}, "
                              f"min_samples={min_samples}")
         if not 0.0 < overhead_ema <= 1.0:
             raise ValueError(f"MeasuredRoundCosts: overhead_ema must lie in (0, 1], got {overhead_ema}")
+        if stale_rounds < 1:
+            raise ValueError(f"MeasuredRoundCosts: stale_rounds must be >= 1, got {stale_rounds}")
         self.profile = profile
         self.window, self.min_samples, self.overhead_ema = int(window), int(min_samples), float(overhead_ema)
+        self.stale_rounds = int(stale_rounds)
         self._verify: dict[int, deque[float]] = {}
+        self._last_round: dict[int, int] = {}  # the round that last measured each size
         self._prior: dict[int, float] = {}  # the profile's verify seconds 1 / SPS(B), evaluated once per B
         self.overhead: float | None = None  # seconds per round outside the verify forward (EMA); None until observed
         self.rounds = 0
@@ -64,6 +73,9 @@ class MeasuredRoundCosts:
         self.rounds += 1
         if _usable(verify_seconds) and verify_seconds > 0.0:
             self._verify.setdefault(batch_tokens, deque(maxlen=self.window)).append(float(verify_seconds))
+            self._last_round[batch_tokens] = self.rounds
+        for size in [b for b, last in self._last_round.items() if self.rounds - last > self.stale_rounds]:
+            del self._verify[size], self._last_round[size]  # not chosen for a while: price it afresh, retry it
         if _usable(overhead_seconds):
             seconds = float(overhead_seconds)
             self.overhead = seconds if self.overhead is None else \
