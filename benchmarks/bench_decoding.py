@@ -403,6 +403,7 @@ def main(argv: list[str]) -> int:
     from dspark.hardware import keep_freed_memory
     keep_freed_memory()  # as the CLI does (DSPARK_KEEP_FREED_MEMORY=0 measures glibc's default)
     started, load_start = time.time(), os.getloadavg()
+    commit = git_commit()  # at the start: the code this run imported, whatever is committed while it runs
     target = load_target(args.target, cache_dir=args.cache_dir, dtype=args.target_dtype)
     records = {name: load_prompts(name, limit=args.prompts) for name in args.sets}
     prompts = encode_prompts(target, records, max_new_tokens=args.max_new_tokens)
@@ -439,7 +440,8 @@ def main(argv: list[str]) -> int:
         f"Command: `python benchmarks/bench_decoding.py {shlex.join(argv)}` ({time.time() - started:.0f} s in all)  ",
         f"Machine: {machine_line(args)}; the target's few-token products: {target.few_row_layout} layout "
         "(`dspark.hardware.few_row_layout`)  ",
-        f"Git commit {git_commit()}; {time.strftime('%Y-%m-%d %H:%M %Z')}; 1-min load average {loads} at the start / "
+        f"Git commit {commit} (at the start); {time.strftime('%Y-%m-%d %H:%M %Z')} (the end); 1-min load average "
+        f"{loads} at the start / "
         f"end on {os.cpu_count()} cores ({load_verdict(load_start[0], args.threads)}).", "",
         f"Prompts: the first {args.prompts} of {', '.join(args.sets)} ({len(prompts)} in all), chat-templated; "
         f"max_new_tokens {args.max_new_tokens}; modes interleaved per prompt after a warm-up call; tok/s include "

@@ -18,8 +18,8 @@ B tokens as
 
 so a B that was never chosen keeps the profile's *shape* at today's *level* (a uniformly slower machine does not
 make the untried sizes look cheap), and a B that was chosen is priced by what it cost. A B not measured for
-`stale_rounds` rounds forgets its measurements, so a size priced dear by a few slow rounds is tried again. With one request this is the
-exact throughput objective of a round: (1 + Σ a) / (t(B) + overhead) (`scheduling.scheduler.schedule_single`).
+`stale_rounds` rounds forgets its measurements, so a size priced dear by a few slow rounds is tried again. With one
+request this is the exact throughput objective of a round: (1 + Σ a) / (t(B) + overhead) (`scheduling.scheduler.schedule_single`).
 Decisions then depend on measured time, so a fixed seed no longer fixes the ℓ sequence (the output distribution stays
 the target's: every ℓ is verified losslessly); `decode.step_costs=profile` keeps the profile for reproducible runs.
 """
@@ -48,8 +48,8 @@ class MeasuredRoundCosts:
     def __init__(self, profile: SPSTable, *, window: int = MEASURED_WINDOW, min_samples: int = MEASURED_MIN_SAMPLES,
                  overhead_ema: float = MEASURED_OVERHEAD_EMA, stale_rounds: int = MEASURED_STALE_ROUNDS) -> None:
         if window < 1 or not 1 <= min_samples <= window:
-            raise ValueError(f"MeasuredRoundCosts: need window >= 1 and 1 <= min_samples <= window, got window={window}, "
-                             f"min_samples={min_samples}")
+            raise ValueError(f"MeasuredRoundCosts: need window >= 1 and 1 <= min_samples <= window, got "
+                             f"window={window}, min_samples={min_samples}")
         if not 0.0 < overhead_ema <= 1.0:
             raise ValueError(f"MeasuredRoundCosts: overhead_ema must lie in (0, 1], got {overhead_ema}")
         if stale_rounds < 1:
