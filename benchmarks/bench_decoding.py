@@ -265,22 +265,46 @@ def paired_ratio_ci(mode: list[tuple[int, float]], base: list[tuple[int, float]]
 
 
 def scheduler_comparison(totals: dict[str, dict]) -> list[str]:
-    """Each drafter's scheduler row against its fixed and static rows: tok/s ratio with its paired 95% CI (the
-    issue's "ahead of every static ℓ", judged by whether the interval lies above 1)."""
+    """Each drafter's scheduler rows against its own fixed, static and other scheduler rows (not those of another
+    drafter or of its [int8] copy): tok/s ratio with its paired 95% CI (the issue's "ahead of every static ℓ",
+    judged by whether the interval lies above 1)."""
     lines = []
     for name, t in totals.items():
         if "· scheduler" not in name:
             continue
         drafter = name[: name.index("· scheduler")]
         rate = t["tokens"] / t["seconds"]
+        lines.append(f"- {name}:")
         for other, o in totals.items():
-            if other == name or not other.startswith(drafter):
+            if other == name or not other.startswith(drafter + "· "):
                 continue
             low, high = paired_ratio_ci(t["per_prompt"], o["per_prompt"])
             verdict = "ahead" if low > 1 else ("behind" if high < 1 else "not distinguishable")
-            lines.append(f"- {name[len(drafter) + 2:]} vs {other[len(drafter) + 2:]}: "
-                         f"{rate / (o['tokens'] / o['seconds']):.3f}× "
+            lines.append(f"  - vs {other[len(drafter) + 2:]}: {rate / (o['tokens'] / o['seconds']):.3f}× "
                          f"[{low:.3f}, {high:.3f}] → {verdict}")
+    return lines
+
+
+def precision_comparison(totals: dict[str, dict], precisions: list[str]) -> list[str]:
+    """Each `[precision]` row (--also-precision) against the same drafter and policy at --precision: tok/s ratio and
+    τ, with the tok/s ratio's paired 95% CI — whether the cheaper drafter round outweighs any acceptance it loses."""
+    lines = []
+    for precision in precisions:
+        tag = f" [{precision}] · "
+        for name, t in totals.items():
+            if tag not in name:
+                continue
+            base_name = name.replace(tag, " · ")
+            base = totals.get(base_name)
+            if base is None:
+                continue
+            low, high = paired_ratio_ci(t["per_prompt"], base["per_prompt"])
+            verdict = "faster" if low > 1 else ("slower" if high < 1 else "not distinguishable")
+            taus = [sum(r.committed for r in x["rounds"]) / max(1, len(x["rounds"])) for x in (t, base)]
+            ratio = (t["tokens"] / t["seconds"]) / (base["tokens"] / base["seconds"])
+            lines.append(f"- {name[name.index('· ') + 2:]}: [{precision}] {ratio:.3f}× "
+                         f"[{low:.3f}, {high:.3f}] the tok/s of the same policy at --precision → {verdict}; "
+                         f"τ {taus[0]:.3f} vs {taus[1]:.3f}")
     return lines
 
 
@@ -418,9 +442,12 @@ def main(argv: list[str]) -> int:
         modes = build_modes(target, drafters, temperature=temperature, args=args, sps=sps)
         totals = run_interleaved(modes, prompts, label=f"T={temperature:g}")
         comparison = scheduler_comparison(totals)
+        by_precision = precision_comparison(totals, args.also_precision)
         sections += [f"## Temperature {temperature:g}", "", speed_table(totals), "",
                      *(["Scheduler against the same drafter's other policies (tok/s ratio, paired bootstrap 95% CI "
                         "over prompts):", "", *comparison, ""] if comparison else []),
+                     *(["Each drafter at another precision against itself at --precision (paired bootstrap 95% CI "
+                        "over prompts):", "", *by_precision, ""] if by_precision else []),
                      *(["Round costs the measured-cost scheduler ended with (`dspark.scheduling.measured`):", "",
                         *measured, ""] if (measured := measured_cost_lines(modes)) else []),
                      "Round costs (fixed ℓ = γ):", "", *round_costs(totals), "",
