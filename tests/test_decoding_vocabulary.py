@@ -161,6 +161,16 @@ def test_int8_parallel_stage_is_a_close_quantised_copy_and_drafts_through_the_en
     result = engine.generate(prompts[0], generator=torch.Generator().manual_seed(0))
     assert len(result.new_tokens) == 12 and all(len(r.drafts) > 0 for r in result.rounds[:-1])
     assert proposer._keys[0].view().dtype == torch.float32
+    # the batched serving proposer on the same int8 stage: greedy output is the target's own (lossless at T = 0)
+    plain = SpeculativeEngine(target=target, proposer=None, policy=None, temperature=0.0, max_new_tokens=12)
+    served = BatchedEngine(target=target, drafter=drafter, policy=build_serve_policy("fixed"), temperature=0.0,
+                           max_new_tokens=12, precision="int8")
+    result = served.serve([ServeRequest(request_id=i, prompt_ids=p) for i, p in enumerate(prompts[:2])],
+                          concurrency=2, seed=0, progress=False)
+    assert [r.new_tokens for r in result.requests] == [plain.generate(p, generator=None).new_tokens
+                                                       for p in prompts[:2]]
+    assert served.proposer.dtype == torch.float32
+    assert any(r.num_verified > 0 for step in result.steps for r in step.rounds)
 
 
 def test_bf16_parallel_stage_is_a_close_copy_and_leaves_the_drafter_alone(target):
