@@ -25,6 +25,7 @@ the target's: every ℓ is verified losslessly); `decode.step_costs=profile` kee
 """
 from __future__ import annotations
 
+import math
 import statistics
 from collections import deque
 
@@ -34,7 +35,7 @@ from dspark.scheduling.sps import SPSTable
 MEASURED_WINDOW = 16
 #: measurements of B before they replace the profile's value at B
 MEASURED_MIN_SAMPLES = 3
-#: weight of the newest round in the overhead EMA (~5-round memory; the serving engine's OVERHEAD_EMA)
+#: weight of the newest round (or serving step) in a measured overhead's EMA: ~5-round memory
 MEASURED_OVERHEAD_EMA = 0.2
 #: rounds after which a size that was not chosen again forgets its measurements (back to the profile's shape at
 #: today's level), so a size priced dear by a few slow rounds — first calls of a new shape, a burst of load — is
@@ -77,9 +78,7 @@ class MeasuredRoundCosts:
         for size in [b for b, last in self._last_round.items() if self.rounds - last > self.stale_rounds]:
             del self._verify[size], self._last_round[size]  # not chosen for a while: price it afresh, retry it
         if _usable(overhead_seconds):
-            seconds = float(overhead_seconds)
-            self.overhead = seconds if self.overhead is None else \
-                (1.0 - self.overhead_ema) * self.overhead + self.overhead_ema * seconds
+            self.overhead = ema(self.overhead, float(overhead_seconds), self.overhead_ema)
 
     def samples(self, batch_tokens: int) -> int:
         """Verify times held for B (at most `window`)."""
@@ -123,5 +122,10 @@ class MeasuredRoundCosts:
                         created=self.profile.created)
 
 
+def ema(previous: float | None, value: float, weight: float = MEASURED_OVERHEAD_EMA) -> float:
+    """The exponential moving average after `value` (the value itself when there is no `previous`)."""
+    return value if previous is None else (1.0 - weight) * previous + weight * value
+
+
 def _usable(seconds: float) -> bool:
-    return seconds == seconds and seconds not in (float("inf"), float("-inf")) and seconds >= 0.0
+    return math.isfinite(seconds) and seconds >= 0.0

@@ -52,6 +52,7 @@ from dspark.decoding.shared import (
     stop_reason,
 )
 from dspark.decoding.verify import probs_from_logits, verify_drafts_from_logits
+from dspark.scheduling.measured import ema
 from dspark.timing import synchronize
 from dspark.serving.kv import BatchedKVCache, check_concurrency, kv_budget, prefill
 from dspark.serving.proposer import BatchedDSparkProposer, BatchProposal, check_serving_drafter
@@ -60,7 +61,6 @@ from dspark.serving.records import RequestResult, ServeRound, ServeStep, ServeSu
 __all__ = ["STOP_EOS", "STOP_MAX_NEW_TOKENS", "STOP_REJECTED", "BatchedEngine", "ServeRequest", "ServeResult",
            "request_generator"]
 KEY = "serve"
-OVERHEAD_EMA = 0.2  # weight of the newest step in the measured overhead (~5-step memory)
 
 
 @dataclass
@@ -198,9 +198,7 @@ class BatchedEngine:
         into an EMA and hand the policy its verify table with that overhead added to every step."""
         if self._verify_sps is None:
             return
-        seconds = step.seconds_draft + step.seconds_other
-        self._overhead = seconds if self._overhead is None else \
-            (1 - OVERHEAD_EMA) * self._overhead + OVERHEAD_EMA * seconds
+        self._overhead = ema(self._overhead, step.seconds_draft + step.seconds_other)
         self.policy.reprice(self._verify_sps.with_step_overhead(self._overhead))
 
     def _check_serve_args(self, requests: list[ServeRequest], concurrency: int) -> None:
