@@ -162,6 +162,8 @@ def test_few_row_product_is_linear_up_to_summation_order(rows, with_bias):
     got = hardware.few_row_product(x, weight, bias)
     assert got.shape == expected.shape == (1, rows, 40)
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    # Row-major like F.linear's: a strided output sends a ≥ 2-token forward's attention to SDPA's math kernel.
+    assert got.is_contiguous() and got.stride() == expected.stride()
     if rows > hardware.FEW_ROWS:  # beyond the few-row range it is F.linear itself
         assert torch.equal(got, expected)
 

@@ -305,6 +305,21 @@ def test_cached_table_reused_and_reprofiled_on_mismatch(tiny, tmp_path, caplog):
     assert load_sps_table(path).batch_tokens == wider.batch_tokens
 
 
+def test_a_table_of_another_forward_path_is_not_reused(tiny, tmp_path, monkeypatch):
+    """A change in our code that moves a verify forward's cost bumps FORWARD_PATH_REVISION: older tables are re-profiled,
+    as are tables of the other few-row layout."""
+    import dspark.scheduling.profile as profile_module
+
+    kwargs = dict(cache_dir=tmp_path, max_batch_tokens=3, num_rows=1, context_length=8, repeats=1)
+    first, path = load_or_profile_serving_sps(tiny, **kwargs)
+    monkeypatch.setattr(profile_module, "FORWARD_PATH_REVISION", profile_module.FORWARD_PATH_REVISION + 1)
+    second, newer = load_or_profile_serving_sps(tiny, **kwargs)
+    monkeypatch.setattr(tiny, "few_row_layout", "transposed")
+    third, transposed = load_or_profile_serving_sps(tiny, **kwargs)
+    assert len({path, newer, transposed}) == 3 and all(p.exists() for p in (path, newer, transposed))
+    assert first.created <= second.created <= third.created
+
+
 def test_load_sps_table_errors(tmp_path):
     with pytest.raises(ValueError, match="no such file"):
         load_sps_table(tmp_path / "missing.json")

@@ -12,8 +12,8 @@ Sizes B < R are not profiled: an R-row forward has at least R tokens, and `SPSTa
 smallest size, which is what such a step costs. Grid: every B from R up to 16, then a geometric grid (×√2) up to
 `max_batch_tokens` (included).
 
-A table is only valid for the target, machine, row count and context length it was measured with: the cache file
-name carries all four and `SPSTable.matches` re-checks the first two before reuse. The single-request engine's
+A table is only valid for the target, machine, forward code path, row count and context length it was measured with:
+the cache file name carries all five and `SPSTable.matches` re-checks the first two before reuse. The single-request engine's
 table is the R = 1 case: B = 1..γ+1 tokens appended to one 256-token cache, p_t at every query position — exactly
 the forward its verify step runs.
 """
@@ -38,6 +38,10 @@ DENSE_GRID_LIMIT = 16        # every B up to here: the small forwards where SPS 
 GEOMETRIC_RATIO = math.sqrt(2.0)
 SERVING_CONTEXT_TOKENS = 256  # cached tokens per row by default: a chat prompt plus a few dozen generated tokens
 SPS_TABLE_KEY = "serve.sps_table"
+#: the revision of the target's forward code path in the cache file name: bump it when a change in our code moves what
+#: a verify forward costs, so tables profiled before it are not reused (2: `few_row_product` returns row-major
+#: outputs, which took ~20% off a 2–8-token forward on an AVX2 EPYC; tables of revision 1 priced the slower path)
+FORWARD_PATH_REVISION = 2
 
 
 def serving_batch_grid(max_batch_tokens: int, *, num_rows: int = 1) -> list[int]:
@@ -105,9 +109,12 @@ def monotone_table(table: SPSTable) -> SPSTable:
 
 
 def serving_sps_path(cache_dir: str | Path, target: Any, *, num_rows: int, context_length: int) -> Path:
-    """`<cache>/sps/serving-<target fingerprint[:16]>-<machine hash>-r<R>-c<context>.json`."""
+    """`<cache>/sps/serving-<target fingerprint[:16]>-<machine hash>-f<forward path>-r<R>-c<context>.json`; the
+    forward path is `FORWARD_PATH_REVISION` and the target's few-row layout (`Target.few_row_layout`)."""
     machine = hashlib.sha256(machine_fingerprint().encode()).hexdigest()[:12]
-    name = f"serving-{target.fingerprint[:16]}-{machine}-r{num_rows}-c{context_length}.json"
+    layout = getattr(target, "few_row_layout", "linear")
+    name = (f"serving-{target.fingerprint[:16]}-{machine}-f{FORWARD_PATH_REVISION}{layout[0]}"
+            f"-r{num_rows}-c{context_length}.json")
     return Path(cache_dir) / "sps" / name
 
 
