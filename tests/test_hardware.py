@@ -168,6 +168,42 @@ def test_few_row_product_is_linear_up_to_summation_order(rows, with_bias):
         assert torch.equal(got, expected)
 
 
+@pytest.mark.parametrize("rows", [1, 2, 17])
+def test_a_padded_single_row_product_is_linear_up_to_summation_order(rows):
+    """pad_single_row multiplies a one-row x as two rows and keeps the first: the same numbers, row-major; other row
+    counts are untouched by the flag."""
+    import torch
+
+    gen = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, 24, generator=gen)
+    weight, bias = torch.randn(40, 24, generator=gen), torch.randn(40, generator=gen)
+    got = hardware.few_row_product(x, weight, bias, pad_single_row=True)
+    torch.testing.assert_close(got, torch.nn.functional.linear(x, weight, bias), rtol=1e-5, atol=1e-5)
+    assert got.shape == (rows, 40) and got.is_contiguous()
+    if rows > 1:
+        assert torch.equal(got, hardware.few_row_product(x, weight, bias))
+
+
+def test_single_row_padding_is_measured_only_where_it_can_matter_and_follows_the_timings(monkeypatch):
+    import torch
+
+    monkeypatch.delenv(hardware.SINGLE_ROW_PAD_ENV, raising=False)
+    assert hardware.single_row_padding(torch.randn(64, 32)) == (False, 1.0)  # in cache: never probed
+    big = torch.zeros(hardware.FEW_ROW_PROBE_MIN_ELEMENTS // 256, 256)
+    assert hardware.single_row_padding(big.bfloat16()) == (False, 1.0)
+    timings = iter([9.0, 6.0, 6.5, 6.0])  # (one row, padded): 1.5× then 1.08×
+
+    monkeypatch.setattr(hardware, "_median_ms", lambda fn, reps: next(timings))
+    assert hardware.single_row_padding(big) == (True, 1.5)
+    assert hardware.single_row_padding(big) == (False, pytest.approx(6.5 / 6.0))
+    for forced, chosen in (("on", True), ("off", False)):
+        monkeypatch.setenv(hardware.SINGLE_ROW_PAD_ENV, forced)
+        assert hardware.single_row_padding(big) == (chosen, 1.0)
+    monkeypatch.setenv(hardware.SINGLE_ROW_PAD_ENV, "yes")
+    with pytest.raises(ValueError, match="DSPARK_SINGLE_ROW_PAD='yes': expected auto, on or off"):
+        hardware.single_row_padding(big)
+
+
 def test_few_row_layout_is_measured_only_where_it_can_matter(monkeypatch):
     import torch
 
@@ -215,6 +251,10 @@ def test_a_model_switched_to_few_row_products_computes_the_same_and_reads_its_cu
     assert torch.equal(model(x), torch.zeros(3, 4))
     del model[0].forward, model[2].forward  # the class's forward again
     assert "forward" not in model[0].__dict__
+    model[2].weight = torch.nn.Parameter(torch.randn(4, 16))
+    before = model(x[:1])
+    assert hardware.use_few_row_products(model, pad_single_row=True) == 2
+    torch.testing.assert_close(model(x[:1]), before, rtol=1e-5, atol=1e-6)  # one row: padded to two
 
 
 def test_a_target_in_the_transposed_layout_gives_the_same_logits(monkeypatch, tmp_path):

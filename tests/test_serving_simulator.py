@@ -316,7 +316,10 @@ def test_a_table_of_another_forward_path_is_not_reused(tiny, tmp_path, monkeypat
     second, newer = load_or_profile_serving_sps(tiny, **kwargs)
     monkeypatch.setattr(tiny, "few_row_layout", "transposed")
     third, transposed = load_or_profile_serving_sps(tiny, **kwargs)
-    assert len({path, newer, transposed}) == 3 and all(p.exists() for p in (path, newer, transposed))
+    monkeypatch.setattr(tiny, "single_row_padding", True, raising=False)
+    _, padded = load_or_profile_serving_sps(tiny, **kwargs)
+    paths = (path, newer, transposed, padded)
+    assert len(set(paths)) == 4 and all(p.exists() for p in paths)
     assert first.created <= second.created <= third.created
 
 

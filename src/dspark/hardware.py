@@ -192,23 +192,34 @@ FEW_ROW_PROBE_MIN_ELEMENTS = 4_000_000
 #: how much faster the (W xᵀ)ᵀ layout must be, at every probed row count, to be chosen
 FEW_ROW_MARGIN = 1.5
 FEW_ROW_LAYOUT_ENV = "DSPARK_FEW_ROW_LAYOUT"
+#: how much faster a one-row product must be when computed as a two-row one (`single_row_padding`) to be padded
+SINGLE_ROW_PAD_MARGIN = 1.2
+SINGLE_ROW_PAD_ENV = "DSPARK_SINGLE_ROW_PAD"
 
 
-def few_row_product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+def few_row_product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
+                    pad_single_row: bool = False) -> torch.Tensor:
     """`F.linear(x, weight, bias)` for x [..., K], weight [N, K] → [..., N], computed as (W xᵀ)ᵀ when x has at most
-    `FEW_ROWS` rows (the same numbers up to summation order), as `F.linear` otherwise.
+    `FEW_ROWS` rows (the same numbers up to summation order), as `F.linear` otherwise. pad_single_row: a one-row x is
+    multiplied as two rows (the second zero) and the first row kept (`single_row_padding` decides where that pays).
 
     Why: for a few rows, BLAS's x Wᵀ product can cost ~2–4× the (W xᵀ)ᵀ one for a weight that lives in DRAM (MKL on an
     AVX2-only AMD EPYC Zen 3, fp32: SmolLM2's LM head at 2 rows 36.8 vs 13.3 ms, a 2-token target forward 198 vs
-    131 ms; benchmarks/results/matmul-layout.md), which made verifying one draft cost 1.5 plain decoding steps."""
+    131 ms; benchmarks/results/matmul-layout.md), which made verifying one draft cost 1.5 plain decoding steps. At one
+    row the same BLAS takes its matrix-vector kernel, which on that machine streamed the LM head at 9.0 ms against
+    6.0 ms for the two-row matrix product."""
     flat = x.reshape(-1, x.shape[-1])
     if flat.shape[0] > FEW_ROWS:
         return torch.nn.functional.linear(x, weight, bias)
+    if pad_single_row and flat.shape[0] == 1:
+        out = torch.mm(weight, torch.cat([flat, flat.new_zeros(flat.shape)]).t())[:, :1].t()
+    else:
+        out = torch.mm(weight, flat.t()).t()
     # Contiguous again: the transposed product's rows are strided, and a strided q/k/v projection sends the
     # attention of a ≥ 2-token forward to SDPA's math kernel (its head dimension's stride is not 1, which the flash
-    # kernel requires) and every elementwise op after it to a strided loop — on the Zen 3 of session 21 a 2-token
+    # kernel requires) and every elementwise op after it to a strided loop — on the Zen 3 of 2026-12-05 a 2-token
     # target forward cost 65.8 ms strided vs 53.2 ms contiguous (a 1-token step 56 ms either way). The copy is B×N.
-    out = torch.mm(weight, flat.t()).t().contiguous()
+    out = out.contiguous()
     if bias is not None:
         out = out + bias
     return out.reshape(*x.shape[:-1], weight.shape[0])
@@ -252,17 +263,46 @@ def few_row_layout(weight: torch.Tensor, *, rows: tuple[int, ...] = (2, 4), reps
     return ("transposed" if worst >= FEW_ROW_MARGIN else "linear"), worst
 
 
-def use_few_row_products(model: torch.nn.Module) -> int:
-    """Make every `nn.Linear` of a frozen `model` compute through `few_row_product`; returns how many.
+def single_row_padding(weight: torch.Tensor, *, reps: int = 5) -> tuple[bool, float]:
+    """Whether one-row (W xᵀ)ᵀ products should be computed as two-row ones on this machine: (chosen, the measured
+    speed-up of the padded product over the one-row one on `weight`; 1.0 when not probed).
+
+    Measured like `few_row_layout`, for the same weights (fp32 on the CPU, at least `FEW_ROW_PROBE_MIN_ELEMENTS`
+    elements), and chosen when it is `SINGLE_ROW_PAD_MARGIN`× faster. `DSPARK_SINGLE_ROW_PAD=on|off` overrides the
+    choice (`auto`, the default, probes). Only consulted where the model takes the transposed layout."""
+    forced = os.environ.get(SINGLE_ROW_PAD_ENV, "auto")
+    if forced in ("on", "off"):
+        return forced == "on", 1.0
+    if forced != "auto":
+        raise ValueError(f"{SINGLE_ROW_PAD_ENV}={forced!r}: expected auto, on or off.")
+    if (weight.device.type != "cpu" or weight.dtype != torch.float32
+            or weight.numel() < FEW_ROW_PROBE_MIN_ELEMENTS):
+        return False, 1.0
+    x = torch.randn(1, weight.shape[1], generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        one_row = _median_ms(lambda: few_row_product(x, weight), reps)
+        padded = _median_ms(lambda: few_row_product(x, weight, pad_single_row=True), reps)
+    speedup = one_row / max(padded, 1e-6)
+    return speedup >= SINGLE_ROW_PAD_MARGIN, speedup
+
+
+def use_few_row_products(model: torch.nn.Module, *, pad_single_row: bool = False) -> int:
+    """Make every `nn.Linear` of a frozen `model` compute through `few_row_product` (one-row products padded to two
+    when `pad_single_row`); returns how many.
 
     An instance attribute shadows `nn.Linear.forward` and reads the module's weight at each call (so
     `autocast_linear_weights`' swapped weights still apply); state dict and hooks are untouched, and `del
     module.forward` restores the class's."""
+    forward = _padded_few_row_forward if pad_single_row else _few_row_forward
     linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
     for module in linears:
-        module.forward = types.MethodType(_few_row_forward, module)
+        module.forward = types.MethodType(forward, module)
     return len(linears)
 
 
 def _few_row_forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
     return few_row_product(x, self.weight, self.bias)
+
+
+def _padded_few_row_forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    return few_row_product(x, self.weight, self.bias, pad_single_row=True)

@@ -40,8 +40,8 @@ SERVING_CONTEXT_TOKENS = 256  # cached tokens per row by default: a chat prompt 
 SPS_TABLE_KEY = "serve.sps_table"
 #: the revision of the target's forward code path in the cache file name: bump it when a change in our code moves what
 #: a verify forward costs, so tables profiled before it are not reused (2: `few_row_product` returns row-major
-#: outputs, which took ~20% off a 2–8-token forward on an AVX2 EPYC; tables of revision 1 priced the slower path)
-FORWARD_PATH_REVISION = 2
+#: outputs, which took ~20% off a 2–8-token forward on an AVX2 EPYC; 3: one-token products may run as two rows)
+FORWARD_PATH_REVISION = 3
 
 
 def serving_batch_grid(max_batch_tokens: int, *, num_rows: int = 1) -> list[int]:
@@ -110,10 +110,12 @@ def monotone_table(table: SPSTable) -> SPSTable:
 
 def serving_sps_path(cache_dir: str | Path, target: Any, *, num_rows: int, context_length: int) -> Path:
     """`<cache>/sps/serving-<target fingerprint[:16]>-<machine hash>-f<forward path>-r<R>-c<context>.json`; the
-    forward path is `FORWARD_PATH_REVISION` and the target's few-row layout (`Target.few_row_layout`)."""
+    forward path is `FORWARD_PATH_REVISION`, the target's few-row layout (`Target.few_row_layout`) and p where it
+    pads one-row products (`Target.single_row_padding`)."""
     machine = hashlib.sha256(machine_fingerprint().encode()).hexdigest()[:12]
-    layout = getattr(target, "few_row_layout", "linear")
-    name = (f"serving-{target.fingerprint[:16]}-{machine}-f{FORWARD_PATH_REVISION}{layout[0]}"
+    padded = "p" if getattr(target, "single_row_padding", False) else ""
+    layout = getattr(target, "few_row_layout", "linear")[0] + padded
+    name = (f"serving-{target.fingerprint[:16]}-{machine}-f{FORWARD_PATH_REVISION}{layout}"
             f"-r{num_rows}-c{context_length}.json")
     return Path(cache_dir) / "sps" / name
 

@@ -17,7 +17,8 @@ from torch import Tensor, nn
 from transformers import DynamicCache
 
 from dspark.drafters.layers import DraftLayerSpec
-from dspark.hardware import FEW_ROW_LAYOUT_ENV, few_row_layout, use_few_row_products
+from dspark.hardware import (FEW_ROW_LAYOUT_ENV, SINGLE_ROW_PAD_ENV, few_row_layout, single_row_padding,
+                              use_few_row_products)
 
 log = logging.getLogger("dspark")
 
@@ -65,16 +66,21 @@ def _default_hint(num_layers: int) -> str:
         return ""
 
 
-def _choose_few_row_layout(model: nn.Module, head_weight: Tensor) -> str:
+def _choose_few_row_layout(model: nn.Module, head_weight: Tensor) -> tuple[str, bool]:
     """Measure once whether this machine's few-row products (a verify forward's ℓ + 1 tokens) are faster in the
     (W xᵀ)ᵀ layout, and switch every `nn.Linear` of the frozen model to it if so (`dspark.hardware.few_row_layout`:
-    fp32 CPU weights only, tiny models never). Returns the layout in use."""
+    fp32 CPU weights only, tiny models never); in that layout, also whether one-row products (a plain decoding step)
+    are faster computed as two rows (`dspark.hardware.single_row_padding`). Returns (layout, single-row padding)."""
     layout, speedup = few_row_layout(head_weight.detach())
-    if layout == "transposed":
-        count = use_few_row_products(model)
-        log.info("target: %d linear layers compute few-token products as (W xᵀ)ᵀ (%.1f× x Wᵀ's speed measured on "
-                 "the LM head at 2–4 tokens; %s=linear turns this off)", count, speedup, FEW_ROW_LAYOUT_ENV)
-    return layout
+    if layout != "transposed":
+        return layout, False
+    pad, pad_speedup = single_row_padding(head_weight.detach())
+    count = use_few_row_products(model, pad_single_row=pad)
+    log.info("target: %d linear layers compute few-token products as (W xᵀ)ᵀ (%.1f× x Wᵀ's speed measured on "
+             "the LM head at 2–4 tokens; %s=linear turns this off)%s", count, speedup, FEW_ROW_LAYOUT_ENV,
+             f", one-token products as two rows ({pad_speedup:.2f}× the one-row product; {SINGLE_ROW_PAD_ENV}=off "
+             "turns this off)" if pad else "")
+    return layout, pad
 
 
 @dataclass
@@ -97,7 +103,8 @@ class Target:
     identity whatever dtype it was loaded in: the fp32 load's fingerprint; drafters record it, so a drafter trained
     against the fp32 target also serves a bf16 load of the same files), `default_system_prompt` (True when the chat template inserts its own system turn
     if none is given, as SmolLM2's does; `chat_prompt_ids` keeps that behaviour), `few_row_layout` (`linear`, or
-    `transposed` where this machine computes few-token products faster as (W xᵀ)ᵀ: `_choose_few_row_layout`).
+    `transposed` where this machine computes few-token products faster as (W xᵀ)ᵀ: `_choose_few_row_layout`),
+    `single_row_padding` (True where, in that layout, one-token products run as two rows, the second zero).
     """
 
     def __init__(
@@ -131,7 +138,7 @@ class Target:
         self.fingerprint = fingerprint
         self.checkpoint_fingerprint = checkpoint_fingerprint or fingerprint
         self.default_system_prompt = _template_adds_system_turn(tokenizer)
-        self.few_row_layout = _choose_few_row_layout(model, self.lm_head.weight)
+        self.few_row_layout, self.single_row_padding = _choose_few_row_layout(model, self.lm_head.weight)
 
     @property
     def device(self) -> torch.device:
