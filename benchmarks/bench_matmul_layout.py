@@ -1,4 +1,4 @@
-"""Why verifying 2+ tokens costs ~1.7 plain steps on some CPUs: the matrix-product layout of a few-token forward.
+"""Why verifying 2+ tokens cost ~1.7 plain steps on some CPUs: the matrix-product layout of a few-token forward.
 
 A verify forward pushes B = ℓ + 1 tokens through the target. `nn.Linear` computes x Wᵀ for x [B, K] and W [N, K]; at
 B = 1 BLAS takes a matrix-vector path that streams W once, at B ≥ 2 a general product that (on some BLAS/CPU
@@ -6,10 +6,13 @@ pairs, e.g. MKL on an AVX2-only AMD EPYC Zen 3) costs ~2× that for weights that
 the other layout, (W xᵀ)ᵀ = `torch.mm(W, x.T).T`, gives the same numbers up to summation order. This script times,
 interleaved round by round on this machine, with the real target (fp32, `--threads` threads):
 
-1. the LM head alone (W [V, d]) at B = 1, 2, 3, 4, 8 in both layouts;
+1. the LM head alone (W [V, d]) at B = 1, 2, 3, 4, 8 in both layouts, and at B = 1 also as a two-row (W xᵀ)ᵀ product
+   whose second row is zero (`few_row_product(..., pad_single_row=True)`: the matrix-vector kernel BLAS takes at one
+   row can be slower than its two-row matrix product);
 2. one target forward of B new tokens over a `--context`-token KV cache plus its LM head (what a verify round's
-   target step does), with every `nn.Linear` of the target as shipped and with every one switched to the (W xᵀ)ᵀ
-   layout for B ≤ 16 (`dspark.hardware.use_few_row_products`, undone after each cell).
+   target step does), with every `nn.Linear` of the target as `nn.Linear` ships it, with every one switched to the
+   (W xᵀ)ᵀ layout for B ≤ 16 (`dspark.hardware.use_few_row_products`, undone after each cell), and at B = 1 with
+   that layout's one-row products padded to two (`pad_single_row=True`).
 
 It measures; it changes nothing in the library. Writes `--output` with the command, machine, load and commit.
 
@@ -46,14 +49,17 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
+MODES = ("linear", "transposed", "padded")  # nn.Linear as shipped; (W xᵀ)ᵀ; (W xᵀ)ᵀ with one row padded to two
+
+
 @contextlib.contextmanager
-def layout(model: torch.nn.Module, transposed: bool):
-    """Every nn.Linear of `model` in the chosen layout for the duration of the block: the library's own switch
+def layout(model: torch.nn.Module, mode: str):
+    """Every nn.Linear of `model` in the chosen mode for the duration of the block: the library's own switch
     (`dspark.hardware.use_few_row_products`), undone on exit."""
     from dspark.hardware import use_few_row_products
 
-    if transposed:
-        use_few_row_products(model)
+    if mode != "linear":
+        use_few_row_products(model, pad_single_row=mode == "padded")
     try:
         yield
     finally:
@@ -89,9 +95,11 @@ def main(argv: list[str]) -> int:
     cache = target.new_cache()
     target(context, cache=cache, use_cache=True)
 
-    def head(b: int, transposed: bool):
+    def head(b: int, mode: str):
         x = torch.randn(b, weight.shape[1], generator=gen)
-        return (lambda: few_row_product(x, weight)) if transposed else (lambda: torch.nn.functional.linear(x, weight))
+        if mode == "linear":
+            return lambda: torch.nn.functional.linear(x, weight)
+        return lambda: few_row_product(x, weight, pad_single_row=mode == "padded")
 
     def step(b: int):
         tokens = torch.randint(100, target.vocab_size - 100, (1, b), generator=gen)
@@ -102,17 +110,17 @@ def main(argv: list[str]) -> int:
             target.rollback(cache, keep=args.context)
         return run
 
-    results: dict[tuple[str, int, bool], list[float]] = {}
+    results: dict[tuple[str, int, str], list[float]] = {}
     for _ in range(args.rounds):
         for b in SIZES:
-            for transposed in (False, True):
-                results.setdefault(("head", b, transposed), []).append(median_ms(head(b, transposed), args.reps))
-                with layout(target.model, transposed):
-                    results.setdefault(("step", b, transposed), []).append(median_ms(step(b), args.reps))
+            for mode in MODES if b == 1 else MODES[:2]:  # padding only changes one-row products
+                results.setdefault(("head", b, mode), []).append(median_ms(head(b, mode), args.reps))
+                with layout(target.model, mode):
+                    results.setdefault(("step", b, mode), []).append(median_ms(step(b), args.reps))
     load_end = os.getloadavg()
 
-    def cell(kind: str, b: int, transposed: bool) -> float:
-        return statistics.median(results[(kind, b, transposed)])
+    def cell(kind: str, b: int, mode: str) -> float:
+        return statistics.median(results[(kind, b, mode)])
 
     lines = [f"# Matrix-product layout of a few-token forward — {args.target}", "",
              f"Command: `python benchmarks/bench_matmul_layout.py {' '.join(argv)}` ({time.time() - started:.0f} s "
@@ -126,16 +134,25 @@ def main(argv: list[str]) -> int:
              f"Each cell: the median over {args.rounds} interleaved rounds of the median of {args.reps} calls (after a "
              f"warm-up). Step = one target forward of B new tokens over a {args.context}-token KV cache plus the LM "
              "head on its B positions (a verify round's target work at ℓ = B − 1; B = 1 is a plain decoding step).",
-             "", "| B tokens | LM head x Wᵀ (ms) | LM head (W xᵀ)ᵀ (ms) | ratio | step, shipped nn.Linear (ms) | "
-             "step, every Linear (W xᵀ)ᵀ (ms) | ratio | shipped step / its B = 1 |",
-             "|---|---|---|---|---|---|---|---|"]
-    plain = cell("step", 1, False)
+             "", "| B tokens | LM head x Wᵀ (ms) | LM head (W xᵀ)ᵀ (ms) | ratio | step, nn.Linear (ms) | "
+             "step, every Linear (W xᵀ)ᵀ (ms) | ratio | nn.Linear step / its B = 1 | (W xᵀ)ᵀ step / its B = 1 |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    plain = {mode: cell("step", 1, mode) for mode in MODES}
     for b in SIZES:
-        h0, h1, s0, s1 = cell("head", b, False), cell("head", b, True), cell("step", b, False), cell("step", b, True)
+        h0, h1 = cell("head", b, "linear"), cell("head", b, "transposed")
+        s0, s1 = cell("step", b, "linear"), cell("step", b, "transposed")
         lines.append(f"| {b} | {h0:.1f} | {h1:.1f} | {h1 / h0:.2f} | {s0:.1f} | {s1:.1f} | {s1 / s0:.2f} | "
-                     f"{s0 / plain:.2f} |")
-    lines += ["", "Ratio < 1: the (W xᵀ)ᵀ layout is faster on this machine for that B. The last column is the cost of "
-              "verifying B − 1 drafts in plain steps, as the library ships today."]
+                     f"{s0 / plain['linear']:.2f} | {s1 / plain['transposed']:.2f} |")
+    padded_head, padded_step = cell("head", 1, "padded"), cell("step", 1, "padded")
+    lines += ["", "Ratio < 1: the (W xᵀ)ᵀ layout is faster on this machine for that B. The last two columns are the "
+              "cost of verifying B − 1 drafts in plain steps in each layout.", "",
+              f"One row computed as two (the second zero), B = 1: LM head {padded_head:.1f} ms against "
+              f"{cell('head', 1, 'transposed'):.1f} ms one-row (W xᵀ)ᵀ and {cell('head', 1, 'linear'):.1f} ms x Wᵀ; "
+              f"the whole 1-token step {padded_step:.1f} ms against {plain['transposed']:.1f} and "
+              f"{plain['linear']:.1f} ms. With it, verifying B − 1 drafts in (W xᵀ)ᵀ costs "
+              + ", ".join(f"{cell('step', b, 'transposed') / padded_step:.2f}" for b in SIZES[1:])
+              + f" plain steps at B = {', '.join(str(b) for b in SIZES[1:])} "
+              "(the library's choice on a machine where `dspark.hardware.single_row_padding` measures it faster)."]
     args.output.write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     return 0
