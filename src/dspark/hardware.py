@@ -237,6 +237,13 @@ def _median_ms(fn: Callable[[], object], reps: int) -> float:
     return sorted(times)[len(times) // 2]
 
 
+def _worth_probing(weight: torch.Tensor) -> bool:
+    """The few-row probes' scope: fp32 CPU weights of at least `FEW_ROW_PROBE_MIN_ELEMENTS` (smaller ones sit in cache,
+    where the layouts cost the same; tiny test models keep `nn.Linear`)."""
+    return (weight.device.type == "cpu" and weight.dtype == torch.float32
+            and weight.numel() >= FEW_ROW_PROBE_MIN_ELEMENTS)
+
+
 def few_row_layout(weight: torch.Tensor, *, rows: tuple[int, ...] = (2, 4), reps: int = 3) -> tuple[str, float]:
     """Which layout a frozen model's few-row products should take on this machine: ("transposed" | "linear", the
     measured speed-up of (W xᵀ)ᵀ over x Wᵀ at the worst probed row count; 1.0 when not probed).
@@ -250,8 +257,7 @@ def few_row_layout(weight: torch.Tensor, *, rows: tuple[int, ...] = (2, 4), reps
         return forced, 1.0
     if forced != "auto":
         raise ValueError(f"{FEW_ROW_LAYOUT_ENV}={forced!r}: expected auto, linear or transposed.")
-    if (weight.device.type != "cpu" or weight.dtype != torch.float32
-            or weight.numel() < FEW_ROW_PROBE_MIN_ELEMENTS):
+    if not _worth_probing(weight):
         return "linear", 1.0
     gen = torch.Generator().manual_seed(0)
     speedups = []
@@ -280,8 +286,7 @@ def single_row_padding(weight: torch.Tensor, *, rounds: int = 5, reps: int = 3) 
         return forced == "on", 1.0
     if forced != "auto":
         raise ValueError(f"{SINGLE_ROW_PAD_ENV}={forced!r}: expected auto, on or off.")
-    if (weight.device.type != "cpu" or weight.dtype != torch.float32
-            or weight.numel() < FEW_ROW_PROBE_MIN_ELEMENTS):
+    if not _worth_probing(weight):
         return False, 1.0
     x = torch.randn(1, weight.shape[1], generator=torch.Generator().manual_seed(0))
     one_row, padded = [], []
