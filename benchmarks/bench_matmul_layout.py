@@ -6,13 +6,13 @@ pairs, e.g. MKL on an AVX2-only AMD EPYC Zen 3) costs ~2× that for weights that
 the other layout, (W xᵀ)ᵀ = `torch.mm(W, x.T).T`, gives the same numbers up to summation order. This script times,
 interleaved round by round on this machine, with the real target (fp32, `--threads` threads):
 
-1. the LM head alone (W [V, d]) at B = 1, 2, 3, 4, 8 in both layouts, and at B = 1 also as a two-row (W xᵀ)ᵀ product
-   whose second row is zero (`few_row_product(..., pad_single_row=True)`: the matrix-vector kernel BLAS takes at one
-   row can be slower than its two-row matrix product);
+1. the LM head alone (W [V, d]) at each `--sizes` B in both layouts, and in the (W xᵀ)ᵀ layout with the row-padding
+   table the library would choose here (`dspark.hardware.row_padding`, probed at the start, or `--padding n:m,...`):
+   BLAS picks its kernel by shape, so e.g. one row (matrix-vector) or three can cost more than two or four;
 2. one target forward of B new tokens over a `--context`-token KV cache plus its LM head (what a verify round's
    target step does), with every `nn.Linear` of the target as `nn.Linear` ships it, with every one switched to the
-   (W xᵀ)ᵀ layout for B ≤ 16 (`dspark.hardware.use_few_row_products`, undone after each cell), and at B = 1 with
-   that layout's one-row products padded to two (`pad_single_row=True`).
+   (W xᵀ)ᵀ layout for B ≤ 16 (`dspark.hardware.use_few_row_products`, undone after each cell), and in that layout
+   with the padding table (padded B only: the others compute exactly as unpadded).
 
 It measures; it changes nothing in the library. Writes `--output` with the command, machine, load and commit.
 
@@ -34,7 +34,6 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "benchmarks"))
 from bench_decoding import git_commit, load_verdict  # noqa: E402  (one provenance format for the benchmarks)
 
-SIZES = (1, 2, 3, 4, 8)
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -45,21 +44,25 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--rounds", type=int, default=5, help="interleaved rounds (each times every cell)")
     parser.add_argument("--reps", type=int, default=5, help="timed calls per cell and round (median kept)")
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--sizes", type=int, nargs="+", default=[1, 2, 3, 4, 5, 6, 7, 8, 9, 16],
+                        help="B tokens per forward (each at most dspark.hardware.FEW_ROWS)")
+    parser.add_argument("--padding", default="auto",
+                        help="the row-padding table of the padded cells: auto (probe as the library does) or n:m,...")
     parser.add_argument("--output", type=Path, default=REPO / "benchmarks" / "results" / "matmul-layout.md")
     return parser.parse_args(argv)
 
 
-MODES = ("linear", "transposed", "padded")  # nn.Linear as shipped; (W xᵀ)ᵀ; (W xᵀ)ᵀ with one row padded to two
+MODES = ("linear", "transposed", "padded")  # nn.Linear as shipped; (W xᵀ)ᵀ; (W xᵀ)ᵀ with the row-padding table
 
 
 @contextlib.contextmanager
-def layout(model: torch.nn.Module, mode: str):
+def layout(model: torch.nn.Module, mode: str, padding: dict[int, int]):
     """Every nn.Linear of `model` in the chosen mode for the duration of the block: the library's own switch
-    (`dspark.hardware.use_few_row_products`), undone on exit."""
+    (`dspark.hardware.use_few_row_products`, with `padding` in the padded mode), undone on exit."""
     from dspark.hardware import use_few_row_products
 
     if mode != "linear":
-        use_few_row_products(model, pad_single_row=mode == "padded")
+        use_few_row_products(model, row_padding=padding if mode == "padded" else None)
     try:
         yield
     finally:
@@ -79,10 +82,14 @@ def median_ms(fn, reps: int) -> float:
 
 
 def main(argv: list[str]) -> int:
-    from dspark.hardware import FEW_ROW_LAYOUT_ENV, cpu_bf16_unit, cpu_model, few_row_product, keep_freed_memory
+    from dspark.hardware import (FEW_ROW_LAYOUT_ENV, FEW_ROWS, cpu_bf16_unit, cpu_model, few_row_product,
+                                 format_row_padding, keep_freed_memory, parse_row_padding, row_padding)
     from dspark.targets import load_target
 
     args = parse_args(argv)
+    if not all(1 <= b <= FEW_ROWS for b in args.sizes):
+        raise SystemExit(f"--sizes: each B must be in 1..{FEW_ROWS} (the few-row range), got {args.sizes}")
+    padding_given = parse_row_padding(args.padding) if args.padding != "auto" else None
     torch.set_num_threads(args.threads)
     keep_freed_memory()
     started, load_start = time.time(), os.getloadavg()
@@ -90,6 +97,12 @@ def main(argv: list[str]) -> int:
     os.environ[FEW_ROW_LAYOUT_ENV] = "linear"
     target = load_target(args.target, cache_dir=args.cache_dir)
     weight = target.lm_head.weight.detach()
+    probe_costs: dict[int, float] = {}
+    if padding_given is None:
+        os.environ.pop("DSPARK_ROW_PADDING", None)
+        padding, probe_costs = row_padding(weight)
+    else:
+        padding = padding_given
     gen = torch.Generator().manual_seed(0)
     context = torch.randint(100, target.vocab_size - 100, (1, args.context), generator=gen)
     cache = target.new_cache()
@@ -99,7 +112,7 @@ def main(argv: list[str]) -> int:
         x = torch.randn(b, weight.shape[1], generator=gen)
         if mode == "linear":
             return lambda: torch.nn.functional.linear(x, weight)
-        return lambda: few_row_product(x, weight, pad_single_row=mode == "padded")
+        return lambda: few_row_product(x, weight, row_padding=padding if mode == "padded" else None)
 
     def step(b: int):
         tokens = torch.randint(100, target.vocab_size - 100, (1, b), generator=gen)
@@ -112,10 +125,10 @@ def main(argv: list[str]) -> int:
 
     results: dict[tuple[str, int, str], list[float]] = {}
     for _ in range(args.rounds):
-        for b in SIZES:
-            for mode in MODES if b == 1 else MODES[:2]:  # padding only changes one-row products
+        for b in args.sizes:
+            for mode in MODES if b in padding else MODES[:2]:  # padding only changes the padded row counts
                 results.setdefault(("head", b, mode), []).append(median_ms(head(b, mode), args.reps))
-                with layout(target.model, mode):
+                with layout(target.model, mode, padding):
                     results.setdefault(("step", b, mode), []).append(median_ms(step(b), args.reps))
     load_end = os.getloadavg()
 
@@ -134,25 +147,31 @@ def main(argv: list[str]) -> int:
              f"Each cell: the median over {args.rounds} interleaved rounds of the median of {args.reps} calls (after a "
              f"warm-up). Step = one target forward of B new tokens over a {args.context}-token KV cache plus the LM "
              "head on its B positions (a verify round's target work at ℓ = B − 1; B = 1 is a plain decoding step).",
-             "", "| B tokens | LM head x Wᵀ (ms) | LM head (W xᵀ)ᵀ (ms) | ratio | step, nn.Linear (ms) | "
-             "step, every Linear (W xᵀ)ᵀ (ms) | ratio | nn.Linear step / its B = 1 | (W xᵀ)ᵀ step / its B = 1 |",
-             "|---|---|---|---|---|---|---|---|---|"]
-    plain = {mode: cell("step", 1, mode) for mode in MODES}
-    for b in SIZES:
-        h0, h1 = cell("head", b, "linear"), cell("head", b, "transposed")
-        s0, s1 = cell("step", b, "linear"), cell("step", b, "transposed")
-        lines.append(f"| {b} | {h0:.1f} | {h1:.1f} | {h1 / h0:.2f} | {s0:.1f} | {s1:.1f} | {s1 / s0:.2f} | "
-                     f"{s0 / plain['linear']:.2f} | {s1 / plain['transposed']:.2f} |")
-    padded_head, padded_step = cell("head", 1, "padded"), cell("step", 1, "padded")
-    lines += ["", "Ratio < 1: the (W xᵀ)ᵀ layout is faster on this machine for that B. The last two columns are the "
-              "cost of verifying B − 1 drafts in plain steps in each layout.", "",
-              f"One row computed as two (the second zero), B = 1: LM head {padded_head:.1f} ms against "
-              f"{cell('head', 1, 'transposed'):.1f} ms one-row (W xᵀ)ᵀ and {cell('head', 1, 'linear'):.1f} ms x Wᵀ; "
-              f"the whole 1-token step {padded_step:.1f} ms against {plain['transposed']:.1f} and "
-              f"{plain['linear']:.1f} ms. With it, verifying B − 1 drafts in (W xᵀ)ᵀ costs "
-              + ", ".join(f"{cell('step', b, 'transposed') / padded_step:.2f}" for b in SIZES[1:])
-              + f" plain steps at B = {', '.join(str(b) for b in SIZES[1:])} "
-              "(the library's choice on a machine where `dspark.hardware.single_row_padding` measures it faster)."]
+             "", f"Row-padding table of the padded cells: `{format_row_padding(padding)}` ("
+             + ("probed on the LM head as `dspark.hardware.row_padding` does at target load: "
+                + ", ".join(f"{n} {c:.1f}" for n, c in sorted(probe_costs.items())) + " ms by rows"
+                if padding_given is None else "given by --padding") + ").", "",
+             "| B tokens | LM head x Wᵀ (ms) | LM head (W xᵀ)ᵀ (ms) | padded (ms) | step, nn.Linear (ms) | "
+             "step, every Linear (W xᵀ)ᵀ (ms) | padded step (ms) | nn.Linear step / its B = 1 | (W xᵀ)ᵀ step / its "
+             "B = 1 | padded step / its B = 1 |", "|---|---|---|---|---|---|---|---|---|---|"]
+
+    def library(kind: str, b: int) -> float:
+        """The padded layout's cost at B: the padded cell where B is padded, the (W xᵀ)ᵀ one otherwise."""
+        return cell(kind, b, "padded" if b in padding else "transposed")
+
+    plain = {"linear": cell("step", 1, "linear"), "transposed": cell("step", 1, "transposed"),
+             "padded": library("step", 1)}
+    for b in args.sizes:
+        h0, h1, s0, s1 = (cell("head", b, "linear"), cell("head", b, "transposed"), cell("step", b, "linear"),
+                          cell("step", b, "transposed"))
+        padded_cells = (f"{library('head', b):.1f} (→ {padding[b]})", f"{library('step', b):.1f} (→ {padding[b]})") \
+            if b in padding else ("same", "same")
+        lines.append(f"| {b} | {h0:.1f} | {h1:.1f} | {padded_cells[0]} | {s0:.1f} | {s1:.1f} | {padded_cells[1]} | "
+                     f"{s0 / plain['linear']:.2f} | {s1 / plain['transposed']:.2f} | "
+                     f"{library('step', b) / plain['padded']:.2f} |")
+    lines += ["", "The last three columns are the cost of verifying B − 1 drafts in plain steps in each layout (the "
+              "padded one is the library's choice on a machine where `few_row_layout` picks (W xᵀ)ᵀ). A padded B "
+              "computes its products with the table's rows, the extra ones zero; the target sees B tokens."]
     args.output.write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     return 0

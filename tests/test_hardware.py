@@ -168,41 +168,85 @@ def test_few_row_product_is_linear_up_to_summation_order(rows, with_bias):
         assert torch.equal(got, expected)
 
 
-@pytest.mark.parametrize("rows", [1, 2, 17])
-def test_a_padded_single_row_product_is_linear_up_to_summation_order(rows):
-    """pad_single_row multiplies a one-row x as two rows and keeps the first: the same numbers, row-major; other row
-    counts are untouched by the flag."""
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 17])
+def test_a_row_padded_product_is_linear_up_to_summation_order(rows):
+    """A row-padding table multiplies an n-row x as m rows (the extra ones zero) and keeps the n: the same numbers,
+    row-major; row counts outside the table, and any beyond FEW_ROWS, are untouched by it."""
     import torch
 
     gen = torch.Generator().manual_seed(rows)
     x = torch.randn(rows, 24, generator=gen)
     weight, bias = torch.randn(40, 24, generator=gen), torch.randn(40, generator=gen)
-    got = hardware.few_row_product(x, weight, bias, pad_single_row=True)
+    table = {1: 2, 3: 4, 5: 16, 17: 20}  # 17: beyond FEW_ROWS, never padded
+    got = hardware.few_row_product(x, weight, bias, row_padding=table)
     torch.testing.assert_close(got, torch.nn.functional.linear(x, weight, bias), rtol=1e-5, atol=1e-5)
     assert got.shape == (rows, 40) and got.is_contiguous()
-    if rows > 1:
+    if rows not in table or rows > hardware.FEW_ROWS:
         assert torch.equal(got, hardware.few_row_product(x, weight, bias))
 
 
-def test_single_row_padding_is_measured_only_where_it_can_matter_and_follows_the_timings(monkeypatch):
+def test_padding_from_costs_pads_to_the_smallest_larger_count_cheaper_by_the_margin():
+    # MKL-like costs on the Zen 3's LM head: one row (matrix-vector) and three rows dearer than two and four
+    costs = {1: 9.0, 2: 6.0, 3: 7.0, 4: 5.8, 5: 6.3, 6: 8.0, 7: 10.3, 8: 9.3}
+    # 1 → 2 (9.0 ≥ 1.1·6.0; 4 is cheaper still, but the smallest qualifying count is taken), 2 stays (6.0 < 1.1·5.8),
+    # 3 → 4 (7.0 ≥ 6.38), 4 and 5 stay (nothing larger is cheaper), 6 stays (8.0 < 1.1·9.3), 7 → 8 (10.3 ≥ 10.23)
+    assert hardware.padding_from_costs(costs, margin=1.1) == {1: 2, 3: 4, 7: 8}
+    assert hardware.padding_from_costs(costs, margin=2.0) == {}
+    assert hardware.padding_from_costs({1: 5.0, 2: 5.0, 3: 5.0}) == {}  # ties never pad
+    assert hardware.padding_from_costs({1: 9.0, 2: 9.5, 3: 6.0}) == {1: 3, 2: 3}  # past a dearer count
+
+
+def test_row_padding_is_measured_only_where_it_can_matter_and_follows_the_timings(monkeypatch):
     import torch
 
-    monkeypatch.delenv(hardware.SINGLE_ROW_PAD_ENV, raising=False)
-    assert hardware.single_row_padding(torch.randn(64, 32)) == (False, 1.0)  # in cache: never probed
+    monkeypatch.delenv(hardware.ROW_PAD_ENV, raising=False)
+    assert hardware.row_padding(torch.randn(64, 32)) == ({}, {})  # in cache: never probed
     big = torch.zeros(hardware.FEW_ROW_PROBE_MIN_ELEMENTS // 256, 256)
-    assert hardware.single_row_padding(big.bfloat16()) == (False, 1.0)
-    # (one row, padded) per interleaved round; the ratio of the medians decides, so one noisy round does not
-    timings = iter([9.0, 6.0, 6.2, 6.0, 9.3, 6.1] + [6.5, 6.0, 6.4, 6.1, 9.0, 6.0])
-
+    assert hardware.row_padding(big.bfloat16()) == ({}, {})
+    # rows 1, 2, 3 per interleaved round; the median over rounds decides, so one noisy round does not
+    timings = iter([9.0, 6.0, 6.1] + [9.2, 6.0, 9.0] + [8.8, 6.1, 6.0])
     monkeypatch.setattr(hardware, "_median_ms", lambda fn, reps: next(timings))
-    assert hardware.single_row_padding(big, rounds=3) == (True, pytest.approx(9.0 / 6.0))
-    assert hardware.single_row_padding(big, rounds=3) == (False, pytest.approx(6.5 / 6.0))
-    for forced, chosen in (("on", True), ("off", False)):
-        monkeypatch.setenv(hardware.SINGLE_ROW_PAD_ENV, forced)
-        assert hardware.single_row_padding(big) == (chosen, 1.0)
-    monkeypatch.setenv(hardware.SINGLE_ROW_PAD_ENV, "yes")
-    with pytest.raises(ValueError, match="DSPARK_SINGLE_ROW_PAD='yes': expected auto, on or off"):
-        hardware.single_row_padding(big)
+    table, costs = hardware.row_padding(big, max_rows=3, rounds=3)
+    assert costs == {1: 9.0, 2: 6.0, 3: 6.1} and table == {1: 2}  # round 2's 9.0 at three rows is outvoted
+    for forced, chosen in (("off", {}), ("1:2,3:4", {1: 2, 3: 4})):
+        monkeypatch.setenv(hardware.ROW_PAD_ENV, forced)
+        assert hardware.row_padding(big) == (chosen, {})
+    for bad, message in (("yes", "expected auto, off or n:m pairs"),
+                         ("3:2", "each n:m needs 1 <= n < m <= 16 \\(got 3:2\\)"),
+                         ("1:17", "each n:m needs .* \\(got 1:17\\)")):
+        monkeypatch.setenv(hardware.ROW_PAD_ENV, bad)
+        with pytest.raises(ValueError, match=f"DSPARK_ROW_PADDING='{bad}': {message}"):
+            hardware.row_padding(big)
+
+
+def test_row_padding_round_trips_through_its_text_form():
+    for table in ({}, {1: 2}, {1: 4, 3: 4, 7: 8}):
+        assert hardware.parse_row_padding(hardware.format_row_padding(table)) == table
+    assert hardware.format_row_padding({3: 4, 1: 2}) == "1:2,3:4"
+
+
+def test_use_few_row_products_applies_the_padding_table_to_every_linear():
+    import torch
+
+    model = torch.nn.Sequential(torch.nn.Linear(8, 6), torch.nn.ReLU(), torch.nn.Linear(6, 4))
+    x = torch.randn(3, 8)
+    expected = model(x)
+    calls = []
+    real = hardware.few_row_product
+
+    def spy(x, weight, bias=None, *, row_padding=None):
+        calls.append((x.shape[0], dict(row_padding or {})))
+        return real(x, weight, bias, row_padding=row_padding)
+
+    assert hardware.use_few_row_products(model, row_padding={3: 4}) == 2
+    original = hardware.few_row_product
+    hardware.few_row_product = spy
+    try:
+        got = model(x)
+    finally:
+        hardware.few_row_product = original
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    assert calls == [(3, {3: 4}), (3, {3: 4})]
 
 
 def test_few_row_layout_is_measured_only_where_it_can_matter(monkeypatch):
@@ -254,7 +298,7 @@ def test_a_model_switched_to_few_row_products_computes_the_same_and_reads_its_cu
     assert "forward" not in model[0].__dict__
     model[2].weight = torch.nn.Parameter(torch.randn(4, 16))
     before = model(x[:1])
-    assert hardware.use_few_row_products(model, pad_single_row=True) == 2
+    assert hardware.use_few_row_products(model, row_padding={1: 2}) == 2
     torch.testing.assert_close(model(x[:1]), before, rtol=1e-5, atol=1e-6)  # one row: padded to two
 
 

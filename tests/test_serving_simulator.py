@@ -306,8 +306,8 @@ def test_cached_table_reused_and_reprofiled_on_mismatch(tiny, tmp_path, caplog):
 
 
 def test_a_table_of_another_forward_path_is_not_reused(tiny, tmp_path, monkeypatch):
-    """A change in our code that moves a verify forward's cost bumps FORWARD_PATH_REVISION: older tables are re-profiled,
-    as are tables of the other few-row layout."""
+    """A change in our code that moves a verify forward's cost bumps FORWARD_PATH_REVISION: older tables are
+    re-profiled, as are tables of the other few-row layout or of another row-padding table."""
     import dspark.scheduling.profile as profile_module
 
     kwargs = dict(cache_dir=tmp_path, max_batch_tokens=3, num_rows=1, context_length=8, repeats=1)
@@ -316,10 +316,13 @@ def test_a_table_of_another_forward_path_is_not_reused(tiny, tmp_path, monkeypat
     second, newer = load_or_profile_serving_sps(tiny, **kwargs)
     monkeypatch.setattr(tiny, "few_row_layout", "transposed")
     third, transposed = load_or_profile_serving_sps(tiny, **kwargs)
-    monkeypatch.setattr(tiny, "single_row_padding", True, raising=False)
+    monkeypatch.setattr(tiny, "row_padding", {1: 2}, raising=False)
     _, padded = load_or_profile_serving_sps(tiny, **kwargs)
-    paths = (path, newer, transposed, padded)
-    assert len(set(paths)) == 4 and all(p.exists() for p in paths)
+    monkeypatch.setattr(tiny, "row_padding", {1: 2, 3: 4}, raising=False)
+    _, padded_more = load_or_profile_serving_sps(tiny, **kwargs)
+    paths = (path, newer, transposed, padded, padded_more)
+    assert len(set(paths)) == 5 and all(p.exists() for p in paths)
+    assert "-f" in padded_more.name and "tp1.2-3.4-" in padded_more.name
     assert first.created <= second.created <= third.created
 
 

@@ -193,28 +193,35 @@ FEW_ROW_PROBE_MIN_ELEMENTS = 4_000_000
 #: how much faster the (W xᵀ)ᵀ layout must be, at every probed row count, to be chosen
 FEW_ROW_MARGIN = 1.5
 FEW_ROW_LAYOUT_ENV = "DSPARK_FEW_ROW_LAYOUT"
-#: how much faster a one-row product must be when computed as a two-row one (`single_row_padding`) to be padded
-#: (the Zen 3 measured 1.2–1.8× on the LM head, and a whole 1-token step 7% faster padded)
-SINGLE_ROW_PAD_MARGIN = 1.1
-SINGLE_ROW_PAD_ENV = "DSPARK_SINGLE_ROW_PAD"
+#: how much faster a product of n rows must be when computed as m > n rows (the extra ones zero) to be padded
+#: (`row_padding`). The Zen 3 measured one row 1.2–1.8× slower than two on the LM head (a whole 1-token step 7% faster
+#: padded), three rows 1.2× slower than four (a whole 3-token verify step 66.4 → 63.0 ms padded to four).
+ROW_PAD_MARGIN = 1.1
+ROW_PAD_ENV = "DSPARK_ROW_PADDING"
+#: a row-padding table: {n: m} computes an n-row (W xᵀ)ᵀ product as m > n rows, the extra ones zero; absent n are
+#: computed as they are
+RowPadding = dict[int, int]
 
 
 def few_row_product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
-                    pad_single_row: bool = False) -> torch.Tensor:
+                    row_padding: RowPadding | None = None) -> torch.Tensor:
     """`F.linear(x, weight, bias)` for x [..., K], weight [N, K] → [..., N], computed as (W xᵀ)ᵀ when x has at most
-    `FEW_ROWS` rows (the same numbers up to summation order), as `F.linear` otherwise. pad_single_row: a one-row x is
-    multiplied as two rows (the second zero) and the first row kept (`single_row_padding` decides where that pays).
+    `FEW_ROWS` rows (the same numbers up to summation order), as `F.linear` otherwise. row_padding: an n-row x with
+    n in the table is multiplied as `row_padding[n]` rows (the extra ones zero) and its n rows kept (`row_padding`
+    decides where that pays).
 
     Why: for a few rows, BLAS's x Wᵀ product can cost ~2–4× the (W xᵀ)ᵀ one for a weight that lives in DRAM (MKL on an
     AVX2-only AMD EPYC Zen 3, fp32: SmolLM2's LM head at 2 rows 36.8 vs 13.3 ms, a 2-token target forward 198 vs
-    131 ms; benchmarks/results/matmul-layout.md), which made verifying one draft cost 1.5 plain decoding steps. At one
-    row the same BLAS takes its matrix-vector kernel, which on that machine streamed the LM head at 9.0 ms against
-    6.0 ms for the two-row matrix product."""
+    131 ms; benchmarks/results/matmul-layout.md), which made verifying one draft cost 1.5 plain decoding steps. And
+    the cost of the (W xᵀ)ᵀ product is not monotone in the row count: on that machine one row (BLAS's matrix-vector
+    kernel) streamed the LM head at 9.0 ms against 6.0 ms for two, and three rows cost 7.0 ms against 5.8 for four."""
     flat = x.reshape(-1, x.shape[-1])
-    if flat.shape[0] > FEW_ROWS:
+    rows = flat.shape[0]
+    if rows > FEW_ROWS:
         return torch.nn.functional.linear(x, weight, bias)
-    if pad_single_row and flat.shape[0] == 1:
-        out = torch.mm(weight, torch.cat([flat, flat.new_zeros(flat.shape)]).t())[:, :1].t()
+    padded_rows = row_padding.get(rows, rows) if row_padding else rows
+    if padded_rows > rows:
+        out = torch.mm(weight, torch.cat([flat, flat.new_zeros(padded_rows - rows, flat.shape[1])]).t())[:, :rows].t()
     else:
         out = torch.mm(weight, flat.t()).t()
     # Contiguous again: the transposed product's rows are strided, and a strided q/k/v projection sends the
@@ -271,50 +278,82 @@ def few_row_layout(weight: torch.Tensor, *, rows: tuple[int, ...] = (2, 4), reps
     return ("transposed" if worst >= FEW_ROW_MARGIN else "linear"), worst
 
 
-def single_row_padding(weight: torch.Tensor, *, rounds: int = 5, reps: int = 3) -> tuple[bool, float]:
-    """Whether one-row (W xᵀ)ᵀ products should be computed as two-row ones on this machine: (chosen, the measured
-    speed-up of the padded product over the one-row one on `weight`; 1.0 when not probed).
+def parse_row_padding(text: str) -> RowPadding:
+    """A row-padding table written as `n:m,n:m` (e.g. `1:2,3:4`), each 1 <= n < m <= `FEW_ROWS`; `off` or empty:
+    none."""
+    if text.strip() in ("", "off"):
+        return {}
+    table: RowPadding = {}
+    for item in text.split(","):
+        try:
+            n, m = (int(part) for part in item.split(":"))
+        except ValueError:
+            raise ValueError(f"{ROW_PAD_ENV}={text!r}: expected auto, off or n:m pairs such as 1:2,3:4.") from None
+        if not 1 <= n < m <= FEW_ROWS:
+            raise ValueError(f"{ROW_PAD_ENV}={text!r}: each n:m needs 1 <= n < m <= {FEW_ROWS} (got {n}:{m}).")
+        table[n] = m
+    return table
+
+
+def format_row_padding(table: RowPadding) -> str:
+    """The inverse of `parse_row_padding`: `1:2,3:4`, or `off` for an empty table."""
+    return ",".join(f"{n}:{m}" for n, m in sorted(table.items())) or "off"
+
+
+def padding_from_costs(costs: dict[int, float], *, margin: float = ROW_PAD_MARGIN) -> RowPadding:
+    """The row-padding table that measured product `costs` {rows: ms} call for: each n is padded to the smallest
+    measured m > n that costs at most 1/`margin` of n; otherwise it stays. The smallest, not the cheapest: the probe
+    times the model's largest weight, and a model's small, cache-resident products cost more with every added row."""
+    table: RowPadding = {}
+    sizes = sorted(costs)
+    for index, n in enumerate(sizes):
+        cheaper = [m for m in sizes[index + 1:] if costs[n] >= margin * costs[m]]
+        if cheaper:
+            table[n] = cheaper[0]
+    return table
+
+
+def row_padding(weight: torch.Tensor, *, max_rows: int = FEW_ROWS, rounds: int = 3, reps: int = 3
+                ) -> tuple[RowPadding, dict[int, float]]:
+    """Which few-row (W xᵀ)ᵀ products should be computed with more rows on this machine: (the table,
+    `padding_from_costs` of the measured costs; those costs {rows: ms}, empty when not probed).
 
     Measured like `few_row_layout`, for the same weights (fp32 on the CPU, at least `FEW_ROW_PROBE_MIN_ELEMENTS`
-    elements), and chosen when it is `SINGLE_ROW_PAD_MARGIN`× faster: the ratio of the medians over `rounds`
-    interleaved rounds, each the median of `reps` calls per product. (One median of 5 calls per product read 1.06× in
-    one load out of six on the Zen 3 where the interleaved rounds read 1.3–1.8×: two decoding runs in a row then
-    differed in whether the plain step was padded.) `DSPARK_SINGLE_ROW_PAD=on|off` overrides the choice (`auto`, the
-    default, probes). Only consulted where the model takes the transposed layout."""
-    forced = os.environ.get(SINGLE_ROW_PAD_ENV, "auto")
-    if forced in ("on", "off"):
-        return forced == "on", 1.0
+    elements), at every row count 1..`max_rows`: the median over `rounds` interleaved rounds of the median of `reps`
+    calls. (One median of 5 calls per product read 1.06× in one load out of six on the Zen 3 where interleaved rounds
+    read 1.3–1.8×: two decoding runs in a row then differed in whether the plain step was padded.) BLAS picks its
+    kernel by shape, so the cost of a product is not monotone in its rows (MKL on the Zen 3: 3 rows dearer than 4,
+    9–15 dearer than 16). `DSPARK_ROW_PADDING=auto|off|n:m,...` overrides the choice (`auto`, the default, probes).
+    Only consulted where the model takes the transposed layout."""
+    forced = os.environ.get(ROW_PAD_ENV, "auto")
     if forced != "auto":
-        raise ValueError(f"{SINGLE_ROW_PAD_ENV}={forced!r}: expected auto, on or off.")
+        return parse_row_padding(forced), {}
     if not _worth_probing(weight):
-        return False, 1.0
-    x = torch.randn(1, weight.shape[1], generator=torch.Generator().manual_seed(0))
-    one_row, padded = [], []
+        return {}, {}
+    gen = torch.Generator().manual_seed(0)
+    inputs = {n: torch.randn(n, weight.shape[1], generator=gen) for n in range(1, max_rows + 1)}
+    timings: dict[int, list[float]] = {n: [] for n in inputs}
     with torch.no_grad():
         for _ in range(rounds):
-            one_row.append(_median_ms(lambda: few_row_product(x, weight), reps))
-            padded.append(_median_ms(lambda: few_row_product(x, weight, pad_single_row=True), reps))
-    speedup = statistics.median(one_row) / max(statistics.median(padded), 1e-6)
-    return speedup >= SINGLE_ROW_PAD_MARGIN, speedup
+            for n, x in inputs.items():
+                timings[n].append(_median_ms(lambda: few_row_product(x, weight), reps))
+    costs = {n: statistics.median(times) for n, times in timings.items()}
+    return padding_from_costs(costs), costs
 
 
-def use_few_row_products(model: torch.nn.Module, *, pad_single_row: bool = False) -> int:
-    """Make every `nn.Linear` of a frozen `model` compute through `few_row_product` (one-row products padded to two
-    when `pad_single_row`); returns how many.
+def use_few_row_products(model: torch.nn.Module, *, row_padding: RowPadding | None = None) -> int:
+    """Make every `nn.Linear` of a frozen `model` compute through `few_row_product` (with the `row_padding` table);
+    returns how many.
 
     An instance attribute shadows `nn.Linear.forward` and reads the module's weight at each call (so
     `autocast_linear_weights`' swapped weights still apply); state dict and hooks are untouched, and `del
     module.forward` restores the class's."""
-    forward = _padded_few_row_forward if pad_single_row else _few_row_forward
+    table = dict(row_padding or {})
     linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
     for module in linears:
-        module.forward = types.MethodType(forward, module)
+        module.forward = types.MethodType(functools.partial(_few_row_forward, row_padding=table), module)
     return len(linears)
 
 
-def _few_row_forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    return few_row_product(x, self.weight, self.bias)
-
-
-def _padded_few_row_forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    return few_row_product(x, self.weight, self.bias, pad_single_row=True)
+def _few_row_forward(self: torch.nn.Linear, x: torch.Tensor, *, row_padding: RowPadding) -> torch.Tensor:
+    return few_row_product(x, self.weight, self.bias, row_padding=row_padding)

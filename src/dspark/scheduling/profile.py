@@ -110,10 +110,11 @@ def monotone_table(table: SPSTable) -> SPSTable:
 
 def serving_sps_path(cache_dir: str | Path, target: Any, *, num_rows: int, context_length: int) -> Path:
     """`<cache>/sps/serving-<target fingerprint[:16]>-<machine hash>-f<forward path>-r<R>-c<context>.json`; the
-    forward path is `FORWARD_PATH_REVISION`, the target's few-row layout (`Target.few_row_layout`) and p where it
-    pads one-row products (`Target.single_row_padding`)."""
+    forward path is `FORWARD_PATH_REVISION`, the target's few-row layout (`Target.few_row_layout`) and, where it pads
+    row counts (`Target.row_padding`), p and the table's pairs (`p1.2-3.4`: one row as two, three as four)."""
     machine = hashlib.sha256(machine_fingerprint().encode()).hexdigest()[:12]
-    padded = "p" if getattr(target, "single_row_padding", False) else ""
+    padding = getattr(target, "row_padding", None) or {}
+    padded = ("p" + "-".join(f"{n}.{m}" for n, m in sorted(padding.items()))) if padding else ""
     layout = getattr(target, "few_row_layout", "linear")[0] + padded
     name = (f"serving-{target.fingerprint[:16]}-{machine}-f{FORWARD_PATH_REVISION}{layout}"
             f"-r{num_rows}-c{context_length}.json")

@@ -17,8 +17,8 @@ from torch import Tensor, nn
 from transformers import DynamicCache
 
 from dspark.drafters.layers import DraftLayerSpec
-from dspark.hardware import (FEW_ROW_LAYOUT_ENV, SINGLE_ROW_PAD_ENV, few_row_layout, single_row_padding,
-                              use_few_row_products)
+from dspark.hardware import (FEW_ROW_LAYOUT_ENV, ROW_PAD_ENV, RowPadding, few_row_layout, format_row_padding,
+                              row_padding, use_few_row_products)
 
 log = logging.getLogger("dspark")
 
@@ -66,21 +66,24 @@ def _default_hint(num_layers: int) -> str:
         return ""
 
 
-def _choose_few_row_layout(model: nn.Module, head_weight: Tensor) -> tuple[str, bool]:
+def _choose_few_row_layout(model: nn.Module, head_weight: Tensor) -> tuple[str, RowPadding]:
     """Measure once whether this machine's few-row products (a verify forward's ℓ + 1 tokens) are faster in the
     (W xᵀ)ᵀ layout, and switch every `nn.Linear` of the frozen model to it if so (`dspark.hardware.few_row_layout`:
-    fp32 CPU weights only, tiny models never); in that layout, also whether one-row products (a plain decoding step)
-    are faster computed as two rows (`dspark.hardware.single_row_padding`). Returns (layout, single-row padding)."""
+    fp32 CPU weights only, tiny models never); in that layout, also which row counts are faster computed as more rows
+    (`dspark.hardware.row_padding`: one row as two, three as four on the Zen 3). Returns (layout, row padding)."""
     layout, speedup = few_row_layout(head_weight.detach())
     if layout != "transposed":
-        return layout, False
-    pad, pad_speedup = single_row_padding(head_weight.detach())
-    count = use_few_row_products(model, pad_single_row=pad)
+        return layout, {}
+    padding, costs = row_padding(head_weight.detach())
+    count = use_few_row_products(model, row_padding=padding)
+    measured = ""
+    if padding and costs:
+        measured = " (" + ", ".join(f"{n} rows {costs[n]:.1f} ms → {m} rows {costs[m]:.1f} ms"
+                                    for n, m in sorted(padding.items())) + " on the LM head)"
     log.info("target: %d linear layers compute few-token products as (W xᵀ)ᵀ (%.1f× x Wᵀ's speed measured on "
-             "the LM head at 2–4 tokens; %s=linear turns this off)%s", count, speedup, FEW_ROW_LAYOUT_ENV,
-             f", one-token products as two rows ({pad_speedup:.2f}× the one-row product; {SINGLE_ROW_PAD_ENV}=off "
-             "turns this off)" if pad else "")
-    return layout, pad
+             "the LM head at 2–4 tokens; %s=linear turns this off), row padding %s%s; %s=off turns it off",
+             count, speedup, FEW_ROW_LAYOUT_ENV, format_row_padding(padding), measured, ROW_PAD_ENV)
+    return layout, padding
 
 
 @dataclass
@@ -104,7 +107,7 @@ class Target:
     against the fp32 target also serves a bf16 load of the same files), `default_system_prompt` (True when the chat template inserts its own system turn
     if none is given, as SmolLM2's does; `chat_prompt_ids` keeps that behaviour), `few_row_layout` (`linear`, or
     `transposed` where this machine computes few-token products faster as (W xᵀ)ᵀ: `_choose_few_row_layout`),
-    `single_row_padding` (True where, in that layout, one-token products run as two rows, the second zero).
+    `row_padding` ({n: m} where, in that layout, n-token products run as m rows, the extra ones zero; empty if none).
     """
 
     def __init__(
@@ -138,7 +141,7 @@ class Target:
         self.fingerprint = fingerprint
         self.checkpoint_fingerprint = checkpoint_fingerprint or fingerprint
         self.default_system_prompt = _template_adds_system_turn(tokenizer)
-        self.few_row_layout, self.single_row_padding = _choose_few_row_layout(model, self.lm_head.weight)
+        self.few_row_layout, self.row_padding = _choose_few_row_layout(model, self.lm_head.weight)
 
     @property
     def device(self) -> torch.device:
