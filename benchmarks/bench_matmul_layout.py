@@ -44,7 +44,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--rounds", type=int, default=5, help="interleaved rounds (each times every cell)")
     parser.add_argument("--reps", type=int, default=5, help="timed calls per cell and round (median kept)")
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--sizes", type=int, nargs="+", default=[1, 2, 3, 4, 5, 6, 7, 8, 9, 16],
+    parser.add_argument("--sizes", type=int, nargs="+", default=[1, 2, 3, 4, 5, 6, 7, 8, 9, 12, 16],
                         help="B tokens per forward (each at most dspark.hardware.FEW_ROWS)")
     parser.add_argument("--padding", default="auto",
                         help="the row-padding table of the padded cells: auto (probe as the library does) or n:m,...")

@@ -78,8 +78,8 @@ def _choose_few_row_layout(model: nn.Module, head_weight: Tensor) -> tuple[str, 
     count = use_few_row_products(model, row_padding=padding)
     measured = ""
     if padding and costs:
-        measured = " (" + ", ".join(f"{n} rows {costs[n]:.1f} ms → {m} rows {costs[m]:.1f} ms"
-                                    for n, m in sorted(padding.items())) + " on the LM head)"
+        measured = " (LM head ms: " + ", ".join(f"{n} → {m} rows {costs[n]:.1f} → {costs[m]:.1f}"
+                                                for n, m in sorted(padding.items())) + ")"
     log.info("target: %d linear layers compute few-token products as (W xᵀ)ᵀ (%.1f× x Wᵀ's speed measured on "
              "the LM head at 2–4 tokens; %s=linear turns this off), row padding %s%s; %s=off turns it off",
              count, speedup, FEW_ROW_LAYOUT_ENV, format_row_padding(padding), measured, ROW_PAD_ENV)
