@@ -319,3 +319,63 @@ def test_a_target_in_the_transposed_layout_gives_the_same_logits(monkeypatch, tm
         b = transposed(target_ids, return_logits=True)
         torch.testing.assert_close(b.logits, a.logits, rtol=1e-4, atol=1e-5)
         torch.testing.assert_close(b.features, a.features, rtol=1e-4, atol=1e-5)
+
+
+def test_a_measured_few_row_choice_is_kept_per_machine_and_read_instead_of_measuring_again(monkeypatch, tmp_path):
+    """The load-time probe's choice is written once and read back on later loads, so runs on one machine compare the
+    same forward path; env overrides bypass the file, an unreadable one is measured again, unprobed weights write
+    nothing."""
+    import json
+
+    import torch
+
+    import dspark.targets.base as base
+
+    monkeypatch.delenv(hardware.FEW_ROW_LAYOUT_ENV, raising=False)
+    monkeypatch.delenv(hardware.ROW_PAD_ENV, raising=False)
+    probes = []
+    monkeypatch.setattr(base, "few_row_layout", lambda w: probes.append("layout") or ("transposed", 2.5))
+    monkeypatch.setattr(base, "row_padding", lambda w: probes.append("padding") or ({1: 2, 3: 4}, {1: 9.0, 2: 6.0,
+                                                                                                   3: 7.0, 4: 5.8}))
+    head = torch.zeros(hardware.FEW_ROW_PROBE_MIN_ELEMENTS // 256, 256)  # big enough to be probed
+    path = base.few_row_decision_path(tmp_path, "f" * 64)
+    assert path.parent == tmp_path / "hardware" and path.name.startswith("few-row-" + "f" * 16)
+
+    def model():
+        return torch.nn.Sequential(torch.nn.Linear(4, 4))
+
+    assert base._choose_few_row_layout(model(), head, path) == ("transposed", {1: 2, 3: 4})
+    assert probes == ["layout", "padding"] and json.loads(path.read_text())["row_padding"] == "1:2,3:4"
+    switched = model()
+    assert base._choose_few_row_layout(switched, head, path) == ("transposed", {1: 2, 3: 4})
+    assert probes == ["layout", "padding"]  # read, not measured again
+    assert "forward" in switched[0].__dict__  # and still applied to the model
+    monkeypatch.setenv(hardware.ROW_PAD_ENV, "off")  # an override wins over the file and is not written
+    monkeypatch.setattr(base, "row_padding", lambda w: ({}, {}))
+    assert base._choose_few_row_layout(model(), head, path) == ("transposed", {})
+    assert json.loads(path.read_text())["row_padding"] == "1:2,3:4"
+    monkeypatch.delenv(hardware.ROW_PAD_ENV)
+    path.write_text("{not json")
+    assert base._choose_few_row_layout(model(), head, path) == ("transposed", {})  # unreadable: measured again
+    assert json.loads(path.read_text())["row_padding"] == "off"
+    small = tmp_path / "small.json"
+    assert base._choose_few_row_layout(model(), torch.zeros(8, 4), small)[0] == "transposed"
+    assert not small.exists()  # a weight the probe never measures leaves no decision behind
+
+
+def test_a_few_row_choice_that_cannot_be_kept_only_warns(monkeypatch, tmp_path, caplog):
+    import logging
+
+    import torch
+
+    import dspark.targets.base as base
+
+    monkeypatch.delenv(hardware.FEW_ROW_LAYOUT_ENV, raising=False)
+    monkeypatch.delenv(hardware.ROW_PAD_ENV, raising=False)
+    monkeypatch.setattr(base, "few_row_layout", lambda w: ("linear", 1.2))
+    blocker = tmp_path / "hardware"
+    blocker.write_text("a file where the directory would go")
+    head = torch.zeros(hardware.FEW_ROW_PROBE_MIN_ELEMENTS // 256, 256)
+    with caplog.at_level(logging.WARNING, logger="dspark"):
+        assert base._choose_few_row_layout(torch.nn.Linear(4, 4), head, blocker / "choice.json") == ("linear", {})
+    assert "could not keep the few-row choice" in caplog.text

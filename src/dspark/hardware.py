@@ -244,7 +244,7 @@ def _median_ms(fn: Callable[[], object], reps: int) -> float:
     return sorted(times)[len(times) // 2]
 
 
-def _worth_probing(weight: torch.Tensor) -> bool:
+def worth_probing(weight: torch.Tensor) -> bool:
     """The few-row probes' scope: fp32 CPU weights of at least `FEW_ROW_PROBE_MIN_ELEMENTS` (smaller ones sit in cache,
     where the layouts cost the same; tiny test models keep `nn.Linear`)."""
     return (weight.device.type == "cpu" and weight.dtype == torch.float32
@@ -264,7 +264,7 @@ def few_row_layout(weight: torch.Tensor, *, rows: tuple[int, ...] = (2, 4), reps
         return forced, 1.0
     if forced != "auto":
         raise ValueError(f"{FEW_ROW_LAYOUT_ENV}={forced!r}: expected auto, linear or transposed.")
-    if not _worth_probing(weight):
+    if not worth_probing(weight):
         return "linear", 1.0
     gen = torch.Generator().manual_seed(0)
     speedups = []
@@ -328,7 +328,7 @@ def row_padding(weight: torch.Tensor, *, max_rows: int = FEW_ROWS, rounds: int =
     forced = os.environ.get(ROW_PAD_ENV, "auto")
     if forced != "auto":
         return parse_row_padding(forced), {}
-    if not _worth_probing(weight):
+    if not worth_probing(weight):
         return {}, {}
     gen = torch.Generator().manual_seed(0)
     inputs = {n: torch.randn(n, weight.shape[1], generator=gen) for n in range(1, max_rows + 1)}

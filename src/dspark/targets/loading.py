@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from dspark.targets.base import Target, resolve_feature_layer_ids
+from dspark.targets.base import Target, few_row_decision_path, resolve_feature_layer_ids
 from dspark.targets.builtin import TARGET_KEY, TARGETS, TargetSource
 from dspark.targets.checks import check_gguf_file, check_model_dir, looks_like_path
 from dspark.targets.storage import convert_gguf, gguf_cache_name, materialize, targets_cache_root
@@ -51,6 +51,7 @@ def load_target(
         model = model.to(dtype)
     check_vocab_agreement(model, tokenizer)
     num_layers = len(model.get_decoder().layers)
+    fingerprint = compute_fingerprint(source.name, model) if dtype != torch.float32 else checkpoint_fingerprint
     return Target(
         name=source.name,
         model=model,
@@ -59,8 +60,9 @@ def load_target(
                                                     num_default=num_feature_layers),
         mask_token_id=choose_mask_token_id(model, tokenizer, explicit=mask_token_id, token=source.mask_token),
         stop_token_ids=collect_stop_token_ids(model, tokenizer),
-        fingerprint=compute_fingerprint(source.name, model) if dtype != torch.float32 else checkpoint_fingerprint,
+        fingerprint=fingerprint,
         checkpoint_fingerprint=checkpoint_fingerprint,
+        few_row_decision=few_row_decision_path(cache_dir, fingerprint),
     )
 
 
