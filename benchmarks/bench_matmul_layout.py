@@ -82,7 +82,7 @@ def median_ms(fn, reps: int) -> float:
 
 
 def main(argv: list[str]) -> int:
-    from dspark.hardware import (FEW_ROW_LAYOUT_ENV, FEW_ROWS, cpu_bf16_unit, cpu_model, few_row_product,
+    from dspark.hardware import (FEW_ROW_LAYOUT_ENV, FEW_ROWS, ROW_PAD_ENV, cpu_bf16_unit, cpu_model, few_row_product,
                                  format_row_padding, keep_freed_memory, parse_row_padding, row_padding)
     from dspark.targets import load_target
 
@@ -99,7 +99,7 @@ def main(argv: list[str]) -> int:
     weight = target.lm_head.weight.detach()
     probe_costs: dict[int, float] = {}
     if padding_given is None:
-        os.environ.pop("DSPARK_ROW_PADDING", None)
+        os.environ.pop(ROW_PAD_ENV, None)
         padding, probe_costs = row_padding(weight)
     else:
         padding = padding_given

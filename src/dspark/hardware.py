@@ -137,6 +137,14 @@ def release_freed_memory() -> bool:
     return bool(libc.malloc_trim(0)) if libc is not None else False
 
 
+def machine_fingerprint() -> str:
+    """One line naming what measured costs depend on: platform, CPU count, torch version, CUDA device if any (SPS
+    tables record it; the kept few-row choice adds `cpu_model`)."""
+    device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
+    return (f"{platform.platform()}|{platform.machine()}|cpus={os.cpu_count()}|torch={torch.__version__}"
+            f"|device={device}")
+
+
 def cpu_model() -> str:
     """The CPU's model name from /proc/cpuinfo (Linux), else the platform's processor string, else "unknown CPU"
     (for benchmark headers: results are only comparable on the same model)."""

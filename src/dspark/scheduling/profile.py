@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 
+from dspark.hardware import format_row_padding
 from dspark.scheduling.sps import SPSTable, machine_fingerprint, profile_sps
 
 __all__ = ["SERVING_CONTEXT_TOKENS", "load_or_profile_serving_sps", "load_sps_table", "monotone_table",
@@ -114,7 +115,7 @@ def serving_sps_path(cache_dir: str | Path, target: Any, *, num_rows: int, conte
     row counts (`Target.row_padding`), p and the table's pairs (`p1.2-3.4`: one row as two, three as four)."""
     machine = hashlib.sha256(machine_fingerprint().encode()).hexdigest()[:12]
     padding = getattr(target, "row_padding", None) or {}
-    padded = ("p" + "-".join(f"{n}.{m}" for n, m in sorted(padding.items()))) if padding else ""
+    padded = ("p" + format_row_padding(padding).replace(":", ".").replace(",", "-")) if padding else ""
     layout = getattr(target, "few_row_layout", "linear")[0] + padded
     name = (f"serving-{target.fingerprint[:16]}-{machine}-f{FORWARD_PATH_REVISION}{layout}"
             f"-r{num_rows}-c{context_length}.json")

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import json
 import os
-import platform
 import statistics
 import tempfile
 import time
@@ -28,14 +27,8 @@ from typing import Callable, Sequence
 import torch
 from torch import Tensor
 
+from dspark.hardware import machine_fingerprint  # noqa: F401  (re-exported: SPS tables record it)
 from dspark.timing import synchronize
-
-
-def machine_fingerprint() -> str:
-    """One line naming what SPS depends on: platform, CPU count, torch version, CUDA device if any."""
-    device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
-    return (f"{platform.platform()}|{platform.machine()}|cpus={os.cpu_count()}|torch={torch.__version__}"
-            f"|device={device}")
 
 
 def _now() -> str:

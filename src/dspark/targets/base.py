@@ -12,7 +12,6 @@ import hashlib
 import json
 import logging
 import os
-import platform
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -24,8 +23,8 @@ from transformers import DynamicCache
 from dspark.drafters.layers import DraftLayerSpec
 from dspark.files import atomic_write_text
 from dspark.hardware import (FEW_ROW_LAYOUT_ENV, ROW_PAD_ENV, RowPadding, cpu_model, few_row_layout,
-                              format_row_padding, parse_row_padding, row_padding, use_few_row_products,
-                              worth_probing)
+                              format_row_padding, machine_fingerprint, parse_row_padding, row_padding,
+                              use_few_row_products, worth_probing)
 
 log = logging.getLogger("dspark")
 
@@ -75,10 +74,9 @@ def _default_hint(num_layers: int) -> str:
 
 def few_row_decision_path(cache_dir: str | Path, fingerprint: str) -> Path:
     """Where a target's measured few-row choice is kept for this machine:
-    `<cache>/hardware/few-row-<fingerprint[:16]>-<machine hash>-t<torch threads>.json` (the machine: platform, CPU
-    model and count, torch version)."""
-    machine = f"{platform.platform()}|{cpu_model()}|cpus={os.cpu_count()}|torch={torch.__version__}"
-    digest = hashlib.sha256(machine.encode()).hexdigest()[:12]
+    `<cache>/hardware/few-row-<fingerprint[:16]>-<machine hash>-t<torch threads>.json` (the machine: SPS tables'
+    `machine_fingerprint` and the CPU model)."""
+    digest = hashlib.sha256(f"{machine_fingerprint()}|{cpu_model()}".encode()).hexdigest()[:12]
     return Path(cache_dir) / "hardware" / f"few-row-{fingerprint[:16]}-{digest}-t{torch.get_num_threads()}.json"
 
 
