@@ -41,8 +41,9 @@ SERVING_CONTEXT_TOKENS = 256  # cached tokens per row by default: a chat prompt 
 SPS_TABLE_KEY = "serve.sps_table"
 #: the revision of the target's forward code path in the cache file name: bump it when a change in our code moves what
 #: a verify forward costs, so tables profiled before it are not reused (2: `few_row_product` returns row-major
-#: outputs, which took ~20% off a 2–8-token forward on an AVX2 EPYC; 3: one-token products may run as two rows)
-FORWARD_PATH_REVISION = 3
+#: outputs, which took ~20% off a 2–8-token forward on an AVX2 EPYC; 3: one-token products may run as two rows;
+#: 4: multi-token forwards attend with grouped-query SDPA instead of copying the KV cache, `dspark.targets.attention`)
+FORWARD_PATH_REVISION = 4
 
 
 def serving_batch_grid(max_batch_tokens: int, *, num_rows: int = 1) -> list[int]:

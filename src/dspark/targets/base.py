@@ -25,6 +25,7 @@ from dspark.files import atomic_write_text
 from dspark.hardware import (FEW_ROW_LAYOUT_ENV, ROW_PAD_ENV, RowPadding, cpu_model, few_row_layout,
                               format_row_padding, machine_fingerprint, parse_row_padding, row_padding,
                               use_few_row_products, worth_probing)
+from dspark.targets.attention import use_grouped_sdpa
 
 log = logging.getLogger("dspark")
 
@@ -150,7 +151,9 @@ class Target:
     if none is given, as SmolLM2's does; `chat_prompt_ids` keeps that behaviour), `few_row_layout` (`linear`, or
     `transposed` where this machine computes few-token products faster as (W xᵀ)ᵀ: `_choose_few_row_layout`),
     `row_padding` ({n: m} where, in that layout, n-token products run as m rows, the extra ones zero; empty if none);
-    both measured once per machine and kept in `few_row_decision` when given (`few_row_decision_path`).
+    both measured once per machine and kept in `few_row_decision` when given (`few_row_decision_path`);
+    `attention`, the attention implementation the model runs (`dspark.targets.attention.GROUPED_SDPA` where
+    transformers' `sdpa` would copy the KV cache for every multi-token forward, else transformers' own).
     """
 
     def __init__(
@@ -186,6 +189,8 @@ class Target:
         self.checkpoint_fingerprint = checkpoint_fingerprint or fingerprint
         self.default_system_prompt = _template_adds_system_turn(tokenizer)
         self.few_row_layout, self.row_padding = _choose_few_row_layout(model, self.lm_head.weight, few_row_decision)
+        # multi-token forwards (verify, padded batches) attend with grouped-query SDPA, no copy of the KV cache
+        self.attention = use_grouped_sdpa(model)
 
     @property
     def device(self) -> torch.device:
