@@ -239,9 +239,30 @@ def test_profile_sps_times_each_size():
 
     table = profile_sps(forward, batch_tokens=[8, 1, 4], repeats=3, warmup=2, target_fingerprint="t")
     assert table.batch_tokens == [1, 4, 8]
-    assert calls == [1] * 5 + [4] * 5 + [8] * 5
+    assert calls == [1, 4, 8] * 5  # two warm-up rounds, then three timed ones, every size once per round
     assert all(rate > 0 for rate in table.steps_per_second)
     assert table.target_fingerprint == "t" and table.machine == machine_fingerprint()
+
+
+def test_profile_sps_is_not_fooled_by_a_machine_that_slows_down_while_profiling():
+    """Sizes cost 10 ms + 1 ms per token, and the machine gets 5% slower with every call: timed size by size the
+    first size looks cheapest by far and the last dearest; interleaved, each size keeps its true order and the ratios
+    stay near the true ones."""
+    clock = {"now": 0.0, "calls": 0}
+
+    def forward(num_tokens: int) -> None:
+        clock["calls"] += 1
+        clock["now"] += (10.0 + num_tokens) * 1.05 ** clock["calls"]
+
+    import dspark.scheduling.sps as sps_module
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(sps_module.time, "perf_counter", lambda: clock["now"] / 1e3)
+        table = profile_sps(forward, batch_tokens=[1, 2, 4, 8], repeats=5, warmup=1)
+    ms = dict(zip(table.batch_tokens, (1e3 / r for r in table.steps_per_second)))
+    assert ms[1] < ms[2] < ms[4] < ms[8]
+    true_ratio = (10.0 + 8) / (10.0 + 1)
+    assert abs(ms[8] / ms[1] - true_ratio) / true_ratio < 0.2  # size by size: ~2.4x the true ratio (1.05^18)
 
 
 # ---- the column planner for padded engines (plan_columns, columns_drafting_done) ----

@@ -133,22 +133,26 @@ def profile_sps(forward_fn: Callable[[int], None], *, batch_tokens: Sequence[int
     """Time `forward_fn(B)` for each B in `batch_tokens`: SPS = 1 / median of `repeats` timed calls.
 
     `forward_fn(B)` must run one target forward over B new tokens (e.g. R requests' verify blocks on their caches)
-    and leave no state behind that changes later calls; CUDA work is synchronised before each clock read.
+    and leave no state behind that changes later calls; CUDA work is synchronised before each clock read. The
+    calls are interleaved — `warmup` calls of every size, then `repeats` rounds that time every size once — so a
+    drift of the machine's speed while profiling (load, clock) moves every size alike instead of the sizes timed
+    last: on a 2-core VM a size-by-size profile priced a 4-token verify 15% above a 2-token one that decoding then
+    paid alike (56.9 vs 57.8 ms, `benchmarks/results/decoding-zen3-gqa-t1.md`), and the scheduler avoided it.
     """
     if repeats < 1 or warmup < 0:
         raise ValueError(f"profile_sps: repeats must be >= 1 and warmup >= 0, got {repeats} and {warmup}")
     sizes = sorted({int(b) for b in batch_tokens})
-    rates = []
-    for size in sizes:
-        for _ in range(warmup):
+    for _ in range(warmup):
+        for size in sizes:
             forward_fn(size)
-        times = []
-        for _ in range(repeats):
+    times: dict[int, list[float]] = {size: [] for size in sizes}
+    for _ in range(repeats):
+        for size in sizes:
             synchronize()
             start = time.perf_counter()
             forward_fn(size)
             synchronize()
-            times.append(time.perf_counter() - start)
-        rates.append(1.0 / max(statistics.median(times), 1e-9))
+            times[size].append(time.perf_counter() - start)
+    rates = [1.0 / max(statistics.median(times[size]), 1e-9) for size in sizes]
     return SPSTable(sizes, rates, target_fingerprint=target_fingerprint,
                     machine=machine if machine is not None else machine_fingerprint())
