@@ -185,6 +185,24 @@ def test_a_row_padded_product_is_linear_up_to_summation_order(rows):
         assert torch.equal(got, hardware.few_row_product(x, weight, bias))
 
 
+def test_padded_products_reuse_their_buffer_without_leaking_rows_and_keep_autograd():
+    """The padding buffer is reused across calls: a 1-row product after a 3-row one (both padded into buffers) and
+    after a different input must not see stale rows; under autograd the padded product still has gradients."""
+    import torch
+
+    gen = torch.Generator().manual_seed(7)
+    weight = torch.randn(40, 24, generator=gen)
+    table = {1: 4, 3: 4}  # both pad into the same [4, 24] buffer
+    with torch.no_grad():
+        for rows in (3, 1, 3, 1):
+            x = torch.randn(rows, 24, generator=gen)
+            torch.testing.assert_close(hardware.few_row_product(x, weight, row_padding=table),
+                                       torch.nn.functional.linear(x, weight), rtol=1e-5, atol=1e-5)
+    x = torch.randn(1, 24, generator=gen, requires_grad=True)
+    hardware.few_row_product(x, weight, row_padding=table).sum().backward()
+    torch.testing.assert_close(x.grad, weight.sum(0, keepdim=True), rtol=1e-5, atol=1e-5)
+
+
 def test_padding_from_costs_pads_to_the_smallest_larger_count_cheaper_by_the_margin():
     # MKL-like costs on the Zen 3's LM head: one row (matrix-vector) and three rows dearer than two and four
     costs = {1: 9.0, 2: 6.0, 3: 7.0, 4: 5.8, 5: 6.3, 6: 8.0, 7: 10.3, 8: 9.3}

@@ -15,6 +15,7 @@ import os
 import platform
 import statistics
 import sys
+import threading
 import time
 import types
 from pathlib import Path
@@ -229,7 +230,7 @@ def few_row_product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
         return torch.nn.functional.linear(x, weight, bias)
     padded_rows = row_padding.get(rows, rows) if row_padding else rows
     if padded_rows > rows:
-        out = torch.mm(weight, torch.cat([flat, flat.new_zeros(padded_rows - rows, flat.shape[1])]).t())[:, :rows].t()
+        out = torch.mm(weight, _padded_rows(flat, padded_rows, weight).t())[:, :rows].t()
     else:
         out = torch.mm(weight, flat.t()).t()
     # Contiguous again: the transposed product's rows are strided, and a strided q/k/v projection sends the
@@ -240,6 +241,30 @@ def few_row_product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
     if bias is not None:
         out = out + bias
     return out.reshape(*x.shape[:-1], weight.shape[0])
+
+
+_PADDING_BUFFERS = threading.local()  # per thread: {(rows, K, dtype, device): [rows, K] tensor, zero past the data}
+
+
+def _padded_rows(flat: torch.Tensor, padded_rows: int, weight: torch.Tensor) -> torch.Tensor:
+    """flat [n, K] as the first n rows of a [padded_rows, K] matrix whose other rows are zero.
+
+    Without autograd the matrix is a buffer kept per thread, shape and dtype: only its first n rows are ever written,
+    so the rest stay zero, and a padded product costs one copy of n rows instead of a fresh zero matrix plus a
+    concatenation — two allocations and a fill per linear layer, ~1 ms of a 1-token SmolLM2-135M step on the Zen 3
+    (57.3 → 56.2 ms, seven interleaved rounds). With autograd recording, a fresh matrix (an in-place write into a
+    shared buffer would invalidate the graph)."""
+    if torch.is_grad_enabled() and (flat.requires_grad or weight.requires_grad):
+        return torch.cat([flat, flat.new_zeros(padded_rows - flat.shape[0], flat.shape[1])])
+    buffers = getattr(_PADDING_BUFFERS, "by_shape", None)
+    if buffers is None:
+        buffers = _PADDING_BUFFERS.by_shape = {}
+    key = (padded_rows, flat.shape[1], flat.dtype, flat.device)
+    buffer = buffers.get(key)
+    if buffer is None:
+        buffer = buffers[key] = flat.new_zeros(padded_rows, flat.shape[1])
+    buffer[:flat.shape[0]].copy_(flat)
+    return buffer
 
 
 def _median_ms(fn: Callable[[], object], reps: int) -> float:
