@@ -100,7 +100,24 @@ def test_kv_store_join_leave_compact_matches_fresh_forwards(target, prompts):
             holes_before = kv.hole_fraction
             kv.compact()
             assert kv.width == max(len(s) for s in sequences) and kv.hole_fraction < holes_before
-    assert not kv.maybe_compact() or kv.hole_fraction <= kv.compact_fraction
+    assert not kv.maybe_compact() or kv.width == max(len(s) for s in sequences)
+
+
+def test_compaction_waits_for_removable_holes_not_for_padding(target, prompts):
+    """Rows of different lengths are padding that no compaction removes: no compaction for it, however large its
+    share of the cells; hole columns beyond 4/3 of the longest row are compacted away."""
+    kv = BatchedKVCache(target)
+    short, long = list(prompts[0][:3]), list(prompts[2]) * 4
+    kv.add_rows(prefill(target, [short, long]))
+    assert kv.hole_fraction > kv.compact_fraction  # the short row is mostly padding
+    assert not kv.maybe_compact() and kv.width == len(long)  # nothing to gain: no copy
+    generator = torch.Generator().manual_seed(0)
+    sequences = [short, long]
+    while kv.width * (1 - kv.compact_fraction) <= max(map(len, sequences)):  # verify blocks with one column kept
+        _, blocks, counts = step_blocks(kv, sequences, generator, target.vocab_size)
+        kv.keep_new(torch.ones(kv.num_rows, dtype=torch.long))
+        sequences = [s + blocks[r, :1].tolist() for r, s in enumerate(sequences)]
+    assert kv.maybe_compact() and kv.width == max(map(len, sequences))
 
 
 def test_positions_matter_so_the_kv_check_can_fail(target, prompts):
