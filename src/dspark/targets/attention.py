@@ -25,6 +25,9 @@ from typing import Any
 import torch
 from torch import Tensor
 from torch.nn import functional as F
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 GROUPED_SDPA = "dspark_grouped_sdpa"
 ATTENTION_ENV = "DSPARK_TARGET_ATTENTION"
@@ -39,8 +42,6 @@ def grouped_sdpa_attention(module: torch.nn.Module, query: Tensor, key: Tensor, 
     """transformers' attention-function contract: query [B, H_q, L, hd], key/value [B, H_kv, T, hd] (cache
     included), attention_mask as `sdpa_mask` builds it ([B, 1, L, T] bool or additive float, or None) → output
     [B, L, H_q, hd] and no attention weights. Grouped path where it applies (module docstring), else transformers'."""
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
     if _takes_grouped_path(module, query, attention_mask, kwargs):
         out = F.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask, dropout_p=dropout,
                                              scale=scaling, enable_gqa=True)
@@ -59,9 +60,6 @@ def _takes_grouped_path(module: torch.nn.Module, query: Tensor, attention_mask: 
 
 def _register() -> None:
     """Register `GROUPED_SDPA` with transformers' attention and mask interfaces (idempotent)."""
-    from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
-
     AttentionInterface.register(GROUPED_SDPA, grouped_sdpa_attention)
     AttentionMaskInterface.register(GROUPED_SDPA, sdpa_mask)
 
