@@ -147,7 +147,8 @@ def test_int8_parallel_stage_is_a_close_quantised_copy_and_drafts_through_the_en
     before = {name: p.clone() for name, p in drafter.named_parameters()}
     stage = ParallelStage(drafter, torch.qint8)
     quantised = [m for m in stage.backbone.modules() if isinstance(m, DynamicLinear)]
-    assert len(quantised) == 1 + 7 * len(drafter.backbone.layers)  # fc + q, k, v, o, gate, up, down per layer
+    # fc + per layer the fused [q; k; v], [k; v] (context rows), o, [gate; up] and down products
+    assert len(quantised) == 1 + 5 * len(drafter.backbone.layers)
     assert not any(isinstance(m, torch.nn.Linear) for m in stage.backbone.modules())
     assert all(torch.equal(p, before[name]) for name, p in drafter.named_parameters())
     assert stage.activation_dtype == torch.float32 and stage.backbone.embed_tokens is drafter.backbone.embed_tokens
@@ -203,8 +204,66 @@ def test_markov_bias_table_equals_the_product_and_falls_back_outside_the_set():
         torch.testing.assert_close(head.step(None, inside, None)[0], expected)
         outside = torch.tensor([3, 2])  # one row outside the set: the product for the whole batch
         torch.testing.assert_close(head.step(None, outside, None)[0], head.w2(head.w1(outside)))
+        for token in (3, 40):  # one previous token (the single-request loop): a row of the table, shaped [1, Vd]
+            single = torch.tensor([token])
+            torch.testing.assert_close(head.step(None, single, None)[0], head.w2(head.w1(single)))
+        assert head._table.lookup(head, torch.tensor([2])) is None  # outside the set: the caller falls back
+        torch.testing.assert_close(head.step(None, torch.tensor([2]), None)[0], head.w2(head.w1(torch.tensor([2]))))
         head.w2.weight.mul_(2.0)  # a weight change invalidates the table
         torch.testing.assert_close(head.step(None, inside, None)[0], head.w2(head.w1(inside)))
+        torch.testing.assert_close(head.step(None, torch.tensor([5]), None)[0], head.w2(head.w1(torch.tensor([5]))))
     bias = head.step(None, inside, None)[0]
     assert bias.requires_grad  # under autograd: the trainable product, not a table row
     assert not head.enable_bias_table(None) and not head.enable_bias_table(torch.arange(20000))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.qint8, torch.bfloat16])
+def test_fused_projections_of_a_decode_copy_give_the_separate_products(target, dtype):
+    """`ParallelStage` fuses q/k/v, k/v and gate/up of its copy into one product each: the block's hidden states and
+    the cached context keys/values equal those of the same copy unfused (int8: bit for bit — the activation scale
+    is per call and the input shared; fp32/bf16 up to the kernels' blocking)."""
+    import copy
+
+    from dspark.drafters.backbone import DraftDecoderLayer
+
+    drafter = build_test_drafter(target, draft_vocab(target))
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for layer in drafter.backbone.layers:  # weights away from the init, so that a mix-up would show
+            for parameter in layer.parameters():
+                parameter.add_(0.05 * torch.randn_like(parameter))
+    stage = ParallelStage(drafter, torch.float32 if dtype == torch.float32 else dtype)
+    fused_backbone = stage.backbone if dtype != torch.float32 else copy.deepcopy(drafter.backbone)
+    if dtype == torch.float32:
+        for layer in fused_backbone.layers:
+            layer.fuse_projections()
+    unfused = copy.deepcopy(drafter.backbone)
+    if dtype == torch.qint8:
+        unfused = drafting.quantize_linears(unfused)
+    elif dtype == torch.bfloat16:
+        unfused = unfused.to(torch.bfloat16)
+        unfused.rotary.float()
+    assert all(layer.self_attn.q_proj is None and layer.mlp.gate_proj is None for layer in fused_backbone.layers)
+    assert all(isinstance(layer, DraftDecoderLayer) and layer.self_attn.qkv_proj is None
+               for layer in unfused.layers)
+    act = torch.float32 if dtype in (torch.float32, torch.qint8) else dtype
+    context = torch.randn(1, 9, target.hidden_size).to(act)
+    block = torch.randn(1, GAMMA, target.hidden_size).to(act)
+    rope_ctx = fused_backbone.rotary(torch.arange(9).unsqueeze(0))
+    rope_blk = fused_backbone.rotary(torch.arange(9, 9 + GAMMA).unsqueeze(0))
+    outputs = []
+    with torch.no_grad():
+        for backbone in (fused_backbone, unfused):
+            layer = backbone.layers[0]
+            keys, values = layer.context_kv(context, rope_ctx)
+
+            def extend(k, v, keys=keys, values=values):
+                return torch.cat([keys, k], dim=2), torch.cat([values, v], dim=2)
+
+            outputs.append((keys, values, layer.forward_cached(block, rope=rope_blk, extend_kv=extend)))
+    for fused_out, separate_out in zip(*outputs):
+        if dtype == torch.qint8:
+            assert torch.equal(fused_out, separate_out)
+        else:
+            torch.testing.assert_close(fused_out, separate_out, atol=1e-5 if dtype == torch.float32 else 2e-2,
+                                       rtol=1e-5 if dtype == torch.float32 else 2e-2)

@@ -298,16 +298,18 @@ def test_eagle3_extending_the_context_by_pieces_equals_one_pass(target):
         drafter.extend_context(None, features=features, next_ids=ids[:, 1:3])
 
 
+@pytest.mark.parametrize("temperature", [0.7, 0.0])
 @pytest.mark.parametrize("head", ["markov", "rnn", "none"])
-def test_dspark_proposal_probs_are_the_teacher_forced_distributions(target, prompt, head):
+def test_dspark_proposal_probs_are_the_teacher_forced_distributions(target, prompt, head, temperature):
     """p_d_k and c_k of a proposal equal the drafter's teacher-forced outputs with the drafted tokens as
-    x_{k-1}: the verifier is given exactly the distribution each draft was sampled from."""
+    x_{k-1}: the verifier is given exactly the distribution each draft was sampled from (greedy: the one-hot
+    of the teacher-forced argmax, which the proposer writes over V at the end of its loop)."""
     drafter = make_drafter(target, "dspark" if head != "none" else "dflash", head=head)
     proposer = DSparkProposer(drafter)
     features = target.forward(torch.tensor([prompt])).features
     proposer.start(features=features, token_ids=prompt)
     anchor, position = 17, len(prompt)
-    proposal = proposer.propose(anchor_token=anchor, anchor_position=position, temperature=0.7,
+    proposal = proposer.propose(anchor_token=anchor, anchor_position=position, temperature=temperature,
                                 generator=torch.Generator().manual_seed(3), stop_ids=())
     assert proposal.tokens.shape == (GAMMA,)
     block = torch.full((1, 1, GAMMA), target.mask_token_id)
@@ -316,7 +318,8 @@ def test_dspark_proposal_probs_are_the_teacher_forced_distributions(target, prom
     with torch.no_grad():
         out = drafter(context_features=features, context_valid=torch.ones(1, position, dtype=torch.bool),
                       block_input_ids=block, anchor_positions=torch.tensor([[position]]), prev_tokens=prev)
-    torch.testing.assert_close(proposal.draft_probs, probs_from_logits(out.logits[0, 0], 0.7), atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(proposal.draft_probs, probs_from_logits(out.logits[0, 0], temperature), atol=1e-6,
+                               rtol=1e-5)
     if head == "none":
         assert proposal.confidences is None
     else:

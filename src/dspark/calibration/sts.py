@@ -15,6 +15,8 @@ Data: rounds decoded with fixed ℓ = γ at the serving temperature (so no prefi
 """
 from __future__ import annotations
 
+import math
+
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -36,6 +38,21 @@ def scale_confidence(conf: Tensor, temperature: Tensor | float) -> Tensor:
     """σ(logit(c)/T) in float64. c = 0 and 1 map to themselves (infinite logits), so zero confidence stays zero."""
     logits = torch.logit(conf.to(torch.float64).clamp(0.0, 1.0))
     return torch.sigmoid(logits / temperature)
+
+
+def _scale_float(confidence: float, temperature: float) -> float:
+    """`scale_confidence` for one Python float: σ(logit(c)/T), with c ≤ 0 → 0, c ≥ 1 → 1 and NaN → NaN."""
+    if confidence != confidence:
+        return confidence
+    if confidence <= 0.0:
+        return 0.0
+    if confidence >= 1.0:
+        return 1.0
+    x = math.log(confidence / (1.0 - confidence)) / temperature
+    if x >= 0:
+        return 1.0 / (1.0 + math.exp(-x))
+    e = math.exp(x)  # never overflows for x < 0
+    return e / (1.0 + e)
 
 
 def _check_rounds(conf: Tensor, accepted_prefix: Tensor, valid: Tensor) -> tuple[Tensor, Tensor, Tensor]:
@@ -130,6 +147,17 @@ class STSCalibration:
                              f"(the block_size it was fitted for), got {tuple(conf.shape)}")
         temperatures = torch.tensor(self.temperatures, dtype=torch.float64, device=conf.device)
         return scale_confidence(conf, temperatures).to(conf.dtype)
+
+    def apply_row(self, conf: list[float]) -> list[float]:
+        """`apply` for the first k ≤ γ slots of one request, on plain floats: c̃_j = σ(logit(c_j)/T_j) in float64.
+
+        The single-request proposer calibrates c_1..c_k before every slot it drafts (its drafting stop); a
+        tensor round trip cost ~50 µs a slot there. Equal to `apply` up to float rounding (Python's libm against
+        torch's kernels, ≤ a few ulps); c ≤ 0 and c ≥ 1 map to 0 and 1 as in `scale_confidence`, NaN stays NaN."""
+        if len(conf) > len(self.temperatures):
+            raise ValueError(f"STSCalibration.apply_row: {len(conf)} confidences for a calibration fitted for "
+                             f"γ = {len(self.temperatures)} slots")
+        return [_scale_float(c, t) for c, t in zip(conf, self.temperatures)]
 
     def to_dict(self) -> dict:
         return {"method": "sts", "temperatures": list(self.temperatures), "grid": list(self.grid),

@@ -20,6 +20,7 @@ committed since the last round, then the chain of γ one-token steps (`Eagle3Dra
 """
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable, Collection
 from dataclasses import dataclass
@@ -80,7 +81,7 @@ class Proposer(Protocol):
 def _sample(logits: Tensor, temperature: float, generator: torch.Generator | None) -> tuple[Tensor, Tensor]:
     """logits [1, V] → (token [1] long, the distribution it was drawn from [1, V] float32)."""
     probs = probs_from_logits(logits, temperature)
-    token = probs.argmax(-1) if temperature == 0 else sample_from_probs(probs, generator)
+    token = probs.argmax(-1) if temperature == 0 else sample_from_probs(probs, generator, trusted=True)
     return token, probs
 
 
@@ -137,6 +138,8 @@ class DSparkProposer:
         self.vocab_size = drafter.spec.vocab_size
         self.stage = ParallelStage(drafter, resolve_precision(precision, drafter.backbone.mask_embedding.device))
         prepare_sequential_head(drafter, self.stage.ids)
+        # the draft → target id map as Python ints: the sampling loop maps one id per slot
+        self._draft_id_list = None if self.stage.ids is None else self.stage.ids.tolist()
         self._reset()
 
     def _reset(self) -> None:
@@ -216,30 +219,49 @@ class DSparkProposer:
                     ) -> tuple[Tensor, Tensor, Tensor | None]:
         """Left-to-right sampling over the draft vocabulary: x_k from U_k + B_k(x_{k-1}); c_k before x_k (so a hook
         may stop first); a slot with unusable logits ends the proposal before it is sampled (fault guard); at most
-        `max_drafts` slots."""
+        `max_drafts` slots.
+
+        Lean on purpose (it runs once per slot, ~3 slots a round): token ids and confidences are kept as Python
+        numbers between slots, greedy slots take value and index from one `max` (the fault guard reads the value),
+        and the one-hot rows of greedy drafts are written over the target's vocabulary once, at the end — each a
+        tensor op fewer per slot than the general path, with the same drafts, p_d and c_k."""
         ids = self.stage.ids
+        to_target = self._draft_id_list
         prev = torch.tensor([anchor_token], device=hidden.device)
-        state, tokens, probs = None, [], []
-        confidences: list[Tensor] | None = [] if self.has_confidence else None
+        state, tokens, probs, confidences = None, [], [], []
         for k in range(draft_count(self.block_size, max_drafts)):
             logits, conf_logit, state = self.drafter.sequential_step(
                 hidden_k=hidden[k:k + 1], parallel_logits_k=parallel_logits[k:k + 1], prev_token=prev, state=state)
-            if not bool(usable_logits(logits)):
-                break
-            if confidences is not None:
-                confidences.append(clean_confidences(torch.sigmoid(conf_logit.float())))
-                if policy_hook is not None and policy_hook(torch.cat(confidences)):
+            if temperature == 0:
+                value, index = logits.max(dim=-1)  # the fault guard's amax and the greedy draft in one reduction
+                if not math.isfinite(float(value)):
                     break
-            index, p = _sample(logits, temperature, generator)
-            prev = index if ids is None else ids[index]
-            tokens.append(prev)
-            probs.append(p)  # over Vd; expanded to V (zero outside the draft vocabulary) once, below
-            if int(prev) in stop_ids:
+                p = None
+            elif not bool(usable_logits(logits)):
                 break
-        tokens_, probs_, confidences_ = _stack_proposal(tokens, probs, confidences, parallel_logits.shape[-1],
-                                                        hidden.device)
-        return tokens_, to_target_probs(probs_, ids, self.vocab_size), confidences_
-
+            if conf_logit is not None:
+                confidence = float(torch.sigmoid(conf_logit.float()))
+                confidences.append(confidence if confidence == confidence else 0.0)  # NaN reads as 0
+                if policy_hook is not None and policy_hook(torch.tensor(confidences)):
+                    break
+            if temperature != 0:
+                index, p = _sample(logits, temperature, generator)
+            draft = int(index) if to_target is None else to_target[int(index)]
+            tokens.append(draft)
+            probs.append(p)  # over Vd (None when greedy); expanded to V (zero outside the draft vocabulary) below
+            if draft in stop_ids:
+                break
+            prev = torch.tensor([draft], device=hidden.device)
+        device = hidden.device
+        drafted = torch.tensor(tokens, dtype=torch.long, device=device)
+        if temperature == 0:  # one-hot p_d, written straight over the target's vocabulary
+            p_d = torch.zeros(len(tokens), self.vocab_size, device=device).scatter_(-1, drafted.unsqueeze(-1), 1.0)
+        else:
+            p_d = to_target_probs(torch.cat(probs) if probs else parallel_logits.new_zeros(0, parallel_logits.shape[-1]),
+                                  ids, self.vocab_size)
+        conf = torch.tensor(confidences[:len(tokens)], dtype=torch.float32, device=device) if self.has_confidence \
+            else None
+        return drafted, p_d, conf
 
 def draft_count(block_size: int, max_drafts: int | None) -> int:
     """Slots to draft: γ, or fewer when the policy verifies at most `max_drafts`."""

@@ -104,7 +104,12 @@ def drafting_hook(policy: VerificationPolicy | None,
     if stop is None:
         return None
     if getattr(policy, "reads", "raw") == "calibrated" and calibration is not None:
-        return lambda confidences: stop(calibrate_confidences(calibration, confidences.float()))
+        def calibrated_stop(confidences: Tensor) -> bool:
+            if confidences.dim() == 1:  # one request, before every slot it drafts: plain floats (`apply_row`)
+                row = calibration.apply_row(confidences.tolist())
+                return stop(torch.tensor(row, dtype=torch.float64))
+            return stop(calibrate_confidences(calibration, confidences.float()))
+        return calibrated_stop
     return stop
 
 

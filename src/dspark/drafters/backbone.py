@@ -114,6 +114,9 @@ class KVInjectionAttention(nn.Module):
         # Qwen3-style per-head norms; absent (identity) for Llama-like targets.
         self.q_norm = RMSNorm(self.head_dim, spec.rms_norm_eps) if spec.qk_norm else nn.Identity()
         self.k_norm = RMSNorm(self.head_dim, spec.rms_norm_eps) if spec.qk_norm else nn.Identity()
+        # decode-only copies (`fuse_projections`): [W_Q; W_K; W_V] and [W_K; W_V] as one product each
+        self.qkv_proj: nn.Linear | None = None
+        self.kv_proj: nn.Linear | None = None
 
     def _heads(self, x: Tensor, proj: nn.Linear, num_heads: int, norm: nn.Module | None = None) -> Tensor:
         """[B, L, d] → per-head projection [B, H, L, hd], then the per-head norm if given."""
@@ -142,11 +145,32 @@ class KVInjectionAttention(nn.Module):
 
     # ---- cached decoding (dspark.decoding.proposers, dspark.serving.proposer) ----
 
+    def fuse_projections(self) -> None:
+        """Replace q/k/v by one [W_Q; W_K; W_V] product for block rows and one [W_K; W_V] product for context rows
+        (decode-time copies only: `dspark.decoding.drafting.ParallelStage`). Each output row of a product
+        depends on its own weight row only, so the outputs are the separate products' (bit-identical in int8,
+        whose activation scale is per call and the input is shared; fp32/bf16 up to the kernel's blocking);
+        two and one fewer calls per layer in every round. The separate projections are dropped: a fused
+        copy runs `forward_cached` and `context_kv` only."""
+        q, k, v = self.q_proj.weight, self.k_proj.weight, self.v_proj.weight
+        self.qkv_proj = _linear_from(torch.cat([q, k, v]))
+        self.kv_proj = _linear_from(torch.cat([k, v]))
+        self.q_proj = self.k_proj = self.v_proj = None
+
+    def _split_heads(self, x: Tensor, num_heads: int, norm: nn.Module | None = None) -> Tensor:
+        """[B, L, H·hd] (a slice of a fused product) → [B, H, L, hd], then the per-head norm if given."""
+        x = x.unflatten(-1, (num_heads, self.head_dim))
+        return (x if norm is None else norm(x)).transpose(1, 2)
+
     def context_kv(self, context: Tensor, rope: tuple[Tensor, Tensor]) -> tuple[Tensor, Tensor]:
         """Keys (k-norm, RoPE) and values of fused context rows: context [B, T, d] (H_ctx), rope (cos, sin)
         [B, T, hd] at their absolute positions → ([B, H_kv, T, hd], [B, H_kv, T, hd]). Each row depends on its
         own position only, so a decoder computes it once per committed position and caches it."""
         cos, sin = rope
+        if self.kv_proj is not None:
+            k, v = self.kv_proj(context).chunk(2, dim=-1)
+            return (apply_rotary(self._split_heads(k, self.num_kv_heads, self.k_norm), cos, sin),
+                    self._split_heads(v, self.num_kv_heads))
         return (apply_rotary(self._heads(context, self.k_proj, self.num_kv_heads, self.k_norm), cos, sin),
                 self._heads(context, self.v_proj, self.num_kv_heads))
 
@@ -157,11 +181,25 @@ class KVInjectionAttention(nn.Module):
         and returns the keys/values to attend, [cached context ; block] ([B, H_kv, T+L, hd]; how they are
         stored is the caller's choice); mask [B, 1, L, T+L] bool or None (attend to all) → [B, L, d]."""
         cos, sin = rope
-        q = apply_rotary(self._heads(block, self.q_proj, self.num_heads, self.q_norm), cos, sin)
-        keys, values = extend_kv(*self.context_kv(block, rope))
+        if self.qkv_proj is not None:
+            kv_width = self.num_kv_heads * self.head_dim
+            q, k, v = self.qkv_proj(block).split([self.num_heads * self.head_dim, kv_width, kv_width], dim=-1)
+            q = apply_rotary(self._split_heads(q, self.num_heads, self.q_norm), cos, sin)
+            k = apply_rotary(self._split_heads(k, self.num_kv_heads, self.k_norm), cos, sin)
+            keys, values = extend_kv(k, self._split_heads(v, self.num_kv_heads))
+        else:
+            q = apply_rotary(self._heads(block, self.q_proj, self.num_heads, self.q_norm), cos, sin)
+            keys, values = extend_kv(*self.context_kv(block, rope))
         out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask,
                                              enable_gqa=self.num_heads != self.num_kv_heads)
         return self.o_proj(out.transpose(1, 2).flatten(-2))
+
+
+def _linear_from(weight: Tensor) -> nn.Linear:
+    """A bias-free `nn.Linear` holding a copy of `weight` [out, in] (same dtype and device)."""
+    linear = nn.Linear(weight.shape[1], weight.shape[0], bias=False, device=weight.device, dtype=weight.dtype)
+    linear.weight.data.copy_(weight.detach())
+    return linear
 
 
 class DraftDecoderLayer(nn.Module):
@@ -178,6 +216,12 @@ class DraftDecoderLayer(nn.Module):
         """hidden [B, L, d] block stream, context [B, T, d] → new block stream [B, L, d]."""
         hidden = hidden + self.self_attn(self.input_layernorm(hidden), context, rope=rope, mask=mask)
         return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+    def fuse_projections(self) -> None:
+        """Decode-time copies: fused q/k/v, k/v and gate/up products (`KVInjectionAttention.fuse_projections`,
+        `SwiGLU.fuse_projections`)."""
+        self.self_attn.fuse_projections()
+        self.mlp.fuse_projections()
 
     def context_kv(self, context: Tensor, rope: tuple[Tensor, Tensor]) -> tuple[Tensor, Tensor]:
         """This layer's cacheable keys/values of fused context rows (`KVInjectionAttention.context_kv`)."""

@@ -101,6 +101,7 @@ class BiasTable:
         self._key: tuple | None = None
         self._rows: Tensor | None = None
         self._index: Tensor | None = None
+        self._index_list: list[int] = []
 
     def enable(self, head: nn.Module, ids: Tensor | None) -> bool:
         """Tabulate the previous tokens `ids` [n] (target ids) now; None or more than MAX_IDS disables the table.
@@ -122,6 +123,7 @@ class BiasTable:
         self._rows = F.linear(F.embedding(ids, w1), w2)  # [n, Vd]
         self._index = torch.full((w1.shape[0],), -1, dtype=torch.long, device=w1.device)
         self._index[ids] = torch.arange(ids.numel(), device=w1.device)
+        self._index_list = self._index.tolist()
         self._key = key
 
     def lookup(self, head: nn.Module, prev_token: Tensor) -> Tensor | None:
@@ -129,6 +131,9 @@ class BiasTable:
         if self._ids is None or torch.is_grad_enabled():
             return None
         self._refresh(head)
+        if prev_token.numel() == 1:  # the single-request loop, once per slot: a Python look-up and a row view
+            row = self._index_list[int(prev_token)]
+            return None if row < 0 else self._rows[row:row + 1].view(*prev_token.shape, -1)
         rows = self._index[prev_token]
         if bool((rows < 0).any()):
             return None

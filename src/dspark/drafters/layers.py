@@ -69,9 +69,22 @@ class SwiGLU(nn.Module):
         self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
         self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+        self.gate_up_proj: nn.Linear | None = None  # decode-only copies: [W_gate; W_up] (`fuse_projections`)
 
     def forward(self, x: Tensor) -> Tensor:
+        if self.gate_up_proj is not None:
+            gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+            return self.down_proj(nn.functional.silu(gate) * up)
         return self.down_proj(nn.functional.silu(self.gate_proj(x)) * self.up_proj(x))
+
+    def fuse_projections(self) -> None:
+        """One [W_gate; W_up] product instead of two (decode-time copies only; each output row depends on its own
+        weight row, so the values are the separate products'); the separate projections are dropped."""
+        weight = torch.cat([self.gate_proj.weight, self.up_proj.weight]).detach()
+        self.gate_up_proj = nn.Linear(weight.shape[1], weight.shape[0], bias=False, device=weight.device,
+                                      dtype=weight.dtype)
+        self.gate_up_proj.weight.data.copy_(weight)
+        self.gate_proj = self.up_proj = None
 
 
 class RotaryEmbedding(nn.Module):
