@@ -370,6 +370,11 @@ def test_measured_step_overhead_reprices_the_policy(target, prompts, policy):
     result = engine.serve(requests, concurrency=2, seed=0, progress=False)
     expected = None
     for step in result.steps:
+        # "other" splits into the per-row verifier, the context updates and the bookkeeping left over
+        assert step.seconds_verify_rows > 0 and step.seconds_extend > 0
+        assert step.seconds_verify_rows + step.seconds_extend <= step.seconds_other + 1e-9
+        assert step.seconds_bookkeeping == pytest.approx(
+            step.seconds_other - step.seconds_verify_rows - step.seconds_extend, abs=1e-9)
         seconds = step.seconds_draft + step.seconds_other
         expected = seconds if expected is None else 0.8 * expected + 0.2 * seconds
     assert measured.sps is not sps and expected > 0

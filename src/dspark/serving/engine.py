@@ -281,10 +281,13 @@ class BatchedEngine:
                                             length=int(lengths[r]), calibrated=calibrated, step=index)
             rounds.append(round_)
             keep.append(kept)
+        rows_verified = time.perf_counter()
         keep_tensor = torch.tensor(keep, dtype=torch.long, device=device)
         self.kv.keep_new(keep_tensor)
         if self.proposer is not None:
             self.proposer.extend(features=forward.features, counts=keep_tensor)
+        synchronize(device)
+        extended = time.perf_counter()
         # 6. Finished rows leave; the KV store compacts once holes pile up.
         self._retire(run)
         return ServeStep(step=index, num_active=len(active), batch_tokens=int(sum(1 + int(x) for x in lengths)),
@@ -292,6 +295,7 @@ class BatchedEngine:
                          seconds_verify=verified - verify_start,
                          seconds_other=(verify_start - drafted) + (time.perf_counter() - verified),
                          seconds_prefill=prefill_seconds, seconds_draft_sequential=proposal.seconds_sequential,
+                         seconds_verify_rows=rows_verified - verified, seconds_extend=extended - rows_verified,
                          rounds=rounds)
 
     def _propose(self, run: _Run, anchors: Tensor, positions: Tensor) -> BatchProposal:

@@ -41,7 +41,17 @@ class ServeStep:
     seconds_other: float               # policy, verifier (p_t rows, sampling), rollback, context updates, joins, leaves
     seconds_prefill: float = 0.0       # prefill of requests that joined at this step (part of the step's wall time)
     seconds_draft_sequential: float = 0.0  # the sequential head's loop, part of seconds_draft (Fig. 4 right at R)
+    # parts of seconds_other, so that its Python bookkeeping can be read apart (the single-request engine counts
+    # the first in its verify time and the second in its drafting time):
+    seconds_verify_rows: float = 0.0   # per-row verification (p_t rows, rejection sampling) and commit
+    seconds_extend: float = 0.0        # the target KV store keeping the accepted columns + the drafter's context update
     rounds: list[ServeRound] = field(default_factory=list)
+
+    @property
+    def seconds_bookkeeping(self) -> float:
+        """seconds_other less per-row verification and the context updates: policy, block assembly, leaves, KV
+        compaction — the batched engine's Python overhead per step."""
+        return max(0.0, self.seconds_other - self.seconds_verify_rows - self.seconds_extend)
 
     @property
     def seconds(self) -> float:
