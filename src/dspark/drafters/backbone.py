@@ -21,7 +21,15 @@ import torch
 from torch import Tensor, nn
 from torch.nn import functional as F
 
-from dspark.drafters.layers import DraftLayerSpec, RMSNorm, RotaryEmbedding, SwiGLU, apply_rotary, init_new_weights
+from dspark.drafters.layers import (
+    DraftLayerSpec,
+    RMSNorm,
+    RotaryEmbedding,
+    SwiGLU,
+    apply_rotary,
+    init_new_weights,
+    linear_from,
+)
 
 # (block keys, block values) [B, H_kv, L, hd] → keys/values to attend [B, H_kv, T+L, hd] (cached context first)
 ExtendKV = Callable[[Tensor, Tensor], tuple[Tensor, Tensor]]
@@ -153,8 +161,8 @@ class KVInjectionAttention(nn.Module):
         two and one fewer calls per layer in every round. The separate projections are dropped: a fused
         copy runs `forward_cached` and `context_kv` only."""
         q, k, v = self.q_proj.weight, self.k_proj.weight, self.v_proj.weight
-        self.qkv_proj = _linear_from(torch.cat([q, k, v]))
-        self.kv_proj = _linear_from(torch.cat([k, v]))
+        self.qkv_proj = linear_from(torch.cat([q, k, v]))
+        self.kv_proj = linear_from(torch.cat([k, v]))
         self.q_proj = self.k_proj = self.v_proj = None
 
     def _split_heads(self, x: Tensor, num_heads: int, norm: nn.Module | None = None) -> Tensor:
@@ -193,13 +201,6 @@ class KVInjectionAttention(nn.Module):
         out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask,
                                              enable_gqa=self.num_heads != self.num_kv_heads)
         return self.o_proj(out.transpose(1, 2).flatten(-2))
-
-
-def _linear_from(weight: Tensor) -> nn.Linear:
-    """A bias-free `nn.Linear` holding a copy of `weight` [out, in] (same dtype and device)."""
-    linear = nn.Linear(weight.shape[1], weight.shape[0], bias=False, device=weight.device, dtype=weight.dtype)
-    linear.weight.data.copy_(weight.detach())
-    return linear
 
 
 class DraftDecoderLayer(nn.Module):

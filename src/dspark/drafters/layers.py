@@ -80,11 +80,16 @@ class SwiGLU(nn.Module):
     def fuse_projections(self) -> None:
         """One [W_gate; W_up] product instead of two (decode-time copies only; each output row depends on its own
         weight row, so the values are the separate products'); the separate projections are dropped."""
-        weight = torch.cat([self.gate_proj.weight, self.up_proj.weight]).detach()
-        self.gate_up_proj = nn.Linear(weight.shape[1], weight.shape[0], bias=False, device=weight.device,
-                                      dtype=weight.dtype)
-        self.gate_up_proj.weight.data.copy_(weight)
+        self.gate_up_proj = linear_from(torch.cat([self.gate_proj.weight, self.up_proj.weight]))
         self.gate_proj = self.up_proj = None
+
+
+def linear_from(weight: Tensor) -> nn.Linear:
+    """A bias-free `nn.Linear` holding a copy of `weight` [out, in] (same dtype and device): fused products of
+    decode-time copies."""
+    linear = nn.Linear(weight.shape[1], weight.shape[0], bias=False, device=weight.device, dtype=weight.dtype)
+    linear.weight.data.copy_(weight.detach())
+    return linear
 
 
 class RotaryEmbedding(nn.Module):
