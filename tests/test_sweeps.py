@@ -110,6 +110,22 @@ def test_command_line_axis_value_selects_cells_and_keeps_the_hash():
         plan_grid(resolve_config(["budget=smoke", "sweep=depth", "model.depth=9"]), spec)
 
 
+def test_a_sweep_tag_starts_a_new_parent_and_an_empty_one_keeps_the_old_hash():
+    """sweep_tag=NAME enters the sweep's hash and nothing else (re-measuring a timing sweep after a code change
+    starts a fresh parent instead of resuming); unset, the hashed configs hold no such key, so a sweep run before
+    the key existed keeps its hash; the cells' training keys never see it."""
+    from dspark.stages.context import training_key
+    from dspark.sweeps.identity import hashable_config
+
+    spec = load_sweep("depth")
+    plain = plan_grid(resolve_config(["budget=smoke", "sweep=depth"]), spec)
+    tagged = plan_grid(resolve_config(["budget=smoke", "sweep=depth", "sweep_tag=after-the-fix"]), spec)
+    again = plan_grid(resolve_config(["budget=smoke", "sweep=depth", "sweep_tag=after-the-fix"]), spec)
+    assert tagged.sweep_hash != plain.sweep_hash and again.sweep_hash == tagged.sweep_hash
+    assert all("sweep_tag" not in hashable_config(pc.rc) for pc in plain.cells)
+    assert [training_key(pc.rc.cfg) for pc in tagged.cells] == [training_key(pc.rc.cfg) for pc in plain.cells]
+
+
 @pytest.mark.parametrize("name", ALL_SWEEPS)
 def test_smoke_first_cell_of_every_sweep(name, shared_root, one_thread):
     """First cell (first trial) of each sweep on the tiny target, MLflow on; a report is written."""

@@ -254,6 +254,10 @@ class RunConfig:
     budget: str = "cpu"  #: smoke | cpu | paper (experiments/budgets/*.yaml)
     stage: str = "all"  #: prepare | train | eval | all | report | profile
     sweep: str = ""  #: sweeps/<name>.yaml; set on the command line as sweep=NAME
+    #: a label that enters the sweep's hash and nothing else: the same sweep under a new tag starts a fresh parent
+    #: run instead of resuming the old one (re-measure a timing sweep such as serving after a code change; give the
+    #: same tag to stage=report). "" = no tag, the hash of a sweep run without one
+    sweep_tag: str = ""
     paths: PathsConfig = field(default_factory=PathsConfig)
     target_options: TargetConfig = field(default_factory=TargetConfig)
     model: ModelConfig = field(default_factory=ModelConfig)

@@ -17,9 +17,10 @@ def arg_key(arg: str) -> str:
 
 
 def hashable_config(rc: ResolvedConfig) -> dict[str, Any]:
-    """The resolved config without the groups that say where results go (`HASH_EXCLUDED`)."""
+    """The resolved config without the groups that say where results go (`HASH_EXCLUDED`); `sweep_tag` only when
+    set, so that a sweep run without a tag keeps the hash it had before the key existed (and resumes)."""
     tree = to_dict(rc.cfg)
-    return {k: v for k, v in tree.items() if k not in HASH_EXCLUDED}
+    return {k: v for k, v in tree.items() if k not in HASH_EXCLUDED and not (k == "sweep_tag" and v == "")}
 
 
 def supervision_identity() -> dict[str, Any]:
