@@ -266,8 +266,9 @@ def paired_ratio_ci(mode: list[tuple[int, float]], base: list[tuple[int, float]]
 
 def scheduler_comparison(totals: dict[str, dict]) -> list[str]:
     """Each drafter's scheduler rows against its own fixed, static and other scheduler rows (not those of another
-    drafter or of its [int8] copy): tok/s ratio with its paired 95% CI (the issue's "ahead of every static ℓ",
-    judged by whether the interval lies above 1)."""
+    drafter or of its [int8] copy) and against transformers' rows (prompt lookup, generate): tok/s ratio with its
+    paired 95% CI (the issue's "ahead of every static ℓ" and "ahead of prompt lookup", judged by whether the
+    interval lies above 1)."""
     lines = []
     for name, t in totals.items():
         if "· scheduler" not in name:
@@ -275,13 +276,13 @@ def scheduler_comparison(totals: dict[str, dict]) -> list[str]:
         drafter = name[: name.index("· scheduler")]
         rate = t["tokens"] / t["seconds"]
         lines.append(f"- {name}:")
-        for other, o in totals.items():
-            if other == name or not other.startswith(drafter + "· "):
-                continue
+        others = [(other[len(drafter) + 2:], o) for other, o in totals.items()
+                  if other != name and other.startswith(drafter + "· ")]
+        others += [(other, o) for other, o in totals.items() if other.startswith("HF ") and o.get("per_prompt")]
+        for label, o in others:
             low, high = paired_ratio_ci(t["per_prompt"], o["per_prompt"])
             verdict = "ahead" if low > 1 else ("behind" if high < 1 else "not distinguishable")
-            lines.append(f"  - vs {other[len(drafter) + 2:]}: {rate / (o['tokens'] / o['seconds']):.3f}× "
-                         f"[{low:.3f}, {high:.3f}] → {verdict}")
+            lines.append(f"  - vs {label}: {rate / (o['tokens'] / o['seconds']):.3f}× [{low:.3f}, {high:.3f}] → {verdict}")
     return lines
 
 
