@@ -282,7 +282,8 @@ def scheduler_comparison(totals: dict[str, dict]) -> list[str]:
         for label, o in others:
             low, high = paired_ratio_ci(t["per_prompt"], o["per_prompt"])
             verdict = "ahead" if low > 1 else ("behind" if high < 1 else "not distinguishable")
-            lines.append(f"  - vs {label}: {rate / (o['tokens'] / o['seconds']):.3f}× [{low:.3f}, {high:.3f}] → {verdict}")
+            ratio = rate / (o["tokens"] / o["seconds"])
+            lines.append(f"  - vs {label}: {ratio:.3f}× [{low:.3f}, {high:.3f}] → {verdict}")
     return lines
 
 

@@ -31,7 +31,6 @@ from torch import Tensor, nn
 
 from dspark.decoding.drafting import (
     ParallelStage,
-    clean_confidences,
     draft_to_target,
     prepare_sequential_head,
     resolve_precision,
@@ -257,11 +256,12 @@ class DSparkProposer:
         if temperature == 0:  # one-hot p_d, written straight over the target's vocabulary
             p_d = torch.zeros(len(tokens), self.vocab_size, device=device).scatter_(-1, drafted.unsqueeze(-1), 1.0)
         else:
-            p_d = to_target_probs(torch.cat(probs) if probs else parallel_logits.new_zeros(0, parallel_logits.shape[-1]),
-                                  ids, self.vocab_size)
+            drafted_probs = torch.cat(probs) if probs else parallel_logits.new_zeros(0, parallel_logits.shape[-1])
+            p_d = to_target_probs(drafted_probs, ids, self.vocab_size)
         conf = torch.tensor(confidences[:len(tokens)], dtype=torch.float32, device=device) if self.has_confidence \
             else None
         return drafted, p_d, conf
+
 
 def draft_count(block_size: int, max_drafts: int | None) -> int:
     """Slots to draft: γ, or fewer when the policy verifies at most `max_drafts`."""
