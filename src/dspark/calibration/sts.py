@@ -16,7 +16,6 @@ Data: rounds decoded with fixed ℓ = γ at the serving temperature (so no prefi
 from __future__ import annotations
 
 import math
-
 from dataclasses import dataclass
 from pathlib import Path
 
