@@ -84,15 +84,13 @@ def _sample(logits: Tensor, temperature: float, generator: torch.Generator | Non
     return token, probs
 
 
-def _stack_proposal(tokens: list[Tensor], probs: list[Tensor], confidences: list[Tensor] | None,
-                    vocab_size: int, device: torch.device) -> tuple[Tensor, Tensor, Tensor | None]:
-    """Lists of per-slot [1] / [1, V] tensors → [γ'], [γ', V], [γ'] (γ' may be 0)."""
+def _stack_proposal(tokens: list[Tensor], probs: list[Tensor], vocab_size: int,
+                    device: torch.device) -> tuple[Tensor, Tensor]:
+    """Lists of per-slot [1] / [1, V] tensors → [γ'], [γ', V] (γ' may be 0)."""
     if not tokens:
-        empty = torch.zeros(0, dtype=torch.float32, device=device)
-        return (torch.zeros(0, dtype=torch.long, device=device), empty.new_zeros(0, vocab_size),
-                None if confidences is None else empty)
-    conf = None if confidences is None else torch.cat(confidences[:len(tokens)])
-    return torch.cat(tokens), torch.cat(probs), conf
+        return (torch.zeros(0, dtype=torch.long, device=device),
+                torch.zeros(0, vocab_size, dtype=torch.float32, device=device))
+    return torch.cat(tokens), torch.cat(probs)
 
 
 class GrowingBuffer:
@@ -235,7 +233,6 @@ class DSparkProposer:
                 value, index = logits.max(dim=-1)  # the fault guard's amax and the greedy draft in one reduction
                 if not math.isfinite(float(value)):
                     break
-                p = None
             elif not bool(usable_logits(logits)):
                 break
             if conf_logit is not None:
@@ -245,9 +242,9 @@ class DSparkProposer:
                     break
             if temperature != 0:
                 index, p = _sample(logits, temperature, generator)
+                probs.append(p)  # over Vd; expanded to V (zero outside the draft vocabulary) below
             draft = int(index) if to_target is None else to_target[int(index)]
             tokens.append(draft)
-            probs.append(p)  # over Vd (None when greedy); expanded to V (zero outside the draft vocabulary) below
             if draft in stop_ids:
                 break
             prev = torch.tensor([draft], device=hidden.device)
@@ -361,7 +358,7 @@ class Eagle3Proposer:
         except _UnusableSlot:
             pass  # the drafts before the faulty step stand (each was sampled from its own, usable p_d)
         synchronize(pending.device)
-        tokens_, probs_, _ = _stack_proposal(tokens, probs, None, self._draft_vocab, pending.device)
+        tokens_, probs_ = _stack_proposal(tokens, probs, self._draft_vocab, pending.device)
         return Proposal(tokens_, to_target_probs(probs_.float(), self._ids, self.vocab_size), None,
                         seconds_parallel=chain_start - start, seconds_sequential=time.perf_counter() - chain_start)
 

@@ -128,8 +128,7 @@ class KVInjectionAttention(nn.Module):
 
     def _heads(self, x: Tensor, proj: nn.Linear, num_heads: int, norm: nn.Module | None = None) -> Tensor:
         """[B, L, d] → per-head projection [B, H, L, hd], then the per-head norm if given."""
-        x = proj(x).unflatten(-1, (num_heads, self.head_dim))
-        return (x if norm is None else norm(x)).transpose(1, 2)
+        return self._split_heads(proj(x), num_heads, norm)
 
     def forward(self, block: Tensor, context: Tensor, *, rope: tuple[Tensor, Tensor],
                 mask: Tensor | BlockMask) -> Tensor:
@@ -166,7 +165,7 @@ class KVInjectionAttention(nn.Module):
         self.q_proj = self.k_proj = self.v_proj = None
 
     def _split_heads(self, x: Tensor, num_heads: int, norm: nn.Module | None = None) -> Tensor:
-        """[B, L, H·hd] (a slice of a fused product) → [B, H, L, hd], then the per-head norm if given."""
+        """[B, L, H·hd] (a projection, or a slice of a fused one) → [B, H, L, hd], then the per-head norm if given."""
         x = x.unflatten(-1, (num_heads, self.head_dim))
         return (x if norm is None else norm(x)).transpose(1, 2)
 
