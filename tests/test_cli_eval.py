@@ -156,3 +156,15 @@ def test_report_names_tell_evaluations_of_one_drafter_apart():
               stem(eval_sets=["gsm8k", "humaneval", "mt-bench"], prompts_per_set=4),
               stem(eval_sets=["gsm8k", "humaneval", "mt-bench"], prompts_per_set=10, max_new_tokens=32)}
     assert base not in others and len(others) == 3
+
+
+def test_the_final_speed_up_line_says_when_the_policy_is_not_a_speed_policy():
+    """Under decode.policy=fixed (every draft verified: the τ setting) the final line names the speed policy, so a
+    ratio below 1× is not read as what speculative decoding gives here; other policies print the bare ratio."""
+    from dspark.config.schema import DecodeConfig
+    from dspark.stages.evaluate import speedup_note
+
+    fixed = speedup_note(DecodeConfig(policy="fixed"), 0.71)
+    assert fixed.startswith("0.71x") and "decode.policy=scheduler" in fixed
+    assert speedup_note(DecodeConfig(policy="scheduler"), 1.26) == "1.26x"
+    assert speedup_note(DecodeConfig(policy="fixed", baseline=False), None).startswith("not measured")
