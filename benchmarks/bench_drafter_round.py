@@ -27,7 +27,12 @@ import torch
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "benchmarks"))
-from bench_decoding import git_commit, load_verdict, trained_drafters  # noqa: E402  (one provenance format)
+from bench_decoding import (  # noqa: E402  (one provenance format, one definition of the stand-in drafters)
+    git_commit,
+    load_verdict,
+    trained_drafters,
+    untrained_drafters,
+)
 
 PIECES = ("parallel", "sequential", "extend")
 
@@ -54,18 +59,6 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     return args
 
 
-def random_drafter(target, args) -> tuple[str, torch.nn.Module]:
-    from dspark.drafters.factory import DrafterSpec, build_drafter
-
-    vd = args.draft_vocab if 0 < args.draft_vocab < target.vocab_size else 0
-    spec = DrafterSpec(kind="dspark", head="markov", depth=args.depth, block_size=7, markov_rank=256,
-                       feature_layers=tuple(target.feature_layer_ids), mask_token_id=target.mask_token_id,
-                       target_fingerprint=target.fingerprint, draft_vocab_size=vd)
-    torch.manual_seed(0)
-    module = build_drafter(spec, target, draft_vocab_ids=torch.arange(vd) if vd else None)
-    return f"dspark-markov-d{args.depth}-g7 (random weights, Vd {vd or target.vocab_size})", module.eval()
-
-
 def main(argv: list[str]) -> int:
     from dspark.decoding.proposers import DSparkProposer
     from dspark.hardware import cpu_bf16_unit, cpu_model, keep_freed_memory
@@ -78,9 +71,10 @@ def main(argv: list[str]) -> int:
     target = load_target(args.target, cache_dir=args.cache_dir)
     if args.drafter:
         found = trained_drafters(target, [args.drafter])[0]
-        name, module = found.name, found.module
-    else:
-        name, module = random_drafter(target, args)
+    else:  # bench_decoding's random-weight stand-ins (γ = 7, seed 0); the first is the DSpark-Markov one
+        found = untrained_drafters(target, argparse.Namespace(draft_vocab=args.draft_vocab, depth=args.depth,
+                                                              block_size=7, seed=0))[0]
+    name, module = found.name, found.module
     if not hasattr(module, "backbone"):
         raise SystemExit(f"--drafter {args.drafter}: a DSpark or DFlash drafter is needed (this script times the "
                          "parallel stage, the sequential loop and the context update of DSparkProposer)")
