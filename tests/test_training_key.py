@@ -27,7 +27,7 @@ from dspark.stages.context import HASH_NEUTRAL_DEFAULTS, training_key
 
 
 OFF_DEFAULT = {("data", "regen_precision"): "fp32", ("model", "import_from"): "/some/checkpoint", ("data", "seed"): 3,
-               ("data", "sampling.sampler"): "lean"}
+               ("data", "sampling.sampler"): "lean", ("model", "init_layers"): [0, 1]}
 
 
 @pytest.mark.parametrize("argv, key", [(["budget=smoke"], "6bf338590823"), (["budget=cpu-ref"], "811d0f03f80a"),

@@ -163,6 +163,12 @@ def _range_errors(cfg: RunConfig) -> list[str]:
         (cfg.data.max_anchors >= 1, f"data.max_anchors must be ≥ 1 (got {cfg.data.max_anchors})."),
         (cfg.data.num_train_prompts >= 2, "data.num_train_prompts must be ≥ 2 (one for validation)."),
         (cfg.optim.lr > 0, f"optim.lr must be > 0 (got {cfg.optim.lr})."),
+        (not m.init_layers or len(m.init_layers) == m.depth,
+         f"model.init_layers names {len(m.init_layers)} target layers for model.depth={m.depth} draft layers; give one "
+         "target layer id per draft layer (e.g. model.init_layers=[0,1] for depth 2) or [] for random weights."),
+        (not m.init_layers or cfg.drafter != "eagle3",
+         "model.init_layers copies target decoder layers into DSpark/DFlash draft layers; EAGLE-3's layer reads "
+         "[embedding; hidden] (2d inputs) and cannot take them: leave model.init_layers=[] with drafter=eagle3."),
         (m.draft_vocab_size >= 0, f"model.draft_vocab_size must be ≥ 0 (got {m.draft_vocab_size}); 0 = full vocabulary."),
         (not cfg.data.train_weights or len(cfg.data.train_weights) == len(cfg.data.train_sets),
          f"data.train_weights has {len(cfg.data.train_weights)} weights for {len(cfg.data.train_sets)} "

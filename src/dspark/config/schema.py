@@ -69,6 +69,9 @@ class ModelConfig:
     draft_vocab_size: int = 0
     #: the confidence head also reads the Markov previous-token embedding W_1[x_{k-1}] (DeepSpec's default)
     confidence_with_markov: bool = True
+    #: target decoder layer ids whose weights initialise the draft layers, one per layer in order (negative ids count
+    #: from the end; the fusion, mask embedding and heads stay randomly initialised); [] = random initialisation
+    init_layers: list[int] = field(default_factory=list)
     #: a drafter checkpoint directory (DeepSpec / vLLM / speculators layout, or stage=export's output) evaluated or
     #: served instead of training one; "" = train (docs/INTEROP.md)
     import_from: str = ""

@@ -28,7 +28,8 @@ SUPERVISION_VERSION = 2
 # (group, key, default) of training keys added after runs were cached: left out of the hash at their default
 HASH_NEUTRAL_DEFAULTS = (("model", "confidence_with_markov", True), ("model", "import_from", ""),
                          ("loss", "kind", "paper"), ("loss", "dpard_alpha", 0.5), ("data", "regen_precision", "auto"),
-                         ("data", "seed", None), ("data", "sampling.sampler", "generate"))
+                         ("data", "seed", None), ("data", "sampling.sampler", "generate"),
+                         ("model", "init_layers", []))
 
 
 @dataclass

@@ -42,6 +42,12 @@ def build_datamodule(ctx: StageContext, data: PreparedData):
 def build_module(ctx: StageContext, spec: DrafterSpec, *, draft_vocab_ids=None) -> DrafterModule:
     target = ctx.load_target()
     drafter = build_drafter(spec, target, draft_vocab_ids=draft_vocab_ids)
+    init_layers = list(ctx.cfg.model.init_layers)
+    if init_layers:
+        from dspark.drafters.init import copy_target_layers
+
+        copy_target_layers(drafter.backbone.layers, target, init_layers)
+        log.info("draft layers initialised from target layers %s (model.init_layers)", init_layers)
     return DrafterModule(drafter=drafter, target=target, drafter_kind=spec.kind, block_size=spec.block_size,
                          loss=ctx.cfg.loss, optim=ctx.cfg.optim, drafter_config=spec.to_dict())
 

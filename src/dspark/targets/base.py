@@ -200,6 +200,14 @@ class Target:
     def dtype(self) -> torch.dtype:
         return self.embed_tokens.weight.dtype
 
+    def decoder_layer(self, layer_id: int) -> nn.Module:
+        """The frozen decoder layer `layer_id` (negative ids count from the end), e.g. to initialise a draft layer
+        from (`dspark.drafters.init.copy_target_layers`)."""
+        if not -self.num_layers <= layer_id < self.num_layers:
+            raise ValueError(f"target layer {layer_id} does not exist: the target has {self.num_layers} decoder layers "
+                             f"(ids 0..{self.num_layers - 1}, or -1..-{self.num_layers} from the end)")
+        return self._decoder.layers[layer_id]
+
     @torch.no_grad()
     def forward(
         self,
