@@ -83,6 +83,11 @@ def test_eval_stage_logs_metrics(root, case):
     stem = report.stem
     assert len(stem) == len(prefix) + 6
     assert "τ pooled" in report.read_text() and (root / "reports" / f"{stem}-cond.png").exists()
+    from dspark.hardware import machine_summary
+    # the machine and the resolved precisions are in the header (smoke: fp32 target; auto → bf16 or fp32 here)
+    assert meta["machine"] == machine_summary() and f"- machine: {meta['machine']}; target float32, drafter " \
+        f"parallel stage {meta['precision'].split('stage ')[1]}" in report.read_text()
+    assert meta["precision"].endswith("(decode.drafter_precision=auto)")
     artifacts = {a.path for a in _client(root).list_artifacts(run.info.run_id, "eval")}
     assert {f"eval/{stem}.md", f"eval/{stem}-cond.png"} <= artifacts
 

@@ -146,6 +146,25 @@ def machine_fingerprint() -> str:
             f"|device={device}")
 
 
+def machine_summary() -> str:
+    """One readable line for report headers: the CPU model with its family/model numbers (two EPYC generations
+    share the model name "AMD EPYC"), CPU count, bf16 matrix instructions and torch threads, e.g.
+    `AMD EPYC (family 25 model 17), 2 CPUs, bf16 unit avx512_bf16, 2 torch threads`."""
+    family = model = None
+    try:
+        for line in Path("/proc/cpuinfo").read_text(errors="ignore").splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() == "cpu family" and family is None:
+                family = value.strip()
+            elif key.strip() == "model" and model is None:
+                model = value.strip()
+    except OSError:
+        pass
+    numbers = f" (family {family} model {model})" if family and model else ""
+    return (f"{cpu_model()}{numbers}, {os.cpu_count()} CPUs, bf16 unit {cpu_bf16_unit() or 'none'}, "
+            f"{torch.get_num_threads()} torch threads")
+
+
 def cpu_model() -> str:
     """The CPU's model name from /proc/cpuinfo (Linux), else the platform's processor string, else "unknown CPU"
     (for benchmark headers: results are only comparable on the same model)."""

@@ -57,6 +57,11 @@ def resolve_precision(precision: str, device: torch.device | str = "cpu") -> tor
     return torch.bfloat16 if precision == "bf16" else torch.float32
 
 
+def precision_name(precision: str, device: torch.device | str = "cpu") -> str:
+    """What `decode.drafter_precision` resolves to on this machine, as a word: fp32 | bf16 | int8 (report headers)."""
+    return {torch.qint8: "int8", torch.bfloat16: "bf16"}.get(resolve_precision(precision, device), "fp32")
+
+
 def draft_to_target(drafter: nn.Module) -> Tensor | None:
     """The drafter's [Vd] long draft → target id map (`drafter.draft_head`), or None for the full vocabulary."""
     head = getattr(drafter, "draft_head", None)

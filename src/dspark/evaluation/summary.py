@@ -230,6 +230,8 @@ def report_markdown(meta: dict, summary: EvalSummary, *, cond_plot: str, calibra
         f"- MLflow run {meta.get('mlflow_run_id') or '–'}; git {meta.get('git_commit', '–')[:12]}; "
         f"round records {meta['rounds_file']}; finished {meta.get('finished', '–')}",
     ]
+    if meta.get("machine"):  # absent from evaluations written before the field existed
+        lines.append(f"- machine: {meta['machine']}; {meta.get('precision', '')}".rstrip("; "))
     if meta.get("sps_table"):
         lines.append(f"- scheduler SPS table: {meta['sps_table']}")
     lines += ["", "τ pooled = Σ τ / #rounds over all rounds of a dataset (DeepSpec's convention, METHOD §1); τ "

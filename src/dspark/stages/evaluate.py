@@ -19,12 +19,14 @@ from typing import TYPE_CHECKING, Any
 
 from dspark.config import to_dict
 from dspark.config.schema import CONFIDENCE_POLICIES  # the policies that read c_k: calibrate for them
+from dspark.decoding.drafting import precision_name
 from dspark.evaluation.calibrate import CalibrationReport
 from dspark.evaluation.diagnostics import load_or_profile_sps, sps_markdown
 from dspark.evaluation.plots import plot_conditional_acceptance
 from dspark.evaluation.rollouts import encode_prompts, read_rollouts_jsonl, run_rollouts, write_rollouts_jsonl
 from dspark.evaluation.summary import flatten_metrics, report_markdown, summarize
 from dspark.files import atomic_write_text
+from dspark.hardware import machine_summary
 from dspark.stages.context import StageContext, run_name
 from dspark.stages.drafter import TrainedDrafter, calibrate, open_trained_drafter
 from dspark.stages.prepare import PreparedData
@@ -181,6 +183,11 @@ def eval_meta(ctx: StageContext, *, spec: DrafterSpec, drafter_path: Path, out_d
         "calibration_md": calibration.markdown() if calibration else None,
         "reliability_plot": calibration.plot_path.name if calibration and calibration.plot_path else None,
         "finished": time.strftime("%Y-%m-%d %H:%M:%S"),
+        # where the speeds were measured: reports of one config name from two machines are otherwise alike
+        "machine": machine_summary(),
+        "precision": f"target {str(target.dtype).removeprefix('torch.')}, drafter parallel stage "
+                     f"{precision_name(ctx.cfg.decode.drafter_precision, target.device)} "
+                     f"(decode.drafter_precision={ctx.cfg.decode.drafter_precision})",
     }
 
 
