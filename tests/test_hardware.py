@@ -23,6 +23,27 @@ def test_bf16_unit_is_read_from_whole_cpu_flags(cpuinfo, unit):
     assert hardware.bf16_unit_from(cpuinfo) == unit
 
 
+def test_the_machine_line_tells_cpu_generations_apart(monkeypatch):
+    """Report headers and run tags name the CPU with its family/model numbers and bf16 unit: two EPYC generations
+    share the model name "AMD EPYC" and differ in exactly those."""
+    from pathlib import Path
+
+    from dspark.tracking.store import git_provenance
+
+    zen4 = "processor\t: 0\nvendor_id\t: AuthenticAMD\ncpu family\t: 25\nmodel\t\t: 17\nmodel name\t: AMD EPYC\n"
+    real_read = Path.read_text
+    monkeypatch.setattr(Path, "read_text", lambda self, *a, **k: zen4 if str(self) == "/proc/cpuinfo"
+                        else real_read(self, *a, **k))
+    monkeypatch.setenv("DSPARK_CPU_BF16", "0")
+    hardware.cpu_bf16_unit.cache_clear()
+    try:
+        line = hardware.machine_summary()
+        assert line.startswith("AMD EPYC (family 25 model 17), ") and "bf16 unit none" in line
+        assert line in git_provenance(Path(__file__).parent)["machine"]
+    finally:
+        hardware.cpu_bf16_unit.cache_clear()
+
+
 def test_torch_capability_names_amx_when_cpuinfo_is_unreadable():
     assert hardware.bf16_unit_from("", capability="AMX") == "amx_bf16"
     assert hardware.bf16_unit_from("", capability="AVX512") is None

@@ -16,6 +16,7 @@ from typing import Any
 
 from dspark.config import ConfigError, RunConfig, to_yaml
 from dspark.files import atomic_write_text
+from dspark.hardware import machine_summary
 
 
 def tracking_uri_for(cfg: RunConfig) -> str:
@@ -126,5 +127,6 @@ def git_provenance(repo: Path) -> dict[str, str]:
     return {
         "git.commit": git("rev-parse", "HEAD") or "unknown",
         "git.dirty": str(bool(git("status", "--porcelain", "--untracked-files=no"))),
-        "machine": f"{platform.node()} {platform.machine()} {os.cpu_count()} cpus",
+        # the host name alone ("vm") does not tell an AMX Xeon from either EPYC generation
+        "machine": f"{platform.node()} {platform.machine()}: {machine_summary()}",
     }
