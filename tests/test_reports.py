@@ -35,8 +35,10 @@ def _store(root: Path, experiment: str):
     return open_store(resolve_config(["budget=smoke", f"paths.root={root}", f"tracking.experiment={experiment}"]).cfg)
 
 
-def _seed_sweep(store, *, sweep: str, cells: list[tuple[dict, dict[str, float]]]) -> str:
-    """A parent run and one FINISHED, complete child per (axes, metrics); returns the parent id."""
+def _seed_sweep(store, *, sweep: str, cells: list[tuple[dict, dict[str, float]]],
+                machines: list[str] | None = None) -> str:
+    """A parent run and one FINISHED, complete child per (axes, metrics), tagged with `machines[i]` when given;
+    returns the parent id."""
     parent = store.create_run(run_name=f"sweep-{sweep}", tags={"sweep.name": sweep, "sweep.role": "parent",
                                                                "sweep.hash": "abcdef123456"})
     for index, (axes, metrics) in enumerate(cells):
@@ -44,6 +46,8 @@ def _seed_sweep(store, *, sweep: str, cells: list[tuple[dict, dict[str, float]]]
         tags = {"sweep.name": sweep, "sweep.role": "cell", "cell": key, "cell.index": str(index),
                 "seed": str(axes["seed"]), "drafter": str(axes.get("drafter", "dspark")), "model.head": "markov",
                 COMPLETE_TAG: "true", **{f"axis.{k}": str(v) for k, v in axes.items()}}
+        if machines:
+            tags["machine"] = machines[index]
         run = store.create_run(run_name=key, tags=tags, parent_run_id=parent)
         store.log_metrics(run, metrics)
         store.finish(run)
@@ -110,6 +114,16 @@ def test_write_report_attaches_it_to_the_parent(tmp_path, store_root):
     assert path == tmp_path / "reports" / "depth.md" and (tmp_path / "reports" / "depth-depth.png").exists()
     attached = {a.path for a in store.client.list_artifacts(parent, "report")}
     assert attached == {"report/depth.md", "report/depth-depth.png"}
+
+
+def test_the_header_names_the_machines_the_cells_ran_on(tmp_path, store_root):
+    """A sweep resumed on another machine (sessions here change machines) lists both, most runs first."""
+    store = _store(store_root, "machines")
+    parent = _seed_sweep(store, sweep="depth", cells=SEEDED["depth"][:4],
+                         machines=["vm x86_64: AMD EPYC (family 25 model 17)"] * 3 + ["vm x86_64: Intel Xeon"])
+    rc = resolve_config(["budget=smoke", f"paths.root={tmp_path}", "sweep=depth", "tracking.experiment=machines"])
+    text = write_sweep_report(rc, load_sweep("depth"), store=store, parent_id=parent).read_text()
+    assert "- machine: vm x86_64: AMD EPYC (family 25 model 17) (3 runs); vm x86_64: Intel Xeon (1 run)\n" in text
 
 
 def test_estimate_is_the_student_t_interval():

@@ -17,7 +17,7 @@ if TYPE_CHECKING:
     from dspark.tracking import TrackingStore
 
 TAG_COLUMNS = ("cell", "cell.index", "drafter", "model.head", "seed", "target", "budget", "training.key",
-               "optuna.trial", "optuna.state", "optuna.defaults", "git.commit")
+               "optuna.trial", "optuna.state", "optuna.defaults", "git.commit", "machine")
 
 
 @dataclass
@@ -40,6 +40,16 @@ class SweepRuns:
 
     def parent_tag(self, name: str, default: str = "–") -> str:
         return self.parent.data.tags.get(name, default) if self.parent is not None else default
+
+    def machines(self) -> str | None:
+        """The machines the completed cells ran on, with their run counts, most runs first (`machine` tag), e.g.
+        `A (7 runs); B (5 runs)`; None when no cell carries the tag. A sweep resumed on another machine says so."""
+        if self.empty or "machine" not in self.frame.columns:
+            return None
+        counts = self.frame.get_column("machine").drop_nulls().value_counts(sort=True)
+        if counts.height == 0:
+            return None
+        return "; ".join(f"{name} ({n} run{'s' if n != 1 else ''})" for name, n in counts.iter_rows())
 
     def parent_metric(self, name: str) -> float | None:
         return self.parent.data.metrics.get(name) if self.parent is not None else None

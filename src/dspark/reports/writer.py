@@ -34,7 +34,8 @@ class Provenance:
     @classmethod
     def from_runs(cls, runs: Any, *, store: TrackingStore, experiment: str, now: datetime.datetime | None = None,
                   fallback: dict[str, str] | None = None) -> "Provenance":
-        """Read the parent run's tags (`fallback` tags when there is no parent); `now` = generation time."""
+        """Read the parent run's tags (`fallback` tags when there is no parent); `now` = generation time; the
+        machine is that of the completed cells (`SweepRuns.machines`) where they carry it, else the parent's."""
         fallback = fallback or {}
 
         def tag(name: str, default: str = "–") -> str:
@@ -44,7 +45,7 @@ class Provenance:
         if tag("git.dirty", "False") == "True":
             commit += " (dirty)"
         stamp = (now or datetime.datetime.now()).strftime("%Y-%m-%d %H:%M")
-        return cls(git_commit=commit, date=stamp, machine=tag("machine"), target=tag("target"),
+        return cls(git_commit=commit, date=stamp, machine=runs.machines() or tag("machine"), target=tag("target"),
                    budget=tag("budget"), command=tag("command"), tracking_uri=_safe_uri(store.uri),
                    experiment=f"{experiment} (id {store.experiment_id})",
                    parent_run_id=runs.parent.info.run_id if runs.parent is not None else "–",
