@@ -226,6 +226,9 @@ class ServeConfig:
 class TrackingConfig:
     uri: str = ""  #: "" = sqlite under paths.root; or http://HOST:PORT of a running mlflow server
     experiment: str = "dspark-lab"
+    #: a grid sweep records its finished cells in <paths.reports>/cells/<experiment>/<sweep>-<hash>.json and imports
+    #: those its store lacks, so it resumes from another checkout or machine (dspark.tracking.ledger); false: neither
+    sweep_ledger: bool = True
 
 
 @dataclass

@@ -7,6 +7,7 @@ value parses as a number), and one column per metric (`summary/tau`, `eval/gsm8k
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import polars as pl
@@ -17,7 +18,7 @@ if TYPE_CHECKING:
     from dspark.tracking import TrackingStore
 
 TAG_COLUMNS = ("cell", "cell.index", "drafter", "model.head", "seed", "target", "budget", "training.key",
-               "optuna.trial", "optuna.state", "optuna.defaults", "git.commit", "machine")
+               "optuna.trial", "optuna.state", "optuna.defaults", "git.commit", "machine", "ledger.source")
 
 
 @dataclass
@@ -50,6 +51,17 @@ class SweepRuns:
         if counts.height == 0:
             return None
         return "; ".join(f"{name} ({n} run{'s' if n != 1 else ''})" for name, n in counts.iter_rows())
+
+    def from_ledger(self) -> str | None:
+        """`N of M (file)` when some completed cells were imported from a sweep ledger (`dspark.tracking.ledger`:
+        finished on another checkout or machine), else None."""
+        if self.empty or "ledger.source" not in self.frame.columns:
+            return None
+        sources = self.frame.get_column("ledger.source").drop_nulls()
+        if sources.len() == 0:
+            return None
+        files = ", ".join(sorted({Path(s).name for s in sources.to_list()}))
+        return f"{sources.len()} of {self.frame.height} completed cells ({files})"
 
     def parent_metric(self, name: str) -> float | None:
         return self.parent.data.metrics.get(name) if self.parent is not None else None

@@ -45,11 +45,13 @@ class Provenance:
         if tag("git.dirty", "False") == "True":
             commit += " (dirty)"
         stamp = (now or datetime.datetime.now()).strftime("%Y-%m-%d %H:%M")
+        imported = runs.from_ledger()
         return cls(git_commit=commit, date=stamp, machine=runs.machines() or tag("machine"), target=tag("target"),
                    budget=tag("budget"), command=tag("command"), tracking_uri=_safe_uri(store.uri),
                    experiment=f"{experiment} (id {store.experiment_id})",
                    parent_run_id=runs.parent.info.run_id if runs.parent is not None else "–",
-                   sweep_hash=tag("sweep.hash"))
+                   sweep_hash=tag("sweep.hash"),
+                   extra={"imported from the sweep ledger": imported} if imported else {})
 
     def lines(self) -> list[str]:
         rows = [("git commit", self.git_commit), ("generated", self.date), ("machine", self.machine),

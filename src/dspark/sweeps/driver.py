@@ -7,10 +7,13 @@
 3. Find this sweep's parent run by its tags (sweep name + a hash of every cell's resolved config, output paths and
    tracking excluded, and of the supervision version) and reuse it, or create it; attach the sweep file and every
    resolved cell config to it.
-4. Run the cells one after another in this process (one device; no DDP inside a sweep), each in its own child
+4. Import the finished cells recorded in the sweep's ledger (`<paths.reports>/cells/<experiment>/NAME-<hash>.json`,
+   `dspark.tracking.ledger`) that this store lacks, so a sweep goes on from another checkout or machine.
+5. Run the cells one after another in this process (one device; no DDP inside a sweep), each in its own child
    run; cells whose child already completed are skipped (resume), cells that fail are marked FAILED and the
-   sweep goes on. Cells that differ only in decode.* share one trained drafter (`training_key`).
-5. Write `<paths.reports>/NAME.md` from the tracking store and attach it to the parent.
+   sweep goes on. Cells that differ only in decode.* share one trained drafter (`training_key`). Every finished
+   cell is recorded in the ledger at once (`tracking.sweep_ledger=false` neither reads nor writes it).
+6. Write `<paths.reports>/NAME.md` from the tracking store and attach it to the parent.
 
 Exit code: 0 every cell passed, 1 some cell failed, 2 bad configuration, 130 interrupted (rerun to resume).
 `stage=report` only regenerates the report. `max_cells=` (or the environment variable DSPARK_SWEEP_MAX_CELLS)
@@ -34,6 +37,7 @@ from dspark.hardware import release_freed_memory
 from dspark.sweeps import runs as sweep_runs
 from dspark.sweeps.identity import arg_key, hashable_config, parent_tags, supervision_identity, sweep_dir
 from dspark.sweeps.spec import Cell, SweepSpec, coerce_value, load_sweep
+from dspark.tracking import ledger as cell_ledger
 from dspark.tracking import runs as run_tree
 
 if TYPE_CHECKING:
@@ -69,13 +73,50 @@ def run_sweep(rc: ResolvedConfig, *, max_cells: int | None = None) -> int:
 
             return run_search(rc, spec, max_trials=limit)
         plan = plan_grid(rc, spec)
+        ledger_of(rc, spec, plan.sweep_hash, check=True)  # a broken ledger is refused before any work
         from dspark.tracking import open_store
 
         store = open_store(rc.cfg)
-    except ConfigError as err:
+    except (ConfigError, cell_ledger.LedgerError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
     return execute_grid(plan, rc=rc, store=store, max_cells=limit)
+
+
+def ledger_of(rc: ResolvedConfig, spec: SweepSpec, sweep_hash: str, *, check: bool = False) -> Path | None:
+    """The sweep's ledger file (`dspark.tracking.ledger`), or None under `tracking.sweep_ledger=false`; `check`
+    reads it once so that a file that is not this sweep's ledger raises `LedgerError` here."""
+    if not rc.cfg.tracking.sweep_ledger:
+        return None
+    path = cell_ledger.ledger_path(rc.cfg.paths.reports, experiment=rc.cfg.tracking.experiment, sweep=spec.name,
+                                   sweep_hash=sweep_hash)
+    if check:
+        cell_ledger.read_ledger(path, sweep=spec.name, sweep_hash=sweep_hash)
+    return path
+
+
+def import_ledger(store: TrackingStore, parent_id: str, path: Path | None, *, sweep: str, sweep_hash: str) -> int:
+    """Import the ledger's finished cells that the parent lacks; logs and returns how many."""
+    if path is None:
+        return 0
+    imported = cell_ledger.import_cells(store, parent_id, path, sweep=sweep, sweep_hash=sweep_hash)
+    if imported:
+        log.info("sweep %s: %d finished cell(s) imported from %s (they are not run again; delete the file or pass "
+                 "tracking.sweep_ledger=false to rerun them): %s", sweep, len(imported), path, "; ".join(imported))
+    return len(imported)
+
+
+def record_ledger(store: TrackingStore, parent_id: str, path: Path | None, *, sweep: str, sweep_hash: str) -> None:
+    """Write the parent's finished cells to the ledger; a failure is logged, never the end of the sweep."""
+    if path is None:
+        return
+    try:
+        count = cell_ledger.record_cells(store, parent_id, path, sweep=sweep, sweep_hash=sweep_hash)
+    except (OSError, cell_ledger.LedgerError) as err:
+        log.warning("sweep %s: could not record finished cells in %s (%s)", sweep, path, err)
+        return
+    if count:
+        log.info("sweep %s: %d finished cell(s) recorded in %s", sweep, count, path)
 
 
 def _max_cells(value: int | None) -> int | None:
@@ -162,6 +203,8 @@ def execute_grid(plan: SweepPlan, *, rc: ResolvedConfig, store: TrackingStore, m
     out_dir = sweep_dir(rc, spec, plan.sweep_hash)
     sweep_runs.log_parent_record(store, parent_id, spec_text=spec.text, out_dir=out_dir,
                                  cells=[cell_record(pc) for pc in plan.cells])
+    ledger = ledger_of(rc, spec, plan.sweep_hash)
+    import_ledger(store, parent_id, ledger, sweep=spec.name, sweep_hash=plan.sweep_hash)
     existing = run_tree.children(store, parent_id)
     done = run_tree.done_cells(existing)
     todo = plan.cells[:max_cells] if max_cells else plan.cells
@@ -178,6 +221,8 @@ def execute_grid(plan: SweepPlan, *, rc: ResolvedConfig, store: TrackingStore, m
             attempt, current = uuid.uuid4().hex, pc.cell.key
             outcomes.append(run_cell(pc, plan=plan, store=store, parent_id=parent_id, attempt=attempt))
             current = ""
+            if outcomes[-1].status == "FINISHED":  # recorded at once: a session that ends mid-sweep keeps it
+                record_ledger(store, parent_id, ledger, sweep=spec.name, sweep_hash=plan.sweep_hash)
             release_freed_memory()  # the next cell starts from a trimmed heap (`dspark.hardware`)
     except (KeyboardInterrupt, SystemExit) as err:  # SystemExit: a cell that called sys.exit
         return interrupted(store, parent_id, attempt=attempt, cell=current, name=spec.name, outcomes=outcomes,
@@ -264,6 +309,8 @@ def finish_sweep(rc: ResolvedConfig, plan: SweepPlan, *, store: TrackingStore, p
     """Log outcomes, write the report, close the parent; 0 when every cell passed."""
     failed = [o.key for o in outcomes if o.status == "FAILED"]
     sweep_runs.log_outcomes(store, parent_id, outcomes, out_dir=out_dir)
+    record_ledger(store, parent_id, ledger_of(rc, plan.spec, plan.sweep_hash), sweep=plan.spec.name,
+                  sweep_hash=plan.sweep_hash)
     code = 1 if failed else 0
     try:
         from dspark.reports import write_sweep_report
@@ -291,16 +338,34 @@ def sweep_hash_of(rc: ResolvedConfig, spec: SweepSpec) -> str:
 
 
 def report_sweep(rc: ResolvedConfig, spec: SweepSpec) -> int:
-    """`sweep=NAME stage=report`: regenerate the report without running anything; 0 unless the store fails."""
+    """`sweep=NAME stage=report`: regenerate the report without running anything; 0 unless the store fails.
+
+    A grid sweep's ledger is read first: its cells that the store lacks are imported (under the parent of this hash,
+    created FINISHED if the store has none), so a fresh checkout regenerates the committed report; the cells the
+    store finished are recorded back."""
     from dspark.reports import write_sweep_report
     from dspark.tracking import open_store
 
     try:
         store = open_store(rc.cfg)
         digest = sweep_hash_of(rc, spec)
-    except ConfigError as err:
+        ledger = ledger_of(rc, spec, digest, check=True) if spec.kind == "grid" else None
+    except (ConfigError, cell_ledger.LedgerError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
+    if ledger is not None:
+        parent = run_tree.find_parent(store, sweep=spec.name, sweep_hash=digest)
+        if parent is None and ledger.exists():
+            plan = plan_grid(rc, spec, ignore=("stage",), check=False)
+            tags = parent_tags(rc, spec, total=plan.total) | {"sweep.name": spec.name, "sweep.hash": digest,
+                                                              "sweep.role": run_tree.PARENT}
+            parent_id = store.create_run(run_name=f"sweep-{spec.name}", tags=tags)
+            store.finish(parent_id)
+        else:
+            parent_id = parent.info.run_id if parent is not None else None
+        if parent_id is not None:
+            import_ledger(store, parent_id, ledger, sweep=spec.name, sweep_hash=digest)
+            record_ledger(store, parent_id, ledger, sweep=spec.name, sweep_hash=digest)
     path = write_sweep_report(rc, spec, store=store, sweep_hash=digest)
     print(f"report: {path}")
     return 0
