@@ -10,7 +10,8 @@ cell, committed beside the report.
 
 Contract:
 - `record_cells` writes every completed child of a parent (`tracking.runs.done_cells`) to the ledger, merged with the
-  cells the file already holds (the store's copy wins for a cell in both); the file is replaced atomically.
+  cells the file already holds (the store's copy wins for a cell in both, unless the store's run was imported from
+  that very entry: then the entry stays byte for byte); the file is replaced atomically.
 - `import_cells` adds to a parent the ledger's cells that the store has not completed: FINISHED child runs tagged
   `sweep.complete=true` (so the driver skips them like cells finished here), `ledger.source` (the file) and
   `ledger.run_id` (the run they were recorded from), with the recorded tags (the `machine` tag says where each ran),
@@ -106,6 +107,9 @@ def record_cells(store: TrackingStore, parent_id: str, path: str | Path, *, swee
     entries = read_ledger(path, sweep=sweep, sweep_hash=sweep_hash)
     kids = {r.info.run_id: r for r in children(store, parent_id)}
     for cell, run_id in done_cells(kids.values()).items():
+        recorded_from = kids[run_id].data.tags.get(RUN_ID_TAG)
+        if cell in entries and recorded_from == entries[cell].get("run_id"):
+            continue  # imported from this very entry: keep it as written (its times are the original run's)
         entries[cell] = _entry(kids[run_id])
     if not entries:
         return 0
