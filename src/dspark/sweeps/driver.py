@@ -356,10 +356,9 @@ def report_sweep(rc: ResolvedConfig, spec: SweepSpec) -> int:
     if ledger is not None:
         parent = run_tree.find_parent(store, sweep=spec.name, sweep_hash=digest)
         if parent is None and ledger.exists():
-            plan = plan_grid(rc, spec, ignore=("stage",), check=False)
-            tags = parent_tags(rc, spec, total=plan.total) | {"sweep.name": spec.name, "sweep.hash": digest,
-                                                              "sweep.role": run_tree.PARENT}
-            parent_id = store.create_run(run_name=f"sweep-{spec.name}", tags=tags)
+            total = plan_grid(rc, spec, ignore=("stage",), check=False).total
+            parent_id, _ = run_tree.open_parent(store, sweep=spec.name, sweep_hash=digest,
+                                                tags=parent_tags(rc, spec, total=total))
             store.finish(parent_id)
         else:
             parent_id = parent.info.run_id if parent is not None else None

@@ -22,9 +22,7 @@ Contract:
 from __future__ import annotations
 
 import json
-import logging
 import re
-import time
 import uuid
 from pathlib import Path
 from typing import Any
@@ -33,8 +31,6 @@ from dspark.files import atomic_write_text
 from dspark.tracking.runs import CELL, COMPLETE_TAG, children, done_cells
 from dspark.tracking.store import TrackingStore
 
-log = logging.getLogger("dspark")
-
 LEDGER_FORMAT = "dspark-sweep-ledger"
 LEDGER_VERSION = 1
 SOURCE_TAG, RUN_ID_TAG = "ledger.source", "ledger.run_id"
@@ -42,7 +38,6 @@ SOURCE_TAG, RUN_ID_TAG = "ledger.source", "ledger.run_id"
 _STORE_TAGS = ("mlflow.",)
 #: tags that only mean something in one store: not recorded (`ledger.run_id` becomes the entry's run_id)
 _LOCAL_TAGS = ("sweep.attempt", SOURCE_TAG, RUN_ID_TAG)
-_BATCH = 500  # MLflow's log_batch limit on metrics per call (params: 100)
 
 
 class LedgerError(ValueError):
@@ -120,17 +115,14 @@ def record_cells(store: TrackingStore, parent_id: str, path: str | Path, *, swee
     return len(entries)
 
 
-def import_cells(store: TrackingStore, parent_id: str, path: str | Path, *, sweep: str, sweep_hash: str,
-                 cells: set[str] | None = None) -> list[str]:
-    """Add the ledger's cells that the parent has not completed as finished child runs; returns their keys.
-
-    cells: import only these cell keys (None = every recorded cell)."""
+def import_cells(store: TrackingStore, parent_id: str, path: str | Path, *, sweep: str, sweep_hash: str) -> list[str]:
+    """Add the ledger's cells that the parent has not completed as finished child runs; returns their keys."""
     path = Path(path)
     entries = read_ledger(path, sweep=sweep, sweep_hash=sweep_hash)
     done = done_cells(children(store, parent_id))
     imported = []
     for cell, entry in sorted(entries.items(), key=lambda item: _index(item[1])):
-        if cell in done or (cells is not None and cell not in cells):
+        if cell in done:
             continue
         _add_run(store, parent_id, entry, source=path)
         imported.append(cell)
@@ -138,7 +130,7 @@ def import_cells(store: TrackingStore, parent_id: str, path: str | Path, *, swee
 
 
 def _add_run(store: TrackingStore, parent_id: str, entry: dict[str, Any], *, source: Path) -> str:
-    from mlflow.entities import Metric, Param
+    from mlflow.entities import Param
 
     tags = {k: str(v) for k, v in entry["tags"].items() if not k.startswith(_STORE_TAGS)}
     tags |= {"sweep.role": CELL, "cell": entry["cell"], SOURCE_TAG: str(source), RUN_ID_TAG: str(entry.get("run_id")),
@@ -148,10 +140,7 @@ def _add_run(store: TrackingStore, parent_id: str, entry: dict[str, Any], *, sou
     params = [Param(str(k), str(v)) for k, v in (entry.get("params") or {}).items()]
     for i in range(0, len(params), 100):
         store.client.log_batch(run_id, params=params[i:i + 100])
-    now = int(time.time() * 1000)
-    metrics = [Metric(str(k), float(v), now, 0) for k, v in (entry.get("metrics") or {}).items()]
-    for i in range(0, len(metrics), _BATCH):
-        store.client.log_batch(run_id, metrics=metrics[i:i + _BATCH])
+    store.log_metrics(run_id, {str(k): float(v) for k, v in (entry.get("metrics") or {}).items()})
     store.client.set_tag(run_id, COMPLETE_TAG, "true")
     store.finish(run_id)
     return run_id
