@@ -263,3 +263,53 @@ def test_report_of_a_sweep_without_finished_runs_says_so(shared_root, tmp_path):
     assert "No finished runs of sweep `threshold`" in text and "|---|" not in text
     client = _client(shared_root)
     assert not client.search_runs([client.get_experiment_by_name("empty").experiment_id])  # nothing ran
+
+
+def _fake_cells(monkeypatch, store, on_run):
+    """Replace the cell runner by one that only opens the cell's child run (what `run_experiment` does first) and
+    calls `on_run(cell_index)`: the claim protocol is tested without training anything."""
+    import dspark.sweeps.driver as driver
+
+    def runner(rc, *, parent_run_id, extra_tags):
+        run = store.create_run(run_name="fake", tags=extra_tags, parent_run_id=parent_run_id)
+        on_run(int(extra_tags["cell.index"]))
+        store.finish(run)
+        return 0
+
+    monkeypatch.setattr(driver, "cell_runner", lambda spec: runner)
+
+
+@pytest.mark.parametrize("other_finishes", [True, False], ids=["other-process-finishes", "other-process-dies"])
+def test_processes_of_one_sweep_split_the_cells_by_claims(other_finishes, tmp_path, monkeypatch):
+    """A cell claimed by another process is passed over, then waited for: skipped when that process finished it,
+    run here when it let go without finishing (it died). Two FileLock objects conflict like two processes (flock)."""
+    from dspark.sweeps.driver import cell_claim
+    from dspark.tracking import open_store
+    from dspark.tracking.runs import COMPLETE_TAG, cell_tags, find_parent
+
+    argv = ["sweep=depth", "stage=train", *FAST, f"paths.root={tmp_path}", "tracking.experiment=claims"]
+    rc = resolve_config(argv)
+    plan = plan_grid(rc, load_sweep("depth"))
+    store = open_store(rc.cfg)
+    other = cell_claim(rc, plan.sweep_hash, 0)
+    other.acquire()  # "the other process" is running cell 0
+    ran = []
+
+    def on_run(index):
+        ran.append(index)
+        if index == 2:  # the last cell here: the other process now finishes (or dies) and lets go of cell 0
+            if other_finishes:
+                parent = find_parent(store, sweep="depth", sweep_hash=plan.sweep_hash).info.run_id
+                cell = plan.cells[0].cell
+                tags = cell_tags(sweep="depth", sweep_hash=plan.sweep_hash, paper_ref="Fig. 3", index=0, key=cell.key,
+                                 axes=cell.axes, attempt="other")
+                run = store.create_run(run_name="other", tags=tags | {COMPLETE_TAG: "true"}, parent_run_id=parent)
+                store.finish(run)
+            other.release()
+
+    _fake_cells(monkeypatch, store, on_run)
+    assert run_sweep(rc, max_cells=3) == 0
+    assert ran == ([1, 2] if other_finishes else [1, 2, 0])  # cell 0 passed over first, never run twice
+    parents, cells = _sweep_runs(str(tmp_path), "claims", "depth")
+    assert len(parents) == 1 and parents[0].info.status == "FINISHED"
+    assert len(_finished(cells)) == 3 == len(cells)

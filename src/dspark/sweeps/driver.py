@@ -11,8 +11,10 @@
    `dspark.tracking.ledger`) that this store lacks, so a sweep goes on from another checkout or machine.
 5. Run the cells one after another in this process (one device; no DDP inside a sweep), each in its own child
    run; cells whose child already completed are skipped (resume), cells that fail are marked FAILED and the
-   sweep goes on. Cells that differ only in decode.* share one trained drafter (`training_key`). Every finished
-   cell is recorded in the ledger at once (`tracking.sweep_ledger=false` neither reads nor writes it).
+   sweep goes on. Each cell is claimed (a file lock under `<paths.root>/cache/locks`) while it runs, so the same
+   command started in N processes sharing a store (one per core) splits the cells between them. Cells that
+   differ only in decode.* share one trained drafter (`training_key`). Every finished cell is recorded in the
+   ledger at once (`tracking.sweep_ledger=false` neither reads nor writes it).
 6. Write `<paths.reports>/NAME.md` from the tracking store and attach it to the parent.
 
 Exit code: 0 every cell passed, 1 some cell failed, 2 bad configuration, 130 interrupted (rerun to resume).
@@ -41,6 +43,8 @@ from dspark.tracking import ledger as cell_ledger
 from dspark.tracking import runs as run_tree
 
 if TYPE_CHECKING:
+    from filelock import FileLock
+
     from dspark.tracking import TrackingStore
 
 log = logging.getLogger("dspark")
@@ -198,36 +202,102 @@ def cell_record(pc: PlannedCell) -> dict[str, Any]:
 def execute_grid(plan: SweepPlan, *, rc: ResolvedConfig, store: TrackingStore, max_cells: int | None = None) -> int:
     """Run the plan's cells under one parent run (resuming it); write the report; return the exit code."""
     spec = plan.spec
-    parent_id, reused = run_tree.open_parent(store, sweep=spec.name, sweep_hash=plan.sweep_hash,
-                                               tags=parent_tags(rc, spec, total=plan.total))
-    out_dir = sweep_dir(rc, spec, plan.sweep_hash)
-    sweep_runs.log_parent_record(store, parent_id, spec_text=spec.text, out_dir=out_dir,
-                                 cells=[cell_record(pc) for pc in plan.cells])
-    ledger = ledger_of(rc, spec, plan.sweep_hash)
-    import_ledger(store, parent_id, ledger, sweep=spec.name, sweep_hash=plan.sweep_hash)
-    existing = run_tree.children(store, parent_id)
-    done = run_tree.done_cells(existing)
+    shared = sweep_lock(rc, plan.sweep_hash)
+    with shared:  # a second process of this sweep finds the parent this one created, and imports nothing twice
+        parent_id, reused = run_tree.open_parent(store, sweep=spec.name, sweep_hash=plan.sweep_hash,
+                                                   tags=parent_tags(rc, spec, total=plan.total))
+        out_dir = sweep_dir(rc, spec, plan.sweep_hash)
+        sweep_runs.log_parent_record(store, parent_id, spec_text=spec.text, out_dir=out_dir,
+                                     cells=[cell_record(pc) for pc in plan.cells])
+        ledger = ledger_of(rc, spec, plan.sweep_hash)
+        import_ledger(store, parent_id, ledger, sweep=spec.name, sweep_hash=plan.sweep_hash)
+    done = run_tree.done_cells(run_tree.children(store, parent_id))
     todo = plan.cells[:max_cells] if max_cells else plan.cells
     log.info("sweep %s: %d of %d cells selected, %d already done; parent run %s (%s)", spec.name, len(todo),
              plan.total, sum(pc.cell.key in done for pc in todo), parent_id, "resumed" if reused else "new")
     outcomes: list[sweep_runs.CellOutcome] = []
     attempt, current = "", ""
     try:
+        deferred = []
         for pc in todo:
             if pc.cell.key in done:
                 outcomes.append(sweep_runs.CellOutcome(key=pc.cell.key, status="SKIPPED", run_id=done[pc.cell.key]))
                 continue
-            run_tree.close_stale(store, existing, cell=pc.cell.key)
+            claim = cell_claim(rc, plan.sweep_hash, pc.cell.index)
+            if not _try_acquire(claim):  # another process of this sweep runs it: take the next cell meanwhile
+                log.info("sweep %s: cell %s is being run by another process of this sweep; coming back to it",
+                         spec.name, pc.cell.key)
+                deferred.append((pc, claim))
+                continue
             attempt, current = uuid.uuid4().hex, pc.cell.key
-            outcomes.append(run_cell(pc, plan=plan, store=store, parent_id=parent_id, attempt=attempt))
+            outcomes.append(run_claimed(pc, claim, plan=plan, store=store, parent_id=parent_id, attempt=attempt,
+                                        ledger=ledger, shared=shared))
             current = ""
-            if outcomes[-1].status == "FINISHED":  # recorded at once: a session that ends mid-sweep keeps it
-                record_ledger(store, parent_id, ledger, sweep=spec.name, sweep_hash=plan.sweep_hash)
-            release_freed_memory()  # the next cell starts from a trimmed heap (`dspark.hardware`)
+        for pc, claim in deferred:  # wait for the other process; run the cell here if it did not finish it
+            if not _try_acquire(claim):
+                log.info("sweep %s: waiting for another process to finish cell %s", spec.name, pc.cell.key)
+                claim.acquire()
+            attempt, current = uuid.uuid4().hex, pc.cell.key
+            outcomes.append(run_claimed(pc, claim, plan=plan, store=store, parent_id=parent_id, attempt=attempt,
+                                        ledger=ledger, shared=shared))
+            current = ""
     except (KeyboardInterrupt, SystemExit) as err:  # SystemExit: a cell that called sys.exit
         return interrupted(store, parent_id, attempt=attempt, cell=current, name=spec.name, outcomes=outcomes,
                            kept=getattr(err, "kept", ""), out_dir=out_dir)
-    return finish_sweep(rc, plan, store=store, parent_id=parent_id, outcomes=outcomes, out_dir=out_dir)
+    with shared:
+        return finish_sweep(rc, plan, store=store, parent_id=parent_id, outcomes=outcomes, out_dir=out_dir)
+
+
+def sweep_lock(rc: ResolvedConfig, sweep_hash: str) -> FileLock:
+    """The lock that processes of one sweep (same store, same hash) take around the parent, the ledger and the
+    report."""
+    return _lock_file(rc, f"sweep-{sweep_hash}")
+
+
+def cell_claim(rc: ResolvedConfig, sweep_hash: str, index: int) -> FileLock:
+    """The claim on one cell: held while a process runs it, so that N processes of the same sweep command (one per
+    core, sharing a store) split the cells instead of queueing on one. An OS file lock: a dead process frees it."""
+    return _lock_file(rc, f"sweep-{sweep_hash}-cell{index}")
+
+
+def _lock_file(rc: ResolvedConfig, name: str) -> FileLock:
+    """`<paths.root>/cache/locks/NAME.lock`: beside the caches, never beside the committed reports."""
+    from filelock import FileLock
+
+    path = Path(rc.cfg.paths.root) / "cache" / "locks" / f"{name}.lock"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    return FileLock(str(path))
+
+
+def _try_acquire(lock: FileLock) -> bool:
+    from filelock import Timeout
+
+    try:
+        lock.acquire(timeout=0)
+    except Timeout:
+        return False
+    return True
+
+
+def run_claimed(pc: PlannedCell, claim: FileLock, *, plan: SweepPlan, store: TrackingStore, parent_id: str,
+                attempt: str, ledger: Path | None, shared: FileLock) -> sweep_runs.CellOutcome:
+    """Run a cell whose claim this process holds (and release it): skipped when another process finished it
+    meanwhile; attempts left RUNNING by a dead process are closed first; a finished cell is recorded at once."""
+    spec = plan.spec
+    try:
+        existing = run_tree.children(store, parent_id)
+        done = run_tree.done_cells(existing)
+        if pc.cell.key in done:
+            return sweep_runs.CellOutcome(key=pc.cell.key, status="SKIPPED", run_id=done[pc.cell.key])
+        run_tree.close_stale(store, existing, cell=pc.cell.key)  # we hold the claim: any RUNNING attempt is dead
+        outcome = run_cell(pc, plan=plan, store=store, parent_id=parent_id, attempt=attempt)
+        if outcome.status == "FINISHED":  # recorded at once: a session that ends mid-sweep keeps it
+            with shared:
+                record_ledger(store, parent_id, ledger, sweep=spec.name, sweep_hash=plan.sweep_hash)
+        release_freed_memory()  # the next cell starts from a trimmed heap (`dspark.hardware`)
+        return outcome
+    finally:
+        claim.release()
 
 
 def run_cell(pc: PlannedCell, *, plan: SweepPlan, store: TrackingStore, parent_id: str, attempt: str
@@ -363,8 +433,9 @@ def report_sweep(rc: ResolvedConfig, spec: SweepSpec) -> int:
         else:
             parent_id = parent.info.run_id if parent is not None else None
         if parent_id is not None:
-            import_ledger(store, parent_id, ledger, sweep=spec.name, sweep_hash=digest)
-            record_ledger(store, parent_id, ledger, sweep=spec.name, sweep_hash=digest)
+            with sweep_lock(rc, digest):
+                import_ledger(store, parent_id, ledger, sweep=spec.name, sweep_hash=digest)
+                record_ledger(store, parent_id, ledger, sweep=spec.name, sweep_hash=digest)
     path = write_sweep_report(rc, spec, store=store, sweep_hash=digest)
     print(f"report: {path}")
     return 0
