@@ -326,6 +326,38 @@ def test_a_table_of_another_forward_path_is_not_reused(tiny, tmp_path, monkeypat
     assert first.created <= second.created <= third.created
 
 
+def test_engine_profile_times_the_batched_engines_own_forward(tiny, tmp_path, monkeypatch):
+    """serve.sps_forward=engine: every timed call is the BatchedKVCache forward (2-D mask, per-token positions after
+    each row's committed tokens), the rows keep `context_length` committed tokens whatever the holes, and the
+    table is cached under its own name beside the plain one."""
+    from dspark.serving.kv import BatchedKVCache
+    from dspark.serving.profile import engine_forward, load_or_profile_sps_of
+
+    seen = []
+    forward = BatchedKVCache.forward
+
+    def spy(self, input_ids, *, position_ids, input_valid):
+        seen.append((tuple(input_ids.shape), self.lengths.tolist(), position_ids[:, 0].tolist()))
+        return forward(self, input_ids, position_ids=position_ids, input_valid=input_valid)
+
+    monkeypatch.setattr(BatchedKVCache, "forward", spy)
+    table = profile_serving_sps(tiny, max_batch_tokens=7, num_rows=3, context_length=10, repeats=2, warmup=1,
+                                forward=engine_forward)
+    assert table.batch_tokens == [3, 4, 5, 6, 7] and all(s > 0 for s in table.steps_per_second)
+    assert [shape for shape, _, _ in seen[:5]] == [(3, 1), (3, 2), (3, 2), (3, 2), (3, 3)]  # q = ⌈B/R⌉
+    assert all(lengths == [10, 10, 10] and first == [10, 10, 10] for _, lengths, first in seen)
+
+    kwargs = dict(cache_dir=tmp_path, max_batch_tokens=3, num_rows=1, context_length=8, repeats=1)
+    engine, engine_path = load_or_profile_sps_of("engine", tiny, **kwargs)
+    plain, plain_path = load_or_profile_sps_of("plain", tiny, **kwargs)
+    assert engine_path.name.endswith("-r1-c8-engine.json") and plain_path.name.endswith("-r1-c8.json")
+    assert plain_path == serving_sps_path(tmp_path, tiny, num_rows=1, context_length=8)  # plain: the old name
+    again, _ = load_or_profile_sps_of("engine", tiny, **kwargs)
+    assert again.created == engine.created  # reused
+    with pytest.raises(ValueError, match="serve.sps_forward='fast'.*plain, engine"):
+        load_or_profile_sps_of("fast", tiny, **kwargs)
+
+
 def test_load_sps_table_errors(tmp_path):
     with pytest.raises(ValueError, match="no such file"):
         load_sps_table(tmp_path / "missing.json")

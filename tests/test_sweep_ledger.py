@@ -154,3 +154,33 @@ def test_a_broken_ledger_stops_the_sweep_before_any_work(tmp_path, monkeypatch, 
     assert run_sweep(resolve_config(argv), max_cells=1) == 2
     assert str(path) in capsys.readouterr().err
     assert not (tmp_path / "a" / "mlflow.db").exists()
+
+
+def test_every_committed_ledger_still_matches_the_command_that_wrote_it():
+    """A committed ledger is only imported under the hash its file name carries: a code change that moves the hash
+    of an unchanged command (a new config key, say — `identity.HASH_NEUTRAL`) would orphan every recorded cell."""
+    import shlex
+
+    from dspark.config import repo_root
+    from dspark.sweeps.driver import sweep_hash_of
+
+    ledgers = sorted((repo_root() / "reports" / "cells").glob("*/*.json"))
+    assert ledgers, "the repository ships the reference sweeps' ledgers"
+    for path in ledgers:
+        payload = json.loads(path.read_text())
+        command = payload["cells"][0]["tags"]["command"]
+        argv = shlex.split(command)[2:]  # after `python experiments/run.py`
+        rc = resolve_config(argv)
+        assert sweep_hash_of(rc, load_sweep(rc.cfg.sweep)) == payload["sweep_hash"], (path.name, command)
+
+
+def test_a_key_at_its_neutral_value_keeps_the_hash_and_any_other_value_moves_it():
+    from dspark.sweeps.identity import HASH_NEUTRAL
+
+    spec = load_sweep("depth")
+    base = plan_grid(resolve_config(["sweep=depth", "budget=smoke"]), spec, check=False).sweep_hash
+    for key, neutral in HASH_NEUTRAL.items():
+        same = plan_grid(resolve_config(["sweep=depth", "budget=smoke", f"{key}={neutral}"]), spec, check=False)
+        assert same.sweep_hash == base, key
+    other = plan_grid(resolve_config(["sweep=depth", "budget=smoke", "serve.sps_forward=engine"]), spec, check=False)
+    assert other.sweep_hash != base

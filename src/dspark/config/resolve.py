@@ -15,8 +15,8 @@ from typing import Any
 from dspark.config.loader import ConfigError, apply_overrides, load_yaml, parse_overrides
 from dspark.config.schema import (BUDGETS, CONFIDENCE_HEAD, CONFIDENCE_POLICIES, DRAFTERS, EXPORT_DTYPES,
                                   EXPORT_LAYOUTS, FIXED_HEAD, HEADS, LOSS_KINDS, POLICIES, PRECISIONS, RESPONSE_MODES,
-                                  SCHEDULER_COSTS, SERVE_CONFIDENCE_POLICIES, SERVE_POLICIES, STAGES, STEP_COSTS,
-                                  STEP_OVERHEADS, TARGET_DTYPES, RunConfig)
+                                  SCHEDULER_COSTS, SERVE_CONFIDENCE_POLICIES, SERVE_POLICIES, SPS_FORWARDS, STAGES,
+                                  STEP_COSTS, STEP_OVERHEADS, TARGET_DTYPES, RunConfig)
 from dspark.registry import unknown_name_message
 
 
@@ -138,6 +138,7 @@ def _name_errors(cfg: RunConfig) -> list[str]:
               ("serve.step_overhead", cfg.serve.step_overhead, STEP_OVERHEADS),
               ("decode.step_costs", cfg.decode.step_costs, STEP_COSTS),
               ("serve.scheduler_cost", cfg.serve.scheduler_cost, SCHEDULER_COSTS),
+              ("serve.sps_forward", cfg.serve.sps_forward, SPS_FORWARDS),
               ("decode.drafter_precision", cfg.decode.drafter_precision, PRECISIONS)]
     errors = [unknown_name_message(key, value, list(valid)) for key, value, valid in checks if value not in valid]
     if cfg.sweep and cfg.sweep not in available_sweeps():

@@ -29,6 +29,7 @@ SAMPLERS = ("generate", "lean")  # data.sampling.sampler (dspark.data.regenerate
 STEP_OVERHEADS = ("none", "measured")  # serve.step_overhead (dspark.serving.engine)
 STEP_COSTS = ("profile", "measured")  # decode.step_costs (dspark.decoding.engine)
 SCHEDULER_COSTS = ("tokens", "columns")  # serve.scheduler_cost (dspark.decoding.policies.SchedulerPolicy)
+SPS_FORWARDS = ("plain", "engine")  # serve.sps_forward (dspark.serving.profile)
 # the policies that read the confidence head's c_k (their classes say needs_confidences = True; a test pins this);
 # only drafters with CONFIDENCE_HEAD can run them, offline (decode.policy) or served (serve.policy)
 CONFIDENCE_POLICIES = ("threshold", "calibrated_threshold", "scheduler", "async")
@@ -220,6 +221,11 @@ class ServeConfig:
     #: the BatchedEngine's right-padded verify forward really costs (scheduling.scheduler.plan_columns). Composes
     #: with step_overhead; the simulator plans with it too. Equal at R = 1; other policies ignore it
     scheduler_cost: str = "tokens"
+    #: which verify forward the SPS(B) table times: plain = a forward on a plain cache (the single-request engine's;
+    #: keeps reports/serving*.md reproducible) | engine = the BatchedEngine's own (2-D mask over a cache with hole
+    #: columns, per-token positions): what serving pays, priced 4 tokens +17% over 2 at R = 1 where plain priced them
+    #: alike (Zen 3, serving.notes). The planning policies and the simulator read it
+    sps_forward: str = "plain"
 
 
 @dataclass

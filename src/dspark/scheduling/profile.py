@@ -24,15 +24,17 @@ import json
 import logging
 import math
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
+from torch import Tensor
 
 from dspark.hardware import format_row_padding
 from dspark.scheduling.sps import SPSTable, machine_fingerprint, profile_sps
 
-__all__ = ["SERVING_CONTEXT_TOKENS", "load_or_profile_serving_sps", "load_sps_table", "monotone_table",
-           "profile_serving_sps", "serving_batch_grid", "serving_sps_path", "sps_milliseconds"]
+__all__ = ["SERVING_CONTEXT_TOKENS", "ForwardFactory", "load_or_profile_serving_sps", "load_sps_table",
+           "monotone_table", "plain_cache_forward", "profile_serving_sps", "serving_batch_grid", "serving_sps_path",
+           "sps_milliseconds"]
 
 log = logging.getLogger("dspark")
 DENSE_GRID_LIMIT = 16        # every B up to here: the small forwards where SPS changes fastest
@@ -64,33 +66,47 @@ def serving_batch_grid(max_batch_tokens: int, *, num_rows: int = 1) -> list[int]
     return sizes
 
 
+#: builds the timed call of a profile: (target, context ids [R, context_length], generator) → forward_fn(B), one
+#: verify forward over B new tokens that leaves the cache as it found it (`profile_sps`)
+ForwardFactory = Callable[[Any, Tensor, torch.Generator], Callable[[int], None]]
+
+
+def plain_cache_forward(target: Any, context: Tensor, generator: torch.Generator) -> Callable[[int], None]:
+    """The verify forward on a plain cache (the single-request engine's): R rows × ⌈B/R⌉ tokens appended to the
+    prefilled context, the LM head and softmax at every query position, then rolled back (`Target.rollback`)."""
+    num_rows, context_length = context.shape
+    cache = target.new_cache()
+    target.forward(context, cache=cache)
+
+    def forward_fn(tokens: int) -> None:
+        query = math.ceil(tokens / num_rows)
+        ids = torch.randint(0, target.vocab_size, (num_rows, query), generator=generator).to(target.device)
+        forward = target.forward(ids, cache=cache)
+        # The verifier needs p_t at every query position: the LM head and softmax are part of the step.
+        torch.softmax(target.logits_from_hidden(forward.final_hidden).float(), dim=-1)
+        target.rollback(cache, keep=context_length)
+
+    return forward_fn
+
+
 def profile_serving_sps(target: Any, *, max_batch_tokens: int, num_rows: int,
                         context_length: int = SERVING_CONTEXT_TOKENS, repeats: int = 3, warmup: int = 1, seed: int = 0,
-                        batch_tokens: list[int] | None = None, monotone: bool = True) -> SPSTable:
+                        batch_tokens: list[int] | None = None, monotone: bool = True,
+                        forward: ForwardFactory | None = None) -> SPSTable:
     """Profile SPS(B) of an R-row padded verify forward (module docstring) over `serving_batch_grid`.
 
     target: a `dspark.targets.Target`. num_rows: R. context_length: cached tokens per row. batch_tokens: an
-    explicit grid instead of the default one. monotone: clean timing noise with `monotone_table`. Returns a table
-    tagged with the target's fingerprint and this machine.
+    explicit grid instead of the default one. monotone: clean timing noise with `monotone_table`. forward: which
+    forward is timed (default `plain_cache_forward`; serving's engine passes its own, `dspark.serving.profile`).
+    Returns a table tagged with the target's fingerprint and this machine.
     """
     if num_rows < 1 or context_length < 1:
         raise ValueError(f"profile_serving_sps: num_rows ({num_rows}) and context_length ({context_length}) must "
                          "be >= 1 (serve.concurrency, and the cached context per request)")
     sizes = batch_tokens if batch_tokens is not None else serving_batch_grid(max_batch_tokens, num_rows=num_rows)
     generator = torch.Generator().manual_seed(seed)
-    device = target.device
-    context = torch.randint(0, target.vocab_size, (num_rows, context_length), generator=generator).to(device)
-    cache = target.new_cache()
-    target.forward(context, cache=cache)
-
-    def forward_fn(tokens: int) -> None:
-        query = math.ceil(tokens / num_rows)
-        ids = torch.randint(0, target.vocab_size, (num_rows, query), generator=generator).to(device)
-        forward = target.forward(ids, cache=cache)
-        # The verifier needs p_t at every query position: the LM head and softmax are part of the step.
-        torch.softmax(target.logits_from_hidden(forward.final_hidden).float(), dim=-1)
-        target.rollback(cache, keep=context_length)
-
+    context = torch.randint(0, target.vocab_size, (num_rows, context_length), generator=generator).to(target.device)
+    forward_fn = (forward or plain_cache_forward)(target, context, generator)
     table = profile_sps(forward_fn, batch_tokens=sizes, repeats=repeats, warmup=warmup,
                         target_fingerprint=target.fingerprint)
     return monotone_table(table) if monotone else table
@@ -111,36 +127,42 @@ def monotone_table(table: SPSTable) -> SPSTable:
                     machine=table.machine, created=table.created)
 
 
-def serving_sps_path(cache_dir: str | Path, target: Any, *, num_rows: int, context_length: int) -> Path:
-    """`<cache>/sps/serving-<target fingerprint[:16]>-<machine hash>-f<forward path>-r<R>-c<context>.json`; the
-    forward path is `FORWARD_PATH_REVISION`, the target's few-row layout (`Target.few_row_layout`) and, where it pads
-    row counts (`Target.row_padding`), p and the table's pairs (`p1.2-3.4`: one row as two, three as four)."""
+def serving_sps_path(cache_dir: str | Path, target: Any, *, num_rows: int, context_length: int,
+                     forward_name: str = "plain") -> Path:
+    """`<cache>/sps/serving-<target fingerprint[:16]>-<machine hash>-f<forward path>-r<R>-c<context>[-<forward>].json`;
+    the forward path is `FORWARD_PATH_REVISION`, the target's few-row layout (`Target.few_row_layout`) and, where it
+    pads row counts (`Target.row_padding`), p and the table's pairs (`p1.2-3.4`: one row as two, three as four);
+    `forward_name` names a timed forward other than the plain cache's (`-engine`: serving's batched engine)."""
     machine = hashlib.sha256(machine_fingerprint().encode()).hexdigest()[:12]
     padding = getattr(target, "row_padding", None) or {}
     padded = ("p" + format_row_padding(padding).replace(":", ".").replace(",", "-")) if padding else ""
     layout = getattr(target, "few_row_layout", "linear")[0] + padded
     name = (f"serving-{target.fingerprint[:16]}-{machine}-f{FORWARD_PATH_REVISION}{layout}"
-            f"-r{num_rows}-c{context_length}.json")
+            f"-r{num_rows}-c{context_length}{'' if forward_name == 'plain' else '-' + forward_name}.json")
     return Path(cache_dir) / "sps" / name
 
 
 def load_or_profile_serving_sps(target: Any, *, cache_dir: str | Path, max_batch_tokens: int, num_rows: int,
-                                context_length: int = SERVING_CONTEXT_TOKENS, repeats: int = 3, refresh: bool = False
+                                context_length: int = SERVING_CONTEXT_TOKENS, repeats: int = 3, refresh: bool = False,
+                                forward: ForwardFactory | None = None, forward_name: str = "plain"
                                 ) -> tuple[SPSTable, Path]:
     """The cached serving SPS table of this target, machine, R and context; profiled when missing or stale.
 
     A cached table from another target or machine, one that does not reach `max_batch_tokens`, or an unreadable
-    file is re-profiled with a logged warning. Returns (table, path of the JSON cache).
+    file is re-profiled with a logged warning. `forward` / `forward_name`: another timed forward and the name its
+    tables are cached under (`profile_serving_sps`, `serving_sps_path`). Returns (table, path of the JSON cache).
     """
-    path = serving_sps_path(cache_dir, target, num_rows=num_rows, context_length=context_length)
+    path = serving_sps_path(cache_dir, target, num_rows=num_rows, context_length=context_length,
+                            forward_name=forward_name)
     if path.exists() and not refresh:
         cached = _reusable(path, target=target, max_batch_tokens=max_batch_tokens)
         if cached is not None:
             return cached, path
-    log.info("profiling the batched verify forward SPS(B) for B <= %d tokens, %d rows × %d cached tokens "
-             "(once per target, machine, rows and context) → %s", max_batch_tokens, num_rows, context_length, path)
+    log.info("profiling the batched verify forward SPS(B) (%s forward) for B <= %d tokens, %d rows × %d cached "
+             "tokens (once per target, machine, rows and context) → %s", forward_name, max_batch_tokens, num_rows,
+             context_length, path)
     table = profile_serving_sps(target, max_batch_tokens=max_batch_tokens, num_rows=num_rows,
-                                context_length=context_length, repeats=repeats)
+                                context_length=context_length, repeats=repeats, forward=forward)
     table.save(path)
     return table, path
 

@@ -88,13 +88,13 @@ def serving_target(ctx: StageContext, target: Target) -> Target:
 
 def serving_sps(ctx: StageContext, target: Target, *, block_size: int, rows: int | None = None) -> Any:
     """SPS(B) of the batched verify forward of R = `rows` (default serve.concurrency) rows, up to R·(γ+1) tokens
-    (what the scheduler plans with, and what the simulator times that concurrency with); cached per target, machine
-    and R, and attached to the run."""
-    from dspark.serving.profile import load_or_profile_serving_sps
+    (what the scheduler plans with, and what the simulator times that concurrency with), timing the forward
+    serve.sps_forward names; cached per target, machine, R and forward, and attached to the run."""
+    from dspark.serving.profile import load_or_profile_sps_of
 
     rows = ctx.cfg.serve.concurrency if rows is None else int(rows)
-    table, path = load_or_profile_serving_sps(target, cache_dir=ctx.paths.cache, num_rows=rows,
-                                              max_batch_tokens=rows * (block_size + 1))
+    table, path = load_or_profile_sps_of(ctx.cfg.serve.sps_forward, target, cache_dir=ctx.paths.cache, num_rows=rows,
+                                         max_batch_tokens=rows * (block_size + 1))
     log.info("serving SPS(B) table: %s", path)
     if ctx.store is not None:
         ctx.store.client.log_artifact(ctx.run_id, str(path), artifact_path="serve")

@@ -16,11 +16,23 @@ def arg_key(arg: str) -> str:
     return arg.split("=", 1)[0].strip()
 
 
+#: keys added after sweeps were recorded, with the value that does what the code did before each existed: left out
+#: of the hash at that value, so every sweep run without them keeps its hash (its parent, its ledger) and resumes
+HASH_NEUTRAL = {"sweep_tag": "", "serve.sps_forward": "plain"}
+
+
 def hashable_config(rc: ResolvedConfig) -> dict[str, Any]:
-    """The resolved config without the groups that say where results go (`HASH_EXCLUDED`); `sweep_tag` only when
-    set, so that a sweep run without a tag keeps the hash it had before the key existed (and resumes)."""
-    tree = to_dict(rc.cfg)
-    return {k: v for k, v in tree.items() if k not in HASH_EXCLUDED and not (k == "sweep_tag" and v == "")}
+    """The resolved config without the groups that say where results go (`HASH_EXCLUDED`) and without the keys of
+    `HASH_NEUTRAL` at their neutral value."""
+    tree = {k: v for k, v in to_dict(rc.cfg).items() if k not in HASH_EXCLUDED}
+    for dotted, neutral in HASH_NEUTRAL.items():  # to_dict built the tree afresh: edit it in place
+        *groups, leaf = dotted.split(".")
+        node = tree
+        for group in groups:
+            node = node.get(group, {})
+        if leaf in node and node[leaf] == neutral:
+            del node[leaf]
+    return tree
 
 
 def supervision_identity() -> dict[str, Any]:
