@@ -94,7 +94,7 @@ def test_each_simulated_level_is_timed_with_a_table_profiled_at_that_concurrency
     assert levels == [4, 8]  # the cells' levels (the sweep's smoke override, not the command line's default)
     sps_dir = Path(cfg.paths.root) / "cache" / "sps"
     for level in levels:
-        tables = sorted(sps_dir.glob(f"serving-*-r{level}-c*.json"))
+        tables = sorted(t for t in sps_dir.glob(f"serving-*-r{level}-c*.json") if not t.stem.endswith("-engine"))
         assert len(tables) == 1, (level, [p.name for p in sps_dir.iterdir()])
         table = SPSTable.load(tables[0])
         assert table.batch_tokens[0] == level and table.batch_tokens[-1] >= level * 2
@@ -128,3 +128,15 @@ def serving_sweep_paths(rc):
     from dspark.stages.context import RunPaths
 
     return RunPaths.from_config(rc.cfg)
+
+
+def test_sps_forward_engine_plans_with_a_table_of_the_engines_own_forward(serving_sweep):
+    """serve.sps_forward=engine: the scheduler's table (and the simulator's) is profiled on the batched engine's
+    forward, cached under its own name; the run serves end to end with the drafter the sweep trained."""
+    from dspark.scheduling.sps import SPSTable
+
+    root = serving_sweep.cfg.paths.root
+    base = ["stage=serve", *FAST, "serve.concurrency=2", f"paths.root={root}", "tracking.experiment=serving-engine"]
+    assert main([*base, "serve.policy=scheduler", "serve.sps_forward=engine"]) == 0
+    tables = sorted((Path(root) / "cache" / "sps").glob("serving-*-r2-c*-engine.json"))
+    assert len(tables) == 1 and SPSTable.load(tables[0]).batch_tokens[0] == 2
