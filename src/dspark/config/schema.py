@@ -223,8 +223,8 @@ class ServeConfig:
     scheduler_cost: str = "tokens"
     #: which verify forward the SPS(B) table times: plain = a forward on a plain cache (the single-request engine's;
     #: keeps reports/serving*.md reproducible) | engine = the BatchedEngine's own (2-D mask over a cache with hole
-    #: columns, per-token positions): what serving pays, priced 4 tokens +17% over 2 at R = 1 where plain priced them
-    #: alike (Zen 3, serving.notes). The planning policies and the simulator read it
+    #: columns, per-token positions). Equal within 7% on the Zen 3 (benchmarks/results/sps-forward-zen3.md). The
+    #: planning policies and the simulator read it
     sps_forward: str = "plain"
 
 
