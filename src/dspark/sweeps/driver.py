@@ -32,7 +32,7 @@ import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 from dspark.config import ConfigError, ResolvedConfig, parse_overrides, resolve_config, to_dict
 from dspark.hardware import release_freed_memory
@@ -218,25 +218,10 @@ def execute_grid(plan: SweepPlan, *, rc: ResolvedConfig, store: TrackingStore, m
     outcomes: list[sweep_runs.CellOutcome] = []
     attempt, current = "", ""
     try:
-        deferred = []
-        for pc in todo:
-            if pc.cell.key in done:
+        for pc, claim in claimed_in_turn(rc, plan, todo, done):
+            if claim is None:
                 outcomes.append(sweep_runs.CellOutcome(key=pc.cell.key, status="SKIPPED", run_id=done[pc.cell.key]))
                 continue
-            claim = cell_claim(rc, plan.sweep_hash, pc.cell.index)
-            if not _try_acquire(claim):  # another process of this sweep runs it: take the next cell meanwhile
-                log.info("sweep %s: cell %s is being run by another process of this sweep; coming back to it",
-                         spec.name, pc.cell.key)
-                deferred.append((pc, claim))
-                continue
-            attempt, current = uuid.uuid4().hex, pc.cell.key
-            outcomes.append(run_claimed(pc, claim, plan=plan, store=store, parent_id=parent_id, attempt=attempt,
-                                        ledger=ledger, shared=shared))
-            current = ""
-        for pc, claim in deferred:  # wait for the other process; run the cell here if it did not finish it
-            if not _try_acquire(claim):
-                log.info("sweep %s: waiting for another process to finish cell %s", spec.name, pc.cell.key)
-                claim.acquire()
             attempt, current = uuid.uuid4().hex, pc.cell.key
             outcomes.append(run_claimed(pc, claim, plan=plan, store=store, parent_id=parent_id, attempt=attempt,
                                         ledger=ledger, shared=shared))
@@ -246,6 +231,31 @@ def execute_grid(plan: SweepPlan, *, rc: ResolvedConfig, store: TrackingStore, m
                            kept=getattr(err, "kept", ""), out_dir=out_dir)
     with shared:
         return finish_sweep(rc, plan, store=store, parent_id=parent_id, outcomes=outcomes, out_dir=out_dir)
+
+
+def claimed_in_turn(rc: ResolvedConfig, plan: SweepPlan, todo: list[PlannedCell], done: dict[str, str]
+                    ) -> Iterator[tuple[PlannedCell, FileLock | None]]:
+    """The cells in the order this process runs them, each with its claim held (None: finished before we started).
+
+    A cell another process of this sweep holds is passed over, then waited for after the others: its claim is
+    yielded once free, and `run_claimed` skips it if that process finished it or runs it here if it died."""
+    deferred = []
+    for pc in todo:
+        if pc.cell.key in done:
+            yield pc, None
+            continue
+        claim = cell_claim(rc, plan.sweep_hash, pc.cell.index)
+        if _try_acquire(claim):
+            yield pc, claim
+            continue
+        log.info("sweep %s: cell %s is being run by another process of this sweep; coming back to it",
+                 plan.spec.name, pc.cell.key)
+        deferred.append((pc, claim))
+    for pc, claim in deferred:
+        if not _try_acquire(claim):
+            log.info("sweep %s: waiting for another process to finish cell %s", plan.spec.name, pc.cell.key)
+            claim.acquire()
+        yield pc, claim
 
 
 def sweep_lock(rc: ResolvedConfig, sweep_hash: str) -> FileLock:
