@@ -164,6 +164,9 @@ def _range_errors(cfg: RunConfig) -> list[str]:
         (cfg.data.max_anchors >= 1, f"data.max_anchors must be ≥ 1 (got {cfg.data.max_anchors})."),
         (cfg.data.num_train_prompts >= 2, "data.num_train_prompts must be ≥ 2 (one for validation)."),
         (cfg.optim.lr > 0, f"optim.lr must be > 0 (got {cfg.optim.lr})."),
+        (cfg.trainer.checkpoint_every_min >= 0,
+         f"trainer.checkpoint_every_min must be ≥ 0 (got {cfg.trainer.checkpoint_every_min}); 0 = checkpoints at "
+         "epoch ends only, e.g. trainer.checkpoint_every_min=10."),
         (not m.init_layers or len(m.init_layers) == m.depth,
          f"model.init_layers names {len(m.init_layers)} target layers for model.depth={m.depth} draft layers; give one "
          "target layer id per draft layer (e.g. model.init_layers=[0,1] for depth 2) or [] for random weights."),

@@ -170,6 +170,10 @@ class TrainerConfig:
     precision: str = "auto"  #: auto = bf16-mixed on AMX/AVX512-BF16 CPUs / bf16 GPUs, else 32-true; or any Lightning value
     log_every_n_steps: int = 10
     val_check_interval: float = 1.0
+    #: a checkpoint every this many minutes of training inside an epoch (besides every epoch end; 0 = epoch ends
+    #: only): a killed run resumes from it, mid-epoch, with the same batches to come. How results are kept, not what
+    #: they are: outside sweep hashes and training keys
+    checkpoint_every_min: float = 10.0
 
 
 @dataclass

@@ -78,6 +78,50 @@ class EpochSampler(Sampler):
         return self.num_items
 
 
+class ResumableLoader(DataLoader):
+    """A DataLoader whose position inside an epoch travels in Lightning's checkpoints, so a run killed mid-epoch
+    resumes at the next batch instead of re-reading the epoch from its start (or, with a cosine schedule annealing
+    over one epoch, ending with the wrong batches).
+
+    Lightning saves `state_dict()` of every train loader that has one with each checkpoint and hands it back through
+    `load_state_dict` before the resumed epoch's iterator is created. The state is the number of batches the
+    current epoch's iterator has yielded (the training loop takes them one by one: Lightning does not prefetch from
+    a loader of known length). The next iteration skips that many batches of the same index stream — the sampler's
+    epoch is set before the first batch is drawn, so the stream is the interrupted epoch's — without loading them
+    where the single-process iterator allows it. Training data are a pure function of (seed, epoch, position), so
+    the resumed run trains on exactly the batches the uninterrupted one would have.
+
+    No `__init__` of its own: Lightning re-creates a loader from its constructor arguments (DDP's distributed
+    sampler), which a changed signature would break; the state lives in attributes set on first use.
+    """
+
+    def state_dict(self) -> dict[str, int]:
+        return {"batches": int(getattr(self, "_batches_taken", 0))}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        batches = int(state_dict.get("batches", 0))
+        if batches < 0 or batches > len(self):
+            raise ValueError(f"train loader state: {batches} batches taken, but an epoch has {len(self)}; the "
+                             "checkpoint belongs to other data (delete the run's checkpoints/ to train afresh)")
+        self._resume_skip = batches
+
+    def __iter__(self) -> Iterator[Any]:
+        # a generator: nothing runs until the first batch is asked for, i.e. after Lightning set the sampler's epoch
+        skip, self._resume_skip = int(getattr(self, "_resume_skip", 0)), 0
+        iterator = super().__iter__()
+        self._batches_taken = 0
+        index_stream = getattr(iterator, "_sampler_iter", None) if self.num_workers == 0 else None
+        for _ in range(skip):
+            if index_stream is not None:
+                next(index_stream)  # the batch's indices only: nothing is loaded
+            else:
+                next(iterator)  # worker processes prefetch their indices: load and drop the batch
+            self._batches_taken += 1
+        for batch in iterator:
+            self._batches_taken += 1
+            yield batch
+
+
 class AnchoredSequences(Dataset):
     """One split's sequences with sampled anchors. `item` is a position or `(position, epoch)`.
 
@@ -203,7 +247,7 @@ class DrafterDataModule(L.LightningDataModule):
 
     def train_dataloader(self) -> DataLoader:
         sampler = self._require_setup()
-        return self._loader(self.splits["train"], sampler=sampler)
+        return self._loader(self.splits["train"], sampler=sampler, resumable=True)
 
     def val_dataloader(self) -> DataLoader:
         self._require_setup()
@@ -221,10 +265,11 @@ class DrafterDataModule(L.LightningDataModule):
         rows = [dataset.data[i] for i in dataset.indices]
         return [row["input_ids"][: int(row["loss_mask"].long().argmax())].tolist() for row in rows]
 
-    def _loader(self, dataset: AnchoredSequences, *, sampler: Sampler | None) -> DataLoader:
+    def _loader(self, dataset: AnchoredSequences, *, sampler: Sampler | None, resumable: bool = False) -> DataLoader:
         # a partial, not a lambda, so that spawned DataLoader workers can pickle it
         collate = partial(collate_sequences, pad_token_id=self.pad_token_id, feature_dtype=self.feature_dtype)
-        return DataLoader(dataset, batch_size=self.batch_size, sampler=sampler, shuffle=False,
+        loader = ResumableLoader if resumable else DataLoader
+        return loader(dataset, batch_size=self.batch_size, sampler=sampler, shuffle=False,
                           num_workers=self.num_workers, persistent_workers=self.num_workers > 0, collate_fn=collate)
 
     def _require_setup(self) -> EpochSampler:

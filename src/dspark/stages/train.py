@@ -1,7 +1,9 @@
 """Stage `train`: build the drafter, the DataModule and the Lightning Trainer; fit; export `drafter.pt`.
 
 A run directory is keyed by everything that determines the drafter (`training_key`), so an identical config reuses
-a finished drafter, and an interrupted one resumes from `checkpoints/last.ckpt`.
+a finished drafter, and an interrupted one resumes from `checkpoints/last.ckpt` (saved at epoch ends and every
+`trainer.checkpoint_every_min` minutes inside an epoch, with the position in the epoch: the resumed run trains on the
+batches the uninterrupted one would have).
 """
 from __future__ import annotations
 
@@ -66,7 +68,8 @@ def training_progress_bar(log_every_n_steps: int, *, stream: Any = None):
 
 def build_trainer(ctx: StageContext, run_dir: Path):
     import lightning as L
-    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from dspark.training.checkpointing import EpochAndTimeCheckpoint, ResumeLoaderPosition, checkpoint_interval
 
     cfg = ctx.cfg
     loggers: Any = False
@@ -75,9 +78,9 @@ def build_trainer(ctx: StageContext, run_dir: Path):
 
         loggers = MLFlowLogger(experiment_name=cfg.tracking.experiment, tracking_uri=ctx.store.uri,
                                run_id=ctx.run_id, log_model=False)
-    # save_top_k=1 without a monitor keeps the latest epoch; last.ckpt links to it (no second copy on disk)
-    checkpoint = ModelCheckpoint(dirpath=run_dir / "checkpoints", save_last="link", save_top_k=1,
-                                 every_n_epochs=1, save_on_train_epoch_end=True)
+    # the latest checkpoint only (an epoch end or, mid-epoch, every trainer.checkpoint_every_min); last.ckpt links it
+    checkpoint = EpochAndTimeCheckpoint(run_dir / "checkpoints",
+                                        every_seconds=checkpoint_interval(cfg.trainer.checkpoint_every_min))
     from dspark.hardware import resolve_precision
 
     t, o = cfg.trainer, cfg.optim
@@ -87,8 +90,9 @@ def build_trainer(ctx: StageContext, run_dir: Path):
                      precision=precision, max_epochs=o.epochs, max_steps=o.max_steps,
                      accumulate_grad_batches=o.accumulate_grad_batches, gradient_clip_val=o.grad_clip,
                      log_every_n_steps=t.log_every_n_steps, val_check_interval=t.val_check_interval,
-                     logger=loggers, callbacks=[checkpoint, training_progress_bar(t.log_every_n_steps),
-                                                *ctx.trainer_callbacks], default_root_dir=str(run_dir),
+                     logger=loggers, default_root_dir=str(run_dir),
+                     callbacks=[checkpoint, ResumeLoaderPosition(), training_progress_bar(t.log_every_n_steps),
+                                *ctx.trainer_callbacks],
                      enable_model_summary=False, num_sanity_val_steps=0, deterministic=False)
 
 

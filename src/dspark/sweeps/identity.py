@@ -8,7 +8,8 @@ from typing import Any
 from dspark.config import ResolvedConfig, repo_root, to_dict
 from dspark.sweeps.spec import SweepSpec
 
-HASH_EXCLUDED = ("paths", "tracking", "optuna", "sweep")  # where results go, not what they are
+#: where results go and how they are kept, not what they are: config groups, or dotted keys inside a group
+HASH_EXCLUDED = ("paths", "tracking", "optuna", "sweep", "trainer.checkpoint_every_min")
 
 
 def arg_key(arg: str) -> str:
@@ -22,17 +23,24 @@ HASH_NEUTRAL = {"sweep_tag": "", "serve.sps_forward": "plain"}
 
 
 def hashable_config(rc: ResolvedConfig) -> dict[str, Any]:
-    """The resolved config without the groups that say where results go (`HASH_EXCLUDED`) and without the keys of
-    `HASH_NEUTRAL` at their neutral value."""
+    """The resolved config without what says where results go and how they are kept (`HASH_EXCLUDED`) and without
+    the keys of `HASH_NEUTRAL` at their neutral value."""
     tree = {k: v for k, v in to_dict(rc.cfg).items() if k not in HASH_EXCLUDED}
-    for dotted, neutral in HASH_NEUTRAL.items():  # to_dict built the tree afresh: edit it in place
-        *groups, leaf = dotted.split(".")
-        node = tree
-        for group in groups:
-            node = node.get(group, {})
-        if leaf in node and node[leaf] == neutral:
-            del node[leaf]
+    for dotted in (key for key in HASH_EXCLUDED if "." in key):
+        _drop(tree, dotted, lambda value: True)
+    for dotted, neutral in HASH_NEUTRAL.items():
+        _drop(tree, dotted, lambda value, neutral=neutral: value == neutral)
     return tree
+
+
+def _drop(tree: dict[str, Any], dotted: str, when: Any) -> None:
+    """Delete the dotted key from the nested dict when `when(value)` (to_dict built the tree afresh: edit in place)."""
+    *groups, leaf = dotted.split(".")
+    node = tree
+    for group in groups:
+        node = node.get(group, {})
+    if leaf in node and when(node[leaf]):
+        del node[leaf]
 
 
 def supervision_identity() -> dict[str, Any]:

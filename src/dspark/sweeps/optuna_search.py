@@ -83,7 +83,7 @@ def search_hash(rc: ResolvedConfig, spec: SweepSpec, *, ignore: tuple[str, ...] 
 
     base = resolve_config(fixed_argv(rc, spec, ignore=ignore), cell_overrides=spec.base_overrides(rc.cfg.budget))
     flat = {k: v for k, v in flatten(to_dict(base.cfg)).items()
-            if k.split(".")[0] not in HASH_EXCLUDED and k not in searched_keys(spec)}
+            if k.split(".")[0] not in HASH_EXCLUDED and k not in HASH_EXCLUDED and k not in searched_keys(spec)}
     payload = json.dumps({"config": flat, "spec": spec.digest(), **supervision_identity()}, sort_keys=True,
                          default=str)
     return hashlib.sha256(payload.encode()).hexdigest()[:12]
