@@ -1,7 +1,7 @@
 # DSpark Lab — the two commands of the README.
 #   make run   [ARGS="key=value ..."]   create .venv if needed, install everything, run the default experiment
 #   make test  [PYTEST_ARGS="..."]      same set-up, then the test suite (one pytest-xdist worker per core, one
-#              [TEST_WORKERS=n|0]      torch thread each: the tests are tiny models; TEST_WORKERS=0 runs them in turn)
+#              [TEST_WORKERS=n|0]      torch thread each, a test file per worker; TEST_WORKERS=0 runs them in turn)
 # Torch: machines without an NVIDIA driver get the CPU build (torch==2.13.0; this machine kind keeps that wheel on
 # disk); machines with `nvidia-smi` get PyPI's default CUDA build. Override with TORCH_SPEC="torch==X" and, for a
 # private wheel index, TORCH_INDEX_URL=URL.
@@ -31,7 +31,7 @@ run: $(STAMP)
 	$(BIN)/python experiments/run.py $(ARGS)
 
 test: $(STAMP)
-	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} $(BIN)/python -m pytest -q -n $(TEST_WORKERS) $(PYTEST_ARGS)
+	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
 
 clean-venv:
 	rm -rf $(VENV)
