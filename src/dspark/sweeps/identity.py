@@ -12,6 +12,11 @@ from dspark.sweeps.spec import SweepSpec
 HASH_EXCLUDED = ("paths", "tracking", "optuna", "sweep", "trainer.checkpoint_every_min")
 
 
+def excluded_from_hash(dotted: str) -> bool:
+    """Whether a dotted config key is left out of every sweep and search hash (`HASH_EXCLUDED`: its group or itself)."""
+    return dotted.split(".")[0] in HASH_EXCLUDED or dotted in HASH_EXCLUDED
+
+
 def arg_key(arg: str) -> str:
     """The key of a `key=value` command-line argument."""
     return arg.split("=", 1)[0].strip()

@@ -28,7 +28,7 @@ from dspark.config import ConfigError, ResolvedConfig, resolve_config
 from dspark.files import atomic_write_text
 from dspark.stages.train import recorded_training_metrics
 from dspark.sweeps import runs as sweep_runs
-from dspark.sweeps.identity import HASH_EXCLUDED, arg_key, parent_tags, supervision_identity, sweep_dir
+from dspark.sweeps.identity import arg_key, excluded_from_hash, parent_tags, supervision_identity, sweep_dir
 from dspark.sweeps.optuna_study import StudyHandle, claim_trial, default_storage, mask, setup_study, trial_is_default
 from dspark.sweeps.spec import SweepSpec
 from dspark.tracking import runs as run_tree
@@ -83,7 +83,7 @@ def search_hash(rc: ResolvedConfig, spec: SweepSpec, *, ignore: tuple[str, ...] 
 
     base = resolve_config(fixed_argv(rc, spec, ignore=ignore), cell_overrides=spec.base_overrides(rc.cfg.budget))
     flat = {k: v for k, v in flatten(to_dict(base.cfg)).items()
-            if k.split(".")[0] not in HASH_EXCLUDED and k not in HASH_EXCLUDED and k not in searched_keys(spec)}
+            if not excluded_from_hash(k) and k not in searched_keys(spec)}
     payload = json.dumps({"config": flat, "spec": spec.digest(), **supervision_identity()}, sort_keys=True,
                          default=str)
     return hashlib.sha256(payload.encode()).hexdigest()[:12]
