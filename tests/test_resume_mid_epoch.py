@@ -2,6 +2,7 @@
 mid-epoch resumes at the next batch, and the resumed run ends with the very drafter an uninterrupted one trains."""
 from __future__ import annotations
 
+import re
 import shutil
 
 import pytest
@@ -94,7 +95,7 @@ def _last(run_dir):
     return torch.load(run_dir / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=False)
 
 
-def test_a_run_killed_mid_epoch_resumes_there_and_trains_the_same_drafter(tmp_path, monkeypatch, one_thread):
+def test_a_run_killed_mid_epoch_resumes_there_and_trains_the_same_drafter(tmp_path, monkeypatch, one_thread, capsys):
     # two epochs of one-sequence batches; a checkpoint after every batch (any positive interval has passed). The
     # kill falls in the second epoch, so the resumed loader must also replay that epoch's order and anchors
     argv = ["stage=train", "budget=smoke", f"paths.root={tmp_path}", "optim.epochs=2", "data.batch_size=1",
@@ -116,7 +117,13 @@ def test_a_run_killed_mid_epoch_resumes_there_and_trains_the_same_drafter(tmp_pa
     assert last["loops"]["fit_loop"]["state_dict"]["combined_loader"] == [{"batches": 3}]
     assert not (run_dir / "drafter.pt").exists()
 
+    capsys.readouterr()
     assert main(argv) == 0  # resumes with the 4th batch of the second epoch
+    # its progress bar names the epoch and counts from the batches done to the epoch's length (Lightning skips the
+    # epoch-start hook that sets both for a resumed epoch: the bar read `Training: 4/?`)
+    bar = capsys.readouterr().out
+    assert re.search(rf"Epoch 1: +\d+%\|[^|]*\| 3/{per_epoch} ", bar) and f" {per_epoch}/{per_epoch} " in bar, bar[-500:]
+    assert not [n for n in re.findall(r"(\d+)/\?", bar) if int(n) > 0], bar[-500:]  # no batch count without a total
     resumed = read_checkpoint(run_dir / "drafter.pt")["state_dict"]
     assert _last(run_dir)["global_step"] == total
     assert resumed.keys() == whole.keys()

@@ -58,12 +58,12 @@ def training_progress_bar(log_every_n_steps: int, *, stream: Any = None):
     """Lightning's tqdm bar, explicitly: with `rich` installed (an mlflow dependency) Lightning defaults to its rich
     bar, which draws nothing when stdout is not a terminal, so `make run > log` showed no training progress for 20
     minutes. tqdm writes to files too; there it refreshes every `log_every_n_steps` steps (a readable log), on a
-    terminal every step."""
-    from lightning.pytorch.callbacks import TQDMProgressBar
+    terminal every step. A run resumed inside an epoch starts its bar at the batches already done."""
+    from dspark.training.progress import ResumingTQDMProgressBar
 
     stream = sys.stdout if stream is None else stream
     interactive = bool(getattr(stream, "isatty", lambda: False)())
-    return TQDMProgressBar(refresh_rate=1 if interactive else max(1, int(log_every_n_steps)))
+    return ResumingTQDMProgressBar(refresh_rate=1 if interactive else max(1, int(log_every_n_steps)))
 
 
 def build_trainer(ctx: StageContext, run_dir: Path):
