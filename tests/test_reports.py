@@ -36,11 +36,12 @@ def _store(root: Path, experiment: str):
 
 
 def _seed_sweep(store, *, sweep: str, cells: list[tuple[dict, dict[str, float]]],
-                machines: list[str] | None = None) -> str:
-    """A parent run and one FINISHED, complete child per (axes, metrics), tagged with `machines[i]` when given;
-    returns the parent id."""
+                machines: list[str] | None = None, commits: list[str] | None = None,
+                parent_tags: dict[str, str] | None = None) -> str:
+    """A parent run (with `parent_tags` added) and one FINISHED, complete child per (axes, metrics), tagged with
+    `machines[i]` and `commits[i]` when given; returns the parent id."""
     parent = store.create_run(run_name=f"sweep-{sweep}", tags={"sweep.name": sweep, "sweep.role": "parent",
-                                                               "sweep.hash": "abcdef123456"})
+                                                               "sweep.hash": "abcdef123456", **(parent_tags or {})})
     for index, (axes, metrics) in enumerate(cells):
         key = " ".join(f"{k}={v}" for k, v in axes.items())
         tags = {"sweep.name": sweep, "sweep.role": "cell", "cell": key, "cell.index": str(index),
@@ -48,6 +49,8 @@ def _seed_sweep(store, *, sweep: str, cells: list[tuple[dict, dict[str, float]]]
                 COMPLETE_TAG: "true", **{f"axis.{k}": str(v) for k, v in axes.items()}}
         if machines:
             tags["machine"] = machines[index]
+        if commits:
+            tags["git.commit"] = commits[index]
         run = store.create_run(run_name=key, tags=tags, parent_run_id=parent)
         store.log_metrics(run, metrics)
         store.finish(run)
@@ -124,6 +127,31 @@ def test_the_header_names_the_machines_the_cells_ran_on(tmp_path, store_root):
     rc = resolve_config(["budget=smoke", f"paths.root={tmp_path}", "sweep=depth", "tracking.experiment=machines"])
     text = write_sweep_report(rc, load_sweep("depth"), store=store, parent_id=parent).read_text()
     assert "- machine: vm x86_64: AMD EPYC (family 25 model 17) (3 runs); vm x86_64: Intel Xeon (1 run)\n" in text
+
+
+def test_the_header_shows_the_sweeps_command_and_the_commits_its_cells_ran_at(tmp_path, store_root):
+    """The process that created the parent may have selected cells (`model.depth=1 seed=0`): the report's command and
+    its regenerate line are the whole sweep's. A sweep resumed over sessions lists the commits its cells ran at."""
+    store = _store(store_root, "commits")
+    first, later = "a" * 40, "b" * 40
+    parent = _seed_sweep(store, sweep="depth", cells=SEEDED["depth"][:4], commits=[later] * 3 + [first],
+                         parent_tags={"git.commit": first, "command": "python experiments/run.py sweep=depth "
+                                      "budget=smoke model.depth=1 seed=0 trainer.checkpoint_every_min=5"})
+    rc = resolve_config(["budget=smoke", f"paths.root={tmp_path}", "sweep=depth", "tracking.experiment=commits"])
+    text = write_sweep_report(rc, load_sweep("depth"), store=store, parent_id=parent).read_text()
+    assert ("- command: `python experiments/run.py sweep=depth budget=smoke trainer.checkpoint_every_min=5`\n"
+            in text)
+    assert ("- regenerate: `python experiments/run.py sweep=depth budget=smoke trainer.checkpoint_every_min=5 "
+            "stage=report`") in text
+    assert f"- git commit: {first} (the parent run)\n" in text
+    assert f"- cells ran at: {later[:12]} (3 runs); {first[:12]} (1 run)\n" in text
+
+    same = _store(store_root, "one-commit")
+    parent = _seed_sweep(same, sweep="depth", cells=SEEDED["depth"][:2], commits=[first] * 2,
+                         parent_tags={"git.commit": first})
+    rc = resolve_config(["budget=smoke", f"paths.root={tmp_path}", "sweep=depth", "tracking.experiment=one-commit"])
+    text = write_sweep_report(rc, load_sweep("depth"), store=same, parent_id=parent).read_text()
+    assert f"- git commit: {first}\n" in text and "cells ran at" not in text
 
 
 def test_estimate_is_the_student_t_interval():
@@ -264,15 +292,17 @@ def test_depth_report_judges_the_trend_against_the_shallowest(store_root, tmp_pa
     summary line reading the deepest; a single seed gives the τ_prob values without an interval."""
     store = _store(store_root, "depth-trend")
 
-    def metrics(tau: float, seed: int) -> dict[str, float]:
+    def metrics(tau: float, seed: int, *, math: float = 0.0) -> dict[str, float]:
         out = {}
         for scope in ("eval/all", "eval/domain/math", "eval/domain/code", "eval/domain/chat"):
-            out |= {f"{scope}/tau": tau, f"{scope}/tau_prompt_mean": tau + 0.001 * seed,
+            t = tau + (math if scope.endswith("math") else 0.0)
+            out |= {f"{scope}/tau": t, f"{scope}/tau_prompt_mean": t + 0.001 * seed,
                     f"{scope}/tau_prompt_ci95": 0.02, f"{scope}/prompts": 30.0}
         return out | {"val/tau_prob": tau + 0.1 + 0.001 * seed, "summary/tau": tau}
 
-    taus = {1: 1.30, 3: 1.40, 5: 1.31}
-    cells = [({"drafter": "dspark", "model.depth": d, "seed": s}, metrics(t, s)) for s in (0, 1) for d, t in taus.items()]
+    taus = {1: 1.30, 3: 1.40, 5: 1.31}  # depth 5: level with depth 1 overall, but well below it on math
+    cells = [({"drafter": "dspark", "model.depth": d, "seed": s}, metrics(t, s, math=-0.15 if d == 5 else 0.0))
+             for s in (0, 1) for d, t in taus.items()]
     cells.append(({"drafter": "dflash", "model.depth": 5, "seed": 0}, metrics(1.2, 0)))
     _seed_sweep(store, sweep="depth", cells=cells)
     text, _ = build_report(collect_sweep_runs(store, sweep="depth"), spec=load_sweep("depth"), out_dir=tmp_path,
@@ -284,6 +314,11 @@ def test_depth_report_judges_the_trend_against_the_shallowest(store_root, tmp_pa
     assert "held-out τ_prob (seeds only): +0.100" in depth3
     assert depth5.count("not resolved") == 1 and "held-out τ_prob (seeds only): +0.010" in depth5
     assert '"τ rises with depth" (depth 5 vs 1): rollout τ **not resolved' in trend
+    by_domain = trend.split("- depth 5 vs 1 by domain (per-prompt τ):")[1]
+    math = next(line for line in by_domain.splitlines() if line.startswith("  - math:"))
+    code = next(line for line in by_domain.splitlines() if line.startswith("  - code:"))
+    assert "**reversed" in math and "-10.8%" in math, math  # 1.1605 vs 1.3005
+    assert "not resolved" in code
 
     store = _store(store_root, "depth-trend-one-seed")
     _seed_sweep(store, sweep="depth", cells=[c for c in cells if c[0]["seed"] == 0])

@@ -275,6 +275,10 @@ def depth_trend(ctx: ReportContext, dspark: list[Group]) -> list[str]:
             verdicts["held-out τ_prob"] = "not measured"
         lines.append(f"- depth {group['axis.model.depth']}: " + ("; ".join(parts) or "not measured"))
     deepest = dspark[-1]["axis.model.depth"]
+    domains = [s for s in scopes(ctx) if s != "all"] if rollouts else []
+    if domains:  # an "all" that does not move can hide domains that do, in opposite directions
+        lines.append(f"- depth {deepest} vs {shallow} by domain (per-prompt τ):")
+        lines += [f"  - {judged(s, tau_difference(ctx, dspark[-1], base, s))}" for s in domains]
     lines.append(f"- → \"τ rises with depth\" (depth {deepest} vs {shallow}): "
                  + "; ".join(f"{name} **{verdict}**" for name, verdict in verdicts.items()))
     return lines

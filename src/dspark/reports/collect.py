@@ -52,6 +52,14 @@ class SweepRuns:
             return None
         return "; ".join(f"{name} ({n} run{'s' if n != 1 else ''})" for name, n in counts.iter_rows())
 
+    def commits(self) -> list[tuple[str, int]]:
+        """The git commits the completed cells ran at (`git.commit` tag) with their run counts, most runs first; a
+        sweep resumed over several sessions trains its cells at several commits."""
+        if self.empty or "git.commit" not in self.frame.columns:
+            return []
+        counts = self.frame.get_column("git.commit").drop_nulls().value_counts(sort=True)
+        return [(str(commit), int(n)) for commit, n in counts.iter_rows()]
+
     def from_ledger(self) -> str | None:
         """`N of M (file)` when some completed cells were imported from a sweep ledger (`dspark.tracking.ledger`:
         finished on another checkout or machine), else None."""

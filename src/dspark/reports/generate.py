@@ -71,7 +71,8 @@ def write_sweep_report(rc: ResolvedConfig, spec: Any, *, store: TrackingStore, p
     fallback = {"target": rc.cfg.target, "budget": rc.cfg.budget,
                 "command": " ".join(["python experiments/run.py", *rc.argv])}
     provenance = Provenance.from_runs(runs, store=store, experiment=rc.cfg.tracking.experiment, now=now,
-                                      fallback=fallback)
+                                      fallback=fallback,
+                                      selection_keys=spec.axis_keys() if spec.kind == "grid" else ())
     text, figures = build_report(runs, spec=spec, out_dir=out_dir, provenance=provenance, store=store)
     path = atomic_write_text(out_dir / f"{spec.name}.md", text, key="paths.reports")
     if runs.parent is not None:

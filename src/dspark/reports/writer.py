@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import datetime
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Iterable
 
 if TYPE_CHECKING:
     from dspark.tracking import TrackingStore
@@ -33,9 +33,13 @@ class Provenance:
 
     @classmethod
     def from_runs(cls, runs: Any, *, store: TrackingStore, experiment: str, now: datetime.datetime | None = None,
-                  fallback: dict[str, str] | None = None) -> "Provenance":
+                  fallback: dict[str, str] | None = None, selection_keys: Iterable[str] = ()) -> "Provenance":
         """Read the parent run's tags (`fallback` tags when there is no parent); `now` = generation time; the
-        machine is that of the completed cells (`SweepRuns.machines`) where they carry it, else the parent's."""
+        machine is that of the completed cells (`SweepRuns.machines`) where they carry it, else the parent's.
+
+        The command is the sweep's, without the `selection_keys` arguments (a sweep's axis keys: the process that
+        created the parent may have selected some cells with them, `model.block_size=3`, which leaves the sweep and
+        its report the same). Cells that ran at other commits than the parent's are listed beside it."""
         fallback = fallback or {}
 
         def tag(name: str, default: str = "–") -> str:
@@ -45,13 +49,19 @@ class Provenance:
         if tag("git.dirty", "False") == "True":
             commit += " (dirty)"
         stamp = (now or datetime.datetime.now()).strftime("%Y-%m-%d %H:%M")
+        extra = {}
+        cell_commits = runs.commits()
+        if cell_commits and {c for c, _ in cell_commits} != {tag("git.commit")}:
+            commit += " (the parent run)"
+            extra["cells ran at"] = "; ".join(f"{c[:12]} ({n} run{'s' if n != 1 else ''})" for c, n in cell_commits)
         imported = runs.from_ledger()
+        if imported:
+            extra["imported from the sweep ledger"] = imported
         return cls(git_commit=commit, date=stamp, machine=runs.machines() or tag("machine"), target=tag("target"),
-                   budget=tag("budget"), command=tag("command"), tracking_uri=_safe_uri(store.uri),
-                   experiment=f"{experiment} (id {store.experiment_id})",
+                   budget=tag("budget"), command=without_arguments(tag("command"), selection_keys),
+                   tracking_uri=_safe_uri(store.uri), experiment=f"{experiment} (id {store.experiment_id})",
                    parent_run_id=runs.parent.info.run_id if runs.parent is not None else "–",
-                   sweep_hash=tag("sweep.hash"),
-                   extra={"imported from the sweep ledger": imported} if imported else {})
+                   sweep_hash=tag("sweep.hash"), extra=extra)
 
     def lines(self) -> list[str]:
         rows = [("git commit", self.git_commit), ("generated", self.date), ("machine", self.machine),
@@ -85,6 +95,12 @@ def render_report(*, name: str, description: str, paper_ref: str, provenance: Pr
     for section in sections:
         lines += [f"## {section.title}", "", section.body.rstrip(), ""]
     return "\n".join(lines).rstrip() + "\n"
+
+
+def without_arguments(command: str, keys: Iterable[str]) -> str:
+    """`command` without its `key=value` words whose key is one of `keys`."""
+    drop = set(keys)
+    return " ".join(w for w in command.split() if w.split("=", 1)[0] not in drop) if drop else command
 
 
 def report_command(command: str, *, name: str) -> str:
