@@ -42,23 +42,18 @@ class SweepRuns:
     def parent_tag(self, name: str, default: str = "–") -> str:
         return self.parent.data.tags.get(name, default) if self.parent is not None else default
 
+    def tag_counts(self, tag: str) -> list[tuple[str, int]]:
+        """The values of a tag column over the completed cells with their run counts, most runs first (empty when no
+        cell carries the tag): the machines a resumed sweep ran on, the commits its cells were trained at."""
+        if self.empty or tag not in self.frame.columns:
+            return []
+        counts = self.frame.get_column(tag).drop_nulls().value_counts(sort=True)
+        return [(str(value), int(n)) for value, n in counts.iter_rows()]
+
     def machines(self) -> str | None:
         """The machines the completed cells ran on, with their run counts, most runs first (`machine` tag), e.g.
         `A (7 runs); B (5 runs)`; None when no cell carries the tag. A sweep resumed on another machine says so."""
-        if self.empty or "machine" not in self.frame.columns:
-            return None
-        counts = self.frame.get_column("machine").drop_nulls().value_counts(sort=True)
-        if counts.height == 0:
-            return None
-        return "; ".join(f"{name} ({n} run{'s' if n != 1 else ''})" for name, n in counts.iter_rows())
-
-    def commits(self) -> list[tuple[str, int]]:
-        """The git commits the completed cells ran at (`git.commit` tag) with their run counts, most runs first; a
-        sweep resumed over several sessions trains its cells at several commits."""
-        if self.empty or "git.commit" not in self.frame.columns:
-            return []
-        counts = self.frame.get_column("git.commit").drop_nulls().value_counts(sort=True)
-        return [(str(commit), int(n)) for commit, n in counts.iter_rows()]
+        return counted(self.tag_counts("machine")) or None
 
     def from_ledger(self) -> str | None:
         """`N of M (file)` when some completed cells were imported from a sweep ledger (`dspark.tracking.ledger`:
@@ -73,6 +68,11 @@ class SweepRuns:
 
     def parent_metric(self, name: str) -> float | None:
         return self.parent.data.metrics.get(name) if self.parent is not None else None
+
+
+def counted(pairs: list[tuple[str, int]]) -> str:
+    """`A (7 runs); B (1 run)` from (name, count) pairs."""
+    return "; ".join(f"{name} ({n} run{'s' if n != 1 else ''})" for name, n in pairs)
 
 
 def run_row(run: Any) -> dict[str, Any]:

@@ -5,6 +5,8 @@ import datetime
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Iterable
 
+from dspark.reports.collect import counted
+
 if TYPE_CHECKING:
     from dspark.tracking import TrackingStore
 
@@ -50,10 +52,10 @@ class Provenance:
             commit += " (dirty)"
         stamp = (now or datetime.datetime.now()).strftime("%Y-%m-%d %H:%M")
         extra = {}
-        cell_commits = runs.commits()
+        cell_commits = runs.tag_counts("git.commit")
         if cell_commits and {c for c, _ in cell_commits} != {tag("git.commit")}:
             commit += " (the parent run)"
-            extra["cells ran at"] = "; ".join(f"{c[:12]} ({n} run{'s' if n != 1 else ''})" for c, n in cell_commits)
+            extra["cells ran at"] = counted([(c[:12], n) for c, n in cell_commits])
         imported = runs.from_ledger()
         if imported:
             extra["imported from the sweep ledger"] = imported
@@ -107,8 +109,7 @@ def report_command(command: str, *, name: str) -> str:
     """The sweep's own command with `stage=report` (so paths.root / tracking.uri / budget stay the same)."""
     if not command.startswith("python "):
         return f"python experiments/run.py sweep={name} stage=report"
-    words = [w for w in command.split() if not w.startswith("stage=")]
-    return " ".join(words + ["stage=report"])
+    return f"{without_arguments(command, ['stage'])} stage=report"
 
 
 def no_runs_section(runs: Any, *, name: str) -> Section:
