@@ -222,6 +222,35 @@ def test_block_size_claim_reads_rollouts_and_the_teacher_forced_proxy(tmp_path, 
     assert lines[1].endswith("→ the point estimates grow with γ.")
 
 
+def test_block_size_judges_the_gain_change_per_domain_with_intervals(tmp_path, store_root):
+    """The block-size claim's domain table: per γ DSpark's per-prompt τ gain over DFlash with its CI, and the
+    change from the smallest to the largest γ judged per domain — here math grows, chat does not move."""
+    store = _store(store_root, "block-domains")
+    per_prompt = {("dspark", 3): {"math": 1.50, "chat": 1.30}, ("dspark", 15): {"math": 1.80, "chat": 1.31},
+                  ("dflash", 3): {"math": 1.40, "chat": 1.20}, ("dflash", 15): {"math": 1.40, "chat": 1.21}}
+    cells = []
+    for (drafter, g), taus in per_prompt.items():
+        axes = {"drafter": drafter, "model.block_size": g, "seed": 0} | (
+            {"model.head": "markov"} if drafter == "dspark" else {})
+        metrics = {"eval/all/tau": sum(taus.values()) / 2, "summary/tau": sum(taus.values()) / 2,
+                   "eval/all/tau_prompt_mean": sum(taus.values()) / 2, "eval/all/tau_prompt_ci95": 0.03,
+                   "eval/all/prompts": 40, "val/tau_prob": 1.4}
+        for domain, tau in taus.items():
+            metrics |= {f"eval/domain/{domain}/tau": tau, f"eval/domain/{domain}/tau_prompt_mean": tau,
+                        f"eval/domain/{domain}/tau_prompt_ci95": 0.04, f"eval/domain/{domain}/prompts": 20}
+        cells.append((axes, metrics))
+    _seed_sweep(store, sweep="block_size", cells=cells)
+    runs = collect_sweep_runs(store, sweep="block_size")
+    text, _ = build_report(runs, spec=load_sweep("block_size"), out_dir=tmp_path / "reports", provenance=PROVENANCE)
+    assert "DSpark (markov) vs DFlash by domain, per-prompt τ gain, 95% CIs:" in text
+    rows = {line.split("|")[1].strip(): [c.strip() for c in line.split("|")[2:-1]]
+            for line in text.splitlines() if line.startswith("| γ=")}
+    assert rows["γ=3"][0].startswith("+7.1% [") and rows["γ=15"][0].startswith("+28.6% [")
+    math_change, chat_change = rows["γ=15 − γ=3"]
+    assert math_change.startswith("+21.4% [") and math_change.endswith("→ grows"), math_change
+    assert chat_change.endswith("→ not resolved (the 95% CI spans 0)"), chat_change
+
+
 def test_claim_intervals_pool_prompts_and_seeds():
     """The claims module's arithmetic against a hand computation, and its verdicts."""
     import math

@@ -8,7 +8,15 @@ import math
 from typing import Any, Callable
 
 from dspark.reports import paper
-from dspark.reports.claims import MIN_ROUNDS, Difference, judged, pooled_cond, pooled_plain, pooled_tau
+from dspark.reports.claims import (
+    MIN_ROUNDS,
+    Difference,
+    gain_change,
+    judged,
+    pooled_cond,
+    pooled_plain,
+    pooled_tau,
+)
 from dspark.reports.context import (
     REPORT_BUILDERS,
     TAU_PROB,
@@ -339,26 +347,32 @@ def block_claim(ctx: ReportContext, groups: list[Group], sizes: list[int]) -> li
 
 def block_judgements(ctx: ReportContext, groups: list[Group], sizes: list[int], variant: str) -> list[str]:
     """Per γ the variant's τ gain over DFlash with its 95% CI, and the change of the gain from the smallest to
-    the largest γ (the paper: the gain grows with γ) with the CI of that change."""
+    the largest γ (the paper: the gain grows with γ) with the CI of that change; then the same per domain as a
+    table (the paper reports the growth per domain)."""
     if not ctx.has("eval/all/tau_prompt_mean"):
         return []
-    diffs = {}
+    pairs = {}
     for size in sizes:
         mine, base = block_pair(groups, variant, size)
         if mine is not None and base is not None:
-            diffs[size] = tau_difference(ctx, mine, base, "all")
-    if len(diffs) < 2:
+            pairs[size] = (mine, base)
+    if len(pairs) < 2:
         return []
+    diffs = {size: tau_difference(ctx, mine, base, "all") for size, (mine, base) in pairs.items()}
     lines = ["", f"{variant} vs DFlash, per-prompt τ (all), 95% CIs:",
              *[f"- γ={s}: {judged('gain', d)}" for s, d in diffs.items()]]
-    first, last = diffs[min(diffs)], diffs[max(diffs)]
-    if first.ok and last.ok:
-        change = last.relative()[0] - first.relative()[0]
-        se = math.hypot(last.se / last.b.mean, first.se / first.b.mean)
-        low, high = change - 1.96 * se, change + 1.96 * se
-        verdict = "grows" if low > 0 else "shrinks" if high < 0 else "not resolved (the 95% CI spans 0)"
-        lines.append(f"- → gain at γ={max(diffs)} minus gain at γ={min(diffs)}: {change:+.1%} "
-                     f"[{low:+.1%}, {high:+.1%}] → **{verdict}**")
+    change = gain_change(diffs[min(diffs)], diffs[max(diffs)])
+    if change is not None:
+        lines.append(f"- → gain at γ={max(diffs)} minus gain at γ={min(diffs)}: {change.text()} → **{change.verdict}**")
+    domains = [d for d in eval_domains(ctx.frame) if ctx.has(f"eval/domain/{d}/tau_prompt_mean")]
+    if domains:
+        by_domain = {d: {s: tau_difference(ctx, mine, base, d) for s, (mine, base) in pairs.items()} for d in domains}
+        rows = [[f"γ={s}", *[by_domain[d][s].text() for d in domains]] for s in pairs]
+        changes = [gain_change(by_domain[d][min(pairs)], by_domain[d][max(pairs)]) for d in domains]
+        rows.append([f"γ={max(pairs)} − γ={min(pairs)}",
+                     *[f"{c.text()} → {c.verdict}" if c is not None else "–" for c in changes]])
+        lines += ["", f"{variant} vs DFlash by domain, per-prompt τ gain, 95% CIs:", "",
+                  markdown_table(["γ", *domains], rows)]
     return lines
 
 

@@ -17,6 +17,9 @@ Within-run standard errors come from what the evaluation logged:
 
 A difference a − b has SE = √(SE_a² + SE_b²) and the normal 95% interval ± 1.96·SE; the relative gain divides it
 by b's mean. The verdict reads the interval: above 0 → holds, below 0 → reversed, else not resolved.
+The change of a relative gain between two block sizes (`gain_change`) adds the two relative standard errors: the
+gains come from different drafter pairs evaluated on the same prompts, which ignores a positive correlation and so
+errs wide.
 """
 from __future__ import annotations
 
@@ -96,6 +99,38 @@ class Difference:
             gain, low, high = self.relative()
             return f"{gain:+.1%} [{low:+.1%}, {high:+.1%}]"
         return f"{self.mean:+.{digits}f} [{self.low:+.{digits}f}, {self.high:+.{digits}f}]"
+
+
+@dataclass(frozen=True)
+class GainChange:
+    """The change of a relative gain between two block sizes, with its normal 95% interval (the two gains come
+    from different drafters, so their errors add)."""
+
+    mean: float
+    se: float
+
+    @property
+    def low(self) -> float:
+        return self.mean - Z95 * self.se
+
+    @property
+    def high(self) -> float:
+        return self.mean + Z95 * self.se
+
+    @property
+    def verdict(self) -> str:
+        return "grows" if self.low > 0 else "shrinks" if self.high < 0 else "not resolved (the 95% CI spans 0)"
+
+    def text(self) -> str:
+        return f"{self.mean:+.1%} [{self.low:+.1%}, {self.high:+.1%}]"
+
+
+def gain_change(first: Difference, last: Difference) -> GainChange | None:
+    """Relative gain at the last γ minus that at the first (None when either is missing)."""
+    if not (first.ok and last.ok) or first.b.mean == 0 or last.b.mean == 0:
+        return None
+    return GainChange(last.relative()[0] - first.relative()[0],
+                      math.hypot(last.se / last.b.mean, first.se / first.b.mean))
 
 
 def _column(rows: pl.DataFrame, name: str) -> list[float | None]:
