@@ -363,7 +363,8 @@ def block_judgements(ctx: ReportContext, groups: list[Group], sizes: list[int], 
              *[f"- γ={s}: {judged('gain', d)}" for s, d in diffs.items()]]
     change = gain_change(diffs[min(diffs)], diffs[max(diffs)])
     if change is not None:
-        lines.append(f"- → gain at γ={max(diffs)} minus gain at γ={min(diffs)}: {change.text()} → **{change.verdict}**")
+        lines.append(f"- → gain at γ={max(diffs)} minus gain at γ={min(diffs)}: {change.text()} "
+                     f"→ **{change.verdict}**")
     domains = [d for d in eval_domains(ctx.frame) if ctx.has(f"eval/domain/{d}/tau_prompt_mean")]
     if domains:
         by_domain = {d: {s: tau_difference(ctx, mine, base, d) for s, (mine, base) in pairs.items()} for d in domains}
