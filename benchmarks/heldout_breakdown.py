@@ -183,14 +183,12 @@ def render(groups: Groups, *, argv: list[str], run_dir: Path, seconds: float, th
     return "\n".join(lines)
 
 
-def load_run(overrides: list[str]):
-    """(ctx, prepared data, datamodule set up for validation, drafter, checkpoint payload) of the run that
-    `experiments/run.py OVERRIDES` names; exits with what to run when its drafter does not exist yet."""
+def locate_run(overrides: list[str]):
+    """(ctx, prepared data) of the run that `experiments/run.py OVERRIDES` names; exits with what to run when its
+    drafter does not exist yet. Loads neither the drafter nor the target."""
     from dspark.config import resolve_config
-    from dspark.drafters.checkpoint import load_drafter
     from dspark.stages.context import RunPaths, StageContext
     from dspark.stages.prepare import run_prepare
-    from dspark.stages.train import build_datamodule
 
     rc = resolve_config(overrides)
     ctx = StageContext(rc=rc, paths=RunPaths.from_config(rc.cfg))
@@ -199,10 +197,25 @@ def load_run(overrides: list[str]):
         raise SystemExit(f"error: no trained drafter at {drafter_path}: run `python experiments/run.py "
                          f"{' '.join(overrides)}` first (these arguments name the run by its training key)")
     prepared = run_prepare(ctx)  # the caches exist: this only finds them (and verifies their checksums)
+    return ctx, prepared
+
+
+def load_validation(ctx, prepared):
+    """(datamodule set up for validation, drafter, checkpoint payload) of a located run (`locate_run`)."""
+    from dspark.drafters.checkpoint import load_drafter
+    from dspark.stages.train import build_datamodule
+
     datamodule = build_datamodule(ctx, prepared)
     datamodule.setup("validate")
-    drafter, _, payload = load_drafter(drafter_path, ctx.load_target())
-    return ctx, prepared, datamodule, drafter, payload
+    drafter, _, payload = load_drafter(ctx.run_dir / "drafter.pt", ctx.load_target())
+    return datamodule, drafter, payload
+
+
+def load_run(overrides: list[str]):
+    """(ctx, prepared data, datamodule set up for validation, drafter, checkpoint payload) of the run that
+    `experiments/run.py OVERRIDES` names."""
+    ctx, prepared = locate_run(overrides)
+    return ctx, prepared, *load_validation(ctx, prepared)
 
 
 def main(argv: list[str]) -> int:

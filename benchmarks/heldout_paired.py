@@ -39,7 +39,7 @@ from pathlib import Path
 import torch
 
 from bench_decoding import git_commit  # this directory is on sys.path when run as a script
-from heldout_breakdown import load_run, reference_count, write_result
+from heldout_breakdown import load_validation, locate_run, reference_count, write_result
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "benchmarks" / "results"
@@ -129,7 +129,7 @@ def cell_sums(overrides: list[str]) -> tuple[SequenceSums, dict, Path, list[str]
     from dspark.data.regenerate import load_regenerated
     from dspark.drafters.checkpoint import read_checkpoint
 
-    ctx, prepared, datamodule, drafter, payload = load_run(overrides)
+    ctx, prepared = locate_run(overrides)
     drafter_path = ctx.run_dir / "drafter.pt"
     stamp = torch.tensor([drafter_path.stat().st_size, drafter_path.stat().st_mtime_ns], dtype=torch.float64)
     cache = ctx.run_dir / CACHE_NAME
@@ -138,13 +138,14 @@ def cell_sums(overrides: list[str]) -> tuple[SequenceSums, dict, Path, list[str]
         saved = torch.load(cache, weights_only=True)  # tensors only: never unpickles objects
         if torch.equal(saved["stamp"], stamp):
             sums = SequenceSums(saved["index"], saved["tau_sum"], saved["blocks"])
-    if sums is None:
+    if sums is None:  # only now load the drafter, the target and the held-out data
+        datamodule, drafter, _ = load_validation(ctx, prepared)
         sums = sequence_sums(ctx, drafter, datamodule)
         partial = cache.with_suffix(".tmp")
         torch.save({**sums.as_dict(), "stamp": stamp}, partial)
         partial.replace(cache)  # never a half-written cache
-    logged = {k: float(v) for k, v in (payload.get("metrics") or read_checkpoint(drafter_path).get("metrics")
-                                        or {}).items() if k.startswith("val/")}
+    logged = {k: float(v) for k, v in (read_checkpoint(drafter_path).get("metrics") or {}).items()
+              if k.startswith("val/")}
     domains = list(load_regenerated(prepared.regen_dir)["domain"])
     return sums, logged, ctx.run_dir, domains, reference_count(prepared.regen_dir)
 
@@ -181,10 +182,6 @@ def interval(samples: torch.Tensor) -> tuple[float, float]:
     return low, high
 
 
-def verdict(low: float, high: float, *, up: str = "holds", down: str = "reversed") -> str:
-    return up if low > 0 else down if high < 0 else "not resolved (the 95% CI spans 0)"
-
-
 def percent(value: float, low: float, high: float) -> str:
     return f"{value:+.1%} [{low:+.1%}, {high:+.1%}]"
 
@@ -204,6 +201,8 @@ def scope_columns(index: torch.Tensor, domains: list[str], n_reference: int) -> 
 def render(args: argparse.Namespace, key: str | None, values: list[str], runs: list[tuple[Path, Path]],
            logged: list[tuple[dict, dict]], index: torch.Tensor, tau: torch.Tensor, blocks: torch.Tensor,
            scopes: dict[str, torch.Tensor], *, seconds: float, load: float, argv: list[str]) -> str:
+    from dspark.reports.claims import read_interval
+
     label = (lambda v: f"{key}={v}") if key else (lambda v: "pair")
     lines = ["# Held-out τ_prob, paired: " + " ".join(args.a) + " vs " + " ".join(args.b)
              + (f" along {key}" if key else ""), "",
@@ -235,7 +234,7 @@ def render(args: argparse.Namespace, key: str | None, values: list[str], runs: l
         for i, v in enumerate(values):
             low, high = interval(gain_draws[:, i])
             row = (f"| {label(v)} | {point[2 * i]:.3f} | {point[2 * i + 1]:.3f} | {percent(float(gains[i]), low, high)}"
-                   f" | {verdict(low, high)} |")
+                   f" | {read_interval(low, high)} |")
             if len(values) > 1:
                 if i == 0:
                     row += " – | – |"
@@ -243,7 +242,7 @@ def render(args: argparse.Namespace, key: str | None, values: list[str], runs: l
                     change = gain_draws[:, i] - gain_draws[:, 0]
                     c_low, c_high = interval(change)
                     row += (f" {percent(float(gains[i] - gains[0]), c_low, c_high)} | "
-                            f"{verdict(c_low, c_high, up='grows', down='shrinks')} |")
+                            f"{read_interval(c_low, c_high, up='grows', down='shrinks')} |")
             lines.append(row)
         lines.append("")
     return "\n".join(lines)

@@ -34,6 +34,29 @@ Z95 = 1.959964
 MIN_ROUNDS = 20  #: a run's cond@k counts only when at least this many rounds reached slot k
 
 
+NOT_RESOLVED = "not resolved (the 95% CI spans 0)"
+
+
+def read_interval(low: float, high: float, *, up: str = "holds", down: str = "reversed") -> str:
+    """The verdict of a 95% interval of a difference: above 0 → `up`, below 0 → `down`, else not resolved."""
+    return up if low > 0 else down if high < 0 else NOT_RESOLVED
+
+
+class NormalInterval:
+    """The normal 95% interval mean ± 1.96·se of anything with a `mean` and an `se`."""
+
+    mean: float
+    se: float
+
+    @property
+    def low(self) -> float:
+        return self.mean - Z95 * self.se
+
+    @property
+    def high(self) -> float:
+        return self.mean + Z95 * self.se
+
+
 @dataclass(frozen=True)
 class Pooled:
     """One configuration's estimate over its runs: mean, standard error, number of runs."""
@@ -48,7 +71,7 @@ class Pooled:
 
 
 @dataclass(frozen=True)
-class Difference:
+class Difference(NormalInterval):
     """a − b with its 95% interval, absolute and relative to b."""
 
     a: Pooled
@@ -66,14 +89,6 @@ class Difference:
     def se(self) -> float:
         return math.sqrt(self.a.se ** 2 + self.b.se ** 2)
 
-    @property
-    def low(self) -> float:
-        return self.mean - Z95 * self.se
-
-    @property
-    def high(self) -> float:
-        return self.mean + Z95 * self.se
-
     def relative(self) -> tuple[float, float, float]:
         """(gain, low, high) as fractions of b's mean."""
         base = self.b.mean
@@ -83,13 +98,7 @@ class Difference:
 
     @property
     def verdict(self) -> str:
-        if not self.ok:
-            return "not measured"
-        if self.low > 0:
-            return "holds"
-        if self.high < 0:
-            return "reversed"
-        return "not resolved (the 95% CI spans 0)"
+        return read_interval(self.low, self.high) if self.ok else "not measured"
 
     def text(self, *, relative: bool = True, digits: int = 3) -> str:
         """'+12.3% [+4.1%, +20.5%]' (relative) or '+0.041 [+0.012, +0.070]'."""
@@ -102,7 +111,7 @@ class Difference:
 
 
 @dataclass(frozen=True)
-class GainChange:
+class GainChange(NormalInterval):
     """The change of a relative gain between two block sizes, with its normal 95% interval (the two gains come
     from different drafters, so their errors add)."""
 
@@ -110,16 +119,8 @@ class GainChange:
     se: float
 
     @property
-    def low(self) -> float:
-        return self.mean - Z95 * self.se
-
-    @property
-    def high(self) -> float:
-        return self.mean + Z95 * self.se
-
-    @property
     def verdict(self) -> str:
-        return "grows" if self.low > 0 else "shrinks" if self.high < 0 else "not resolved (the 95% CI spans 0)"
+        return read_interval(self.low, self.high, up="grows", down="shrinks")
 
     def text(self) -> str:
         return f"{self.mean:+.1%} [{self.low:+.1%}, {self.high:+.1%}]"
