@@ -251,6 +251,27 @@ def test_block_size_judges_the_gain_change_per_domain_with_intervals(tmp_path, s
     assert chat_change.endswith("→ not resolved (the 95% CI spans 0)"), chat_change
 
 
+def test_block_size_judges_the_rnn_head_against_markov_at_each_gamma(tmp_path, store_root):
+    """Where both heads ran at a γ, the claims section judges RNN vs Markov there (the paper: RNN only marginally
+    above Markov, at long blocks) — here level at γ = 3 and ahead at γ = 15; a γ with one head only gets no line."""
+    store = _store(store_root, "block-heads")
+    per_prompt = {("markov", 3): 1.40, ("rnn", 3): 1.41, ("markov", 15): 1.40, ("rnn", 15): 1.50, ("markov", 7): 1.4}
+    cells = []
+    for (head, g), tau in per_prompt.items():
+        metrics = {"eval/all/tau": tau, "summary/tau": tau, "eval/all/tau_prompt_mean": tau,
+                   "eval/all/tau_prompt_ci95": 0.03, "eval/all/prompts": 60, "val/tau_prob": 1.5 + (tau - 1.4) / 10}
+        cells.append(({"drafter": "dspark", "model.head": head, "model.block_size": g, "seed": 0}, metrics))
+    _seed_sweep(store, sweep="block_size", cells=cells)
+    runs = collect_sweep_runs(store, sweep="block_size")
+    text, _ = build_report(runs, spec=load_sweep("block_size"), out_dir=tmp_path / "reports", provenance=PROVENANCE)
+    assert "DSpark (rnn) vs DSpark (markov) at the same γ" in text
+    lines = {line.split(":")[0]: line for line in text.splitlines() if line.startswith("- γ=")}
+    assert set(lines) == {"- γ=3", "- γ=15"}, lines
+    assert "per-prompt τ (all): +0.7% [" in lines["- γ=3"] and "→ **not resolved" in lines["- γ=3"], lines["- γ=3"]
+    assert "per-prompt τ (all): +7.1% [" in lines["- γ=15"] and "→ **holds**" in lines["- γ=15"], lines["- γ=15"]
+    assert lines["- γ=15"].endswith("held-out τ_prob +0.7%"), lines["- γ=15"]
+
+
 def test_claim_intervals_pool_prompts_and_seeds():
     """The claims module's arithmetic against a hand computation, and its verdicts."""
     import math

@@ -342,6 +342,29 @@ def block_claim(ctx: ReportContext, groups: list[Group], sizes: list[int]) -> li
                 lines += [f"Ours, {variant} vs DFlash ({col}): " + ", ".join(f"γ={s} {pct(g)}" for s, g in gains)
                           + f" → the point estimates {'grow' if grows else 'do not grow monotonically'} with γ.", ""]
         lines += block_judgements(ctx, groups, sizes, variant)
+    return lines + head_by_size(ctx, groups, sizes)
+
+
+def head_by_size(ctx: ReportContext, groups: list[Group], sizes: list[int]) -> list[str]:
+    """Per γ where both heads ran: the RNN head against the Markov head in per-prompt τ with its 95% CI, and in
+    held-out τ_prob beside it (the paper: the RNN head is only marginally above Markov, and only at long blocks)."""
+    pairs = {}
+    for size in sizes:
+        at = {str(g.get("axis.model.head") or g.get("model.head")): g for g in groups
+              if drafter_of(g) == "dspark" and g["axis.model.block_size"] == size}
+        if "rnn" in at and "markov" in at:
+            pairs[size] = (at["rnn"], at["markov"])
+    if not pairs:
+        return []
+    lines = ["", "DSpark (rnn) vs DSpark (markov) at the same γ (paper: the RNN head only marginally above Markov, "
+                 "at long blocks):"]
+    for size, (rnn, markov) in pairs.items():
+        parts = []
+        if ctx.has("eval/all/tau_prompt_mean"):
+            parts.append(judged("per-prompt τ (all)", tau_difference(ctx, rnn, markov, "all")))
+        if ctx.has(TAU_PROB):
+            parts.append(f"held-out τ_prob {pct(ratio_gain(est(ctx, rnn, TAU_PROB), est(ctx, markov, TAU_PROB)))}")
+        lines.append(f"- γ={size}: " + "; ".join(parts))
     return lines
 
 
