@@ -335,6 +335,8 @@ def test_head_and_main_reports_judge_the_claims_with_intervals(store_root, tmp_p
     assert "significantly raised at k ∈ [2]" in markov
     rnn = text.split("rnn vs none, 95% CIs:")[1]
     assert "not resolved" in rnn
+    among = text.split("The heads among themselves, per-prompt τ (all), 95% CIs:")[1].split("\n\n")[0]
+    assert "- rnn vs markov: -13.3% [" in among and "→ **reversed**" in among, among
 
 
 def test_depth_report_judges_the_trend_against_the_shallowest(store_root, tmp_path):

@@ -443,8 +443,12 @@ def head_claim(ctx: ReportContext, groups: list[Group], reference: Group | None)
     if reference is not None:
         lines += [f"Ours ({col}): {head} vs none {gain(by_head[head], reference)}."
                   for head in ("markov", "gated", "rnn") if head in by_head]
-    lines += [f"Ours: {head} vs markov {gain(by_head[head], by_head['markov'])}."
-              for head in ("gated", "rnn") if head in by_head and "markov" in by_head]
+    among = [head for head in ("gated", "rnn") if head in by_head and "markov" in by_head]
+    lines += [f"Ours: {head} vs markov {gain(by_head[head], by_head['markov'])}." for head in among]
+    if among and ctx.has("eval/all/tau_prompt_mean"):
+        lines += ["", "The heads among themselves, per-prompt τ (all), 95% CIs:",
+                  *[f"- {judged(f'{head} vs markov', tau_difference(ctx, by_head[head], by_head['markov'], 'all'))}"
+                    for head in among]]
     if reference is not None:
         lines += head_judgements(ctx, by_head, reference)
     return lines
