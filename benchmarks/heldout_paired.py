@@ -133,19 +133,20 @@ def cell_sums(overrides: list[str]) -> tuple[SequenceSums, dict, Path, list[str]
     drafter_path = ctx.run_dir / "drafter.pt"
     stamp = torch.tensor([drafter_path.stat().st_size, drafter_path.stat().st_mtime_ns], dtype=torch.float64)
     cache = ctx.run_dir / CACHE_NAME
-    sums = None
+    sums, payload = None, None
     if cache.exists():
         saved = torch.load(cache, weights_only=True)  # tensors only: never unpickles objects
         if torch.equal(saved["stamp"], stamp):
             sums = SequenceSums(saved["index"], saved["tau_sum"], saved["blocks"])
     if sums is None:  # only now load the drafter, the target and the held-out data
-        datamodule, drafter, _ = load_validation(ctx, prepared)
+        datamodule, drafter, payload = load_validation(ctx, prepared)
         sums = sequence_sums(ctx, drafter, datamodule)
         partial = cache.with_suffix(".tmp")
         torch.save({**sums.as_dict(), "stamp": stamp}, partial)
         partial.replace(cache)  # never a half-written cache
-    logged = {k: float(v) for k, v in (read_checkpoint(drafter_path).get("metrics") or {}).items()
-              if k.startswith("val/")}
+    if payload is None:  # a cache hit: the checkpoint's metrics only (the drafter was never loaded)
+        payload = read_checkpoint(drafter_path)
+    logged = {k: float(v) for k, v in (payload.get("metrics") or {}).items() if k.startswith("val/")}
     domains = list(load_regenerated(prepared.regen_dir)["domain"])
     return sums, logged, ctx.run_dir, domains, reference_count(prepared.regen_dir)
 

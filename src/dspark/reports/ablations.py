@@ -25,6 +25,7 @@ from dspark.reports.context import (
     domain_tau,
     eval_datasets,
     eval_domains,
+    head_of,
     headline_metric,
     tau_note,
     variant_label,
@@ -350,7 +351,7 @@ def head_by_size(ctx: ReportContext, groups: list[Group], sizes: list[int]) -> l
     held-out τ_prob beside it (the paper: the RNN head is only marginally above Markov, and only at long blocks)."""
     pairs = {}
     for size in sizes:
-        at = {str(g.get("axis.model.head") or g.get("model.head")): g for g in groups
+        at = {str(head_of(g)): g for g in groups
               if drafter_of(g) == "dspark" and g["axis.model.block_size"] == size}
         if "rnn" in at and "markov" in at:
             pairs[size] = (at["rnn"], at["markov"])
@@ -410,7 +411,7 @@ def block_gains(ctx: ReportContext, groups: list[Group], sizes: list[int], domai
         if base is None:
             continue
         for g in (g for g in at if drafter_of(g) == "dspark"):
-            head = g.get("axis.model.head", g.get("model.head"))
+            head = head_of(g)
             ref = paper.BLOCK_SIZE_GAIN.get(size, {}) if head == "markov" else {}
             rows.append([str(size), f"{variant_label(g)} vs DFlash",
                          *[pct(ratio_gain(est(ctx, g, domain_tau(d)), est(ctx, base, domain_tau(d)))) for d in domains],
@@ -424,7 +425,7 @@ def block_gains(ctx: ReportContext, groups: list[Group], sizes: list[int], domai
 def build_head(ctx: ReportContext) -> list[Section]:
     """Heads none / markov / gated / rnn at fixed depth and γ, gains over no head."""
     groups = sorted(ctx.group_dicts(), key=sort_key())
-    reference = next((g for g in groups if (g.get("axis.model.head") or g.get("model.head")) == "none"), None)
+    reference = next((g for g in groups if head_of(g) == "none"), None)
     column, ylabel = headline_metric(ctx)
     panels = {title: {variant_label(g): est(ctx, g, col) for g in groups} for title, col in domain_panels(ctx)}
     path = plot_bars(panels, ctx.png("head"), ylabel=ylabel, title="Sequential head at fixed depth and block size")
@@ -437,7 +438,7 @@ def build_head(ctx: ReportContext) -> list[Section]:
 def head_claim(ctx: ReportContext, groups: list[Group], reference: Group | None) -> list[str]:
     """Our gains of each head over none and of rnn over markov."""
     col = "eval/all/tau" if eval_domains(ctx.frame) else TAU_PROB
-    by_head = {str(g.get("axis.model.head") or g.get("model.head")): g for g in groups}
+    by_head = {str(head_of(g)): g for g in groups}
     lines = []
     gain = lambda a, b: pct(ratio_gain(est(ctx, a, col), est(ctx, b, col)))  # noqa: E731
     if reference is not None:

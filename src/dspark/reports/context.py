@@ -101,10 +101,15 @@ def domain_tau(domain: str) -> str:
     return f"eval/domain/{domain}/tau"
 
 
+def head_of(group: dict[str, Any]) -> str | None:
+    """The sequential head of a group ('markov', 'rnn', …), from its axis value or else its run tag."""
+    return group.get("axis.model.head") or group.get("model.head")
+
+
 def variant_label(group: dict[str, Any]) -> str:
     """'DSpark (markov)', 'DFlash', 'EAGLE-3', from the axis values or the run tags."""
     drafter = group.get("axis.drafter") or group.get("drafter") or "?"
-    head = group.get("axis.model.head") or group.get("model.head")
+    head = head_of(group)
     label = DRAFTER_LABELS.get(str(drafter), str(drafter))
     return f"{label} ({head})" if drafter == "dspark" and head else label
 
