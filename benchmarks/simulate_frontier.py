@@ -8,8 +8,14 @@ machine (cached under <root>/cache/sps/ like `stage=serve`'s tables), then every
 (`dspark.serving.simulator.simulate_frontier`, padded verify blocks as in the real engine). Writes a markdown table,
 the scheduler-vs-MTP-1 comparison and a frontier plot, all labelled simulated.
 
+Beside the policies, the *hindsight* policy (`simulate_hindsight`: each step's verify length chosen knowing every
+round's accepted count and each request's remaining length; exact at R = 1, the best found at R > 1): how fast any
+verify-length policy could serve this trace at each R. Where its per-user speed at matched throughput is below a
+target against MTP-1 (issue 11: 1.3×), no policy reaches that target with this drafter on this machine.
+
     .venv/bin/python benchmarks/simulate_frontier.py --run-dir outputs/runs/dspark-markov-d5-g7-s0-<hash>
     .venv/bin/python benchmarks/simulate_frontier.py --run-dir ... --sps-table gpu.json   # another machine's SPS(B)
+    .venv/bin/python benchmarks/simulate_frontier.py --run-dir ... --cells 20261207-04 --concurrency 1 2 4 8 16 32 64
 """
 from __future__ import annotations
 
@@ -23,6 +29,7 @@ from pathlib import Path
 RESULTS = Path(__file__).resolve().parent / "results"
 ROOT = Path(__file__).resolve().parents[1] / "outputs"
 POLICIES = ("mtp1", "static", "fixed", "threshold", "calibrated_threshold", "scheduler", "async")
+HINDSIGHT = "hindsight"
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -34,18 +41,28 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--block-size", type=int, default=7)
     parser.add_argument("--max-new-tokens", type=int, default=32)
     parser.add_argument("--sps-table", type=Path, default=None, help="use this SPS(B) JSON for every R instead")
+    parser.add_argument("--cells", default="", help="fit step costs to the real cells whose folder under <run dir>/serve "
+                        "starts with this (e.g. 20261207-04: one sweep's cells); default every cell")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch threads (default: torch's, i.e. OMP_NUM_THREADS): give the serving run's count — "
+                             "the target's few-row choices and so its SPS tables are kept per thread count")
+    parser.add_argument("--scheduler-cost", default="tokens", choices=("tokens", "columns"),
+                        help="serve.scheduler_cost of the replayed scheduler")
     parser.add_argument("--output", type=Path, default=RESULTS / "serving-simulated.md")
     return parser.parse_args(argv)
 
 
-def load_steps(run_dir: Path) -> tuple[list, list]:
-    """(the policy=fixed trace's steps, every recorded step of the real engine) from `<run dir>/serve/`."""
+def load_steps(run_dir: Path, prefix: str = "") -> tuple[list, list]:
+    """(the policy=fixed trace's steps, the real engine's recorded steps of the cells named `prefix*`) from
+    `<run dir>/serve/`."""
     from dspark.stages.serve import read_steps
 
     traces = sorted((run_dir / "serve").glob("trace-*/steps.jsonl"))
     if not traces:
         raise SystemExit(f"no serve/trace-*/steps.jsonl under {run_dir}: run sweep=serving (or stage=serve) first")
-    cells = sorted((run_dir / "serve").glob("*-R*/steps.jsonl"))
+    cells = sorted((run_dir / "serve").glob(f"{prefix}*-R*/steps.jsonl"))
+    if not cells:
+        raise SystemExit(f"no serve/{prefix}*-R*/steps.jsonl under {run_dir}: no real cell to fit step costs to")
     steps = [step for path in cells for step in read_steps(path)]
     return read_steps(traces[-1]), steps
 
@@ -67,6 +84,8 @@ def tables(args: argparse.Namespace) -> dict:
 
 
 def markdown(summaries: list, sps: dict, args: argparse.Namespace, argv: list[str], started: str, plot: Path) -> str:
+    import torch
+
     from dspark.serving.load import speedup_at_matched_throughput
 
     load = os.getloadavg()
@@ -74,40 +93,60 @@ def markdown(summaries: list, sps: dict, args: argparse.Namespace, argv: list[st
              f"Command: `.venv/bin/python benchmarks/simulate_frontier.py {shlex.join(argv)}`", "",
              f"Date: {started}; load average after {load[0]:.2f}. SPS(B) "
              + ("from " + str(args.sps_table) if args.sps_table else "profiled on this machine for each R (rows × "
-                "256 cached tokens, up to R·(γ+1) tokens, one thread)") + "; trace and step costs from "
+                f"256 cached tokens, up to R·(γ+1) tokens, {torch.get_num_threads()} threads)") + "; trace and step costs from "
              f"`{args.run_dir}`; {args.max_new_tokens} tokens per simulated request. All numbers are simulated.", "",
              f"![frontier]({plot.name})", "",
              "| policy | R | throughput (tok/s) | per-user speed (tok/s/user) | mean ℓ | τ |", "|---|---|---|---|---|---|"]
-    for s in sorted(summaries, key=lambda s: (POLICIES.index(s.policy), s.concurrency)):
+    order = (*POLICIES, HINDSIGHT)
+    for s in sorted(summaries, key=lambda s: (order.index(s.policy), s.concurrency)):
         lines.append(f"| {s.policy} | {s.concurrency} | {s.throughput:.2f} | {s.user_speed:.3f} | {s.budget:.2f} | "
                      f"{s.tau:.3f} |")
+    mtp1 = {s.concurrency: s.throughput for s in summaries if s.policy == "mtp1"}
+    lines += ["", "Throughput over MTP-1's at the same R: " + "; ".join(
+        f"R={r}: scheduler {by['scheduler'] / mtp1[r]:.3f}×, hindsight {by[HINDSIGHT] / mtp1[r]:.3f}×"
+        for r, by in sorted(_by_level(summaries).items()) if r in mtp1)]
     lines += ["", "SPS(B) per R (ms per verify forward at the smallest and largest profiled B): "
               + "; ".join(f"R={r}: {1000 / t.steps_per_second[0]:.0f} ms at B={t.batch_tokens[0]}, "
                           f"{1000 / t.steps_per_second[-1]:.0f} ms at B={t.batch_tokens[-1]}" for r, t in sps.items())]
-    for policy in ("scheduler", "async"):
+    for policy in ("scheduler", "async", HINDSIGHT):
         result = speedup_at_matched_throughput(summaries, policy, "mtp1", simulated=True)
         lines.append("")
+        points = ", ".join(f"{p.ratio:.2f}× at {p.throughput:.1f} tok/s (mtp1 R={p.concurrency})"
+                           for p in result.points)
         lines.append(f"{policy} vs mtp1: " + (result.reason if result.reason else
                      f"per-user speed at matched throughput {result.median:.2f}× median (min {result.min:.2f}×, "
-                     f"max {result.max:.2f}×)"))
+                     f"max {result.max:.2f}×): {points}"))
+    lines += ["", f"{HINDSIGHT} is not causal (it knows each round's accepted count): its ratio is the most any "
+              "verify-length policy could reach here with this drafter and these costs."]
     return "\n".join(lines) + "\n"
+
+
+def _by_level(summaries: list) -> dict[int, dict[str, float]]:
+    levels: dict[int, dict[str, float]] = {}
+    for s in summaries:
+        levels.setdefault(s.concurrency, {})[s.policy] = s.throughput
+    return levels
 
 
 def main(argv: list[str]) -> int:
     import torch
 
     from dspark.serving.plots import plot_frontier
-    from dspark.serving.simulator import fit_step_costs, simulate_frontier, trace_from_steps
+    from dspark.serving.simulator import fit_step_costs, simulate_frontier, simulate_hindsight, trace_from_steps
 
     args = parse_args(argv)
-    torch.set_num_threads(1)
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
     started = time.strftime("%Y-%m-%d %H:%M")
-    trace_steps, real_steps = load_steps(args.run_dir)
-    costs = fit_step_costs(real_steps)
+    trace_steps, real_steps = load_steps(args.run_dir, args.cells)
+    costs = fit_step_costs(real_steps + trace_steps)  # as stage=serve fits them: the cells and the trace
     sps = tables(args)
-    summaries = simulate_frontier(trace_from_steps(trace_steps), policies=POLICIES,
-                                  concurrency_levels=args.concurrency, sps=sps, costs=costs,
-                                  max_new_tokens=args.max_new_tokens, pad_to_longest=True)
+    trace = trace_from_steps(trace_steps)
+    summaries = simulate_frontier(trace, policies=POLICIES, concurrency_levels=args.concurrency, sps=sps, costs=costs,
+                                  max_new_tokens=args.max_new_tokens, pad_to_longest=True,
+                                  scheduler_cost=args.scheduler_cost)
+    summaries += [simulate_hindsight(trace, concurrency=rows, sps=sps[rows], costs=costs,
+                                     max_new_tokens=args.max_new_tokens).summary() for rows in args.concurrency]
     plot = plot_frontier(summaries, args.output.with_suffix(".png"), title="Simulated frontier (trace replay)")
     text = markdown(summaries, sps, args, argv, started, plot)
     args.output.write_text(text)

@@ -79,7 +79,7 @@ def test_bad_settings_name_the_key():
                                              "scheduler", "async"])
 
 
-# The measured R = 8 case (reports/serving.notes.md): the bf16 verify forward of 8 rows takes 99.6 ms at 1 token per
+# The measured R = 8 case (reports/serving.notes-2026-12-03-bf16.md): the bf16 verify forward of 8 rows takes 99.6 ms at 1 token per
 # row and 142 ms at 2 (a staircase: 9–16 tokens cost the same), ~185 ms at 3; the engine's drafting and per-row work
 # add ~110 ms per step (serve.step_overhead=measured). c̃_1 ≈ 0.35 on every row.
 MEASURED_VERIFY = SPSTable(batch_tokens=[8, 9, 16, 17, 24], steps_per_second=[1 / 0.0996, 1 / 0.142, 1 / 0.142,

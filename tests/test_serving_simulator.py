@@ -454,3 +454,105 @@ def test_scheduler_cost_columns_plans_whole_columns(trace):
                              seed=1, pad_to_longest=True, scheduler_cost="columns")[0] == columns.summary()
     with pytest.raises(ValueError, match="serve.scheduler_cost"):
         simulate_serving(trace, scheduler_cost="bogus", **common)
+
+
+# ---- the hindsight bound (simulate_hindsight) ----
+
+HINDSIGHT_COSTS = StepCosts(draft_intercept=0.004, draft_per_request=0.002, other_intercept=0.002,
+                            other_per_request=0.001, prefill_per_request=0.02, slot_intercept=0.0005,
+                            slot_per_request=0.0002, trace_slots=2.5)
+# A staircase: 1–2 tokens per row cost alike, the 3rd and 5th a step each (the fp32 CPU shape).
+STAIRS = SPSTable([1, 2, 3, 4, 5, 8, 16, 32], [20.0, 20.0, 16.0, 16.0, 12.0, 10.0, 6.0, 3.0])
+
+
+def _chooser(k, *, sps=STAIRS, pad=True):
+    from dspark.serving.simulator import HindsightChooser
+
+    return HindsightChooser(columns=k, sps=sps, costs=HINDSIGHT_COSTS, block_size=GAMMA, pad_to_longest=pad)
+
+
+@pytest.mark.parametrize("k, name", [(1, "mtp1"), (2, "static"), (GAMMA, "fixed")])
+@pytest.mark.parametrize("concurrency", [1, 3])
+def test_hindsight_with_fixed_columns_replays_the_static_policy_step_for_step(trace, k, name, concurrency):
+    """The chooser's replay is the simulator's: k fixed columns is mtp1 / static k / fixed, step for step."""
+    ours = simulate_serving(trace, policy=_chooser(k), concurrency=concurrency, sps=STAIRS, costs=HINDSIGHT_COSTS,
+                            pad_to_longest=True, seed=3)
+    theirs = simulate_serving(trace, policy=name, static_k=k, concurrency=concurrency, sps=STAIRS,
+                              costs=HINDSIGHT_COSTS, pad_to_longest=True, seed=3)
+    assert [(s.num_active, s.batch_tokens, s.committed) for s in ours.steps] == \
+        [(s.num_active, s.batch_tokens, s.committed) for s in theirs.steps]
+    assert [s.seconds for s in ours.steps] == pytest.approx([s.seconds for s in theirs.steps], rel=1e-12)
+
+
+def _long_trace(seed=0, requests=8):
+    """Requests of 20–30 rounds (end effects small, as in a serving run's 32-token requests); A ~ geometric-ish,
+    c_k high on accepted slots."""
+    from dspark.serving.simulator import ServeTrace, TraceRequest
+
+    rng = random.Random(seed)
+    recorded = []
+    for rid in range(requests):
+        rounds = []
+        for _ in range(rng.randint(20, 30)):
+            drafted = rng.randint(1, GAMMA)
+            accepted = min(drafted, int(rng.expovariate(1.2)))
+            conf = tuple(rng.uniform(0.6, 0.95) if k < accepted else rng.uniform(0.05, 0.5) for k in range(drafted))
+            rounds.append(TraceRound(drafted, accepted, accepted + 1, conf, conf))
+        recorded.append(TraceRequest(rid, rounds))
+    return ServeTrace(recorded)
+
+
+@pytest.mark.parametrize("concurrency", [1, 2, 4, 8])
+def test_hindsight_is_at_least_as_fast_as_every_policy(concurrency):
+    from dspark.serving.simulator import simulate_hindsight
+
+    long_trace = _long_trace()
+    bound = simulate_hindsight(long_trace, concurrency=concurrency, sps=STAIRS, costs=HINDSIGHT_COSTS,
+                               max_new_tokens=32)
+    assert bound.policy == "hindsight"
+    for name in ("mtp1", "static", "fixed", "scheduler", "threshold", "calibrated_threshold"):
+        other = simulate_serving(long_trace, policy=name, concurrency=concurrency, sps=STAIRS, costs=HINDSIGHT_COSTS,
+                                 pad_to_longest=True, max_new_tokens=32, scheduler_cost="columns")
+        assert bound.summary().throughput >= other.summary().throughput * (1 - 1e-9), name
+
+
+def _fastest_single_request(rounds, *, length, prefill):
+    """Exact optimum at R = 1 by dynamic programming: the least time for one request to reach `length` tokens
+    through `rounds` (cycled), choosing every step's k knowing each round's outcome; returns tokens / second."""
+    chooser = _chooser(0)
+    best = {(0, 1): 0.0}  # (rounds used, tokens so far) → least seconds
+    finished = math.inf
+    frontier = dict(best)
+    while frontier:
+        following = {}
+        for (used, tokens), seconds in frontier.items():
+            round_ = rounds[used % len(rounds)]
+            for k in range(round_.num_drafted + 1):
+                gained, cost = chooser.step_value([round_], k)
+                state, total = (used + 1, tokens + gained), seconds + cost
+                if state[1] >= length:
+                    finished = min(finished, total)
+                elif total < following.get(state, math.inf):
+                    following[state] = total
+        frontier = following
+    return length / (prefill + finished)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_hindsight_reaches_the_exact_optimum_of_one_request(seed):
+    """R = 1, one recorded request: against an exhaustive search over every step's k (dynamic programming)."""
+    from dspark.serving.simulator import ServeTrace, TraceRequest, simulate_hindsight
+
+    rng = random.Random(seed)
+    rounds = []
+    for _ in range(rng.randint(3, 6)):
+        drafted = rng.randint(1, GAMMA)
+        accepted = rng.randint(0, drafted)
+        rounds.append(TraceRound(drafted, accepted, accepted + 1, None, None))
+    single = ServeTrace([TraceRequest(0, rounds)])
+    length = rng.randint(8, 20)
+    bound = simulate_hindsight(single, concurrency=1, sps=STAIRS, costs=HINDSIGHT_COSTS, max_new_tokens=length,
+                               num_requests=1)
+    optimum = _fastest_single_request(rounds, length=length, prefill=HINDSIGHT_COSTS.prefill_per_request)
+    assert bound.summary().throughput <= optimum * (1 + 1e-9)
+    assert bound.summary().throughput >= 0.97 * optimum

@@ -34,6 +34,10 @@ B = Σ_r (1 + ℓ_r) is the cost of an engine that packs the verify tokens witho
 R·q is exactly an R-row forward of q tokens per row (`serving.profile`), so `pad_to_longest=True` times its steps
 at SPS(R·(max_r ℓ_r + 1)) instead; `ServeStep.batch_tokens` stays B either way. A scheduler built here by name plans
 with `scheduler_cost` (serve.scheduler_cost), as the engine's does: "columns" prices exactly that padded forward.
+
+Hindsight (`simulate_hindsight`, `benchmarks/serving_headroom.py`): the same replay with a chooser that knows each
+round's outcome, so its speed bounds what any verify-length policy could reach on the trace at that R — where it
+falls short of a target, the drafter must improve before any policy can meet it.
 """
 from __future__ import annotations
 
@@ -345,7 +349,10 @@ def _step(active: list[_Active], *, policy: ServePolicy, sps: SPSTable, costs: S
     """One engine step over the active requests: choose ℓ, apply the coupling, advance them, time it."""
     rounds = [a.next_round() for a in active]
     confidences, num_drafts = _policy_inputs(rounds, block_size=block_size, source=source)
-    slots = drawn_slots(policy, confidences, num_drafts, block_size=block_size)
+    if isinstance(policy, HindsightChooser):  # sees the outcomes: draws exactly the columns it verifies
+        slots = policy.columns_for(active)
+    else:
+        slots = drawn_slots(policy, confidences, num_drafts, block_size=block_size)
     num_drafts = num_drafts.clamp(max=slots)  # what the lean proposer would have drawn
     lengths = policy.choose(confidences=confidences, num_drafts=num_drafts).tolist()
     records = []
@@ -366,6 +373,148 @@ def _step(active: list[_Active], *, policy: ServePolicy, sps: SPSTable, costs: S
                      seconds_other=costs.other_seconds(len(active)),
                      seconds_prefill=joins * costs.prefill_per_request,
                      seconds_draft_sequential=slots * costs.slot_seconds(len(active)), rounds=records)
+
+
+# ---- the hindsight bound ----
+
+HINDSIGHT = "hindsight"
+
+
+class HindsightChooser:
+    """A simulator-only chooser that sees every round's outcome (A_all) and every request's remaining length: not a
+    `VerificationPolicy`, no engine can run it. Each step it verifies k columns, every row min(k, γ'_r) drafts, and
+    draws only those k slots. One mode per instance:
+
+    - `columns`: k fixed (a static policy drawn the hindsight way);
+    - `rate`: k maximises useful tokens(k) − rate·seconds(k), tokens past a request's length counting nothing
+      (ties: the smaller k); `simulate_hindsight` searches the rate;
+    - `exact` (R = 1 only): each request follows the plan that reaches its length in the least time, found by
+      dynamic programming over (rounds used, tokens) — at R = 1 requests never share a step, so this is optimal.
+    """
+
+    needs_confidences = False
+    reads = "raw"
+    max_drafts = None
+
+    def __init__(self, *, sps: SPSTable, costs: StepCosts, block_size: int, pad_to_longest: bool,
+                 rate: float | None = None, columns: int | None = None, exact: bool = False) -> None:
+        if sum((rate is not None, columns is not None, bool(exact))) != 1:
+            raise ValueError("HindsightChooser: give exactly one of rate (tokens per second), columns (a fixed k) "
+                             "or exact=True (R = 1)")
+        self.sps, self.costs, self.block_size, self.pad = sps, costs, int(block_size), bool(pad_to_longest)
+        self.rate, self.columns, self.exact = rate, columns, bool(exact)
+        self.name = HINDSIGHT if columns is None else f"{HINDSIGHT}-k{columns}"
+        self._chosen = 0
+        self._plans: dict[int, tuple[int, list[int]]] = {}  # request id → (first round, k per step)
+
+    def reset(self) -> None:
+        self._chosen = 0
+        self._plans = {}
+
+    def step_value(self, rounds: Sequence[TraceRound], k: int, remaining: Sequence[int] | None = None
+                   ) -> tuple[int, float]:
+        """(tokens, seconds besides prefill) of a step over `rounds` verifying k columns; with `remaining`, tokens
+        past each request's remaining length are not counted."""
+        rows, longest = len(rounds), max(r.num_drafted for r in rounds)
+        verified = [min(k, r.num_drafted) for r in rounds]
+        gained = [r.outcome(v)[1] for r, v in zip(rounds, verified)]
+        if remaining is not None:
+            gained = [min(g, max(0, int(left))) for g, left in zip(gained, remaining)]
+        forward = rows * (1 + max(verified)) if self.pad else rows + sum(verified)
+        seconds = (1.0 / self.sps(forward) + self.costs.draft_seconds(rows, min(k, longest))
+                   + self.costs.other_seconds(rows))
+        return sum(gained), seconds
+
+    def columns_for(self, active: Sequence[_Active]) -> int:
+        """k for this step over the `active` requests (kept for `choose`, which the step calls next)."""
+        rounds = [a.next_round() for a in active]
+        longest = max(r.num_drafted for r in rounds)
+        if self.columns is not None:
+            self._chosen = min(int(self.columns), longest)
+        elif self.exact:
+            if len(active) != 1:
+                raise ValueError("HindsightChooser(exact=True) plans one request at a time: use it at R = 1")
+            item = active[0]
+            if item.request_id not in self._plans:
+                self._plans[item.request_id] = (item.rounds, self.plan(item.source.rounds, start=item.rounds,
+                                                                       tokens=item.tokens, length=item.length))
+            start, plan = self._plans[item.request_id]
+            self._chosen = min(plan[item.rounds - start], longest)
+        else:
+            remaining = [a.length - a.tokens for a in active]
+            values = [self.step_value(rounds, k, remaining) for k in range(longest + 1)]
+            self._chosen = max(range(longest + 1), key=lambda k: (values[k][0] - self.rate * values[k][1], -k))
+        return self._chosen
+
+    def plan(self, rounds: Sequence[TraceRound], *, start: int, tokens: int, length: int) -> list[int]:
+        """The k per step that takes one request from `tokens` to `length` tokens in the least time, walking
+        `rounds` (cycled) from round `start` (dynamic programming over (steps taken, tokens so far))."""
+        frontier: dict[int, tuple[float, list[int]]] = {tokens: (0.0, [])}  # tokens → (least seconds, its plan)
+        finished: tuple[float, list[int]] | None = None
+        step = 0
+        while frontier:
+            round_ = rounds[(start + step) % len(rounds)]
+            following: dict[int, tuple[float, list[int]]] = {}
+            for have, (seconds, ks) in frontier.items():
+                for k in range(round_.num_drafted + 1):
+                    gained, cost = self.step_value([round_], k)
+                    total, reached = seconds + cost, have + gained
+                    if reached >= length:
+                        if finished is None or total < finished[0]:
+                            finished = (total, ks + [k])
+                    elif reached not in following or total < following[reached][0]:
+                        following[reached] = (total, ks + [k])
+            # a partial plan already slower than a finished one cannot win (steps only add time)
+            frontier = {t: v for t, v in following.items() if finished is None or v[0] < finished[0]}
+            step += 1
+        if finished is None:
+            raise ValueError(f"HindsightChooser.plan: a request of length {length} cannot finish")
+        return finished[1]
+
+    def choose(self, *, confidences, num_drafts) -> torch.Tensor:
+        return torch.as_tensor(num_drafts, dtype=torch.long).clamp(max=self._chosen)
+
+
+def simulate_hindsight(trace: ServeTrace, *, concurrency: int, sps: SPSTable, costs: StepCosts | None = None,
+                       max_new_tokens: int | None = None, num_requests: int | None = None, seed: int = 0,
+                       pad_to_longest: bool = True, iterations: int = 20) -> SimResult:
+    """The hindsight policy at concurrency R: how fast a verify-length policy that knew every round's outcome could
+    serve this trace here — an upper estimate for the scheduler and every causal policy (`HindsightChooser`).
+
+    R = 1: each request follows its fastest plan (exact: requests never share a step). R > 1: each step verifies the
+    column count that maximises useful tokens − λ·seconds, λ by Dinkelbach's iteration from the best fixed column
+    count k = 0..γ; for a fixed set of steps that is the optimum of Σ tokens / Σ seconds (`evaluation.headroom`),
+    but here a choice also moves which rounds share later steps, so R > 1 gives the best such policy found, not a
+    proof. The run with the highest throughput is returned, labelled `hindsight`. Steps are timed as
+    `simulate_serving` times them (pad_to_longest: R rows of k + 1 tokens, the BatchedEngine's forward).
+    """
+    costs = costs if costs is not None else StepCosts()
+    options = {"concurrency": concurrency, "sps": sps, "costs": costs, "max_new_tokens": max_new_tokens,
+               "num_requests": num_requests, "seed": seed, "pad_to_longest": pad_to_longest}
+    chooser = {"sps": sps, "costs": costs, "block_size": trace.block_size, "pad_to_longest": pad_to_longest}
+    if concurrency == 1:
+        best = simulate_serving(trace, policy=HindsightChooser(exact=True, **chooser), **options)
+        best.policy = HINDSIGHT
+        return best
+
+    def step_rate(result: SimResult) -> float:
+        seconds = sum(s.seconds - s.seconds_prefill for s in result.steps)
+        return sum(s.committed for s in result.steps) / seconds if seconds > 0 else 0.0
+
+    candidates = [simulate_serving(trace, policy=HindsightChooser(columns=k, **chooser), **options)
+                  for k in range(trace.block_size + 1)]
+    best = max(candidates, key=lambda r: r.summary().throughput)
+    rate = max(step_rate(r) for r in candidates)
+    for _ in range(iterations):
+        result = simulate_serving(trace, policy=HindsightChooser(rate=rate, **chooser), **options)
+        if result.summary().throughput > best.summary().throughput:
+            best = result
+        new_rate = step_rate(result)
+        if new_rate <= rate * (1 + 1e-9):
+            break
+        rate = new_rate
+    best.policy = HINDSIGHT
+    return best
 
 
 def drawn_slots(policy: ServePolicy, confidences, num_drafts, *, block_size: int) -> int:
