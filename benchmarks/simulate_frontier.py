@@ -41,13 +41,14 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--block-size", type=int, default=7)
     parser.add_argument("--max-new-tokens", type=int, default=32)
     parser.add_argument("--sps-table", type=Path, default=None, help="use this SPS(B) JSON for every R instead")
-    parser.add_argument("--cells", default="", help="fit step costs to the real cells whose folder under <run dir>/serve "
-                        "starts with this (e.g. 20261207-04: one sweep's cells); default every cell")
+    parser.add_argument("--cells", default="",
+                        help="fit step costs to the real cells whose folder under <run dir>/serve starts with this "
+                             "(e.g. 20261207-04: one sweep's cells); default every cell")
     parser.add_argument("--threads", type=int, default=None,
                         help="torch threads (default: torch's, i.e. OMP_NUM_THREADS): give the serving run's count — "
                              "the target's few-row choices and so its SPS tables are kept per thread count")
-    parser.add_argument("--scheduler-cost", default="tokens", choices=("tokens", "columns"),
-                        help="serve.scheduler_cost of the replayed scheduler")
+    parser.add_argument("--scheduler-cost", default="columns", choices=("columns", "tokens"),
+                        help="serve.scheduler_cost of the replayed scheduler (the platform's default: columns)")
     parser.add_argument("--output", type=Path, default=RESULTS / "serving-simulated.md")
     return parser.parse_args(argv)
 
@@ -93,7 +94,8 @@ def markdown(summaries: list, sps: dict, args: argparse.Namespace, argv: list[st
              f"Command: `.venv/bin/python benchmarks/simulate_frontier.py {shlex.join(argv)}`", "",
              f"Date: {started}; load average after {load[0]:.2f}. SPS(B) "
              + ("from " + str(args.sps_table) if args.sps_table else "profiled on this machine for each R (rows × "
-                f"256 cached tokens, up to R·(γ+1) tokens, {torch.get_num_threads()} threads)") + "; trace and step costs from "
+                f"256 cached tokens, up to R·(γ+1) tokens, {torch.get_num_threads()} threads)")
+             + "; trace and step costs from "
              f"`{args.run_dir}`; {args.max_new_tokens} tokens per simulated request. All numbers are simulated.", "",
              f"![frontier]({plot.name})", "",
              "| policy | R | throughput (tok/s) | per-user speed (tok/s/user) | mean ℓ | τ |", "|---|---|---|---|---|---|"]
