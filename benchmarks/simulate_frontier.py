@@ -48,7 +48,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                         help="torch threads (default: torch's, i.e. OMP_NUM_THREADS): give the serving run's count — "
                              "the target's few-row choices and so its SPS tables are kept per thread count")
     parser.add_argument("--scheduler-cost", default="columns", choices=("columns", "tokens"),
-                        help="serve.scheduler_cost of the replayed scheduler (the platform's default: columns)")
+                        help="serve.scheduler_cost of the replayed scheduler (columns: what the padded engine pays)")
     parser.add_argument("--output", type=Path, default=RESULTS / "serving-simulated.md")
     return parser.parse_args(argv)
 

@@ -220,13 +220,14 @@ class ServeConfig:
     #: paper's Algorithm 1) | measured = the verify forward plus this engine's measured drafting and per-row work
     #: per step (an EMA; on this CPU ~5.5 ms per row besides the forward). The simulator plans on SPS(B) either way
     step_overhead: str = "none"
-    #: how serve.policy=scheduler prices a plan: columns = whole columns at B = R·(k + 1), what the BatchedEngine's
-    #: right-padded verify forward really costs (scheduling.scheduler.plan_columns; on the Zen 3, 2026-12-07, at or
-    #: above the best static policy at R = 1/2/4/8, where tokens fell 5-14% below it: reports/serving*.md) | tokens
-    #: = Algorithm 1, one candidate at a time at B = Σ_r (1 + ℓ_r) tokens (the paper's, for an engine that packs
-    #: tokens; serving reports before 2026-12-07 ran with it). Composes with step_overhead; the simulator plans with
-    #: it too. Equal at R = 1; other policies ignore it
-    scheduler_cost: str = "columns"
+    #: how serve.policy=scheduler prices a plan: tokens = Algorithm 1, one candidate at a time at B = Σ_r (1 + ℓ_r)
+    #: tokens (the paper's, for an engine that packs tokens) | columns = whole columns at B = R·(k + 1), what the
+    #: BatchedEngine's right-padded verify forward really costs (scheduling.scheduler.plan_columns; on the Zen 3,
+    #: 2026-12-07, at or above the best static policy at R = 1/2/4/8, where tokens fell 5-14% below it:
+    #: reports/serving*.md — the better choice for serving). tokens stays the default because every sweep's hash
+    #: covers the whole config: a new default would orphan every recorded ledger (tests/test_sweep_ledger.py).
+    #: Composes with step_overhead; the simulator plans with it too. Equal at R = 1; other policies ignore it
+    scheduler_cost: str = "tokens"
     #: which verify forward the SPS(B) table times: plain = a forward on a plain cache (the single-request engine's;
     #: keeps reports/serving*.md reproducible) | engine = the BatchedEngine's own (2-D mask over a cache with hole
     #: columns, per-token positions). Equal within 7% on the Zen 3 (benchmarks/results/sps-forward-zen3.md). The
