@@ -468,7 +468,7 @@ STAIRS = SPSTable([1, 2, 3, 4, 5, 8, 16, 32], [20.0, 20.0, 16.0, 16.0, 12.0, 10.
 def _chooser(k, *, sps=STAIRS, pad=True):
     from dspark.serving.simulator import HindsightChooser
 
-    return HindsightChooser(columns=k, sps=sps, costs=HINDSIGHT_COSTS, block_size=GAMMA, pad_to_longest=pad)
+    return HindsightChooser(columns=k, sps=sps, costs=HINDSIGHT_COSTS, pad_to_longest=pad)
 
 
 @pytest.mark.parametrize("k, name", [(1, "mtp1"), (2, "static"), (GAMMA, "fixed")])

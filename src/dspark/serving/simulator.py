@@ -396,12 +396,12 @@ class HindsightChooser:
     reads = "raw"
     max_drafts = None
 
-    def __init__(self, *, sps: SPSTable, costs: StepCosts, block_size: int, pad_to_longest: bool,
-                 rate: float | None = None, columns: int | None = None, exact: bool = False) -> None:
+    def __init__(self, *, sps: SPSTable, costs: StepCosts, pad_to_longest: bool, rate: float | None = None,
+                 columns: int | None = None, exact: bool = False) -> None:
         if sum((rate is not None, columns is not None, bool(exact))) != 1:
             raise ValueError("HindsightChooser: give exactly one of rate (tokens per second), columns (a fixed k) "
                              "or exact=True (R = 1)")
-        self.sps, self.costs, self.block_size, self.pad = sps, costs, int(block_size), bool(pad_to_longest)
+        self.sps, self.costs, self.pad = sps, costs, bool(pad_to_longest)
         self.rate, self.columns, self.exact = rate, columns, bool(exact)
         self.name = HINDSIGHT if columns is None else f"{HINDSIGHT}-k{columns}"
         self._chosen = 0
@@ -454,10 +454,10 @@ class HindsightChooser:
         step = 0
         while frontier:
             round_ = rounds[(start + step) % len(rounds)]
+            values = [self.step_value([round_], k) for k in range(round_.num_drafted + 1)]  # the same for every state
             following: dict[int, tuple[float, list[int]]] = {}
             for have, (seconds, ks) in frontier.items():
-                for k in range(round_.num_drafted + 1):
-                    gained, cost = self.step_value([round_], k)
+                for k, (gained, cost) in enumerate(values):
                     total, reached = seconds + cost, have + gained
                     if reached >= length:
                         if finished is None or total < finished[0]:
@@ -491,7 +491,7 @@ def simulate_hindsight(trace: ServeTrace, *, concurrency: int, sps: SPSTable, co
     costs = costs if costs is not None else StepCosts()
     options = {"concurrency": concurrency, "sps": sps, "costs": costs, "max_new_tokens": max_new_tokens,
                "num_requests": num_requests, "seed": seed, "pad_to_longest": pad_to_longest}
-    chooser = {"sps": sps, "costs": costs, "block_size": trace.block_size, "pad_to_longest": pad_to_longest}
+    chooser = {"sps": sps, "costs": costs, "pad_to_longest": pad_to_longest}
     if concurrency == 1:
         best = simulate_serving(trace, policy=HindsightChooser(exact=True, **chooser), **options)
         best.policy = HINDSIGHT
@@ -503,12 +503,14 @@ def simulate_hindsight(trace: ServeTrace, *, concurrency: int, sps: SPSTable, co
 
     candidates = [simulate_serving(trace, policy=HindsightChooser(columns=k, **chooser), **options)
                   for k in range(trace.block_size + 1)]
-    best = max(candidates, key=lambda r: r.summary().throughput)
+    scored = [(r.summary().throughput, r) for r in candidates]
+    best_throughput, best = max(scored, key=lambda item: item[0])
     rate = max(step_rate(r) for r in candidates)
     for _ in range(iterations):
         result = simulate_serving(trace, policy=HindsightChooser(rate=rate, **chooser), **options)
-        if result.summary().throughput > best.summary().throughput:
-            best = result
+        throughput = result.summary().throughput
+        if throughput > best_throughput:
+            best_throughput, best = throughput, result
         new_rate = step_rate(result)
         if new_rate <= rate * (1 + 1e-9):
             break
