@@ -14,7 +14,7 @@ TORCH_SPEC ?= $(if $(HAS_GPU),torch>=2.4,torch==2.13.0)
 TORCH_INDEX := $(if $(TORCH_INDEX_URL),--index-url $(TORCH_INDEX_URL),)
 TEST_WORKERS ?= auto
 
-.PHONY: run test setup clean-venv
+.PHONY: run results test setup clean-venv
 
 setup: $(STAMP)
 
@@ -29,6 +29,10 @@ $(STAMP): pyproject.toml Makefile
 
 run: $(STAMP)
 	$(BIN)/python experiments/run.py $(ARGS)
+
+# results/: every sweep report regenerated from its committed ledger, then results/INDEX.md.
+results: $(STAMP)
+	$(BIN)/python -m dspark.results
 
 test: $(STAMP)
 	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)

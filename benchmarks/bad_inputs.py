@@ -5,17 +5,16 @@ user would see it), with the damaged files it needs made first in a temporary di
 model, a truncated GGUF / safetensors, malformed JSONL, a read-only output directory, ...). A case passes when it
 exits 2 (refused before any work) and nothing ran: no MLflow store was created under its paths.root.
 
-Writes benchmarks/results/bad_inputs.md with the command that produced it.
+Writes outputs/benchmarks/bad_inputs.md with the command that produced it.
 
     PYTHONPATH=src .venv/bin/python benchmarks/bad_inputs.py                       # ~3-5 minutes on 2 cores
-    PYTHONPATH=src .venv/bin/python benchmarks/bad_inputs.py --compare /work/main  # adds the other tree's columns
+    PYTHONPATH=src .venv/bin/python benchmarks/bad_inputs.py --compare ../other-checkout  # adds its columns
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
-import shlex
 import shutil
 import subprocess
 import sys
@@ -24,8 +23,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-RESULTS = REPO / "benchmarks" / "results" / "bad_inputs.md"
+from common import REPO, RESULTS, command_line, repo_path, without_repo_root, write_result
 
 
 @dataclass
@@ -232,6 +230,10 @@ def main(argv: list[str]) -> int:
                 if args.compare:
                     row["before"] = run_case(case, tree=args.compare.resolve(), files=files,
                                              root=work / f"before-{i}", timeout=args.timeout)
+                for result in (row["now"], row.get("before")):
+                    if result is not None:
+                        result["message"] = placeholders(result["message"], files=files, work=work,
+                                                         compare=args.compare)
                 print(f"{case.name}: exit {row['now']['exit']} in {row['now']['seconds']:.1f} s: "
                       f"{row['now']['message'][:120]}", flush=True)
                 rows.append(row)
@@ -240,26 +242,39 @@ def main(argv: list[str]) -> int:
                 subprocess.run(["umount", files["READ_ONLY"]], capture_output=True)
     refused = sum(r["now"]["exit"] == 2 and r["now"]["clean"] for r in rows)
     slowest = max(r["now"]["seconds"] for r in rows)
-    command = "PYTHONPATH=src python benchmarks/bad_inputs.py " + " ".join(shlex.quote(a) for a in argv)
+    command = command_line("bad_inputs.py", argv, prefix="PYTHONPATH=src python")
     text = "\n".join([
         "# Bad inputs through the command line (issue 14, defect 4)", "",
         f"`{command.strip()}` on {os.cpu_count()} CPUs; each case is a fresh `python experiments/run.py ARGS "
         "paths.root=<fresh dir>` process, so seconds include Python's imports (~3-6 s here). A case is refused "
         "before any work when it exits 2 and no MLflow store was created (\"nothing ran\").", "",
         f"**{refused} of {len(rows)} refused before any work; slowest {slowest:.1f} s.**"
-        + (f" Before: the same cases against {args.compare_label or args.compare}." if args.compare else ""), "",
+        + (f" Before: the same cases against {args.compare_label or repo_path(args.compare)}." if args.compare
+           else ""), "",
         table(rows, compare=bool(args.compare)), "",
         "Placeholders: NOT_A_MODEL a directory holding a README; NO_WEIGHTS / CUT_SAFETENSORS / NO_MODEL_TYPE copies "
         "of the tiny target's directory without model.safetensors, with it cut in half, without config.json's "
         "model_type; CUT_GGUF the first MiB of SmolLM2-135M's GGUF; HEADER_GGUF its first 24 bytes; TEXT_GGUF a text "
         "file; PROMPTS a directory with a gsm8k_test.jsonl whose 2nd line is cut off, an mtbench.jsonl of blank "
         "lines and a humaneval.jsonl row without `prompt`; READ_ONLY a read-only directory (a read-only tmpfs when "
-        "run as root, which ignores directory modes).", ""])
-    if not args.only:
-        RESULTS.write_text(text)
-        print(f"wrote {RESULTS}")
-    print(text)
+        "run as root, which ignores directory modes); <tmp> the temporary directory of the run.", ""])
+    if args.only:
+        print(text)
+    else:
+        write_result(text, RESULTS / "bad_inputs.md")
     return 0
+
+
+def placeholders(message: str, *, files: dict[str, str], work: Path, compare: Path | None) -> str:
+    """An error message with this run's temporary paths as their placeholder names (NOT_A_MODEL, <tmp>, ...) and
+    the checkouts' paths relative: the results file names no path of this machine."""
+    for name, path in sorted(files.items(), key=lambda item: -len(item[1])):
+        if path:
+            message = message.replace(path, name)
+    message = message.replace(str(work), "<tmp>")
+    if compare is not None:
+        message = message.replace(str(compare.resolve()), "<compare>")
+    return without_repo_root(message)
 
 
 if __name__ == "__main__":

@@ -10,7 +10,7 @@ For each target: regenerate a few synthetic prompts (fresh temporary cache, so n
 generated tokens/s; build the float16 feature cache; then time one training batch's features both ways —
 reading the cache (safetensors, memory-mapped, warm page cache) and padding, versus one target forward. The same
 comparison is repeated at training length (random ids, T = --long-length). Prints a markdown table and writes
-benchmarks/results/data.md with the command that produced it.
+outputs/benchmarks/data.md with the command that produced it.
 
     .venv/bin/python benchmarks/bench_data.py                      # tiny + smollm2-135m
     .venv/bin/python benchmarks/bench_data.py --targets tiny       # seconds
@@ -20,9 +20,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import os
-import shlex
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -32,15 +30,12 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from common import RESULTS, command_line, default_cache_dir, git_commit, machine_line, without_repo_root, write_result
 from dspark.data.datamodule import collate_sequences
 from dspark.data.features import FeatureCache, cache_features, compute_features, pad_right
 from dspark.data.regenerate import SamplingConfig, load_regenerated, read_manifest, regenerate_responses
 from dspark.data.synthetic import generate_synthetic_prompts
 from dspark.targets import load_target
-
-RESULTS = Path(__file__).resolve().parent / "results" / "data.md"
-ROOT = Path(__file__).resolve().parents[1]
-TARGET_CACHE = ROOT / "outputs" / "cache"  # the CLI's default cache: converted targets are reused
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -51,13 +46,14 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--batch-size", type=int, default=4, help="sequences per feature batch")
     parser.add_argument("--long-length", type=int, default=512, help="T of the training-length comparison")
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--cache-dir", type=Path, default=TARGET_CACHE, help="where targets are cached")
     parser.add_argument("--reference-prompts", type=int, default=48, help="reference sequences prefilled")
     parser.add_argument("--regen-prompts", type=int, default=16, help="prompts regenerated for the order comparison")
     parser.add_argument("--precision-batch", type=int, default=32,
                         help="prompts (one batch) regenerated for the fp32 / bf16 comparison")
     parser.add_argument("--threads", type=int, default=2, help="torch intra-op threads")
-    parser.add_argument("--output", type=Path, default=RESULTS, help="where the markdown table is written")
+    parser.add_argument("--cache-dir", type=Path, default=default_cache_dir(),
+                        help="where targets are cached (converted targets are reused; default <repo>/outputs/cache)")
+    parser.add_argument("--output", type=Path, default=RESULTS / "data.md", help="where the markdown table is written")
     return parser.parse_args(argv)
 
 
@@ -192,7 +188,7 @@ def bench_regeneration_precision(target, args, work: Path) -> list[tuple[str, fl
 def bench_precast(target, args, work: Path) -> list[tuple[str, str, float, float]]:
     """(stage, weights, tokens, seconds): bf16 regeneration (--precision-batch prompts, one batch) and bf16 reference
     prefill (--reference-prompts sequences), each with the linear weights cast once (`autocast_linear_weights`, what
-    the pipeline does) and re-cast by autocast at every call (before 2026-12-03), alternated twice so drift hits
+    the pipeline does) and re-cast by autocast at every call (what autocast alone does), alternated twice so drift hits
     both alike; the outputs are bit-identical (tests/test_hardware.py), only the time differs."""
     import contextlib
 
@@ -335,7 +331,7 @@ def markdown(rows: list[list[str]]) -> str:
 def main(argv: list[str]) -> int:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
-    from dspark.hardware import cpu_bf16_unit, cpu_model, keep_freed_memory
+    from dspark.hardware import keep_freed_memory
     keep_freed_memory()  # as the CLI does (DSPARK_KEEP_FREED_MEMORY=0 measures glibc's default)
     load_before = os.getloadavg()
     started = datetime.datetime.now()
@@ -344,22 +340,18 @@ def main(argv: list[str]) -> int:
         try:
             rows += run_target(name, args)
         except (ValueError, OSError) as err:  # e.g. smollm2 not installed: report, keep the others
-            rows.append([name, "unavailable", "", "", str(err).splitlines()[0][:120]])
+            rows.append([name, "unavailable", "", "", without_repo_root(str(err).splitlines()[0])[:120]])
     table = markdown(rows)
-    print(table)
-    command = " ".join([".venv/bin/python benchmarks/bench_data.py", *map(shlex.quote, argv)])
+    command = command_line("bench_data.py", argv, prefix=".venv/bin/python")
     load_after = os.getloadavg()
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
-                            text=True).stdout.strip()
-    args.output.parent.mkdir(parents=True, exist_ok=True)
-    args.output.write_text(
+    text = (
         f"# Data pipeline benchmark\n\nCommand: `{command}`\n\n"
-        f"Date {started:%Y-%m-%d %H:%M}, commit {commit or 'unknown'}. Machine: {os.cpu_count()} CPUs "
-        f"({cpu_model()}), bf16 instructions {cpu_bf16_unit() or 'none'}, torch "
-        f"{torch.__version__}, {torch.get_num_threads()} threads; targets in fp32 unless a row says bf16 (autocast). "
+        f"Date {started:%Y-%m-%d %H:%M}, commit {git_commit()}. Machine: {machine_line()}; targets in fp32 unless a "
+        f"row says bf16 (autocast). "
         f"Load average (1, 5, 15 min) before {', '.join(f'{x:.2f}' for x in load_before)}, after "
         f"{', '.join(f'{x:.2f}' for x in load_after)}. Cached reads hit a warm page cache.\n\n" + table + "\n"
     )
+    write_result(text, args.output)
     return 0
 
 

@@ -13,18 +13,18 @@ prompt (so load drift hits all alike), each after one warm-up call, at every `--
   the profile and once re-priced after every round from the rounds' own costs (`--step-costs`,
   `decode.step_costs=measured`, `dspark.scheduling.measured`; its final prices are listed).
 Columns: tokens/s (prefill included), ratio to target-only with its paired bootstrap 95% CI over prompts, τ, mean ℓ,
-and ms per round split into verify (target forward, p_t and the verifier's rejection sampling; until 2026-12-03 the
-verifier counted as other) / draft parallel (block forward + LM head + context update) / draft sequential (Markov loop
-with the policy's drafting stop; all of EAGLE-3's chain) / other (calibration, policy, commit, rollback, records: the
-engine's Python overhead). Each
+and ms per round split into verify (target forward, p_t and the verifier's rejection sampling) / draft parallel
+(block forward + LM head + context update) / draft sequential (Markov loop with the policy's drafting stop; all of
+EAGLE-3's chain) / other (calibration, policy, commit, rollback, records: the engine's Python overhead). Each
 scheduler row is compared with its drafter's fixed and static rows (ratio, paired 95% CI, ahead / behind / not
 distinguishable). The round-cost section reads the γ = 7 DSpark rows: the sequential loop's share of a round and the
 drafter's round against one plain target step. The headroom section replays static ℓ and the hindsight policy (each
 round's ℓ chosen knowing its accepted count) on each drafter's fixed-ℓ = γ rounds with this run's verify cost per ℓ
 (`dspark.evaluation.headroom`): the most any verify-length policy, the scheduler included, could be ahead of the best
 static ℓ — read the scheduler's paired CIs against it.
-Writes `--output` (benchmarks/results/decoding.md) with the command, machine (CPU model, its bf16 instructions, drafter
-precision), load averages and git commit.
+Writes `--output` (default outputs/benchmarks/decoding.md) with the command, machine (CPU model, its bf16
+instructions, drafter precision), load averages and git commit. The target cache defaults to `<repo>/outputs/cache`
+($DSPARK_BENCH_CACHE overrides it).
 
     .venv/bin/python benchmarks/bench_decoding.py --quick                                  # minutes: round costs
     .venv/bin/python benchmarks/bench_decoding.py --drafter dspark=outputs/runs/<run> --drafter dflash=... \\
@@ -35,19 +35,16 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
-import shlex
-import subprocess
 import sys
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
 import torch
 
-REPO = Path(__file__).resolve().parent.parent
-RESULTS = REPO / "benchmarks" / "results"
-TARGET_CACHE = Path(os.environ.get("DSPARK_BENCH_CACHE", "/work/main/outputs/cache"))
+from common import (RESULTS, Drafter, add_target_arguments, command_line, git_commit, load_verdict, machine_line,
+                    relative_argument, repo_path, start_timing, trained_drafters, untrained_drafters, write_result)
+
 PHASES = (("seconds_verify", "verify"), ("seconds_draft_parallel", "draft parallel"),
           ("seconds_draft_sequential", "draft sequential"), ("seconds_other", "other"))
 
@@ -56,8 +53,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     from dspark.config.schema import DecodeConfig
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--target", default="smollm2-135m")
-    parser.add_argument("--cache-dir", type=Path, default=TARGET_CACHE, help="targets, SPS tables")
+    add_target_arguments(parser)
     parser.add_argument("--drafter", action="append", default=[], metavar="NAME=PATH",
                         help="a trained drafter: run directory or drafter.pt (repeatable)")
     parser.add_argument("--sets", nargs="+", default=DecodeConfig().eval_sets)
@@ -97,50 +93,6 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 
 # ---- drafters and modes ----
-
-@dataclass
-class Drafter:
-    name: str
-    module: torch.nn.Module
-    trained: bool
-    payload: dict = field(default_factory=dict)
-    precision: str | None = None  # decode.drafter_precision of its rows; None = --precision
-
-
-def trained_drafters(target, specs: list[str]) -> list[Drafter]:
-    from dspark.drafters.checkpoint import load_drafter
-
-    drafters = []
-    for item in specs:
-        name, _, path = item.partition("=")
-        if not path:
-            raise SystemExit(f"--drafter expects NAME=PATH (a run directory or drafter.pt), got {item!r}")
-        path = Path(path) / "drafter.pt" if Path(path).is_dir() else Path(path)
-        module, spec, payload = load_drafter(path, target)
-        drafters.append(Drafter(f"{name} ({spec.kind}-{spec.head}-d{spec.depth}-g{spec.block_size}, "
-                                f"Vd {getattr(module, 'draft_vocab_size', target.vocab_size)})",
-                                module.to(target.device).eval(), True, payload))
-    return drafters
-
-
-def untrained_drafters(target, args) -> list[Drafter]:
-    """Random-weight stand-ins (timing does not depend on the weights; the draft ids are the first Vd)."""
-    from dspark.drafters.factory import DrafterSpec, build_drafter
-
-    vd = args.draft_vocab if 0 < args.draft_vocab < target.vocab_size else 0
-    ids = torch.arange(vd) if vd else None
-    out = []
-    for kind, head, depth, rank in (("dspark", "markov", args.depth, 256), ("dflash", "none", args.depth, 0),
-                                    ("eagle3", "none", 1, 0)):
-        spec = DrafterSpec(kind=kind, head=head, depth=depth, block_size=args.block_size, markov_rank=rank,
-                           feature_layers=tuple(target.feature_layer_ids), mask_token_id=target.mask_token_id,
-                           target_fingerprint=target.fingerprint, draft_vocab_size=vd)
-        torch.manual_seed(args.seed)
-        module = build_drafter(spec, target, draft_vocab_ids=ids).to(target.device).eval()
-        label = f"{kind}-{head}-d{depth}" if kind != "eagle3" else "eagle3"
-        out.append(Drafter(f"{label} (untrained, Vd {vd or target.vocab_size})", module, False))
-    return out
-
 
 def calibration_for(drafter: Drafter, temperature: float):
     """The STS fit stored in drafter.pt at this temperature, or None (then the scheduler reads raw c_k)."""
@@ -390,37 +342,14 @@ def round_costs(totals: dict[str, dict]) -> list[str]:
     return lines
 
 
-def load_verdict(start_load: float, threads: int) -> str:
-    """What the load average says: the start value is read before this run's own work (so it is other jobs'),
-    the end value includes this run's own `threads`."""
-    cores = os.cpu_count() or 1
-    if start_load + threads > cores + 0.5:
-        return (f"other jobs were running at the start (load {start_load:.1f}) beside this run's {threads} threads on "
-                f"{cores} cores: absolute times are inflated, ratios between interleaved modes less so")
-    return f"the end value includes this run's own {threads} threads; no other load at the start"
-
-
-def machine_line(args) -> str:
+def precision_line(args) -> str:
+    """The target's dtype and the drafter precision of every row, for the machine line."""
     from dspark.decoding.drafting import resolve_precision
-    from dspark.hardware import cpu_bf16_unit, cpu_model
 
-    model = cpu_model()
     precision = resolve_precision(args.precision)
-    return (f"{model}, {os.cpu_count()} cores, bf16 instructions {cpu_bf16_unit() or 'none'}; torch "
-            f"{torch.__version__}, {args.threads} threads; target {args.target_dtype} (every mode), drafter parallel "
-            f"stage {str(precision).replace('torch.', '')} (decode.drafter_precision={args.precision})"
+    return (f"target {args.target_dtype} (every mode), drafter parallel stage "
+            f"{str(precision).replace('torch.', '')} (decode.drafter_precision={args.precision})"
             + "".join(f"; rows marked [{p}]: decode.drafter_precision={p}" for p in args.also_precision))
-
-
-def git_commit() -> str:
-    try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True,
-                                check=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO,
-                               capture_output=True, text=True, check=True).stdout.strip()
-        return commit + (" (with uncommitted changes)" if dirty else "")
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
 
 
 def main(argv: list[str]) -> int:
@@ -430,15 +359,13 @@ def main(argv: list[str]) -> int:
     from dspark.targets import load_target
 
     args = parse_args(argv)
-    torch.set_num_threads(args.threads)
-    from dspark.hardware import keep_freed_memory
-    keep_freed_memory()  # as the CLI does (DSPARK_KEEP_FREED_MEMORY=0 measures glibc's default)
-    started, load_start = time.time(), os.getloadavg()
+    started, load_start = start_timing(args.threads)
     commit = git_commit()  # at the start: the code this run imported, whatever is committed while it runs
     target = load_target(args.target, cache_dir=args.cache_dir, dtype=args.target_dtype)
     records = {name: load_prompts(name, limit=args.prompts) for name in args.sets}
     prompts = encode_prompts(target, records, max_new_tokens=args.max_new_tokens)
-    drafters = trained_drafters(target, args.drafter) if args.drafter else untrained_drafters(target, args)
+    drafters = trained_drafters(target, args.drafter) if args.drafter else untrained_drafters(
+        target, depth=args.depth, block_size=args.block_size, draft_vocab=args.draft_vocab, seed=args.seed)
     drafters += [dataclasses.replace(d, name=f"{d.name} [{precision}]", precision=precision)
                  for precision in args.also_precision for d in list(drafters)]
     gamma = max(d.module.block_size for d in drafters)
@@ -461,7 +388,7 @@ def main(argv: list[str]) -> int:
                      "Headroom of any verify-length policy (replayed on the fixed-ℓ = γ rounds, "
                      "`dspark.evaluation.headroom`):", "", *headroom_lines(totals), ""]
     trained = all(d.trained for d in drafters)
-    note = ("trained drafters: " + ", ".join(args.drafter)) if trained else (
+    note = ("trained drafters: " + ", ".join(relative_argument(d) for d in args.drafter)) if trained else (
         "**untrained drafters** (no --drafter given): τ ≈ 1, so their rows measure round costs, not a speed-up; "
         "the scheduler reads raw confidences of an untrained head (σ ≈ 0.5)")
     loads = f"{load_start[0]:.1f} / {os.getloadavg()[0]:.1f}"
@@ -471,9 +398,9 @@ def main(argv: list[str]) -> int:
     sps_origin = "read from the cache (--reuse-sps)" if args.reuse_sps else "profiled at the start of this run"
     text = "\n".join([
         f"# Decoding speed side by side — {args.target}", "",
-        f"Command: `python benchmarks/bench_decoding.py {shlex.join(argv)}` ({time.time() - started:.0f} s in all)  ",
-        f"Machine: {machine_line(args)}; the target's few-token products: {target.few_row_layout} layout "
-        "(`dspark.hardware.few_row_layout`)  ",
+        f"Command: `{command_line('bench_decoding.py', argv)}` ({time.time() - started:.0f} s in all)  ",
+        f"Machine: {machine_line()}; {precision_line(args)}; the target's few-token products: "
+        f"{target.few_row_layout} layout (`dspark.targets.layout.few_row_layout`)  ",
         f"Git commit {commit} (at the start); {time.strftime('%Y-%m-%d %H:%M %Z')} (the end); 1-min load average "
         f"{loads} at the start / "
         f"end on {os.cpu_count()} cores ({load_verdict(load_start[0], args.threads)}).", "",
@@ -482,14 +409,11 @@ def main(argv: list[str]) -> int:
         f"prefill. Drafters: {note}.", "",
         *([f"Confidences the scheduler reads: {'; '.join(sts_lines)}.", ""] if sts_lines else []),
         *sections,
-        f"SPS(B) used by the scheduler (`{sps_path}`; R = 1, 256-token cache; {sps_origin}):", "",
+        f"SPS(B) used by the scheduler (`{repo_path(sps_path)}`; R = 1, 256-token cache; {sps_origin}):", "",
         sps_markdown(sps), ""])
-    args.output.parent.mkdir(parents=True, exist_ok=True)
-    args.output.write_text(text)
-    print(text)
+    write_result(text, args.output)
     return 0
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, str(REPO / "src"))
     sys.exit(main(sys.argv[1:]))

@@ -12,12 +12,11 @@ target: the whole drafter round ≤ 20% of one plain step). The sequential loop 
 
 It measures; it changes nothing in the library. Writes `--output` with the command, machine, load and commit.
 
-    .venv/bin/python benchmarks/bench_drafter_round.py --output benchmarks/results/drafter-round.md
+    .venv/bin/python benchmarks/bench_drafter_round.py --output outputs/benchmarks/drafter-round.md
 """
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import sys
 import time
@@ -25,22 +24,15 @@ from pathlib import Path
 
 import torch
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO / "benchmarks"))
-from bench_decoding import (  # noqa: E402  (one provenance format, one definition of the stand-in drafters)
-    git_commit,
-    load_verdict,
-    trained_drafters,
-    untrained_drafters,
-)
+from common import (RESULTS, add_target_arguments, command_line, machine_line, provenance_line, start_timing,
+                    trained_drafters, untrained_drafters, write_result)
 
 PIECES = ("parallel", "sequential", "extend")
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--target", default="smollm2-135m")
-    parser.add_argument("--cache-dir", type=Path, default=REPO / "outputs" / "cache")
+    add_target_arguments(parser)
     parser.add_argument("--drafter", default=None, metavar="NAME=PATH",
                         help="a trained DSpark/DFlash drafter (run directory or drafter.pt); default: random weights")
     parser.add_argument("--depth", type=int, default=2, help="draft layers of the random-weight drafter")
@@ -52,7 +44,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--rounds", type=int, default=40, help="interleaved rounds (the first 5 are warm-up)")
     parser.add_argument("--evict-mb", type=int, default=32, help="MB read before each round (0: none)")
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--output", type=Path, default=REPO / "benchmarks" / "results" / "drafter-round.md")
+    parser.add_argument("--output", type=Path, default=RESULTS / "drafter-round.md")
     args = parser.parse_args(argv)
     if args.context < 16 or args.committed < 1 or args.rounds < 6 or args.evict_mb < 0:
         parser.error("--context must be >= 16, --committed >= 1, --rounds >= 6 and --evict-mb >= 0")
@@ -61,19 +53,15 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 def main(argv: list[str]) -> int:
     from dspark.decoding.proposers import DSparkProposer
-    from dspark.hardware import cpu_bf16_unit, cpu_model, keep_freed_memory
     from dspark.targets import load_target
 
     args = parse_args(argv)
-    torch.set_num_threads(args.threads)
-    keep_freed_memory()
-    started, load_start = time.time(), os.getloadavg()
+    started, load_start = start_timing(args.threads)
     target = load_target(args.target, cache_dir=args.cache_dir)
     if args.drafter:
         found = trained_drafters(target, [args.drafter])[0]
     else:  # bench_decoding's random-weight stand-ins (γ = 7, seed 0); the first is the DSpark-Markov one
-        found = untrained_drafters(target, argparse.Namespace(draft_vocab=args.draft_vocab, depth=args.depth,
-                                                              block_size=7, seed=0))[0]
+        found = untrained_drafters(target, depth=args.depth, block_size=7, draft_vocab=args.draft_vocab, seed=0)[0]
     name, module = found.name, found.module
     if not hasattr(module, "backbone"):
         raise SystemExit(f"--drafter {args.drafter}: a DSpark or DFlash drafter is needed (this script times the "
@@ -117,20 +105,15 @@ def main(argv: list[str]) -> int:
                     for piece, seconds in zip(PIECES, (proposal.seconds_parallel, proposal.seconds_sequential,
                                                        extend)):
                         times.setdefault((precision, piece), []).append(seconds)
-    load_end = os.getloadavg()
     plain_ms = statistics.median(plain) * 1e3
 
     def cell(precision: str, piece: str) -> float:
         return statistics.median(times[(precision, piece)]) * 1e3
 
     lines = [f"# One drafter round by decode.drafter_precision — {args.target}", "",
-             f"Command: `python benchmarks/bench_drafter_round.py {' '.join(argv)}` ({time.time() - started:.0f} s "
-             "in all)  ",
-             f"Machine: {cpu_model()}, {os.cpu_count()} cores, bf16 instructions {cpu_bf16_unit() or 'none'}; torch "
-             f"{torch.__version__} ({torch.backends.cpu.get_cpu_capability()}), {args.threads} threads; target "
-             f"{str(target.dtype).replace('torch.', '')}  ",
-             f"Git commit {git_commit()}; {time.strftime('%Y-%m-%d %H:%M %Z')}; 1-min load average "
-             f"{load_start[0]:.1f} / {load_end[0]:.1f} at the start / end ({load_verdict(load_start[0], args.threads)}).",
+             f"Command: `{command_line('bench_drafter_round.py', argv)}` ({time.time() - started:.0f} s in all)  ",
+             f"Machine: {machine_line()}; target {str(target.dtype).replace('torch.', '')}  ",
+             provenance_line(load_start, threads=args.threads),
              "", f"Drafter: {name}. Context {args.context} positions of real target features (random prompt tokens), "
              f"{args.committed} positions committed per round, γ = {module.block_size} slots sampled at T = 1 every "
              f"round (no policy stop), {args.evict_mb} MB read before each round. Medians over {args.rounds - 5} "
@@ -145,9 +128,7 @@ def main(argv: list[str]) -> int:
     lines += ["", "The sequential loop stays fp32 at every precision (one-row products over W₂; "
               "`dspark.decoding.drafting`); its differences between rows are noise and the sampled ids. A policy "
               "that stops drafting early (the scheduler) pays less of it."]
-    args.output.parent.mkdir(parents=True, exist_ok=True)
-    args.output.write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    write_result("\n".join(lines) + "\n", args.output)
     return 0
 
 

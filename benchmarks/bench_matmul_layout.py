@@ -7,12 +7,13 @@ the other layout, (W xᵀ)ᵀ = `torch.mm(W, x.T).T`, gives the same numbers up 
 interleaved round by round on this machine, with the real target (fp32, `--threads` threads):
 
 1. the LM head alone (W [V, d]) at each `--sizes` B in both layouts, and in the (W xᵀ)ᵀ layout with the row-padding
-   table the library would choose here (`dspark.hardware.row_padding`, probed at the start, or `--padding n:m,...`):
-   BLAS picks its kernel by shape, so e.g. one row (matrix-vector) or three can cost more than two or four;
+   table the library would choose here (`dspark.targets.layout.row_padding`, probed at the start, or
+   `--padding n:m,...`): BLAS picks its kernel by shape, so e.g. one row (matrix-vector) or three can cost more than
+   two or four;
 2. one target forward of B new tokens over a `--context`-token KV cache plus its LM head (what a verify round's
    target step does), with every `nn.Linear` of the target as `nn.Linear` ships it, with every one switched to the
-   (W xᵀ)ᵀ layout for B ≤ 16 (`dspark.hardware.use_few_row_products`, undone after each cell), and in that layout
-   with the padding table (padded B only: the others compute exactly as unpadded).
+   (W xᵀ)ᵀ layout for B ≤ 16 (`dspark.targets.layout.use_few_row_products`, undone after each cell), and in that
+   layout with the padding table (padded B only: the others compute exactly as unpadded).
 
 It measures; it changes nothing in the library. Writes `--output` with the command, machine, load and commit.
 
@@ -30,25 +31,22 @@ from pathlib import Path
 
 import torch
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO / "benchmarks"))
-from bench_decoding import git_commit, load_verdict  # noqa: E402  (one provenance format for the benchmarks)
-
+from common import (RESULTS, add_target_arguments, command_line, machine_line, provenance_line, start_timing,
+                    write_result)
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--target", default="smollm2-135m")
-    parser.add_argument("--cache-dir", type=Path, default=REPO / "outputs" / "cache")
+    add_target_arguments(parser)
     parser.add_argument("--context", type=int, default=200, help="tokens in the KV cache before each forward")
     parser.add_argument("--rounds", type=int, default=5, help="interleaved rounds (each times every cell)")
     parser.add_argument("--reps", type=int, default=5, help="timed calls per cell and round (median kept)")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--sizes", type=int, nargs="+", default=[1, 2, 3, 4, 5, 6, 7, 8, 9, 12, 16],
-                        help="B tokens per forward (each at most dspark.hardware.FEW_ROWS)")
+                        help="B tokens per forward (each at most dspark.targets.layout.FEW_ROWS)")
     parser.add_argument("--padding", default="auto",
                         help="the row-padding table of the padded cells: auto (probe as the library does) or n:m,...")
-    parser.add_argument("--output", type=Path, default=REPO / "benchmarks" / "results" / "matmul-layout.md")
+    parser.add_argument("--output", type=Path, default=RESULTS / "matmul-layout.md")
     return parser.parse_args(argv)
 
 
@@ -58,8 +56,8 @@ MODES = ("linear", "transposed", "padded")  # nn.Linear as shipped; (W xᵀ)ᵀ;
 @contextlib.contextmanager
 def layout(model: torch.nn.Module, mode: str, padding: dict[int, int]):
     """Every nn.Linear of `model` in the chosen mode for the duration of the block: the library's own switch
-    (`dspark.hardware.use_few_row_products`, with `padding` in the padded mode), undone on exit."""
-    from dspark.hardware import use_few_row_products
+    (`dspark.targets.layout.use_few_row_products`, with `padding` in the padded mode), undone on exit."""
+    from dspark.targets.layout import use_few_row_products
 
     if mode != "linear":
         use_few_row_products(model, row_padding=padding if mode == "padded" else None)
@@ -82,17 +80,15 @@ def median_ms(fn, reps: int) -> float:
 
 
 def main(argv: list[str]) -> int:
-    from dspark.hardware import (FEW_ROW_LAYOUT_ENV, FEW_ROWS, ROW_PAD_ENV, cpu_bf16_unit, cpu_model, few_row_product,
-                                 format_row_padding, keep_freed_memory, parse_row_padding, row_padding)
+    from dspark.targets.layout import (FEW_ROW_LAYOUT_ENV, FEW_ROWS, ROW_PAD_ENV, few_row_product, format_row_padding,
+                                       parse_row_padding, row_padding)
     from dspark.targets import load_target
 
     args = parse_args(argv)
     if not all(1 <= b <= FEW_ROWS for b in args.sizes):
         raise SystemExit(f"--sizes: each B must be in 1..{FEW_ROWS} (the few-row range), got {args.sizes}")
     padding_given = parse_row_padding(args.padding) if args.padding != "auto" else None
-    torch.set_num_threads(args.threads)
-    keep_freed_memory()
-    started, load_start = time.time(), os.getloadavg()
+    started, load_start = start_timing(args.threads)
     # the shipped nn.Linear layout at load: the target's own probe would otherwise already have switched it
     os.environ[FEW_ROW_LAYOUT_ENV] = "linear"
     target = load_target(args.target, cache_dir=args.cache_dir)
@@ -130,25 +126,19 @@ def main(argv: list[str]) -> int:
                 results.setdefault(("head", b, mode), []).append(median_ms(head(b, mode), args.reps))
                 with layout(target.model, mode, padding):
                     results.setdefault(("step", b, mode), []).append(median_ms(step(b), args.reps))
-    load_end = os.getloadavg()
 
     def cell(kind: str, b: int, mode: str) -> float:
         return statistics.median(results[(kind, b, mode)])
 
     lines = [f"# Matrix-product layout of a few-token forward — {args.target}", "",
-             f"Command: `python benchmarks/bench_matmul_layout.py {' '.join(argv)}` ({time.time() - started:.0f} s "
-             "in all)  ",
-             f"Machine: {cpu_model()}, {os.cpu_count()} cores, bf16 instructions {cpu_bf16_unit() or 'none'}; torch "
-             f"{torch.__version__} ({torch.backends.cpu.get_cpu_capability()}), {args.threads} threads; target "
-             f"float32  ",
-             f"Git commit {git_commit()}; {time.strftime('%Y-%m-%d %H:%M %Z')}; 1-min load average "
-             f"{load_start[0]:.1f} / {load_end[0]:.1f} at the start / end "
-             f"({load_verdict(load_start[0], args.threads)}).", "",
+             f"Command: `{command_line('bench_matmul_layout.py', argv)}` ({time.time() - started:.0f} s in all)  ",
+             f"Machine: {machine_line()}; target float32  ",
+             provenance_line(load_start, threads=args.threads), "",
              f"Each cell: the median over {args.rounds} interleaved rounds of the median of {args.reps} calls (after a "
              f"warm-up). Step = one target forward of B new tokens over a {args.context}-token KV cache plus the LM "
              "head on its B positions (a verify round's target work at ℓ = B − 1; B = 1 is a plain decoding step).",
              "", f"Row-padding table of the padded cells: `{format_row_padding(padding)}` ("
-             + ("probed on the LM head as `dspark.hardware.row_padding` does at target load: "
+             + ("probed on the LM head as `dspark.targets.layout.row_padding` does at target load: "
                 + ", ".join(f"{n} {c:.1f}" for n, c in sorted(probe_costs.items())) + " ms by rows"
                 if padding_given is None else "given by --padding") + ").", "",
              "| B tokens | LM head x Wᵀ (ms) | LM head (W xᵀ)ᵀ (ms) | padded (ms) | step, nn.Linear (ms) | "
@@ -172,8 +162,7 @@ def main(argv: list[str]) -> int:
     lines += ["", "The last three columns are the cost of verifying B − 1 drafts in plain steps in each layout (the "
               "padded one is the library's choice on a machine where `few_row_layout` picks (W xᵀ)ᵀ). A padded B "
               "computes its products with the table's rows, the extra ones zero; the target sees B tokens."]
-    args.output.write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    write_result("\n".join(lines) + "\n", args.output)
     return 0
 
 

@@ -14,8 +14,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
-import shlex
 import statistics
 import sys
 import time
@@ -23,22 +21,18 @@ from pathlib import Path
 
 import torch
 
+from common import RESULTS, add_target_arguments, command_line, machine_line, untrained_drafter, write_result
 from dspark.data.prompts import load_prompts
 from dspark.decoding.drafting import resolve_precision
-from dspark.drafters.factory import DrafterSpec, build_drafter
-from dspark.hardware import cpu_bf16_unit
 from dspark.serving import BatchedEngine, ServeRequest, build_serve_policy
 from dspark.targets import load_target
 
-RESULTS = Path(__file__).resolve().parent / "results"
-TARGET_CACHE = Path(__file__).resolve().parents[1] / "outputs" / "cache"
 SETS = ("gsm8k", "humaneval", "mt-bench")
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--target", default="smollm2-135m")
-    parser.add_argument("--cache-dir", type=Path, default=TARGET_CACHE)
+    add_target_arguments(parser)
     parser.add_argument("--heads", nargs="+", default=["none", "markov"])
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 2, 4, 8])
     parser.add_argument("--waves", type=int, default=1, help="requests served = waves × R")
@@ -76,18 +70,10 @@ class ForwardCounter:
         self.target.forward = self._forward
 
 
-def untrained_drafter(target, *, head: str, args: argparse.Namespace):
-    """A random-weight DSpark drafter (timing does not depend on the weights) over the first --draft-vocab ids."""
-    vd = args.draft_vocab if 0 < args.draft_vocab < target.vocab_size else 0
-    spec = DrafterSpec(kind="dspark", head=head, depth=args.depth, block_size=args.block_size,
-                       markov_rank=256 if head != "none" else 0, feature_layers=tuple(target.feature_layer_ids),
-                       mask_token_id=target.mask_token_id, target_fingerprint=target.fingerprint, draft_vocab_size=vd)
-    torch.manual_seed(0)
-    return build_drafter(spec, target, draft_vocab_ids=torch.arange(vd) if vd else None).eval()
-
-
 def bench_cell(target, *, head: str, concurrency: int, args: argparse.Namespace) -> dict:
-    drafter = untrained_drafter(target, head=head, args=args)
+    # a random-weight DSpark drafter (timing does not depend on the weights) over the first --draft-vocab ids
+    drafter = untrained_drafter(target, head=head, depth=args.depth, block_size=args.block_size,
+                                draft_vocab=args.draft_vocab)
     engine = BatchedEngine(target=target, drafter=drafter, policy=build_serve_policy("fixed"), temperature=1.0,
                            max_new_tokens=args.max_new_tokens, precision=args.precision)
     requests = make_requests(target, concurrency * args.waves, args.max_new_tokens)
@@ -134,9 +120,8 @@ def w2_layouts(target, concurrency: list[int], *, rank: int = 256, repeats: int 
 def markdown(rows: list[dict], args: argparse.Namespace, argv: list[str], started: str) -> str:
     load = os.getloadavg()
     lines = ["# Batched serving step benchmark", "",
-             f"Command: `.venv/bin/python benchmarks/bench_serving.py {shlex.join(argv)}`", "",
-             f"Date: {started}. Machine: {os.cpu_count()} CPUs ({platform.machine()}), torch {torch.__version__}, "
-             f"{args.threads} thread(s), bf16 instructions {cpu_bf16_unit() or 'none'}; target fp32, drafter "
+             f"Command: `{command_line('bench_serving.py', argv, prefix='.venv/bin/python')}`", "",
+             f"Date: {started}. Machine: {machine_line()}; target fp32, drafter "
              f"parallel stage {str(resolve_precision(args.precision)).replace('torch.', '')} "
              f"(--precision {args.precision}). Load average after: {load[0]:.2f}, {load[1]:.2f}, {load[2]:.2f} "
              "(other jobs on the machine add noise; ratios within a row group are the point).", "",
@@ -181,10 +166,7 @@ def main(argv: list[str]) -> int:
             rows.append(bench_cell(target, head=head, concurrency=concurrency, args=args))
             print(rows[-1], flush=True)
     args.w2_rows, args.vocab = w2_layouts(target, args.concurrency), target.vocab_size
-    text = markdown(rows, args, argv, started)
-    args.output.parent.mkdir(parents=True, exist_ok=True)
-    args.output.write_text(text)
-    print(text)
+    write_result(markdown(rows, args, argv, started), args.output)
     return 0
 
 

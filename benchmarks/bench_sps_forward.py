@@ -14,32 +14,27 @@ It measures; it changes nothing in the library. Writes `--output` with the comma
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import sys
 import time
 from pathlib import Path
 
-import torch
-
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO / "benchmarks"))
-from bench_decoding import git_commit, load_verdict  # noqa: E402  (one provenance format for the benchmarks)
+from common import (RESULTS, add_target_arguments, command_line, machine_line, provenance_line, start_timing,
+                    write_result)
 
 FORWARDS = ("plain", "engine")
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--target", default="smollm2-135m")
-    parser.add_argument("--cache-dir", type=Path, default=REPO / "outputs" / "cache")
+    add_target_arguments(parser)
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4], help="R rows verified in one forward")
     parser.add_argument("--block-size", type=int, default=7, help="γ: B runs up to R·(γ + 1)")
     parser.add_argument("--context", type=int, default=256, help="committed tokens per row (the tables' 256)")
     parser.add_argument("--alternations", type=int, default=3, help="profiles of each forward, alternated")
     parser.add_argument("--repeats", type=int, default=3, help="timed calls per size within one profile")
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--output", type=Path, default=REPO / "benchmarks" / "results" / "sps-forward.md")
+    parser.add_argument("--output", type=Path, default=RESULTS / "sps-forward.md")
     args = parser.parse_args(argv)
     if min(args.rows) < 1 or args.block_size < 1 or args.context < 1 or args.alternations < 1 or args.repeats < 1:
         parser.error("--rows, --block-size, --context, --alternations and --repeats must be >= 1")
@@ -47,15 +42,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 
 def main(argv: list[str]) -> int:
-    from dspark.hardware import cpu_bf16_unit, cpu_model, keep_freed_memory
     from dspark.scheduling.profile import profile_serving_sps, serving_batch_grid
     from dspark.serving.profile import engine_forward
     from dspark.targets import load_target
 
     args = parse_args(argv)
-    torch.set_num_threads(args.threads)
-    keep_freed_memory()
-    started, load_start = time.time(), os.getloadavg()
+    started, load_start = start_timing(args.threads)
     target = load_target(args.target, cache_dir=args.cache_dir)
     ms: dict[tuple[str, int], dict[int, list[float]]] = {}
     for rows in args.rows:
@@ -68,23 +60,17 @@ def main(argv: list[str]) -> int:
                 for b, rate in zip(table.batch_tokens, table.steps_per_second):
                     ms.setdefault((name, rows), {}).setdefault(b, []).append(1000.0 / rate)
         print(f"R = {rows} done", file=sys.stderr)
-    lines = report(args, ms, started=started, load_start=load_start, machine=f"{cpu_model()}, bf16 unit "
-                   f"{cpu_bf16_unit() or 'none'}, torch {torch.__version__}, {args.threads} threads", target=target)
-    args.output.parent.mkdir(parents=True, exist_ok=True)
-    args.output.write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    lines = report(args, ms, argv=argv, started=started, load_start=load_start, target=target)
+    write_result("\n".join(lines) + "\n", args.output)
     return 0
 
 
-def report(args: argparse.Namespace, ms: dict, *, started: float, load_start: tuple, machine: str, target) -> list[str]:
-    command = "python benchmarks/bench_sps_forward.py " + " ".join(sys.argv[1:])
-    load_end = os.getloadavg()
+def report(args: argparse.Namespace, ms: dict, *, argv: list[str], started: float, load_start: tuple,
+           target) -> list[str]:
     lines = ["# Verify-forward step time by size: plain cache vs the batched engine (`serve.sps_forward`)", "",
-             f"Command: `{command}` ({time.time() - started:.0f} s in all)  ",
-             f"Machine: {machine}; target {args.target} ({next(target.model.parameters()).dtype})  ",
-             f"Git commit {git_commit()}; {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; 1-min load average "
-             f"{load_start[0]:.1f} / {load_end[0]:.1f} at the start / end on {os.cpu_count()} cores "
-             f"({load_verdict(load_start[0], args.threads)}).", "",
+             f"Command: `{command_line('bench_sps_forward.py', argv)}` ({time.time() - started:.0f} s in all)  ",
+             f"Machine: {machine_line()}; target {args.target} ({next(target.model.parameters()).dtype})  ",
+             provenance_line(load_start, threads=args.threads), "",
              f"Median ms per forward over {args.alternations} alternated profiles × {args.repeats} timed calls "
              f"(R rows × ⌈B/R⌉ new tokens on {args.context} committed tokens per row, LM head included; plain also "
              "takes the softmax, as its table always has).", ""]

@@ -9,7 +9,7 @@
    ~30 metrics and ~15 tags each, written with MlflowClient.log_batch), then
    `python experiments/run.py sweep=depth stage=report` timed as a fresh process (imports included) and in-process.
 
-Prints a markdown table and writes benchmarks/results/sweeps.md with the command that produced it.
+Prints a markdown table and writes outputs/benchmarks/sweeps.md with the command that produced it.
 
     .venv/bin/python benchmarks/bench_sweeps.py                  # ~2-4 minutes on 2 cores
     .venv/bin/python benchmarks/bench_sweeps.py --runs 200       # quicker
@@ -19,15 +19,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shlex
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-RESULTS = REPO / "benchmarks" / "results" / "sweeps.md"
+from common import REPO, RESULTS, command_line, write_result
+
 DOMAINS = ("math", "code", "chat")
 DEPTH_CELLS = [("dspark", d) for d in (1, 2, 3, 4, 5)] + [("dflash", 5)]
 
@@ -135,10 +134,10 @@ def verdicts(driver: list[dict], report: dict) -> list[str]:
 
 
 def write_results(driver: list[dict], report: dict, *, argv: list[str]) -> str:
-    """Markdown table of both measurements, written to benchmarks/results/sweeps.md."""
+    """Markdown table of both measurements, written to outputs/benchmarks/sweeps.md."""
     load = os.getloadavg()[0]
     lines = ["# Sweep driver and report benchmark", "",
-             f"Command: `{' '.join(['.venv/bin/python benchmarks/bench_sweeps.py', *map(shlex.quote, argv)])}`", "",
+             f"Command: `{command_line('bench_sweeps.py', argv, prefix='.venv/bin/python')}`", "",
              f"Machine: {os.cpu_count()} CPUs; 1-minute load average at the end {load:.1f} (shared machine: ±50%).",
              "Targets (issue 5): driver overhead ≤ 5 s per cell beyond the cell's own work; `stage=report` over "
              "1,000 runs ≤ 10 s.", ""]
@@ -162,8 +161,7 @@ def write_results(driver: list[dict], report: dict, *, argv: list[str]) -> str:
               "imports `dspark.targets`, hence torch and transformers, which the report itself never needs.", ""]
     lines += ["## Against the targets", ""] + verdicts(driver, report) + [""]
     text = "\n".join(lines)
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(text)
+    write_result(text, RESULTS / "sweeps.md")
     return text
 
 
@@ -181,7 +179,7 @@ def main(argv: list[str]) -> int:
         store_root = Path(tmp) / "store"
         build = build_store(store_root, runs=args.runs)
         times = report_times(store_root)
-    print(write_results(driver, {"runs": args.runs, "build": build, **times}, argv=argv))
+    write_results(driver, {"runs": args.runs, "build": build, **times}, argv=argv)
     return 0
 
 

@@ -22,28 +22,26 @@ import argparse
 import datetime
 import os
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-RESULTS = ROOT / "benchmarks" / "results" / "training.md"
+from common import RESULTS, add_target_arguments, command_line, git_commit, machine_line, write_result
+
 LEVERS = ("vocab", "bf16", "anchors", "attention")
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--target", default="smollm2-135m")
+    add_target_arguments(parser)
     parser.add_argument("--depths", default="1,2,5")
     parser.add_argument("--batch", type=int, default=4, help="sequences per step (B)")
     parser.add_argument("--length", type=int, default=384, help="tokens per sequence (T)")
     parser.add_argument("--repeats", type=int, default=3, help="timed steps per configuration (after 1 warm-up)")
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--cache-dir", type=Path, default=ROOT / "outputs" / "cache")
-    parser.add_argument("--output", type=Path, default=RESULTS)
+    parser.add_argument("--output", type=Path, default=RESULTS / "training.md")
     parser.add_argument("--single-levers", action="store_true", help="also time each lever alone")
     return parser.parse_args(argv)
 
@@ -166,16 +164,11 @@ def frequent_ids(target, *, size: int) -> torch.Tensor:
 
 
 def write_report(args, configs: list[Config], *, load) -> None:
-    from dspark.hardware import cpu_bf16_unit, cpu_model
-
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
-                            text=True).stdout.strip()
-    cpu = cpu_model()
     lines = [
         "# Training throughput: before / after the CPU recipe (one interleaved run)", "",
-        f"Command: `{' '.join(['.venv/bin/python', 'benchmarks/bench_training.py', *sys.argv[1:]])}`", "",
-        f"Date {datetime.datetime.now():%Y-%m-%d %H:%M}, commit {commit}. Machine: {os.cpu_count()} CPUs ({cpu}), "
-        f"bf16 instructions {cpu_bf16_unit() or 'none'}, torch {torch.__version__}, {args.threads} threads. Load average "
+        f"Command: `{command_line('bench_training.py', sys.argv[1:], prefix='.venv/bin/python')}`", "",
+        f"Date {datetime.datetime.now():%Y-%m-%d %H:%M}, commit {git_commit()}. Machine: {machine_line()}. "
+        "Load average "
         f"(1, 5, 15 min) before {', '.join(f'{x:.2f}' for x in load[0])}, after "
         f"{', '.join(f'{x:.2f}' for x in load[1])}.", "",
         f"Target {args.target}; batch B = {args.batch} sequences × T = {args.length} tokens; γ = 7; Markov rank 256. "
@@ -194,10 +187,7 @@ def write_report(args, configs: list[Config], *, load) -> None:
         ratio = rate / before[(c.depth, c.kind)]
         lines.append(f"| {c.depth} | {c.kind} | {c.name} | {c.blocks} | {med:.3f} ({min(c.times):.3f}) | "
                      f"{rate:.1f} | {ratio:.2f}× |")
-    text = "\n".join(lines) + "\n"
-    print(text)
-    args.output.parent.mkdir(parents=True, exist_ok=True)
-    args.output.write_text(text)
+    write_result("\n".join(lines) + "\n", args.output)
 
 
 if __name__ == "__main__":

@@ -17,7 +17,6 @@ It measures; it changes nothing in the library. Writes `--output` with the comma
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import sys
 import time
@@ -25,17 +24,15 @@ from pathlib import Path
 
 import torch
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO / "benchmarks"))
-from bench_decoding import git_commit, load_verdict  # noqa: E402  (one provenance format for the benchmarks)
+from common import (RESULTS, add_target_arguments, command_line, machine_line, provenance_line, start_timing,
+                    write_result)
 
 MODES = ("sdpa", "grouped")  # transformers' own attention; dspark.targets.attention.GROUPED_SDPA
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--target", default="smollm2-135m")
-    parser.add_argument("--cache-dir", type=Path, default=REPO / "outputs" / "cache")
+    add_target_arguments(parser)
     parser.add_argument("--context", type=int, default=200, help="tokens in each row's KV cache before a step")
     parser.add_argument("--sizes", type=int, nargs="+", default=[1, 2, 3, 4, 8], help="B tokens per row and step")
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 4], help="R rows verified in one forward")
@@ -43,7 +40,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--reps", type=int, default=5, help="timed calls per cell and round (median kept)")
     parser.add_argument("--evict-mb", type=int, default=32, help="MB read between two timed calls (0: none)")
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--output", type=Path, default=REPO / "benchmarks" / "results" / "verify-attention.md")
+    parser.add_argument("--output", type=Path, default=RESULTS / "verify-attention.md")
     args = parser.parse_args(argv)
     if min(args.sizes) < 1 or min(args.rows) < 1 or args.context < 1 or args.evict_mb < 0:
         parser.error("--sizes, --rows and --context must be >= 1 and --evict-mb >= 0")
@@ -51,14 +48,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 
 def main(argv: list[str]) -> int:
-    from dspark.hardware import cpu_bf16_unit, cpu_model, format_row_padding, keep_freed_memory
+    from dspark.targets.layout import format_row_padding
     from dspark.targets import load_target
     from dspark.targets.attention import GROUPED_SDPA
 
     args = parse_args(argv)
-    torch.set_num_threads(args.threads)
-    keep_freed_memory()
-    started, load_start = time.time(), os.getloadavg()
+    started, load_start = start_timing(args.threads)
     target = load_target(args.target, cache_dir=args.cache_dir)
     if target.attention != GROUPED_SDPA:
         raise SystemExit(f"{args.target} runs {target.attention!r} attention here, not {GROUPED_SDPA}: nothing to "
@@ -101,22 +96,16 @@ def main(argv: list[str]) -> int:
                     target.model.set_attn_implementation("sdpa" if mode == "sdpa" else GROUPED_SDPA)
                     results.setdefault((rows, b, mode), []).append(timed_ms(step(rows, b)))
     target.model.set_attn_implementation(GROUPED_SDPA)
-    load_end = os.getloadavg()
 
     def cell(rows: int, b: int, mode: str) -> float:
         return statistics.median(results[(rows, b, mode)])
 
     padding = format_row_padding(target.row_padding) if target.row_padding else "none"
     lines = [f"# Verify-forward attention: transformers' sdpa vs grouped-query SDPA — {args.target}", "",
-             f"Command: `python benchmarks/bench_verify_attention.py {' '.join(argv)}` "
-             f"({time.time() - started:.0f} s in all)  ",
-             f"Machine: {cpu_model()}, {os.cpu_count()} cores, bf16 instructions {cpu_bf16_unit() or 'none'}; torch "
-             f"{torch.__version__} ({torch.backends.cpu.get_cpu_capability()}), {args.threads} threads; target "
-             f"{str(target.dtype).replace('torch.', '')}, few-token products {target.few_row_layout} (row padding "
-             f"{padding})  ",
-             f"Git commit {git_commit()}; {time.strftime('%Y-%m-%d %H:%M %Z')}; 1-min load average "
-             f"{load_start[0]:.1f} / {load_end[0]:.1f} at the start / end "
-             f"({load_verdict(load_start[0], args.threads)}).", "",
+             f"Command: `{command_line('bench_verify_attention.py', argv)}` ({time.time() - started:.0f} s in all)  ",
+             f"Machine: {machine_line()}; target {str(target.dtype).replace('torch.', '')}, few-token products "
+             f"{target.few_row_layout} (row padding {padding})  ",
+             provenance_line(load_start, threads=args.threads), "",
              f"Each cell: the median over {args.rounds} interleaved rounds of the median of {args.reps} calls (after a "
              f"warm-up; {args.evict_mb} MB read before each call). Step = one target forward of B new tokens per row "
              f"over a {args.context}-token KV cache per row, plus the LM head on those positions (a verify round's "
@@ -132,8 +121,7 @@ def main(argv: list[str]) -> int:
                          f"{ours / plain['grouped']:.2f} |")
     lines += ["", "The last two columns are the step's cost in plain steps (the first R's B = 1 cell of the same "
               "implementation): what verifying B − 1 drafts per row costs against plain decoding."]
-    args.output.write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    write_result("\n".join(lines) + "\n", args.output)
     return 0
 
 

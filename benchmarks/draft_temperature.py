@@ -13,7 +13,7 @@ decoding lossless (the verifier reads the q it sampled from); this script only m
     .venv/bin/python benchmarks/draft_temperature.py budget=cpu-ref drafter=dflash --temperatures 0.5 0.6 0.8 1
 
 The arguments are `experiments/run.py`'s overrides (they name the run by its training key); the data caches and
-the drafter must exist. Writes `benchmarks/results/draft-temperature-<run name>.md`.
+the drafter must exist. Writes `outputs/benchmarks/draft-temperature-<run name>.md`.
 """
 from __future__ import annotations
 
@@ -26,11 +26,7 @@ from pathlib import Path
 
 import torch
 
-from bench_decoding import git_commit  # this directory is on sys.path when run as a script
-from heldout_breakdown import load_run, write_result
-
-REPO = Path(__file__).resolve().parents[1]
-RESULTS = REPO / "benchmarks" / "results"
+from common import RESULTS, command_line, git_commit, heldout_steps, load_run, repo_path, write_result
 
 
 def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
@@ -44,27 +40,29 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     return args, overrides
 
 
-@torch.no_grad()
+def draft_logits_and_target(*, drafter, target, batch, block_size: int):
+    """(draft logits [B, N, γ, Vd] fp32, p_t over the draft vocabulary [B, N, γ, Vd], label validity [B, N, γ]) of a
+    batch's blocks: the teacher-forced forward of training (`training.steps.block_forward`, `target_distribution`)."""
+    from dspark.training.steps import block_forward, target_distribution
+
+    out, blocks, final_hidden = block_forward(drafter=drafter, target=target, batch=batch, block_size=block_size)
+    p_t = target_distribution(drafter, target, batch, final_hidden, blocks.target_positions).probs
+    return out.logits.float(), p_t, blocks.label_valid
+
+
 def scan(ctx, drafter, datamodule, temperatures: list[float]) -> dict[float, dict[str, float]]:
     """{T_d: {"accept/pos1"…, "tau_prob"}} over the run's validation blocks."""
-    from tqdm.auto import tqdm
-
     from dspark.metrics.acceptance import TeacherForcedAcceptance
-    from dspark.training.steps import block_forward, target_distribution
 
     cfg = ctx.cfg
     if cfg.drafter not in ("dspark", "dflash"):
         raise SystemExit(f"error: drafter={cfg.drafter}: this probe runs the block drafters (dspark, dflash) only")
-    gamma = cfg.model.block_size
-    metrics = {t: TeacherForcedAcceptance(gamma) for t in temperatures}
-    target = ctx.load_target()
-    for batch in tqdm(datamodule.val_dataloader(), desc="held-out blocks", unit="batch"):
-        out, blocks, final_hidden = block_forward(drafter=drafter, target=target, batch=batch, block_size=gamma)
-        p_t = target_distribution(drafter, target, batch, final_hidden, blocks.target_positions).probs
-        logits = out.logits.float()
-        for t in temperatures:
-            c_star = torch.minimum(torch.softmax(logits / t, dim=-1), p_t).sum(-1).clamp(0.0, 1.0)
-            metrics[t].update(c_star, blocks.label_valid)
+    metrics = {t: TeacherForcedAcceptance(cfg.model.block_size) for t in temperatures}
+    for _, (logits, p_t, label_valid) in heldout_steps(ctx, drafter, datamodule, step=draft_logits_and_target):
+        with torch.no_grad():
+            for t in temperatures:
+                c_star = torch.minimum(torch.softmax(logits / t, dim=-1), p_t).sum(-1).clamp(0.0, 1.0)
+                metrics[t].update(c_star, label_valid)
     return {t: {k: float(v) for k, v in m.compute().items()} for t, m in metrics.items()}
 
 
@@ -81,10 +79,10 @@ def render(results: dict[float, dict[str, float]], *, gamma: int, argv: list[str
         rows.append(f"| {t:g}{mark} | " + " | ".join(f"{r[f'accept/pos{k}']:.3f}" for k in range(1, gamma + 1))
                     + f" | {r['tau_prob']:.4f} | {gain} |")
     lines = [f"# Held-out acceptance against draft temperature — {run_dir.name}", "",
-             f"Command: `python benchmarks/draft_temperature.py {' '.join(argv)}` ({seconds:.0f} s)  ",
+             f"Command: `{command_line('draft_temperature.py', argv)}` ({seconds:.0f} s)  ",
              f"Date {datetime.datetime.now():%Y-%m-%d %H:%M}, commit {git_commit()}; {os.cpu_count()} CPUs, "
              f"{threads} thread(s); load average at start {load:.1f}.  ",
-             f"Drafter: `{run_dir}/drafter.pt`, its validation blocks; p_d = softmax(logits / T_d), "
+             f"Drafter: `{repo_path(run_dir)}/drafter.pt`, its validation blocks; p_d = softmax(logits / T_d), "
              "c*k = Σ_{v ∈ Vd} min(p_d, p_t) per slot, τ_prob = 1 + Σ_k mean Π_{j≤k} c*_j.", "",
              "| " + " | ".join(header) + " |", "|" + "---|" * len(header), *rows, ""]
     return "\n".join(lines)
@@ -103,5 +101,4 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, str(REPO / "src"))
     sys.exit(main(sys.argv[1:]))

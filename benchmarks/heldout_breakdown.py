@@ -32,10 +32,8 @@ from pathlib import Path
 
 import torch
 
-from bench_decoding import git_commit  # this directory is on sys.path when run as a script
+from common import RESULTS, command_line, git_commit, heldout_steps, load_run, reference_count, repo_path, write_result
 
-REPO = Path(__file__).resolve().parents[1]
-RESULTS = REPO / "benchmarks" / "results"
 POSITION_BUCKETS = ((0, 16), (16, 64), (64, 128), (128, 256), (256, 10 ** 9))
 
 
@@ -43,7 +41,7 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--output", type=Path, default=None,
-                        help="markdown file (default benchmarks/results/heldout-<run name>.md)")
+                        help="markdown file (default outputs/benchmarks/heldout-<run name>.md)")
     return parser.parse_known_args(argv)
 
 
@@ -52,24 +50,6 @@ def bucket_label(offset: int) -> str:
         if low <= offset < high:
             return f"{low}–{high - 1}" if high < 10 ** 9 else f"≥ {low}"
     raise ValueError(f"negative response offset {offset}")
-
-
-def reference_count(regen_dir: Path) -> int:
-    """Sequences of the reference part (stored first by `combine_datasets`); 0 for a single regenerated part."""
-    import json
-
-    from dspark.data.regenerate import read_manifest
-
-    manifest = read_manifest(regen_dir)
-    responses = manifest.get("part_responses") or [manifest.get("responses", "regenerate")]
-    parts = manifest.get("parts") or [manifest["key"]]
-    count = 0
-    for key, kind in zip(parts, responses):
-        if kind != "reference":
-            break
-        part = json.loads((regen_dir.parent / key / "manifest.json").read_text())
-        count += int(part["stats"]["sequences"])
-    return count
 
 
 GROUPINGS = {"By source": (0,), "By source and domain": (0, 1), "By source and position": (0, 2),
@@ -116,20 +96,10 @@ class Groups:
 POSITION_ORDER = {bucket_label(low): f"{i:02d}" for i, (low, _) in enumerate(POSITION_BUCKETS)}
 
 
-@torch.no_grad()
 def collect(ctx, drafter, datamodule, n_reference: int, domains: list[str]) -> Groups:
-    from tqdm.auto import tqdm
-
-    from dspark.training.steps import TRAINING_STEPS
-
-    cfg = ctx.cfg
-    step = TRAINING_STEPS.resolve(cfg.drafter)
-    weights = {"alpha_ce": cfg.loss.alpha_ce, "alpha_tv": cfg.loss.alpha_tv, "alpha_conf": cfg.loss.alpha_conf,
-               "decay": cfg.loss.decay, "kind": cfg.loss.kind, "dpard_alpha": cfg.loss.dpard_alpha}
-    groups = Groups(cfg.model.block_size)
-    target = ctx.load_target()
-    for batch in tqdm(datamodule.val_dataloader(), desc="held-out blocks", unit="batch"):
-        result = step(drafter=drafter, target=target, batch=batch, block_size=cfg.model.block_size, **weights)
+    """The run's own validation step over its held-out batches (`common.heldout_steps`), grouped per block."""
+    groups = Groups(ctx.cfg.model.block_size)
+    for batch, result in heldout_steps(ctx, drafter, datamodule):
         starts = batch["loss_mask"].long().argmax(1)  # first response token of each sequence
         coverage = result.coverage if result.coverage is not None else torch.ones_like(result.c_star)
         keys, rows = [], []
@@ -165,10 +135,10 @@ def render(groups: Groups, *, argv: list[str], run_dir: Path, seconds: float, th
 
     overall = groups.table(())[0]
     lines = [f"# Held-out teacher-forced acceptance by source, domain and position — {run_dir.name}", "",
-             f"Command: `python benchmarks/heldout_breakdown.py {' '.join(argv)}` ({seconds:.0f} s)  ",
+             f"Command: `{command_line('heldout_breakdown.py', argv)}` ({seconds:.0f} s)  ",
              f"Date {datetime.datetime.now():%Y-%m-%d %H:%M}, commit {git_commit()}; {os.cpu_count()} CPUs, "
              f"{threads} thread(s); load average at start {load:.1f}.  ",
-             f"Drafter: `{run_dir}/drafter.pt`; the run's logged `val/accept/pos1` "
+             f"Drafter: `{repo_path(run_dir)}/drafter.pt`; the run's logged `val/accept/pos1` "
              f"{logged.get('val/accept/pos1', float('nan')):.3f} and `val/tau_prob` "
              f"{logged.get('val/tau_prob', float('nan')):.3f}; recomputed here over the same blocks: "
              f"{overall[3][0]:.3f} and {overall[4]:.3f}.", "",
@@ -181,41 +151,6 @@ def render(groups: Groups, *, argv: list[str], run_dir: Path, seconds: float, th
             body = [r for r in body if r.startswith("| regenerated")]
         lines += [f"## {title}", "", "| " + " | ".join(header) + " |", sep, *body, ""]
     return "\n".join(lines)
-
-
-def locate_run(overrides: list[str]):
-    """(ctx, prepared data) of the run that `experiments/run.py OVERRIDES` names; exits with what to run when its
-    drafter does not exist yet. Loads neither the drafter nor the target."""
-    from dspark.config import resolve_config
-    from dspark.stages.context import RunPaths, StageContext
-    from dspark.stages.prepare import run_prepare
-
-    rc = resolve_config(overrides)
-    ctx = StageContext(rc=rc, paths=RunPaths.from_config(rc.cfg))
-    drafter_path = ctx.run_dir / "drafter.pt"
-    if not drafter_path.exists():
-        raise SystemExit(f"error: no trained drafter at {drafter_path}: run `python experiments/run.py "
-                         f"{' '.join(overrides)}` first (these arguments name the run by its training key)")
-    prepared = run_prepare(ctx)  # the caches exist: this only finds them (and verifies their checksums)
-    return ctx, prepared
-
-
-def load_validation(ctx, prepared):
-    """(datamodule set up for validation, drafter, checkpoint payload) of a located run (`locate_run`)."""
-    from dspark.drafters.checkpoint import load_drafter
-    from dspark.stages.train import build_datamodule
-
-    datamodule = build_datamodule(ctx, prepared)
-    datamodule.setup("validate")
-    drafter, _, payload = load_drafter(ctx.run_dir / "drafter.pt", ctx.load_target())
-    return datamodule, drafter, payload
-
-
-def load_run(overrides: list[str]):
-    """(ctx, prepared data, datamodule set up for validation, drafter, checkpoint payload) of the run that
-    `experiments/run.py OVERRIDES` names."""
-    ctx, prepared = locate_run(overrides)
-    return ctx, prepared, *load_validation(ctx, prepared)
 
 
 def main(argv: list[str]) -> int:
@@ -237,13 +172,5 @@ def main(argv: list[str]) -> int:
     return 0
 
 
-def write_result(text: str, output: Path) -> None:
-    """Write a results file (its folder made) and echo it."""
-    output.parent.mkdir(parents=True, exist_ok=True)
-    output.write_text(text)
-    print(text)
-
-
 if __name__ == "__main__":
-    sys.path.insert(0, str(REPO / "src"))
     sys.exit(main(sys.argv[1:]))

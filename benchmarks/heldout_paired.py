@@ -38,11 +38,9 @@ from pathlib import Path
 
 import torch
 
-from bench_decoding import git_commit  # this directory is on sys.path when run as a script
-from heldout_breakdown import load_validation, locate_run, reference_count, write_result
+from common import (RESULTS, command_line, git_commit, heldout_steps, load_validation, locate_run, reference_count,
+                    write_result)
 
-REPO = Path(__file__).resolve().parents[1]
-RESULTS = REPO / "benchmarks" / "results"
 CACHE_NAME = "heldout-sequences.pt"
 
 
@@ -55,7 +53,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--resamples", type=int, default=2000)
     parser.add_argument("--seed", type=int, default=0, help="bootstrap seed")
     parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--output", type=Path, default=None, help="markdown file (default under benchmarks/results)")
+    parser.add_argument("--output", type=Path, default=None, help="markdown file (default under outputs/benchmarks)")
     parser.add_argument("overrides", nargs="*", help="overrides shared by every cell (after --)")
     args = parser.parse_args(argv)
     if args.resamples < 100:
@@ -98,20 +96,10 @@ def block_tau(c_star: torch.Tensor, label_valid: torch.Tensor) -> tuple[torch.Te
     return 1.0 + torch.cumprod(c, dim=-1).sum(dim=-1), valid[..., 0]
 
 
-@torch.no_grad()
 def sequence_sums(ctx, drafter, datamodule) -> SequenceSums:
-    from tqdm.auto import tqdm
-
-    from dspark.training.steps import TRAINING_STEPS
-
-    cfg = ctx.cfg
-    step = TRAINING_STEPS.resolve(cfg.drafter)
-    target = ctx.load_target()
+    """Σ τ_block and #blocks per held-out sequence, from the run's own validation step (`common.heldout_steps`)."""
     sums: dict[int, list[float]] = {}
-    for batch in tqdm(datamodule.val_dataloader(), desc=f"held-out {ctx.run_dir.name}", unit="batch"):
-        result = step(drafter=drafter, target=target, batch=batch, block_size=cfg.model.block_size,
-                      alpha_ce=cfg.loss.alpha_ce, alpha_tv=cfg.loss.alpha_tv, alpha_conf=cfg.loss.alpha_conf,
-                      decay=cfg.loss.decay, kind=cfg.loss.kind, dpard_alpha=cfg.loss.dpard_alpha)
+    for batch, result in heldout_steps(ctx, drafter, datamodule, desc=f"held-out {ctx.run_dir.name}"):
         tau, counted = block_tau(result.c_star.float(), result.label_valid)
         counted = counted & batch["anchor_valid"].bool()
         for b in range(tau.shape[0]):
@@ -207,7 +195,7 @@ def render(args: argparse.Namespace, key: str | None, values: list[str], runs: l
     label = (lambda v: f"{key}={v}") if key else (lambda v: "pair")
     lines = ["# Held-out τ_prob, paired: " + " ".join(args.a) + " vs " + " ".join(args.b)
              + (f" along {key}" if key else ""), "",
-             f"Command: `python benchmarks/heldout_paired.py {' '.join(argv)}` ({seconds:.0f} s)  ",
+             f"Command: `{command_line('heldout_paired.py', argv)}` ({seconds:.0f} s)  ",
              f"Date {datetime.datetime.now():%Y-%m-%d %H:%M}, commit {git_commit()}; {os.cpu_count()} CPUs, "
              f"{args.threads} thread(s); load average at start {load:.1f}.  ",
              f"{index.numel()} held-out sequences, {int(blocks[0].sum())} blocks in the first cell; "
@@ -279,5 +267,4 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, str(REPO / "src"))
     sys.exit(main(sys.argv[1:]))

@@ -18,15 +18,14 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
+from common import add_target_arguments
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--regen-dir", type=Path, required=True,
                         help="a finished dataset directory (outputs/cache/regen/<key>, one with a COMPLETE marker)")
-    parser.add_argument("--target", default="smollm2-135m")
-    parser.add_argument("--cache-dir", type=Path, default=ROOT / "outputs" / "cache")
+    add_target_arguments(parser)
     parser.add_argument("--start", type=int, default=0, help="first sequence of the dataset to prefill")
     parser.add_argument("--sequences", type=int, default=128)
     parser.add_argument("--batch-size", type=int, default=8, help="as cache_features: max(8, data.batch_size)")

@@ -4,8 +4,9 @@ at each simulated R (no extrapolation of a table beyond its batch sizes).
 Inputs: a drafter's run directory after `sweep=serving` (its `serve/trace-*/steps.jsonl`, the policy=fixed trace the
 simulator replays, and every cell's `serve/*/steps.jsonl`, whose timings fit the per-step draft and bookkeeping
 costs). For each R in --concurrency the batched verify forward of R rows is profiled up to R·(γ+1) tokens on this
-machine (cached under <root>/cache/sps/ like `stage=serve`'s tables), then every policy is replayed at that R
-(`dspark.serving.simulator.simulate_frontier`, padded verify blocks as in the real engine). Writes a markdown table,
+machine (cached under `<--cache-dir>/sps/` like `stage=serve`'s tables; default <repo>/outputs/cache), then every
+policy is replayed at that R (`dspark.serving.simulator.simulate_frontier`, padded verify blocks as in the real
+engine). Writes a markdown table,
 the scheduler-vs-MTP-1 comparison and a frontier plot, all labelled simulated.
 
 Beside the policies, the *hindsight* policy (`simulate_hindsight`: each step's verify length chosen knowing every
@@ -21,13 +22,12 @@ from __future__ import annotations
 
 import argparse
 import os
-import shlex
 import sys
 import time
 from pathlib import Path
 
-RESULTS = Path(__file__).resolve().parent / "results"
-ROOT = Path(__file__).resolve().parents[1] / "outputs"
+from common import RESULTS, add_target_arguments, command_line, repo_path, write_result
+
 POLICIES = ("mtp1", "static", "fixed", "threshold", "calibrated_threshold", "scheduler", "async")
 HINDSIGHT = "hindsight"
 
@@ -35,8 +35,7 @@ HINDSIGHT = "hindsight"
 def parse_args(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--run-dir", type=Path, required=True, help="the served drafter's run directory")
-    parser.add_argument("--target", default="smollm2-135m")
-    parser.add_argument("--cache-dir", type=Path, default=ROOT / "cache")
+    add_target_arguments(parser)
     parser.add_argument("--concurrency", type=int, nargs="+", default=[16, 32, 64])
     parser.add_argument("--block-size", type=int, default=7)
     parser.add_argument("--max-new-tokens", type=int, default=32)
@@ -91,12 +90,12 @@ def markdown(summaries: list, sps: dict, args: argparse.Namespace, argv: list[st
 
     load = os.getloadavg()
     lines = ["# Simulated serving frontier (trace replay)", "",
-             f"Command: `.venv/bin/python benchmarks/simulate_frontier.py {shlex.join(argv)}`", "",
+             f"Command: `{command_line('simulate_frontier.py', argv, prefix='.venv/bin/python')}`", "",
              f"Date: {started}; load average after {load[0]:.2f}. SPS(B) "
-             + ("from " + str(args.sps_table) if args.sps_table else "profiled on this machine for each R (rows × "
-                f"256 cached tokens, up to R·(γ+1) tokens, {torch.get_num_threads()} threads)")
-             + "; trace and step costs from "
-             f"`{args.run_dir}`; {args.max_new_tokens} tokens per simulated request. All numbers are simulated.", "",
+             + ("from " + repo_path(args.sps_table) if args.sps_table else "profiled on this machine for each R "
+                f"(rows × 256 cached tokens, up to R·(γ+1) tokens, {torch.get_num_threads()} threads)")
+             + f"; trace and step costs from `{repo_path(args.run_dir)}`; {args.max_new_tokens} tokens per simulated "
+             "request. All numbers are simulated.", "",
              f"![frontier]({plot.name})", "",
              "| policy | R | throughput (tok/s) | per-user speed (tok/s/user) | mean ℓ | τ |", "|---|---|---|---|---|---|"]
     order = (*POLICIES, HINDSIGHT)
@@ -150,9 +149,7 @@ def main(argv: list[str]) -> int:
     summaries += [simulate_hindsight(trace, concurrency=rows, sps=sps[rows], costs=costs,
                                      max_new_tokens=args.max_new_tokens).summary() for rows in args.concurrency]
     plot = plot_frontier(summaries, args.output.with_suffix(".png"), title="Simulated frontier (trace replay)")
-    text = markdown(summaries, sps, args, argv, started, plot)
-    args.output.write_text(text)
-    print(text)
+    write_result(markdown(summaries, sps, args, argv, started, plot), args.output)
     return 0
 
 

@@ -26,46 +26,41 @@ from pathlib import Path
 
 import torch
 
-from bench_decoding import git_commit  # this directory is on sys.path when run as a script
-
-REPO = Path(__file__).resolve().parents[1]
-RESULTS = REPO / "benchmarks" / "results" / "tf_vs_rollout.md"
+from common import RESULTS, add_target_arguments, command_line, git_commit, repo_path, write_result
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--drafter", required=True, type=Path, help="a run directory or drafter.pt (DSpark/DFlash)")
-    parser.add_argument("--target", default="smollm2-135m")
-    parser.add_argument("--cache-dir", type=Path, default=REPO / "outputs" / "cache")
+    add_target_arguments(parser)
     parser.add_argument("--sets", nargs="+", default=["gsm8k", "humaneval", "mt-bench"])
     parser.add_argument("--prompts", type=int, default=4, help="prompts per set")
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 1.0])
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--output", type=Path, default=RESULTS)
+    parser.add_argument("--output", type=Path, default=RESULTS / "tf_vs_rollout.md")
     return parser.parse_args(argv)
 
 
 @torch.no_grad()
 def slot1_teacher_forced(target, drafter, sequence: list[int], anchors: list[int], temperature: float) -> list[float]:
     """Per anchor a: T = 0 → 1.0 if the drafter's slot-1 argmax is the target's argmax at a+1, else 0.0;
-    T > 0 → c*₁ = Σ_v min(p_d(v), p_t(v)) at temperature T."""
-    from dspark.data.blocks import build_blocks
+    T > 0 → c*₁ = Σ_v min(p_d(v), p_t(v)) at temperature T. The drafter runs teacher-forced over one batch of the
+    final text, every position supervised, as in training (`dspark.evaluation.heldout.teacher_forced_steps`)."""
     from dspark.decoding.drafting import draft_to_target, to_target_probs
     from dspark.decoding.verify import probs_from_logits
+    from dspark.evaluation.heldout import teacher_forced_steps
 
     ids = torch.tensor([sequence], device=target.device)
-    valid = torch.ones_like(ids, dtype=torch.bool)
-    out = target.forward(ids, attention_mask=valid)
     anchor_t = torch.tensor([anchors], device=target.device)
-    loss_mask = torch.ones_like(ids, dtype=torch.bool)
-    blocks = build_blocks(ids, loss_mask, anchor_t, torch.ones_like(anchor_t, dtype=torch.bool),
-                          block_size=drafter.block_size, mask_token_id=target.mask_token_id)
-    drafted = drafter(context_features=out.features, context_valid=valid, block_input_ids=blocks.block_input_ids,
-                      anchor_positions=anchor_t, prev_tokens=blocks.prev_tokens)
+    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids, dtype=torch.bool),
+             "loss_mask": torch.ones_like(ids, dtype=torch.bool), "anchors": anchor_t,
+             "anchor_valid": torch.ones_like(anchor_t, dtype=torch.bool)}
+    [(_, (drafted, _, final_hidden))] = teacher_forced_steps([batch], drafter=drafter, target=target,
+                                                              block_size=drafter.block_size, show_progress=False)
     draft_logits = drafted.logits[0, :, 0].float()                      # [N, Vd]: slot 1 of each block
-    target_logits = target.logits_from_hidden(out.final_hidden[0, anchor_t[0]]).float()  # [N, V]: predicts a+1
+    target_logits = target.logits_from_hidden(final_hidden[0, anchor_t[0]]).float()  # [N, V]: predicts a+1
     ids_map = draft_to_target(drafter)
     if temperature == 0:
         best = draft_logits.argmax(-1)
@@ -79,7 +74,7 @@ def slot1_teacher_forced(target, drafter, sequence: list[int], anchors: list[int
 def main(argv: list[str]) -> int:
     from dspark.data.prompts import load_prompts
     from dspark.decoding import SpeculativeEngine, build_policy, build_proposer
-    from dspark.drafters.checkpoint import load_drafter
+    from dspark.drafters.checkpoint import drafter_file, load_drafter
     from dspark.evaluation.rollouts import encode_prompts, prompt_generator
     from dspark.targets import load_target
 
@@ -87,7 +82,7 @@ def main(argv: list[str]) -> int:
     torch.set_num_threads(args.threads)
     started, load_start = time.time(), os.getloadavg()
     target = load_target(args.target, cache_dir=args.cache_dir)
-    path = args.drafter / "drafter.pt" if args.drafter.is_dir() else args.drafter
+    path = drafter_file(args.drafter)
     drafter, spec, payload = load_drafter(path, target)
     drafter = drafter.eval()
     if spec.kind == "eagle3":
@@ -114,17 +109,17 @@ def main(argv: list[str]) -> int:
             forced_mean = sum(f for f, _ in pairs) / len(pairs)
             rollout_mean = sum(r for _, r in pairs) / len(pairs)
             rows.append((temperature, name, len(pairs), forced_mean, rollout_mean))
-    commit = git_commit()  # bench_decoding's: short hash, "(with uncommitted changes)" when dirty
+    commit = git_commit()  # short hash, "(with uncommitted changes)" when dirty
     label = {0.0: "T = 0: teacher-forced argmax agreement", 1.0: "T = 1: teacher-forced c*₁"}
     lines = [
         f"# Teacher-forced vs rollout slot-1 acceptance on the target's own text — {args.target}", "",
-        f"Command: `python benchmarks/tf_vs_rollout.py {' '.join(argv)}` ({time.time() - started:.0f} s)  ",
+        f"Command: `{command_line('tf_vs_rollout.py', argv)}` ({time.time() - started:.0f} s)  ",
         f"Date {datetime.datetime.now():%Y-%m-%d %H:%M}, commit {commit}; {os.cpu_count()} CPUs, {args.threads} "
         f"thread(s); load average {load_start[0]:.1f} → {os.getloadavg()[0]:.1f}.  ",
-        f"Drafter: `{path}` ({spec.kind}-{spec.head}-d{spec.depth}-g{spec.block_size}, Vd "
+        f"Drafter: `{repo_path(path)}` ({spec.kind}-{spec.head}-d{spec.depth}-g{spec.block_size}, Vd "
         f"{spec.draft_vocab_size or target.vocab_size}); its held-out teacher-forced slot-1 acceptance on "
         f"training-distribution text: **{held_out:.3f}**." if held_out is not None else
-        f"Drafter: `{path}`.", "",
+        f"Drafter: `{repo_path(path)}`.", "",
         f"Prompts: the first {args.prompts} of {', '.join(args.sets)}; {args.max_new_tokens} new tokens, policy "
         "fixed (ℓ = γ). One row per (temperature, prompt set): the rounds' anchors on the final text.", "",
         "| T | set | rounds | teacher-forced slot 1 | rollout: draft 1 accepted |", "|---|---|---|---|---|",
@@ -132,13 +127,9 @@ def main(argv: list[str]) -> int:
         "Reading: at T = 0 the two columns must be equal (same contexts, deterministic); at T = 1 they agree in "
         "expectation. " + " ".join(f"{label.get(t, f'T = {t:g}')} {f:.3f} vs rollout {r:.3f} (all sets)."
                                    for t, name, _, f, r in rows if name == "all"), ""]
-    text = "\n".join(lines)
-    args.output.parent.mkdir(parents=True, exist_ok=True)
-    args.output.write_text(text)
-    print(text)
+    write_result("\n".join(lines), args.output)
     return 0
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, str(REPO / "src"))
     sys.exit(main(sys.argv[1:]))

@@ -8,6 +8,9 @@ import pytest
 from mlflow.tracking import MlflowClient
 
 from dspark.cli import main
+from dspark.config.schema import FIXED_HEAD
+from dspark.drafters.factory import DRAFTER_BUILDERS
+from dspark.drafters.heads import SEQUENTIAL_HEADS
 
 
 @pytest.fixture(scope="module")
@@ -68,10 +71,14 @@ def test_prepare_stage_caches_regenerated_data(shared_root):
     assert "config.yaml" in artifacts
 
 
-@pytest.mark.parametrize("argv", [
-    ["drafter=dspark", "model.head=markov"], ["drafter=dspark", "model.head=rnn"],
-    ["drafter=dspark", "model.head=none"], ["drafter=dflash"], ["drafter=eagle3"],
-], ids=["markov", "rnn", "none", "dflash", "eagle3"])
+# Every registered drafter: with each registered head where model.head chooses it, else with the head it fixes.
+TRAIN_ARGVS = {f"{kind}-{head}" if FIXED_HEAD.get(kind) is None else kind:
+               [f"drafter={kind}", *([f"model.head={head}"] if FIXED_HEAD.get(kind) is None else [])]
+               for kind in DRAFTER_BUILDERS.ordered()
+               for head in (SEQUENTIAL_HEADS.ordered() if FIXED_HEAD.get(kind) is None else [FIXED_HEAD[kind]])}
+
+
+@pytest.mark.parametrize("argv", list(TRAIN_ARGVS.values()), ids=list(TRAIN_ARGVS))
 def test_train_stage_each_drafter(argv, shared_root, capsys):
     assert main(["stage=train", "budget=smoke", f"paths.root={shared_root}", *argv]) == 0
     # tqdm's training bar reaches a stream that is not a terminal; rich's (Lightning's default when rich is

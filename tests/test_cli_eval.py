@@ -163,13 +163,18 @@ def test_report_names_tell_evaluations_of_one_drafter_apart():
     assert base not in others and len(others) == 3
 
 
-def test_the_final_speed_up_line_says_when_the_policy_is_not_a_speed_policy():
-    """Under decode.policy=fixed (every draft verified: the τ setting) the final line names the speed policy, so a
-    ratio below 1× is not read as what speculative decoding gives here; other policies print the bare ratio."""
-    from dspark.config.schema import DecodeConfig
-    from dspark.stages.evaluate import speedup_note
-
-    fixed = speedup_note(DecodeConfig(policy="fixed"), 0.71)
-    assert fixed.startswith("0.71x") and "decode.policy=scheduler" in fixed
-    assert speedup_note(DecodeConfig(policy="scheduler"), 1.26) == "1.26x"
-    assert speedup_note(DecodeConfig(policy="fixed", baseline=False), None).startswith("not measured")
+def test_the_headline_never_reads_the_tau_policys_ratio_as_the_speed_up(root, capsys):
+    """Under decode.policy=fixed (every draft verified: the τ setting) the speed-up of the last line is measured with
+    decode.policy=scheduler on decode.speed_prompts of the prompts (its own round records and `speed/…` metrics),
+    never the fixed policy's ratio; decode.baseline=false says the speed-up was not measured."""
+    assert main(["budget=smoke", f"paths.root={root}"]) == 0
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    assert last.startswith("τ ") and "(fixed ℓ=γ=7, T=1, 6 prompts)" in last
+    assert "with decode.policy=scheduler vs target-only on this machine" in last
+    metrics = _latest_run(root).data.metrics
+    assert metrics["speed/prompts"] == 6 and f"{metrics['speed/speedup_prompt_mean']:.2f}×" in last
+    speed_rows = (_eval_dirs(root)[-1] / "speed-rounds.jsonl").read_text().splitlines()
+    assert {json.loads(r)["mode"] for r in speed_rows} == {"speculative", "target"} and len(speed_rows) == 12
+    assert main(["budget=smoke", f"paths.root={root}", "decode.baseline=false"]) == 0
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    assert last.endswith("· speed-up not measured (decode.baseline=false)")

@@ -8,6 +8,8 @@ import pytest
 from dspark.config import ConfigError, RunConfig, parse_overrides, resolve_config, valid_keys
 from dspark.config.loader import load_yaml
 from dspark.config.resolve import experiments_dir, repo_root
+from dspark.drafters.factory import DRAFTER_BUILDERS
+from dspark.drafters.heads import SEQUENTIAL_HEADS
 
 YAML_FILES = sorted(p for p in (repo_root() / "experiments").rglob("*.yaml"))
 
@@ -47,7 +49,7 @@ def test_defaults_match_the_paper():
     # ~500 optimiser steps: slot 1 gets a larger share of the loss (experiments/budgets/cpu.yaml says why)
     assert (cpu.loss.alpha_ce, cpu.loss.alpha_tv, cpu.loss.alpha_conf, cpu.loss.decay) == (0.1, 0.9, 1.0, 2.0)
     cfg = cpu
-    assert Path(cfg.paths.root) == repo_root() / "outputs" and Path(cfg.paths.reports) == repo_root() / "reports"
+    assert Path(cfg.paths.root) == repo_root() / "outputs" and Path(cfg.paths.reports) == repo_root() / "outputs" / "reports"
 
 
 def test_precedence_cli_over_budget_over_default():
@@ -76,8 +78,8 @@ def test_dflash_means_no_head_and_ce_only():
     (["model.depth=abc"], ["model.depth", "integer"]),
     (["loss.alpha_ce=[1]"], ["loss.alpha_ce", "number"]),
     (["data.cache_features=maybe"], ["data.cache_features", "true/false"]),
-    (["drafter=medusa"], ["drafter", "dspark", "eagle3"]),
-    (["model.head=lstm"], ["model.head", "markov", "rnn"]),
+    (["drafter=medusa"], ["drafter", *DRAFTER_BUILDERS.names()]),  # the error lists every registered drafter
+    (["model.head=lstm"], ["model.head", *SEQUENTIAL_HEADS.names()]),  # ... and every registered head
     (["budget=huge"], ["budget", "smoke", "paper"]),
     (["model.block_size=0"], ["model.block_size"]),
     (["model.depth=0"], ["model.depth"]),

@@ -196,6 +196,37 @@ def test_feature_cache_matches_online_and_feeds_batches(tiny, regen_dir, tmp_pat
     torch.testing.assert_close(batch["log_normalizer"][0, :length], cache.log_normalizer(index))
 
 
+def test_draft_vocabulary_follows_the_target_mass_else_the_training_split_counts(tiny, regen_dir, tmp_path) -> None:
+    """`model.draft_vocab_size`'s ids: the largest expected target mass of the feature cache when there is one, else
+    the most frequent supervised tokens of the given rows only (the training split), stop ids always in."""
+    from dspark.data.draft_vocab import draft_vocab_from_data
+
+    data = load_regenerated(regen_dir)
+    train, size = [0, 2, 5, 7], 24
+    counts = torch.zeros(tiny.vocab_size, dtype=torch.long)
+    for index in train:
+        ids, mask = torch.tensor(data[index]["input_ids"]), torch.tensor(data[index]["loss_mask"]).bool()
+        counts += torch.bincount(ids[mask], minlength=tiny.vocab_size)
+    by_count = draft_vocab_from_data(regen_dir, train, target=tiny, size=size)
+    assert by_count.numel() == size and set(tiny.stop_token_ids) <= set(by_count.tolist())
+    chosen = torch.zeros(tiny.vocab_size, dtype=torch.bool)
+    chosen[by_count] = True
+    chosen_by_count = chosen.clone()
+    chosen_by_count[tiny.stop_token_ids] = False  # forced in, whatever their count
+    assert int(counts[chosen_by_count].min()) >= int(counts[~chosen].max())
+    assert by_count.tolist() == sorted(by_count.tolist())
+    feature_dir = cache_features(tiny, regen_dir, cache_dir=tmp_path, batch_size=4, show_progress=False,
+                                 precision="fp32")
+    mass = FeatureCache(feature_dir).target_mass()
+    by_mass = draft_vocab_from_data(regen_dir, train, target=tiny, size=size, feature_dir=feature_dir)
+    assert set(tiny.stop_token_ids) <= set(by_mass.tolist()) and by_mass.numel() == size
+    chosen = torch.zeros(tiny.vocab_size, dtype=torch.bool)
+    chosen[by_mass] = True
+    chosen_by_mass = chosen.clone()
+    chosen_by_mass[tiny.stop_token_ids] = False
+    assert float(mass[chosen_by_mass].min()) >= float(mass[~chosen].max())  # the mass, not the split's counts
+
+
 def test_bf16_log_normalizer_and_mass_stay_close_to_fp32(tiny) -> None:
     """A bf16 prefill takes log Z and the token mass from a bf16 lm-head product and recomputes the logits near
     each row's maximum in fp32: log Z within a few thousandths of fp32 even where the logits are large enough

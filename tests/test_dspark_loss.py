@@ -9,7 +9,7 @@ import torch
 from torch import nn
 from transformers import LlamaConfig
 
-from dspark.drafters import DSparkDrafter, DSparkOutput, DraftLayerSpec
+from dspark.drafters import SEQUENTIAL_HEADS, DSparkDrafter, DSparkOutput, DraftLayerSpec
 from dspark.losses import compute_dspark_loss, position_weights
 
 VOCAB, D, M, GAMMA, MASK_ID = 97, 32, 2, 4, 96
@@ -160,7 +160,7 @@ def training_batch(seed: int = 0) -> tuple[dict, dict]:
     return inputs, dict(labels=labels, label_valid=torch.ones_like(labels, dtype=torch.bool), target_probs=target)
 
 
-@pytest.mark.parametrize("head", ["none", "markov", "rnn"])
+@pytest.mark.parametrize("head", SEQUENTIAL_HEADS.ordered())
 def test_gradients_reach_every_trained_part_and_no_frozen_one(head):
     drafter = tiny_drafter(head)
     inputs, sup = training_batch()
@@ -180,7 +180,7 @@ def test_confidence_loss_alone_trains_backbone_and_markov_embedding():
     assert drafter.head.w2.weight.grad is None or drafter.head.w2.weight.grad.abs().sum() == 0
 
 
-@pytest.mark.parametrize("head", ["none", "markov", "rnn"])
+@pytest.mark.parametrize("head", SEQUENTIAL_HEADS.ordered())
 def test_a_few_optimizer_steps_reduce_the_loss(head):
     drafter = tiny_drafter(head, seed=1)
     inputs, sup = training_batch(1)

@@ -16,6 +16,7 @@ from dspark.api import load_trained_drafter, speculative_generate
 from dspark.decoding import DSparkProposer, Eagle3Proposer, Proposal, SpeculativeEngine, build_policy
 from dspark.decoding.verify import probs_from_logits
 from dspark.drafters.factory import DrafterSpec, build_drafter
+from dspark.drafters.heads import SEQUENTIAL_HEADS
 from dspark.metrics.rollout import RolloutAcceptance
 from dspark.scheduling import SPSTable
 from dspark.drafters.checkpoint import save_drafter
@@ -222,7 +223,7 @@ class RecordingDSpark(DSparkProposer):
         return super().propose(anchor_token=anchor_token, anchor_position=anchor_position, **kwargs)
 
 
-@pytest.mark.parametrize("head", ["markov", "rnn"])
+@pytest.mark.parametrize("head", [h for h in SEQUENTIAL_HEADS.ordered() if h != "none"])
 def test_dspark_context_is_exactly_the_committed_positions_before_the_anchor(target, prompt, head):
     """H_ctx cached incrementally = a fresh fusion of the committed sequence's features at 0..p-1 (never a
     rejected draft's), and the cached-K/V block forward = the backbone's own forward on that context."""
@@ -299,7 +300,7 @@ def test_eagle3_extending_the_context_by_pieces_equals_one_pass(target):
 
 
 @pytest.mark.parametrize("temperature", [0.7, 0.0])
-@pytest.mark.parametrize("head", ["markov", "rnn", "none"])
+@pytest.mark.parametrize("head", SEQUENTIAL_HEADS.ordered())
 def test_dspark_proposal_probs_are_the_teacher_forced_distributions(target, prompt, head, temperature):
     """p_d_k and c_k of a proposal equal the drafter's teacher-forced outputs with the drafted tokens as
     x_{k-1}: the verifier is given exactly the distribution each draft was sampled from (greedy: the one-hot

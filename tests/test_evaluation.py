@@ -17,16 +17,8 @@ from dspark.evaluation.calibrate import (
     fit_calibration,
     rounds_to_arrays,
 )
-from dspark.evaluation.diagnostics import (
-    latency_breakdown,
-    load_or_profile_sps,
-    sps_table_path,
-    sweep_rows,
-    threshold_sweep,
-    write_latency_breakdown,
-    write_threshold_sweep,
-)
-from dspark.evaluation.plots import plot_conditional_acceptance
+from dspark.evaluation.diagnostics import latency_breakdown, load_or_profile_sps
+from dspark.evaluation.plots import plot_conditional_acceptance, plot_latency_breakdown, plot_threshold_sweep
 from dspark.evaluation.rollouts import (
     EvalPrompt,
     PromptRollout,
@@ -35,6 +27,7 @@ from dspark.evaluation.rollouts import (
     write_rollouts_jsonl,
 )
 from dspark.evaluation.summary import flatten_metrics, mean_ci, metric_name, report_markdown, summarize
+from dspark.scheduling.profile import serving_sps_path
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 BLOCK = 3
@@ -168,24 +161,16 @@ def test_fit_calibration_reports_and_plots(tmp_path):
     assert "ECE % before → after" in report.markdown()
 
 
-def test_sweep_rows_and_plots(tmp_path):
-    rollouts = (_pair("gsm8k", "math", "a", [_round(3, 1), _round(0, 0)])
-                + _pair("mt-bench", "chat", "b", [_round(2, 2)]))
-    rows = [r for r in sweep_rows(rollouts, threshold=0.5) if True]
-    by_domain = {r["domain"]: r for r in rows}
-    assert by_domain["math"]["accepted_per_round"] == pytest.approx(0.5)
-    assert by_domain["math"]["rejected_per_round"] == pytest.approx(1.0)
-    assert by_domain["math"]["verify_rate"] == pytest.approx(3 / 5)  # τ 2 + 1 over (3+1) + (0+1)
-    assert by_domain["all"]["rounds"] == 3
-    rows += sweep_rows(rollouts, threshold=0.9)
-    png, table = write_threshold_sweep(rows, tmp_path)
-    assert png.read_bytes()[:8] == PNG_MAGIC and "| math | 0.9 |" in table.read_text()
+def test_threshold_and_latency_plots(tmp_path):
+    """The rows `reports.diagnostics` hands the Fig. 5 and Fig. 4 (right) plots draw into PNG files."""
+    threshold = [{"domain": d, "threshold": t, "accepted_per_round": 1.0 - t, "rejected_per_round": t,
+                  "verify_rate": 0.5 + t / 2} for d in ("math", "chat") for t in (0.0, 0.5, 0.9)]
+    assert plot_threshold_sweep(threshold, tmp_path / "threshold.png").read_bytes()[:8] == PNG_MAGIC
     latency = [{"context_length": c, "head": h, "block_size": b, "rounds": 4, "verify_ms": 10.0,
                 "draft_parallel_ms": 3.0, "draft_sequential_ms": 0.5 * (h != "none"), "other_ms": 1.0,
                 "round_ms": 14.5, "sequential_share": 0.03} for c in (64, 128) for h in ("none", "markov")
                for b in (3, 7)]
-    png, table = write_latency_breakdown(latency, tmp_path)
-    assert png.read_bytes()[:8] == PNG_MAGIC and "| 128 | markov | 7 |" in table.read_text()
+    assert plot_latency_breakdown(latency, tmp_path / "latency.png").read_bytes()[:8] == PNG_MAGIC
 
 
 # ---- engine-backed (tiny target) ----
@@ -247,7 +232,7 @@ def test_sts_collection_on_tiny_drafter_stores_calibration(tiny, tmp_path, monke
 
 def test_sps_table_cached_and_reprofiled_on_mismatch(tiny, tmp_path, caplog):
     table, path = load_or_profile_sps(target=tiny, cache_dir=tmp_path, block_size=2)
-    assert path == sps_table_path(tmp_path, tiny) and path.parent.name == "sps"
+    assert path == serving_sps_path(tmp_path, tiny, num_rows=1, context_length=256)  # the R = 1 serving table
     assert table.batch_tokens == [1, 2, 3] and table.target_fingerprint == tiny.fingerprint
     again, _ = load_or_profile_sps(target=tiny, cache_dir=tmp_path, block_size=2)
     assert again.created == table.created and again.steps_per_second == table.steps_per_second
@@ -258,18 +243,8 @@ def test_sps_table_cached_and_reprofiled_on_mismatch(tiny, tmp_path, caplog):
     assert "another target or machine" in caplog.text and fresh.machine != "another machine"
 
 
-def test_threshold_sweep_and_latency_breakdown_on_tiny(tiny):
-    from dspark.decoding.proposers import DSparkProposer
-
-    prompts = [EvalPrompt("gsm8k", "math", "g", tiny.chat_prompt_ids("Add 3 and 4.")),
-               EvalPrompt("mt-bench", "chat", "c", tiny.chat_prompt_ids("Write a haiku."))]
-    rows = threshold_sweep(target=tiny, proposer=DSparkProposer(_untrained(tiny)), prompts=prompts,
-                           thresholds=[0.0, 1.0], temperature=1.0, max_new_tokens=6, seed=0, show_progress=False)
-    by_key = {(r["threshold"], r["domain"]): r for r in rows}
-    assert set(by_key) == {(t, d) for t in (0.0, 1.0) for d in ("all", "chat", "math")}
-    assert by_key[(1.0, "all")]["verified_per_round"] == 0.0  # c_k < 1 always: nothing verified, τ = 1
-    assert by_key[(1.0, "all")]["verify_rate"] == pytest.approx(1.0)
-    assert by_key[(0.0, "all")]["verified_per_round"] > 0
+def test_latency_breakdown_on_tiny(tiny):
+    """The `latency` sweep's cell runner (`sweeps.latency`) reads these rows: one per (head, γ, context)."""
     latency = latency_breakdown(target=tiny, heads=("none", "markov"), block_sizes=(3,), context_lengths=(32,),
                                 rounds=3, depth=1, markov_rank=8, show_progress=False)
     assert [(r["head"], r["block_size"], r["context_length"]) for r in latency] == [("none", 3, 32),
@@ -278,3 +253,33 @@ def test_threshold_sweep_and_latency_breakdown_on_tiny(tiny):
         assert row["rounds"] >= 1 and row["verify_ms"] > 0 and row["draft_parallel_ms"] > 0
         assert row["round_ms"] == pytest.approx(row["verify_ms"] + row["draft_parallel_ms"]
                                                 + row["draft_sequential_ms"] + row["other_ms"])
+
+
+def test_teacher_forced_steps_rerun_the_training_step_without_gradients(tiny):
+    """`evaluation.heldout`: the run's own step with its loss weights (what `val/` metrics read) and the raw block
+    forward, batch by batch, without gradients; the caller's grad mode is its own between batches."""
+    from dataclasses import asdict
+
+    from dspark.config.schema import LossConfig
+    from dspark.evaluation.heldout import teacher_forced_steps, validation_step
+    from dspark.training.steps import block_forward, dspark_step
+
+    drafter = _untrained(tiny)
+    ids = torch.tensor([tiny.chat_prompt_ids("Add 3 and 4.")])
+    anchors = torch.tensor([[2, 5, 8]])
+    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids, dtype=torch.bool),
+             "loss_mask": torch.ones_like(ids, dtype=torch.bool), "anchors": anchors,
+             "anchor_valid": torch.ones_like(anchors, dtype=torch.bool)}
+    loss = LossConfig(alpha_ce=0.3, alpha_tv=0.7)
+    [(seen, result)] = teacher_forced_steps([batch], drafter=drafter, target=tiny, block_size=BLOCK,
+                                            step=validation_step("dspark", loss), show_progress=False)
+    expected = dspark_step(drafter=drafter, target=tiny, batch=batch, block_size=BLOCK, **asdict(loss))
+    assert seen is batch and torch.equal(result.c_star, expected.c_star)
+    assert torch.equal(result.label_valid, expected.label_valid)
+    assert not result.loss.total.requires_grad and torch.is_grad_enabled()
+    torch.testing.assert_close(result.loss.total, expected.loss.total.detach())
+    [(_, (output, blocks, _))] = teacher_forced_steps([batch], drafter=drafter, target=tiny, block_size=BLOCK,
+                                                      show_progress=False)
+    direct, _, _ = block_forward(drafter=drafter, target=tiny, batch=batch, block_size=BLOCK)
+    assert torch.equal(output.logits, direct.logits) and not output.logits.requires_grad
+    assert blocks.labels.shape == (1, 3, BLOCK)

@@ -8,11 +8,23 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from dspark.config.schema import FIXED_HEAD
 from dspark.decoding.engine import SpeculativeEngine
 from dspark.decoding.policies import build_policy
 from dspark.decoding.proposers import build_proposer
-from dspark.drafters.factory import DrafterSpec, build_drafter
+from dspark.drafters.factory import DRAFTER_BUILDERS, DrafterSpec, build_drafter
+from dspark.drafters.heads import SEQUENTIAL_HEADS
 from dspark.interop import export_drafter, import_drafter
+from dspark.interop.layouts import (
+    ARCHITECTURES,
+    DRAFTER_REFUSALS,
+    HEAD_REFUSALS,
+    HEAD_TO_MARKOV_TYPE,
+    LAYOUTS,
+    NAME_MAPS,
+    NO_HEAD,
+    markov_head_type,
+)
 from dspark.targets import load_target
 from dspark.targets.builtin import TINY_SHAPE
 from dspark.targets.tiny_tokenizer import build_tiny_tokenizer
@@ -71,12 +83,34 @@ def dspark_outputs(drafter, target, *, seed: int = 1):
                        prev_tokens=torch.randint(0, target.vocab_size, (2, 3, gamma), generator=g))
 
 
-CASES = [("llama", "deepspec", "dspark", "markov"), ("llama", "deepspec", "dspark", "gated"),
-         ("llama", "deepspec", "dspark", "rnn"), ("llama", "deepspec", "dflash", "none"),
-         ("qwen3", "deepspec", "dspark", "markov"), ("qwen3", "deepspec", "dspark", "gated"),
-         ("qwen3", "deepspec", "dspark", "rnn"), ("qwen3", "deepspec", "dflash", "none"),
-         ("qwen3", "deepspec", "dspark", "markov-conf-no-markov"), ("qwen3", "speculators", "dspark", "gated"),
-         ("qwen3", "speculators", "dspark", "markov"), ("qwen3", "speculators", "dflash", "none")]
+# Drafter kinds whose round trip another test covers (a different forward signature).
+ROUND_TRIP_ELSEWHERE = {"eagle3": "test_eagle3_round_trip_is_bit_identical"}
+
+
+def exported_variants() -> list[tuple[str, str]]:
+    """(kind, head) of every registered drafter, with every registered head that no layout refuses for a kind whose
+    head `model.head` chooses: a new head or kind is round-tripped with no edit, and one without an export mapping
+    fails there with the error naming the map to extend (tests/test_registry_coverage.py checks this)."""
+    out = []
+    for kind in (k for k in DRAFTER_BUILDERS.ordered() if k not in ROUND_TRIP_ELSEWHERE):
+        fixed = FIXED_HEAD.get(kind)
+        heads = [fixed] if fixed is not None else [h for h in SEQUENTIAL_HEADS.ordered()
+                                                    if h != NO_HEAD and h not in HEAD_REFUSALS]
+        out += [(kind, head) for head in heads]
+    return out
+
+
+def round_trip_cases() -> list[tuple[str, str, str, str]]:
+    """(target family, layout, kind, head): every exported variant on a Llama- and a Qwen3-shaped target in the
+    deepspec layout and on Qwen3 in the speculators one (whose DSpark layers are Qwen3's), plus a confidence head
+    that reads h_k only."""
+    cases = [(family, layout, kind, head) for family, layout in (("llama", "deepspec"), ("qwen3", "deepspec"),
+                                                                 ("qwen3", "speculators"))
+             for kind, head in exported_variants()]
+    return cases + [("qwen3", "deepspec", "dspark", "markov-conf-no-markov")]
+
+
+CASES = round_trip_cases()
 
 
 @pytest.mark.parametrize("family, layout, kind, head", CASES, ids=["-".join(c) for c in CASES])
@@ -201,9 +235,15 @@ def _expected_dspark_names(head: str, depth: int, *, confidence: bool) -> set[st
     return names | set(DEEPSPEC_HEAD_NAMES.get(head, [])) | (set(CONFIDENCE_NAMES) if confidence else set())
 
 
-@pytest.mark.parametrize("kind, head", [("dspark", "markov"), ("dspark", "gated"), ("dspark", "rnn"),
-                                        ("dflash", "none")])
+# DeepSpec markov_head.py: the `markov_head_type` of each of its heads (VanillaMarkov is "vanilla").
+REFERENCE_MARKOV_TYPES = {"markov": "vanilla", "gated": "gated", "rnn": "rnn"}
+
+
+@pytest.mark.parametrize("kind, head", exported_variants())
 def test_deepspec_names_and_fields_match_the_reference(targets, tmp_path, kind, head):
+    assert head == NO_HEAD or head in DEEPSPEC_HEAD_NAMES and head in REFERENCE_MARKOV_TYPES, (
+        f"model.head={head!r}: add its reference tensor names to DEEPSPEC_HEAD_NAMES and its markov_head_type to "
+        "REFERENCE_MARKOV_TYPES (tests/test_interop.py), from the reference code")
     target = targets["qwen3"]
     drafter, spec = make_drafter(target, kind=kind, head=head, depth=3)
     export_drafter(drafter, spec, target, tmp_path, layout="deepspec")
@@ -218,7 +258,7 @@ def test_deepspec_names_and_fields_match_the_reference(targets, tmp_path, kind, 
     assert config["layer_types"] == ["full_attention"] * 3 and config["tie_word_embeddings"] is False
     if kind == "dspark":
         assert config["markov_rank"] == 8 and config["enable_confidence_head"] is True
-        assert config["markov_head_type"] == {"markov": "vanilla", "gated": "gated", "rnn": "rnn"}[head]
+        assert config["markov_head_type"] == REFERENCE_MARKOV_TYPES[head]
         assert config["confidence_head_with_markov"] is True
     else:  # DeepSpec config/dflash/*.py: markov_rank=0, confidence_head_alpha=0 -> enable_confidence_head False
         assert config["markov_rank"] == 0 and config["enable_confidence_head"] is False
@@ -277,6 +317,35 @@ def test_mask_embedding_is_the_mask_row_of_embed_tokens(targets, tmp_path):
     others = torch.ones(target.vocab_size, dtype=torch.bool)
     others[spec.mask_token_id] = False
     assert torch.equal(embed[others], target.embed_tokens.weight.detach()[others])
+
+
+# ---- every registered head and drafter has an exported form or a named refusal ----
+
+def export_gaps(heads: list[str], kinds: list[str]) -> list[str]:
+    """What `heads` / drafter `kinds` lack in dspark.interop.layouts, one message per missing piece."""
+    gaps = [f"model.head={head!r} has no markov_head_type in interop.layouts.HEAD_TO_MARKOV_TYPE for the {layout} "
+            "layout and no refusal in HEAD_REFUSALS" for head in heads for layout in LAYOUTS
+            if head != NO_HEAD and head not in HEAD_TO_MARKOV_TYPE and head not in HEAD_REFUSALS]
+    return gaps + [f"drafter={kind!r} has no tensor-name map (interop.layouts.NAME_MAPS) or {layout} architecture "
+                   f"(interop.layouts.ARCHITECTURES[{layout!r}]) and no refusal in DRAFTER_REFUSALS"
+                   for kind in kinds for layout in LAYOUTS if (kind, layout) not in DRAFTER_REFUSALS
+                   and (kind not in NAME_MAPS or kind not in ARCHITECTURES[layout])]
+
+
+@pytest.mark.parametrize("head", SEQUENTIAL_HEADS.ordered())
+def test_every_registered_head_has_an_export_mapping_or_a_refusal_naming_the_layout(head):
+    assert not export_gaps([head], []), export_gaps([head], [])
+    for layout in LAYOUTS:
+        if head in HEAD_REFUSALS:
+            with pytest.raises(ValueError, match=f"export.layout={layout}: model.head='{head}' cannot be represented"):
+                markov_head_type(head, layout=layout)
+        else:
+            assert markov_head_type(head, layout=layout) == HEAD_TO_MARKOV_TYPE.get(head)
+
+
+@pytest.mark.parametrize("kind", DRAFTER_BUILDERS.ordered())
+def test_every_registered_drafter_has_an_exported_form_or_a_refusal(kind):
+    assert not export_gaps([], [kind]), export_gaps([], [kind])
 
 
 # ---- what cannot be represented, and target/drafter disagreements ----

@@ -25,9 +25,12 @@ import pytest
 import torch
 
 from dspark.calibration.sts import STSCalibration
+from dspark.config.schema import CONFIDENCE_HEAD, CONFIDENCE_POLICIES, FIXED_HEAD
+from dspark.decoding import POLICIES as POLICY_REGISTRY
 from dspark.decoding import SpeculativeEngine, build_policy, build_proposer
 from dspark.decoding import engine as engine_module
-from dspark.drafters.factory import DrafterSpec, build_drafter
+from dspark.drafters.factory import DRAFTER_BUILDERS, DrafterSpec, build_drafter
+from dspark.drafters.heads import SEQUENTIAL_HEADS
 from dspark.scheduling import SPSTable
 from lossless_checks import pit_values, residual_ignoring_verifier, uniformity_p_values
 
@@ -37,17 +40,35 @@ NUM_GENERATIONS = 300   # ≈ 4 s per drafter/policy pair on one core
 P_MIN = 1e-3
 # Slot j is admitted while Θ improves; for slot 1 that is a_1 > 0.5 (see tests/test_policies.py).
 SPS = SPSTable(batch_tokens=list(range(1, 10)), steps_per_second=[1 / (1 + (b - 1) / 2) for b in range(1, 10)])
+
+
+def lossless_drafters() -> dict[str, tuple[str, str]]:
+    """name → (kind, head) of every registered drafter: '<kind>' for a kind that fixes its head (config.schema
+    FIXED_HEAD), '<kind>-<head>' for every registered head but `none` otherwise — so a newly registered drafter or
+    head is tested here with no edit (tests/test_registry_coverage.py checks that)."""
+    out = {}
+    for kind in DRAFTER_BUILDERS.ordered():
+        fixed = FIXED_HEAD.get(kind)
+        heads = [fixed] if fixed is not None else [h for h in SEQUENTIAL_HEADS.ordered() if h != "none"]
+        out |= {kind if fixed is not None else f"{kind}-{head}": (kind, head) for head in heads}
+    return out
+
+
 # name → (kind, head); a "-vd" suffix drafts over DRAFT_VOCAB, "-bf16" runs the parallel stage in bf16.
-DRAFTERS = {"dspark-markov": ("dspark", "markov"), "dspark-gated": ("dspark", "gated"), "dspark-rnn": ("dspark", "rnn"),
-            "dflash": ("dflash", "none"), "eagle3": ("eagle3", "none"), "dspark-markov-vd": ("dspark", "markov"),
-            "dflash-vd": ("dflash", "none"), "eagle3-vd": ("eagle3", "none"), "dspark-rnn-vd-bf16": ("dspark", "rnn"),
-            "dspark-markov-vd-int8": ("dspark", "markov")}
+DRAFTERS = lossless_drafters() | {
+    "dspark-markov-vd": ("dspark", "markov"), "dflash-vd": ("dflash", "none"), "eagle3-vd": ("eagle3", "none"),
+    "dspark-rnn-vd-bf16": ("dspark", "rnn"), "dspark-markov-vd-int8": ("dspark", "markov")}
 POLICIES = ("fixed", "threshold", "scheduler")
-ALL_POLICIES = ("fixed", "mtp1", "static", "threshold", "calibrated_threshold", "scheduler", "async")
-CASES = ([(d, p) for d in ("dspark-markov", "dspark-gated", "dspark-rnn", "dflash", "eagle3") for p in POLICIES]
+ALL_POLICIES = tuple(POLICY_REGISTRY.ordered())
+CASES = ([(d, p) for d in lossless_drafters() for p in POLICIES]
          + [("dspark-markov-vd", p) for p in ALL_POLICIES]
          + [("dflash-vd", "fixed"), ("eagle3-vd", "fixed"), ("dspark-rnn-vd-bf16", "scheduler"),
             ("dspark-markov-vd-int8", "scheduler")])
+
+
+def needs_confidence_head(drafter_name: str, policy: str) -> bool:
+    """A policy that reads c_k with a drafter that has no confidence head (DFlash, EAGLE-3): refused."""
+    return not CONFIDENCE_HEAD[DRAFTERS[drafter_name][0]] and policy in CONFIDENCE_POLICIES
 # Uneven per-slot temperatures: calibrated confidences differ from the raw ones in both directions.
 CALIBRATION = STSCalibration(temperatures=[2.0, 0.5, 1.0], grid=[0.5, 1.0, 2.0], n_bins=20, ece_before=[],
                              ece_after=[])
@@ -132,8 +153,7 @@ def chi_square_p_values(target, prompt, results) -> dict[str, float]:
 
 @pytest.mark.parametrize(("drafter_name", "policy"), CASES)
 def test_sampling_matches_the_target_distribution(target, prompt, drafter_name, policy):
-    kind = DRAFTERS[drafter_name][0]
-    if kind != "dspark" and policy != "fixed":  # DFlash and EAGLE-3 have no confidence head
+    if needs_confidence_head(drafter_name, policy):  # DFlash and EAGLE-3 have no confidence head
         with pytest.raises(ValueError, match="confidence head"):
             make_engine(target, drafter_name, policy)
         return
@@ -231,8 +251,7 @@ def greedy_cases(target, prompt):
     return [(list(target.stop_token_ids), "max_new_tokens", free), ([stop], "eos", stopped)]
 
 
-@pytest.mark.parametrize(("drafter_name", "policy"), [c for c in CASES if DRAFTERS[c[0]][0] == "dspark"
-                                                      or c[1] == "fixed"])
+@pytest.mark.parametrize(("drafter_name", "policy"), [c for c in CASES if not needs_confidence_head(*c)])
 def test_greedy_equals_hf_generate(target, prompt, greedy_cases, drafter_name, policy):
     for stop_ids, reason, expected in greedy_cases:
         stopped = copy.copy(target)

@@ -94,7 +94,7 @@ def test_report_matches_golden(sweep, tmp_path, store_root):
     runs = collect_sweep_runs(store, sweep=sweep)
     assert runs.frame.height == len(SEEDED[sweep]) and runs.status_counts == {"FINISHED": len(SEEDED[sweep]),
                                                                              "RUNNING": 1}
-    text, figures = build_report(runs, spec=load_sweep(sweep), out_dir=tmp_path / "reports", provenance=PROVENANCE)
+    text, figures, _ = build_report(runs, spec=load_sweep(sweep), out_dir=tmp_path / "reports", provenance=PROVENANCE)
     assert figures and all(f.exists() and f.stat().st_size > 1000 for f in figures)
     golden = GOLDEN / f"{sweep}.md"
     if os.environ.get("DSPARK_UPDATE_GOLDEN"):
@@ -116,7 +116,7 @@ def test_write_report_attaches_it_to_the_parent(tmp_path, store_root):
     path = write_sweep_report(rc, load_sweep("depth"), store=store, parent_id=parent)
     assert path == tmp_path / "reports" / "depth.md" and (tmp_path / "reports" / "depth-depth.png").exists()
     attached = {a.path for a in store.client.list_artifacts(parent, "report")}
-    assert attached == {"report/depth.md", "report/depth-depth.png"}
+    assert attached == {"report/depth.md", "report/depth.html", "report/depth-depth.png", "report/depth.claims.json"}
 
 
 def test_the_header_names_the_machines_the_cells_ran_on(tmp_path, store_root):
@@ -172,10 +172,10 @@ def test_hand_written_notes_are_kept_through_regeneration(tmp_path, store_root):
     runs = collect_sweep_runs(store, sweep="depth")
     out = tmp_path / "reports"
     out.mkdir()
-    plain, _ = build_report(runs, spec=load_sweep("depth"), out_dir=out, provenance=PROVENANCE)
+    plain, _, _ = build_report(runs, spec=load_sweep("depth"), out_dir=out, provenance=PROVENANCE)
     assert "Investigation notes" not in plain
     (out / "depth.notes.md").write_text("Deeper drafters overfit 61 sequences.\n")
-    text, _ = build_report(runs, spec=load_sweep("depth"), out_dir=out, provenance=PROVENANCE)
+    text, _, _ = build_report(runs, spec=load_sweep("depth"), out_dir=out, provenance=PROVENANCE)
     assert "## Investigation notes" in text and "Deeper drafters overfit 61 sequences." in text
 
 
@@ -190,7 +190,7 @@ def test_cells_missing_an_axis_of_another_grid_block_are_reported(tmp_path, stor
                {"summary/tau": 1.25 + 0.1 * g, "eval/all/tau": 1.25 + 0.1 * g, "val/tau_prob": 1.1}) for g in (3, 7)]
     _seed_sweep(store, sweep="block_size", cells=cells)
     runs = collect_sweep_runs(store, sweep="block_size")
-    text, _ = build_report(runs, spec=load_sweep("block_size"), out_dir=tmp_path / "reports", provenance=PROVENANCE)
+    text, _, _ = build_report(runs, spec=load_sweep("block_size"), out_dir=tmp_path / "reports", provenance=PROVENANCE)
     dflash = [line for line in text.splitlines() if line.startswith("| DFlash γ=")]
     assert len(dflash) == 2 and all("1.100 (n=1)" in line for line in dflash), dflash
     ours = next(line for line in text.splitlines() if line.startswith("Ours, DSpark (markov)"))
@@ -213,7 +213,7 @@ def test_block_size_claim_reads_rollouts_and_the_teacher_forced_proxy(tmp_path, 
                                  "val/tau_prob": proxy[drafter][g]}))
     _seed_sweep(store, sweep="block_size", cells=cells)
     runs = collect_sweep_runs(store, sweep="block_size")
-    text, _ = build_report(runs, spec=load_sweep("block_size"), out_dir=tmp_path / "reports", provenance=PROVENANCE)
+    text, _, _ = build_report(runs, spec=load_sweep("block_size"), out_dir=tmp_path / "reports", provenance=PROVENANCE)
     lines = [line for line in text.splitlines() if line.startswith("Ours, DSpark (markov) vs DFlash")]
     assert len(lines) == 2, lines
     assert lines[0].startswith("Ours, DSpark (markov) vs DFlash (eval/all/tau): γ=3 +10.2%, γ=7 +8.9%, γ=15 +15.4%")
@@ -241,7 +241,7 @@ def test_block_size_judges_the_gain_change_per_domain_with_intervals(tmp_path, s
         cells.append((axes, metrics))
     _seed_sweep(store, sweep="block_size", cells=cells)
     runs = collect_sweep_runs(store, sweep="block_size")
-    text, _ = build_report(runs, spec=load_sweep("block_size"), out_dir=tmp_path / "reports", provenance=PROVENANCE)
+    text, _, _ = build_report(runs, spec=load_sweep("block_size"), out_dir=tmp_path / "reports", provenance=PROVENANCE)
     assert "DSpark (markov) vs DFlash by domain, per-prompt τ gain, 95% CIs:" in text
     rows = {line.split("|")[1].strip(): [c.strip() for c in line.split("|")[2:-1]]
             for line in text.splitlines() if line.startswith("| γ=")}
@@ -263,7 +263,7 @@ def test_block_size_judges_the_rnn_head_against_markov_at_each_gamma(tmp_path, s
         cells.append(({"drafter": "dspark", "model.head": head, "model.block_size": g, "seed": 0}, metrics))
     _seed_sweep(store, sweep="block_size", cells=cells)
     runs = collect_sweep_runs(store, sweep="block_size")
-    text, _ = build_report(runs, spec=load_sweep("block_size"), out_dir=tmp_path / "reports", provenance=PROVENANCE)
+    text, _, _ = build_report(runs, spec=load_sweep("block_size"), out_dir=tmp_path / "reports", provenance=PROVENANCE)
     assert "DSpark (rnn) vs DSpark (markov) at the same γ" in text
     lines = {line.split(":")[0]: line for line in text.splitlines() if line.startswith("- γ=")}
     assert set(lines) == {"- γ=3", "- γ=15"}, lines
@@ -327,7 +327,7 @@ def test_head_and_main_reports_judge_the_claims_with_intervals(store_root, tmp_p
     cells = [({"model.head": head, "seed": s}, metrics(shift, cond2, s)) for s in (0, 1)
              for head, shift, cond2 in (("none", 0.0, 0.10), ("markov", 0.2, 0.30), ("rnn", 0.001, 0.10))]
     _seed_sweep(store, sweep="head", cells=cells)
-    text, _ = build_report(collect_sweep_runs(store, sweep="head"), spec=load_sweep("head"), out_dir=tmp_path,
+    text, _, _ = build_report(collect_sweep_runs(store, sweep="head"), spec=load_sweep("head"), out_dir=tmp_path,
                            provenance=PROVENANCE)
     assert "markov vs none, 95% CIs:" in text
     markov = text.split("markov vs none, 95% CIs:")[1].split("rnn vs none")[0]
@@ -357,7 +357,7 @@ def test_depth_report_judges_the_trend_against_the_shallowest(store_root, tmp_pa
              for s in (0, 1) for d, t in taus.items()]
     cells.append(({"drafter": "dflash", "model.depth": 5, "seed": 0}, metrics(1.2, 0)))
     _seed_sweep(store, sweep="depth", cells=cells)
-    text, _ = build_report(collect_sweep_runs(store, sweep="depth"), spec=load_sweep("depth"), out_dir=tmp_path,
+    text, _, _ = build_report(collect_sweep_runs(store, sweep="depth"), spec=load_sweep("depth"), out_dir=tmp_path,
                            provenance=PROVENANCE)
     trend = text.split("Deeper DSpark vs depth 1")[1].split("## ")[0]
     depth3 = next(line for line in trend.splitlines() if line.startswith("- depth 3:"))
@@ -374,7 +374,7 @@ def test_depth_report_judges_the_trend_against_the_shallowest(store_root, tmp_pa
 
     store = _store(store_root, "depth-trend-one-seed")
     _seed_sweep(store, sweep="depth", cells=[c for c in cells if c[0]["seed"] == 0])
-    text, _ = build_report(collect_sweep_runs(store, sweep="depth"), spec=load_sweep("depth"), out_dir=tmp_path,
+    text, _, _ = build_report(collect_sweep_runs(store, sweep="depth"), spec=load_sweep("depth"), out_dir=tmp_path,
                            provenance=PROVENANCE)
     assert "held-out τ_prob 1.410 vs 1.400 (a single seed: no interval)" in text
     assert "held-out τ_prob **not measured**" in text

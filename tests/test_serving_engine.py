@@ -8,6 +8,7 @@ import torch
 from dspark.calibration.sts import STSCalibration, scale_confidence
 from dspark.decoding import DSparkProposer
 from dspark.drafters.factory import DrafterSpec, build_drafter
+from dspark.drafters.heads import SEQUENTIAL_HEADS
 from dspark.scheduling import SPSTable
 from dspark.serving import (
     BatchedDSparkProposer,
@@ -143,8 +144,9 @@ def test_remove_all_rows_then_join_again(target, prompts):
                                atol=1e-5, rtol=1e-4)
 
 
-@pytest.mark.parametrize(("kind", "head", "temperature"), [("dspark", "markov", 1.0), ("dspark", "rnn", 1.0),
-                                                           ("dflash", "none", 1.0), ("dspark", "markov", 0.0)])
+@pytest.mark.parametrize(("kind", "head", "temperature"),
+                         [("dspark", head, 1.0) for head in SEQUENTIAL_HEADS.ordered() if head != "none"]
+                         + [("dflash", "none", 1.0), ("dspark", "markov", 0.0)])
 def test_batched_proposer_equals_dspark_proposer(target, prompts, kind, head, temperature):
     """Same contexts (joined, extended by different counts, a row leaving) → the same drafts, p_d and c_k as one
     DSparkProposer per request with the same generator; many stop ids make rows stop drafting early."""

@@ -111,18 +111,15 @@ def test_command_line_axis_value_selects_cells_and_keeps_the_hash():
 
 
 def test_a_sweep_tag_starts_a_new_parent_and_an_empty_one_keeps_the_old_hash():
-    """sweep_tag=NAME enters the sweep's hash and nothing else (re-measuring a timing sweep after a code change
-    starts a fresh parent instead of resuming); unset, the hashed configs hold no such key, so a sweep run before
-    the key existed keeps its hash; the cells' training keys never see it."""
+    """sweep_tag=NAME enters the sweep's identity and nothing else (re-measuring a timing sweep after a code change
+    starts a fresh parent instead of resuming); the cells' training keys never see it."""
     from dspark.stages.context import training_key
-    from dspark.sweeps.identity import hashable_config
 
     spec = load_sweep("depth")
     plain = plan_grid(resolve_config(["budget=smoke", "sweep=depth"]), spec)
     tagged = plan_grid(resolve_config(["budget=smoke", "sweep=depth", "sweep_tag=after-the-fix"]), spec)
     again = plan_grid(resolve_config(["budget=smoke", "sweep=depth", "sweep_tag=after-the-fix"]), spec)
     assert tagged.sweep_hash != plain.sweep_hash and again.sweep_hash == tagged.sweep_hash
-    assert all("sweep_tag" not in hashable_config(pc.rc) for pc in plain.cells)
     assert [training_key(pc.rc.cfg) for pc in tagged.cells] == [training_key(pc.rc.cfg) for pc in plain.cells]
 
 
@@ -218,7 +215,7 @@ def test_a_supervision_fix_starts_a_new_sweep_instead_of_resuming_cells_trained_
     report = ["sweep=depth", "stage=report", *FAST, f"paths.root={shared_root}", f"paths.reports={tmp_path}",
               f"tracking.experiment={experiment}"]
     assert main(report) == 0
-    assert new_parent in (tmp_path / "depth.md").read_text()
+    assert f"sweep.hash = {new_hash}" in (tmp_path / "depth.md").read_text()
 
 
 def test_a_supervision_fix_starts_a_new_optuna_study(monkeypatch):
@@ -255,12 +252,13 @@ def test_failed_cell_is_marked_and_the_sweep_goes_on(shared_root, monkeypatch, o
     assert len(_finished(cells)) == 4 and len(cells) == 5
 
 
-def test_report_of_a_sweep_without_finished_runs_says_so(shared_root, tmp_path):
+def test_report_of_a_sweep_without_finished_runs_refuses_and_writes_nothing(shared_root, tmp_path, capsys):
     argv = ["sweep=threshold", "stage=report", "budget=smoke", f"paths.root={shared_root}",
             f"paths.reports={tmp_path}", "tracking.experiment=empty"]
-    assert main(argv) == 0
-    text = (tmp_path / "threshold.md").read_text()
-    assert "No finished runs of sweep `threshold`" in text and "|---|" not in text
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "sweep `threshold` has no finished cell" in err and "python experiments/run.py sweep=threshold" in err
+    assert not (tmp_path / "threshold.md").exists()
     client = _client(shared_root)
     assert not client.search_runs([client.get_experiment_by_name("empty").experiment_id])  # nothing ran
 
@@ -313,3 +311,49 @@ def test_processes_of_one_sweep_split_the_cells_by_claims(other_finishes, tmp_pa
     parents, cells = _sweep_runs(str(tmp_path), "claims", "depth")
     assert len(parents) == 1 and parents[0].info.status == "FINISHED"
     assert len(_finished(cells)) == 3 == len(cells)
+
+
+def test_two_processes_of_one_sweep_command_run_each_cell_once(tmp_path):
+    """Two real processes started with the same sweep command on one store split its cells: every cell finishes once,
+    no cell is run by both."""
+    import os
+    import subprocess
+    import sys
+
+    argv = ["sweep=head", "stage=train", *FAST, "sweep.seeds=[0]", "sweep.axes.model.head=[none,markov,rnn]",
+            f"paths.root={tmp_path}", "tracking.experiment=spread"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    script = "import sys; from dspark.cli import main; sys.exit(main(sys.argv[1:]))"
+    procs = [subprocess.Popen([sys.executable, "-c", script, *argv], env=env, stdout=subprocess.DEVNULL,
+                              stderr=subprocess.PIPE, text=True) for _ in range(2)]
+    errors = [p.communicate(timeout=600)[1] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], errors
+    parents, cells = _sweep_runs(str(tmp_path), "spread", "head")
+    assert len(parents) == 1
+    assert _finished(cells) == ["model.head=markov seed=0", "model.head=none seed=0", "model.head=rnn seed=0"]
+    assert len(cells) == 3  # no cell was attempted twice
+
+
+def test_workers_on_two_machines_sharing_one_store_run_each_cell_once(tmp_path):
+    """Two workers with their own paths.root (two machines: no shared file locks, caches or ledgers) and one shared
+    tracking store: the store claims split the cells, one parent run, every cell finished once."""
+    import os
+    import subprocess
+    import sys
+
+    shared = f"sqlite:///{tmp_path / 'server.db'}"
+    argv = ["sweep=head", "stage=train", *FAST, "sweep.seeds=[0]", "sweep.axes.model.head=[none,markov,rnn]",
+            f"tracking.uri={shared}", "tracking.experiment=machines"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    script = "import sys; from dspark.cli import main; sys.exit(main(sys.argv[1:]))"
+    procs = [subprocess.Popen([sys.executable, "-c", script, *argv, f"paths.root={tmp_path / f'machine{i}'}"],
+                              env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True) for i in range(2)]
+    errors = [p.communicate(timeout=600)[1] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], errors
+    client = MlflowClient(shared)
+    runs = client.search_runs([client.get_experiment_by_name("machines").experiment_id],
+                              "tags.`sweep.name` = 'head'", max_results=100)
+    assert len([r for r in runs if r.data.tags.get("sweep.role") == "parent"]) == 1
+    cells = [r for r in runs if r.data.tags.get("sweep.role") == "cell"]
+    assert _finished(cells) == ["model.head=markov seed=0", "model.head=none seed=0", "model.head=rnn seed=0"]
+    assert len(cells) == 3

@@ -195,8 +195,11 @@ def test_sigkill_mid_training_leaves_a_readable_store_and_the_rerun_resumes(tmp_
     assert killed.info.status == "RUNNING"  # nobody could close it: the store says so, and stays readable
 
     report_log = tmp_path / "report.log"
-    _wait([_start(argv + ["stage=report"], log=report_log)], [report_log])
-    assert "RUNNING 1" in (root / "reports" / "depth.md").read_text()  # the killed cell, counted, not tabulated
+    proc = _start(argv + ["stage=report"], log=report_log)
+    proc.wait(timeout=900)
+    text = report_log.read_text()
+    assert proc.returncode == 2 and "RUNNING 1" in text  # the killed cell, counted, not tabulated: no report
+    assert not (root / "reports" / "depth.md").exists()
 
     rerun_log = tmp_path / "rerun.log"
     _wait([_start(argv, log=rerun_log, DSPARK_SWEEP_MAX_CELLS="1")], [rerun_log])

@@ -6,9 +6,10 @@ import pytest
 import torch
 
 from dspark.config import RunConfig
-from dspark.config.schema import LossConfig, OptimConfig
+from dspark.config.schema import FIXED_HEAD, LossConfig, OptimConfig
 from dspark.data.blocks import sample_anchors
-from dspark.drafters.factory import build_drafter, drafter_spec_for
+from dspark.drafters.factory import DRAFTER_BUILDERS, build_drafter, drafter_spec_for
+from dspark.drafters.heads import SEQUENTIAL_HEADS
 from dspark.targets import load_target
 from dspark.training.module import DrafterModule
 
@@ -27,9 +28,13 @@ def _batch(target, *, batch=2, length=96, anchors=8) -> dict[str, torch.Tensor]:
             "anchors": picked, "anchor_valid": torch.ones_like(picked, dtype=torch.bool)}
 
 
-@pytest.mark.parametrize("kind, head, objective", [
-    ("dspark", "markov", "paper"), ("dspark", "gated", "paper"), ("dspark", "rnn", "paper"),
-    ("dspark", "none", "paper"), ("dflash", "none", "paper"), ("eagle3", "none", "paper"),
+# Every registered drafter with the paper's loss (each registered head where model.head chooses it), then D-PARD and
+# a confidence head without W_1 on a few of them.
+PAPER_CASES = [(kind, head, "paper") for kind in DRAFTER_BUILDERS.ordered()
+               for head in ([FIXED_HEAD[kind]] if FIXED_HEAD.get(kind) else SEQUENTIAL_HEADS.ordered())]
+
+
+@pytest.mark.parametrize("kind, head, objective", PAPER_CASES + [
     ("dspark", "markov", "dpard"), ("dspark", "gated", "dpard"), ("dflash", "none", "dpard"),
     ("dspark", "markov", "paper-conf-no-markov"),
 ])

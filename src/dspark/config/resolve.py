@@ -51,6 +51,8 @@ class ResolvedConfig:
     cfg: RunConfig
     explicit_keys: set[str] = field(default_factory=set)  # keys set by a sweep cell or the command line
     argv: list[str] = field(default_factory=list)
+    #: the sweep's own arguments (`sweep.axes.<key>=[...]`, `sweep.seeds=[...]`), read by the sweep driver
+    sweep_args: dict[str, Any] = field(default_factory=dict)
 
     @property
     def root(self) -> Path:
@@ -61,9 +63,16 @@ class ResolvedConfig:
         return Path(self.cfg.paths.reports)
 
 
+#: command-line keys that belong to the sweep driver, not to the config schema (`sweep.axes.*`, `sweep.seeds`)
+SWEEP_ARG_PREFIX = "sweep."
+
+
 def resolve_config(argv: list[str], *, cell_overrides: dict[str, Any] | None = None) -> ResolvedConfig:
     """Parse argv (`key=value ...`) into a validated config. `cell_overrides` come from a sweep cell."""
     overrides = parse_overrides(argv)
+    sweep_args = {k: overrides.pop(k) for k in list(overrides) if k.startswith(SWEEP_ARG_PREFIX)}
+    if sweep_args and not overrides.get("sweep"):
+        raise ConfigError(f"{', '.join(sweep_args)}: these change a sweep's axes; add sweep=NAME (sweeps/NAME.yaml).")
     cell = dict(cell_overrides or {})
     budget = overrides.get("budget", cell.get("budget"))
     cfg = apply_overrides(RunConfig(), load_yaml(experiments_dir() / "default.yaml"), source="experiments/default.yaml")
@@ -79,7 +88,7 @@ def resolve_config(argv: list[str], *, cell_overrides: dict[str, Any] | None = N
         cfg.data.train_weights = []  # a budget's per-set weights belong to its own train_sets: equal shares instead
     resolve_paths(cfg)
     validate_config(cfg, explicit_keys=explicit)
-    return ResolvedConfig(cfg=cfg, explicit_keys=explicit, argv=list(argv))
+    return ResolvedConfig(cfg=cfg, explicit_keys=explicit, argv=list(argv), sweep_args=sweep_args)
 
 
 def apply_drafter_defaults(cfg: RunConfig, explicit: set[str]) -> None:
@@ -95,12 +104,12 @@ def apply_drafter_defaults(cfg: RunConfig, explicit: set[str]) -> None:
 
 
 def resolve_paths(cfg: RunConfig) -> None:
-    """Make paths absolute; default root is <repo>/outputs with reports in <repo>/reports."""
-    default_root = not cfg.paths.root
-    root = repo_root() / "outputs" if default_root else Path(cfg.paths.root).expanduser()
+    """Make paths absolute; the default root is <repo>/outputs (git-ignored), reports go to <root>/reports: a run
+    writes nothing into the tracked tree (results/ is curated by `make results`, never by a run)."""
+    root = repo_root() / "outputs" if not cfg.paths.root else Path(cfg.paths.root).expanduser()
     cfg.paths.root = str(root.resolve())
     if not cfg.paths.reports:
-        cfg.paths.reports = str((repo_root() / "reports") if default_root else root.resolve() / "reports")
+        cfg.paths.reports = str(root.resolve() / "reports")
 
 
 def validate_config(cfg: RunConfig, *, explicit_keys: set[str] = frozenset()) -> None:
@@ -196,6 +205,8 @@ def _serve_rules(cfg: RunConfig) -> list[tuple[bool, str]]:
         (s.max_new_tokens >= 1, f"serve.max_new_tokens must be ≥ 1 (got {s.max_new_tokens})."),
         (s.static_k >= 0, f"serve.static_k must be ≥ 0 (got {s.static_k})."),
         (cfg.decode.static_k >= 0, f"decode.static_k must be ≥ 0 (got {cfg.decode.static_k})."),
+        (cfg.decode.speed_prompts >= 0, f"decode.speed_prompts must be ≥ 0 (got {cfg.decode.speed_prompts}): "
+                                        "the prompts the speed-up line times; 0 skips it."),
         (0.0 <= s.threshold <= 1.0, f"serve.threshold must lie in [0, 1] (got {s.threshold})."),
         (s.trace_concurrency >= 1, f"serve.trace_concurrency must be ≥ 1 (got {s.trace_concurrency})."),
         (all(int(r) >= 1 for r in s.simulate_concurrency),

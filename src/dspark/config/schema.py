@@ -46,7 +46,7 @@ def drafter_head(drafter: str, head: str) -> str:
 class PathsConfig:
     #: every output of a run goes under root (MLflow store, caches, checkpoints, reports); "" = <repo>/outputs
     root: str = ""
-    #: where markdown reports go; "" = <repo>/reports for the default root, else <root>/reports
+    #: where markdown reports go; "" = <root>/reports (a run never writes into the tracked tree)
     reports: str = ""
 
 
@@ -54,8 +54,9 @@ class PathsConfig:
 class TargetConfig:
     trust_remote_code: bool = False  #: off unless you trust the model repository's code
     mask_token_id: Optional[int] = None  #: override the reserved MASK row (METHOD §2.1); None = automatic
-    dtype: str = "float32"  #: float32 | bfloat16 | float16; on AMX-BF16 CPUs bf16 verifies 2–8 tokens for ~one step's cost
+    #: float32 | bfloat16 | float16; on AMX-BF16 CPUs bf16 verifies 2–8 tokens for ~one step's cost
     #: (benchmarks/results/decoding*.md); on CPUs without bf16 instructions bf16 is slower than fp32. Drafters serve any dtype
+    dtype: str = "float32"
 
 
 @dataclass
@@ -80,9 +81,9 @@ class ModelConfig:
 
 @dataclass
 class LossConfig:
-    alpha_ce: float = 0.1
-    alpha_tv: float = 0.9
-    alpha_conf: float = 1.0
+    alpha_ce: float = 0.1  #: α_ce, weight of the cross-entropy to the target's token (METHOD §3; paper 0.1)
+    alpha_tv: float = 0.9  #: α_tv, weight of the L1 distance ‖p_d − p_t‖₁ (paper 0.9)
+    alpha_conf: float = 1.0  #: α_conf, weight of the confidence head's BCE against c* (paper 1.0)
     decay: float = 4.0  #: γ_w of the position weights exp(-(k-1)/γ_w); 4 produced Table 1
     #: paper = α_ce·CE + α_tv·L1 + α_conf·BCE (METHOD §3); dpard = speculators' D-PARD (Rényi-½ actor with
     #: detached acceptance-derived position weights, reach-weighted confidence BCE; alpha_ce/alpha_tv/decay unused)
@@ -96,11 +97,11 @@ class SamplingConfig:
     min-p 0). The one sampling record: the config group `data.sampling` and what `dspark.data.regenerate` samples
     with. Temperature 0 means greedy decoding. A value out of range is refused on construction."""
 
-    temperature: float = 0.7
-    top_p: float = 0.8
-    top_k: int = 20
-    max_new_tokens: int = 256
-    batch_size: int = 8
+    temperature: float = 0.7  #: T of regeneration (0 = greedy)
+    top_p: float = 0.8  #: nucleus mass kept (1 = off)
+    top_k: int = 20  #: most likely tokens kept (0 = off)
+    max_new_tokens: int = 256  #: cap on each regenerated response
+    batch_size: int = 8  #: prompts regenerated together
     system_prompt: Optional[str] = None  #: None = whatever the target's chat template does by default
     #: generate = transformers' `generate`; lean = our own loop (`dspark.data.regenerate.sample_lean`): the same
     #: distribution (same processors, in the same order), drawn with one uniform per row by inverse CDF instead of
@@ -140,8 +141,8 @@ class DataConfig:
     regen_precision: str = "auto"  #: the target while it regenerates responses: auto (as feature_precision) | bf16 | fp32
     local_dir: Optional[str] = None  #: directory of JSONL prompt files (schema of shared/data); wins over the hub
     max_length: int = 1024  #: truncate regenerated sequences (tokens)
-    val_fraction: float = 0.05
-    calib_fraction: float = 0.05
+    val_fraction: float = 0.05  #: sequences held out for validation (val/* metrics)
+    calib_fraction: float = 0.05  #: sequences held out for STS calibration
     max_anchors: int = 64  #: K, anchors per sequence per epoch (DeepSpec 512)
     batch_size: int = 4  #: sequences per micro-batch
     cache_features: bool = True  #: store target features once instead of recomputing them every epoch
@@ -150,26 +151,26 @@ class DataConfig:
 
 @dataclass
 class OptimConfig:
-    lr: float = 6e-4
-    weight_decay: float = 0.0
-    beta1: float = 0.9
-    beta2: float = 0.999
-    warmup_fraction: float = 0.04
-    grad_clip: float = 1.0
-    epochs: int = 10
+    lr: float = 6e-4  #: AdamW peak learning rate (DeepSpec 6e-4)
+    weight_decay: float = 0.0  #: AdamW weight decay
+    beta1: float = 0.9  #: AdamW β1
+    beta2: float = 0.999  #: AdamW β2
+    warmup_fraction: float = 0.04  #: share of the steps in linear warm-up before the cosine decay
+    grad_clip: float = 1.0  #: gradient-norm clip
+    epochs: int = 10  #: passes over the training sequences (paper 10)
     max_steps: int = -1  #: -1 = epochs decide
-    accumulate_grad_batches: int = 1
+    accumulate_grad_batches: int = 1  #: micro-batches per optimiser step
 
 
 @dataclass
 class TrainerConfig:
-    accelerator: str = "auto"
-    devices: int = 1
+    accelerator: str = "auto"  #: auto | cpu | gpu (Lightning)
+    devices: int = 1  #: devices per node (data-parallel ranks with strategy=ddp)
     strategy: str = "auto"  #: ddp | fsdp | auto ...; see README "Scaling out"
-    num_nodes: int = 1
+    num_nodes: int = 1  #: machines (multi-node under torchrun / SLURM)
     precision: str = "auto"  #: auto = bf16-mixed on AMX/AVX512-BF16 CPUs / bf16 GPUs, else 32-true; or any Lightning value
-    log_every_n_steps: int = 10
-    val_check_interval: float = 1.0
+    log_every_n_steps: int = 10  #: train/* logging and progress-bar period
+    val_check_interval: float = 1.0  #: validate every this fraction of an epoch
     #: a checkpoint every this many minutes of training inside an epoch (besides every epoch end; 0 = epoch ends
     #: only): a killed run resumes from it, mid-epoch, with the same batches to come. How results are kept, not what
     #: they are: outside sweep hashes and training keys
@@ -182,6 +183,10 @@ class DecodeConfig:
     policy: str = "fixed"
     threshold: float = 0.5  #: θ of threshold / calibrated_threshold
     static_k: int = 2  #: drafts verified per round by decode.policy=static
+    #: evaluation prompts (taken in turn from decode.eval_sets) on which decode.policy=scheduler is timed against
+    #: target-only decoding for the run's speed-up line, when decode.baseline and decode.policy is not scheduler
+    #: itself; 0 = skip (τ under decode.policy is measured on every prompt either way)
+    speed_prompts: int = 6
     #: what scheduler / async price a round with: profile = the SPS(B) table profiled at the start (decisions
     #: reproduce from a seed) | measured = re-priced after every round from the rounds' own verify time per B and
     #: their drafting cost (dspark.scheduling.measured; follows the machine's real costs, timing-dependent ℓ)
@@ -190,9 +195,9 @@ class DecodeConfig:
     #: int8 linear layers, CPU only: ~2-5x cheaper products where fp32 reads DRAM); decode.* and serve.* alike
     drafter_precision: str = "auto"
     temperature: float = 1.0  #: 0 = greedy verification
-    max_new_tokens: int = 128
-    eval_sets: list[str] = field(default_factory=lambda: ["gsm8k", "humaneval", "mt-bench"])
-    prompts_per_set: int = 4
+    max_new_tokens: int = 128  #: tokens decoded per evaluation prompt
+    eval_sets: list[str] = field(default_factory=lambda: ["gsm8k", "humaneval", "mt-bench"])  #: one per domain
+    prompts_per_set: int = 4  #: evaluation prompts per set
     calibrate: bool = True  #: fit STS on the calibration split before threshold/scheduler decoding
     #: also decode every prompt target-only, for the speed-up; false = τ and acceptance only (the lossless output is
     #: the target's either way), which the reference sweeps use: it saves a third of their evaluation time
@@ -220,14 +225,12 @@ class ServeConfig:
     #: paper's Algorithm 1) | measured = the verify forward plus this engine's measured drafting and per-row work
     #: per step (an EMA; on this CPU ~5.5 ms per row besides the forward). The simulator plans on SPS(B) either way
     step_overhead: str = "none"
-    #: how serve.policy=scheduler prices a plan: tokens = Algorithm 1, one candidate at a time at B = Σ_r (1 + ℓ_r)
-    #: tokens (the paper's, for an engine that packs tokens) | columns = whole columns at B = R·(k + 1), what the
-    #: BatchedEngine's right-padded verify forward really costs (scheduling.scheduler.plan_columns; on the Zen 3,
-    #: 2026-12-07, at or above the best static policy at R = 1/2/4/8, where tokens fell 5-14% below it:
-    #: reports/serving*.md — the better choice for serving). tokens stays the default because every sweep's hash
-    #: covers the whole config: a new default would orphan every recorded ledger (tests/test_sweep_ledger.py).
-    #: Composes with step_overhead; the simulator plans with it too. Equal at R = 1; other policies ignore it
-    scheduler_cost: str = "tokens"
+    #: how serve.policy=scheduler prices a plan: columns = whole columns at B = R·(k + 1), what the BatchedEngine's
+    #: right-padded verify forward really costs (scheduling.scheduler.plan_columns; at or above the best static policy
+    #: at every R in results/serving/) | tokens = the paper's Algorithm 1, one candidate at a time at B = Σ_r (1 + ℓ_r)
+    #: tokens (for an engine that packs tokens). Composes with step_overhead; the simulator plans with it too. Equal
+    #: at R = 1; other policies ignore it
+    scheduler_cost: str = "columns"
     #: which verify forward the SPS(B) table times: plain = a forward on a plain cache (the single-request engine's;
     #: keeps reports/serving*.md reproducible) | engine = the BatchedEngine's own (2-D mask over a cache with hole
     #: columns, per-token positions). Equal within 7% on the Zen 3 (benchmarks/results/sps-forward-zen3.md). The
@@ -238,9 +241,10 @@ class ServeConfig:
 @dataclass
 class TrackingConfig:
     uri: str = ""  #: "" = sqlite under paths.root; or http://HOST:PORT of a running mlflow server
-    experiment: str = "dspark-lab"
-    #: a grid sweep records its finished cells in <paths.reports>/cells/<experiment>/<sweep>-<hash>.json and imports
-    #: those its store lacks, so it resumes from another checkout or machine (dspark.tracking.ledger); false: neither
+    experiment: str = "dspark-lab"  #: the MLflow experiment every run and sweep logs to
+    #: a grid sweep records its finished cells in <paths.root>/ledgers/<experiment>/<sweep>-<hash>.json and imports
+    #: those its store lacks from there and from the committed results/<sweep>/ledger.json of the same identity, so it
+    #: resumes on another checkout or machine (dspark.tracking.ledger); false: neither
     sweep_ledger: bool = True
 
 
@@ -269,9 +273,9 @@ class ExportConfig:
 class RunConfig:
     target: str = "smollm2-135m"  #: built-in name (smollm2-135m, tiny), hub id or local path
     drafter: str = "dspark"  #: dspark | dflash | eagle3
-    seed: int = 0
-    budget: str = "cpu"  #: smoke | cpu | paper (experiments/budgets/*.yaml)
-    stage: str = "all"  #: prepare | train | eval | all | report | profile
+    seed: int = 0  #: drives initialisation, anchors, decoding and (unless data.seed) the data
+    budget: str = "cpu"  #: smoke | cpu | cpu-ref | cpu-long | paper (experiments/budgets/*.yaml)
+    stage: str = "all"  #: prepare | train | eval | all | report | profile | serve | export
     sweep: str = ""  #: sweeps/<name>.yaml; set on the command line as sweep=NAME
     #: a label that enters the sweep's hash and nothing else: the same sweep under a new tag starts a fresh parent
     #: run instead of resuming the old one (re-measure a timing sweep such as serving after a code change; give the

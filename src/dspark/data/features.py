@@ -48,7 +48,7 @@ FEATURE_FORMAT_VERSION = 3  # 2: log_normalizer per position, length-batched (op
 # bf16 caches only (fp32 ones were exact and keep their keys): 1 = log Z and the mass from the logits of a bf16
 # lm-head product refined in fp32 near each row's maximum. Before it, a bf16 product's rounded logits (bf16 keeps 8
 # bits: ±0.06 at |z| ≈ 20) moved log Z by 0.037 (std; up to 0.2) on SmolLM2, so the training step's fp32 p_t over
-# the draft vocabulary summed to more than 1 at a third of the positions (measured on the cpu-ref cache, 2026-12-04).
+# the draft vocabulary summed to more than 1 at a third of the positions (docs/LOG.md).
 BF16_LOG_Z_VERSION = 2  # 2: the refinement's fp32 head taken outside the bf16 weight swap (1 used its bf16 copy)
 #: logits within this many nats of their row's maximum are recomputed in fp32 after a low-precision product: they
 #: carry nearly all of Z (the rest are < e^-6 each, with unbiased rounding); on SmolLM2 ~15–40 per row, log Z error

@@ -17,7 +17,7 @@ before the current anchor x_0 at position p; so does the proposer's context (`kv
 Round timings: `seconds_draft_parallel` = the proposer's parallel forward plus extending its context with this
 round's committed positions (drafter compute), `seconds_draft_sequential` = its sampling loop, `seconds_verify` = the target
 forward, p_t and the verifier's rejection sampling (steps 4–5), `seconds_other` = the rest (calibration, policy,
-commit, rollback, records): the engine's Python overhead. (Until 2026-12-03 the verifier counted as "other".)
+commit, rollback, records): the engine's Python overhead.
 The checks, first token, commit rule and stop reasons are shared with the batched engine (`decoding.shared`).
 
 Round costs (`step_costs`): "profile" plans SPS-planning policies (scheduler, async) on the table they were built

@@ -48,8 +48,8 @@ class DrafterSpec:
 DRAFTER_BUILDERS: Registry[Callable[..., nn.Module]] = Registry("drafter")
 
 
-@DRAFTER_BUILDERS.register("dspark")
-@DRAFTER_BUILDERS.register("dflash")
+@DRAFTER_BUILDERS.register("dspark", label="DSpark")
+@DRAFTER_BUILDERS.register("dflash", label="DFlash")
 def build_dspark(spec: DrafterSpec, target: Any, draft_vocab_ids: Tensor | None = None) -> nn.Module:
     """DSpark, or DFlash: the same drafter without the heads its kind lacks (`drafter_head`, `CONFIDENCE_HEAD`)."""
     from dspark.drafters.dspark import DSparkDrafter
@@ -62,7 +62,7 @@ def build_dspark(spec: DrafterSpec, target: Any, draft_vocab_ids: Tensor | None 
                          confidence_with_markov=spec.confidence_with_markov)
 
 
-@DRAFTER_BUILDERS.register("eagle3")
+@DRAFTER_BUILDERS.register("eagle3", label="EAGLE-3")
 def build_eagle3(spec: DrafterSpec, target: Any, draft_vocab_ids: Tensor | None = None) -> nn.Module:
     from dspark.drafters.eagle3 import Eagle3Drafter
 

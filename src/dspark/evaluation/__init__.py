@@ -1,6 +1,6 @@
 """Evaluation: decoding rollouts → metrics, reports, calibration and timing diagnostics (METHOD §5, §6, §8).
 
-The engine-dependent pieces (`run_rollouts`, `collect_calibration_rounds`, `threshold_sweep`, `latency_breakdown`)
+The engine-dependent pieces (`run_rollouts`, `collect_calibration_rounds`, `latency_breakdown`)
 import `dspark.decoding` lazily, so summaries and plots work from saved round records alone.
 """
 from dspark.evaluation.calibrate import (
@@ -12,15 +12,7 @@ from dspark.evaluation.calibrate import (
     fit_calibration,
     rounds_to_arrays,
 )
-from dspark.evaluation.diagnostics import (
-    latency_breakdown,
-    load_or_profile_sps,
-    profile_target_sps,
-    sps_table_path,
-    threshold_sweep,
-    write_latency_breakdown,
-    write_threshold_sweep,
-)
+from dspark.evaluation.diagnostics import latency_breakdown, load_or_profile_sps
 from dspark.evaluation.plots import plot_conditional_acceptance, plot_latency_breakdown, plot_threshold_sweep
 from dspark.evaluation.rollouts import (
     EvalPrompt,
@@ -51,14 +43,9 @@ __all__ = [
     "plot_conditional_acceptance",
     "plot_latency_breakdown",
     "plot_threshold_sweep",
-    "profile_target_sps",
     "read_rollouts_jsonl",
     "rounds_to_arrays",
     "run_rollouts",
-    "sps_table_path",
     "summarize",
-    "threshold_sweep",
-    "write_latency_breakdown",
     "write_rollouts_jsonl",
-    "write_threshold_sweep",
 ]

@@ -10,6 +10,10 @@ Per dataset (all rounds of its prompts):
                           (± speedup_prompt_ci95) the mean of per-prompt ratios
     time/{verify,draft_parallel,draft_sequential,other}_ms  mean wall time per round
 
+A separate speed measurement (a speed policy against target-only decoding on a subset of the prompts) is summarised
+the same way; `speed_metrics` logs its overall values as `speed/…`, and `tau_phrase` / `speedup_phrase` state the
+results with their intervals in the run's last line.
+
 A "benchmark" is a dataset restricted to one domain (a single-domain set is one benchmark). Domain and overall
 (`all`) values are unweighted means of the per-benchmark values (paper Fig. 2 averages per-benchmark rates; Table 1's
 macro numbers average per-set τ), except counts (`rounds`, `prompts`: sums), the per-prompt statistics (computed over
@@ -176,6 +180,43 @@ def flatten_metrics(summary: EvalSummary) -> dict[str, float]:
     return flat
 
 
+SPEED_KEYS = ("speedup", "speedup_prompt_mean", "speedup_prompt_ci95", "tokens_per_second",
+              "target_tokens_per_second", "tau", "prompts")
+
+
+def speed_metrics(summary: EvalSummary) -> dict[str, float]:
+    """`speed/…`: the overall speed-up (pooled and per prompt ± CI), tokens/s and τ of a speed measurement."""
+    return {f"speed/{k}": summary.overall[k] for k in SPEED_KEYS if k in summary.overall}
+
+
+def interval(mean: float, half: float, *, digits: int = 2, unit: str = "") -> str:
+    """`1.21× [1.15, 1.27]` (mean and mean ± half), `1.21×` without a finite half-width, `–` without a mean."""
+    if not math.isfinite(mean):
+        return "–"
+    text = f"{mean:.{digits}f}{unit}"
+    if math.isfinite(half):
+        text += f" [{mean - half:.{digits}f}, {mean + half:.{digits}f}]"
+    return text
+
+
+def tau_phrase(summary: EvalSummary, *, setting: str) -> str:
+    """`τ 1.41 [1.37, 1.45] per prompt, 1.43 pooled (fixed ℓ=γ=7, T=1, 9 prompts)`: the per-prompt mean with its
+    95% Student-t interval, and beside it the pooled τ of the report's headline column (which has no interval)."""
+    m = summary.overall
+    return (f"τ {interval(m['tau_prompt_mean'], m['tau_prompt_ci95'])} per prompt, {num(m['tau'])} pooled "
+            f"({setting}, {int(m['prompts'])} prompts)")
+
+
+def speedup_phrase(summary: EvalSummary, *, setting: str) -> str:
+    """`speed-up 1.21× [1.15, 1.27] per prompt <setting> (6 prompts)`, or `speed-up not measured …` when the
+    rollouts hold no target-only decoding."""
+    m = summary.overall
+    if not math.isfinite(m.get("speedup_prompt_mean", float("nan"))):
+        return f"speed-up not measured ({setting}: no target-only decoding)"
+    return (f"speed-up {interval(m['speedup_prompt_mean'], m['speedup_prompt_ci95'], unit='×')} per prompt "
+            f"{setting} ({int(m['prompts'])} prompts)")
+
+
 def _ci(metrics: dict[str, float], mean: str, half: str) -> str:
     return f"{num(metrics[mean])} ± {num(metrics[half])}"
 
@@ -212,14 +253,29 @@ def timing_table(summary: EvalSummary) -> str:
     return markdown_table(header, rows)
 
 
+def speed_section(speed: EvalSummary, meta: dict) -> list[str]:
+    """The speed measurement's section: its policy against target-only decoding on a subset of the prompts."""
+    info = meta.get("speed") or {}
+    policy = info.get("policy", "scheduler")
+    return [f"## Speed: decode.policy={policy} against target-only decoding", "",
+            f"The τ above is measured with every draft verified (decode.policy={meta['decode']['policy']}), which is "
+            f"not a speed policy. The speed-up is measured here: decode.policy={policy} (with the STS calibration "
+            f"when decode.calibrate) and target-only decoding, interleaved prompt by prompt with the same seeds, on "
+            f"{int(speed.overall['prompts'])} of the prompts above (decode.speed_prompts, spread over the sets); "
+            f"round records {info.get('rounds_file', '–')}.", "", main_table(speed), ""]
+
+
 def report_markdown(meta: dict, summary: EvalSummary, *, cond_plot: str, calibration_md: str | None = None,
-                    reliability_plot: str | None = None) -> str:
-    """The evaluation report: what ran, the command, the tables and the figures (relative file names)."""
+                    reliability_plot: str | None = None, speed: EvalSummary | None = None) -> str:
+    """The evaluation report: the headline, what ran, the command, the tables and the figures (relative file
+    names); `speed` is the separate speed measurement (`speed_section`), when there was one."""
     decode = meta["decode"]
     policy = decode["policy"] + (f" (θ = {decode['threshold']:g})" if "threshold" in decode["policy"] else
                                  f" (ℓ = {decode.get('static_k')})" if decode["policy"] == "static" else "")
-    lines = [
-        f"# Evaluation — {meta['run_name']}", "",
+    lines = [f"# Evaluation — {meta['run_name']}", ""]
+    if meta.get("headline"):
+        lines += [f"**{meta['headline']}**", ""]
+    lines += [
         f"- command: `{meta['command']}`",
         f"- target: {meta['target']} (fingerprint {meta['target_fingerprint'][:12]}); drafter: {meta['drafter_kind']}"
         f" head={meta['spec']['head']} depth={meta['spec']['depth']} γ={summary.block_size} ({meta['drafter_path']})",
@@ -230,6 +286,8 @@ def report_markdown(meta: dict, summary: EvalSummary, *, cond_plot: str, calibra
         f"- MLflow run {meta.get('mlflow_run_id') or '–'}; git {meta.get('git_commit', '–')[:12]}; "
         f"round records {meta['rounds_file']}; finished {meta.get('finished', '–')}",
     ]
+    if meta.get("paths_relative_to"):
+        lines.append(f"- paths are relative to {meta['paths_relative_to']}")
     if meta.get("machine"):  # absent from evaluations written before the field existed
         lines.append(f"- machine: {meta['machine']}; {meta.get('precision', '')}".rstrip("; "))
     if meta.get("sps_table"):
@@ -238,8 +296,10 @@ def report_markdown(meta: dict, summary: EvalSummary, *, cond_plot: str, calibra
               "per-prompt = the mean over prompts of each prompt's pooled τ, ± the 95% Student-t half-width over "
               "prompts. Domain and `all` rows average the per-dataset values (paper Fig. 2 / Table 1 macro means). "
               "verify rate = Σ τ / Σ (ℓ_eff + 1); draft accept = Σ A / Σ ℓ_eff (METHOD §8). tok/s include prefill.",
-              "", main_table(summary), "",
-              "## Conditional acceptance per position (cond@k, paper Fig. 2)", "", f"![cond@k]({cond_plot})", "",
+              "", main_table(summary), ""]
+    if speed is not None:
+        lines += speed_section(speed, meta)
+    lines += ["## Conditional acceptance per position (cond@k, paper Fig. 2)", "", f"![cond@k]({cond_plot})", "",
               position_table(summary, kind="cond"), "",
               "## Survival per position (survival@k = DeepSpec's eval accept_rate@k-1)", "",
               position_table(summary, kind="survival"), "",

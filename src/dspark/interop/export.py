@@ -17,14 +17,13 @@ import torch
 from torch import Tensor
 
 from dspark.interop.layouts import (
-    DSPARK_NAME_MAP,
-    EAGLE3_NAME_MAP,
     FORMAT_VERSION,
-    HEAD_TO_MARKOV_TYPE,
     LAYOUTS,
     SPECULATORS_VERSION,
     d2t_offsets,
+    drafter_layout,
     map_names,
+    markov_head_type,
     t2d_mask,
 )
 
@@ -51,11 +50,12 @@ def export_drafter(drafter: Any, spec: Any, target: Any, out_dir: str | Path, *,
     if dtype not in EXPORT_DTYPES:
         raise ValueError(f"export.dtype={dtype!r} is not one of {', '.join(EXPORT_DTYPES)}")
     _check_lm_head(target)
+    architecture, name_map = drafter_layout(spec.kind, layout=layout)
+    config = (_deepspec_config if layout == "deepspec" else _speculators_config)(
+        drafter, spec, target, architecture=architecture, dtype=dtype, num_anchors=num_anchors)
+    tensors = _drafter_tensors(drafter, target, name_map)
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    tensors = (_eagle3_tensors if spec.kind == "eagle3" else _dspark_tensors)(drafter, target)
-    config = (_deepspec_config if layout == "deepspec" else _speculators_config)(
-        drafter, spec, target, dtype=dtype, num_anchors=num_anchors)
     config["dspark_lab"] = {"format_version": FORMAT_VERSION, "layout": layout, "kind": spec.kind,
                             "head": spec.head, "target_name": target.name,
                             "target_fingerprint": spec.target_fingerprint}
@@ -87,21 +87,17 @@ def _frozen_tables(drafter: Any, target: Any) -> dict[str, Tensor]:
     return tables
 
 
-def _dspark_tensors(drafter: Any, target: Any) -> dict[str, Tensor]:
+def _drafter_tensors(drafter: Any, target: Any, name_map: tuple) -> dict[str, Tensor]:
+    """The drafter's weights under their names (`name_map`, `layouts.NAME_MAPS`) plus the frozen tables."""
     state = {k: v.detach().cpu() for k, v in drafter.state_dict().items()}
-    mask = state.pop("backbone.mask_embedding")
-    names = map_names(state, DSPARK_NAME_MAP)
+    mask = state.pop("backbone.mask_embedding", None)  # DSpark / DFlash only
+    names = map_names(state, name_map)
     tensors = {theirs: state[ours] for ours, theirs in names.items()} | _frozen_tables(drafter, target)
-    # Their MASK input is the embedding row of mask_token_id (DeepSpec create_noise_embed, vLLM embed_input_ids);
-    # ours is a trained vector, so it goes into that row of the drafter's own embedding copy.
-    tensors["embed_tokens.weight"][drafter.mask_token_id] = mask.to(tensors["embed_tokens.weight"].dtype)
+    if mask is not None:
+        # Their MASK input is the embedding row of mask_token_id (DeepSpec create_noise_embed, vLLM
+        # embed_input_ids); ours is a trained vector, so it goes into that row of the drafter's own embedding copy.
+        tensors["embed_tokens.weight"][drafter.mask_token_id] = mask.to(tensors["embed_tokens.weight"].dtype)
     return tensors
-
-
-def _eagle3_tensors(drafter: Any, target: Any) -> dict[str, Tensor]:
-    state = {k: v.detach().cpu() for k, v in drafter.state_dict().items()}
-    names = map_names(state, EAGLE3_NAME_MAP)
-    return {theirs: state[ours] for ours, theirs in names.items()} | _frozen_tables(drafter, target)
 
 
 def _check_lm_head(target: Any) -> None:
@@ -142,11 +138,12 @@ def _layer_config(spec_layer: Any, target: Any, *, depth: int) -> dict[str, Any]
     return config
 
 
-def _heads_fields(drafter: Any, spec: Any) -> dict[str, Any]:
-    rank = int(spec.markov_rank) if spec.head != "none" else 0
+def _heads_fields(drafter: Any, spec: Any, *, layout: str) -> dict[str, Any]:
+    head_type = markov_head_type(spec.head, layout=layout)
+    rank = int(spec.markov_rank) if head_type is not None else 0
     fields: dict[str, Any] = {"markov_rank": rank, "enable_confidence_head": drafter.confidence_head is not None}
     if rank > 0:
-        fields["markov_head_type"] = HEAD_TO_MARKOV_TYPE[spec.head]
+        fields["markov_head_type"] = head_type
     if fields["enable_confidence_head"]:
         fields["confidence_head_with_markov"] = bool(getattr(drafter.confidence_head, "rank", 0))
     return fields
@@ -155,16 +152,17 @@ def _heads_fields(drafter: Any, spec: Any) -> dict[str, Any]:
 DEEPSPEC_EAGLE3_STEP_LOSS_DECAY = 0.8  # DeepSpec config/eagle3/*.py; a training setting its config must carry
 
 
-def _deepspec_config(drafter: Any, spec: Any, target: Any, *, dtype: str, num_anchors: int) -> dict[str, Any]:
+def _deepspec_config(drafter: Any, spec: Any, target: Any, *, architecture: str, dtype: str,
+                     num_anchors: int) -> dict[str, Any]:
     """deepspec/modeling/dspark/qwen3/config.py `build_draft_config`: target config + these fields."""
     family = "Qwen3" if target.layer_spec.qk_norm else "Llama"  # DeepSpec and vLLM ship Qwen3 (and Gemma4) only
-    if spec.kind == "eagle3":
+    if architecture == "Eagle3Model":
         return _deepspec_eagle3_config(drafter, spec, target, dtype=dtype, family=family)
     config = _layer_config(target.layer_spec, target, depth=spec.depth)
     config.update(
-        architectures=[f"{family}DSparkModel"], num_target_layers=target.num_layers,
+        architectures=[f"{family}{architecture}"], num_target_layers=target.num_layers,
         block_size=spec.block_size, mask_token_id=spec.mask_token_id, target_layer_ids=list(spec.feature_layers),
-        num_anchors=int(num_anchors), dtype=dtype, **_heads_fields(drafter, spec),
+        num_anchors=int(num_anchors), dtype=dtype, **_heads_fields(drafter, spec, layout="deepspec"),
     )
     ids = draft_vocab_ids(drafter, target.vocab_size)
     if ids is not None:  # vLLM qwen3_dspark.py reads draft_vocab_size + d2t; DeepSpec itself has no draft vocab
@@ -185,20 +183,21 @@ def _deepspec_eagle3_config(drafter: Any, spec: Any, target: Any, *, dtype: str,
     return config
 
 
-def _speculators_config(drafter: Any, spec: Any, target: Any, *, dtype: str, num_anchors: int) -> dict[str, Any]:
+def _speculators_config(drafter: Any, spec: Any, target: Any, *, architecture: str, dtype: str,
+                        num_anchors: int) -> dict[str, Any]:
     """speculators DSparkSpeculatorConfig / DFlashSpeculatorConfig / Eagle3SpeculatorConfig fields."""
-    depth = 1 if spec.kind == "eagle3" else spec.depth
-    if spec.kind != "eagle3" and not target.layer_spec.qk_norm:
+    eagle3 = architecture == "Eagle3Speculator"
+    depth = 1 if eagle3 else spec.depth
+    if not eagle3 and not target.layer_spec.qk_norm:
         raise ValueError("export.layout=speculators: speculators' DFlash/DSpark layers are Qwen3 layers (q/k norms "
                          "always on), so a drafter for a Llama-shaped target cannot be represented; use "
                          "export.layout=deepspec")
     ids = draft_vocab_ids(drafter, target.vocab_size)
-    algorithm = spec.kind
+    algorithm = spec.kind  # speculators' model types are our drafter names
     config: dict[str, Any] = {
         "speculators_model_type": algorithm,
         "speculators_version": SPECULATORS_VERSION,
-        "architectures": [{"dspark": "DSparkSpeculator", "dflash": "DFlashSpeculator",
-                           "eagle3": "Eagle3Speculator"}[algorithm]],
+        "architectures": [architecture],
         "transformer_layer_config": _layer_config(target.layer_spec, target, depth=depth),
         "draft_vocab_size": target.vocab_size if ids is None else int(ids.numel()),
         "target_hidden_size": None,
@@ -215,14 +214,14 @@ def _speculators_config(drafter: Any, spec: Any, target: Any, *, dtype: str, num
     }
     # speculators / vLLM aux ids index HF hidden_states (0 = embeddings): our layer-output id i is i + 1
     aux_ids = [int(i) + 1 for i in spec.feature_layers]
-    if algorithm == "eagle3":
+    if eagle3:
         config |= {"eagle_aux_hidden_state_layer_ids": aux_ids, "norm_before_residual": False,
                    "norm_before_fc": False, "fc_norm": False, "norm_output": False, "embed_requires_grad": False}
         return config
     config |= {"block_size": spec.block_size, "aux_hidden_state_layer_ids": aux_ids,
                "mask_token_id": spec.mask_token_id, "sliding_window_non_causal": False, "sample_from_anchor": True}
-    if algorithm == "dspark":
-        fields = _heads_fields(drafter, spec)
+    if architecture == "DSparkSpeculator":
+        fields = _heads_fields(drafter, spec, layout="speculators")
         config |= {"markov_rank": fields["markov_rank"],
                    "markov_head_type": fields.get("markov_head_type", "vanilla"),
                    "enable_confidence_head": fields["enable_confidence_head"],

@@ -22,9 +22,23 @@ LAYOUTS = ("deepspec", "speculators")
 FORMAT_VERSION = 1  # of the `dspark_lab` provenance block we add to config.json
 SPECULATORS_VERSION = "0.7.0"  # the vllm-project/speculators release whose config schema this mirrors
 
-# our head names <-> DeepSpec / speculators `markov_head_type`
+# Every registered head (`dspark.drafters.heads.SEQUENTIAL_HEADS`) is one of: NO_HEAD (written as `markov_rank: 0`,
+# no `markov_head_type`), a key of HEAD_TO_MARKOV_TYPE, or a key of HEAD_REFUSALS (why no layout can hold it);
+# tests/test_interop.py checks each registered head and names the map a new one is missing from.
+NO_HEAD = "none"
+# our head names <-> DeepSpec / speculators `markov_head_type` (both layouts use the same field and values)
 HEAD_TO_MARKOV_TYPE = {"markov": "vanilla", "gated": "gated", "rnn": "rnn"}
 MARKOV_TYPE_TO_HEAD = {v: k for k, v in HEAD_TO_MARKOV_TYPE.items()}
+HEAD_REFUSALS: dict[str, str] = {}  # head -> why neither layout can represent it
+
+# Every registered drafter kind (`dspark.drafters.factory.DRAFTER_BUILDERS`) is written with one tensor-name map and,
+# per layout, one architecture, or is refused in DRAFTER_REFUSALS[(kind, layout)] with the reason.
+SPECULATORS_ARCHITECTURES = {"dspark": "DSparkSpeculator", "dflash": "DFlashSpeculator",
+                             "eagle3": "Eagle3Speculator"}
+# after the target family's prefix (Qwen3DSparkModel, LlamaEagle3Model)
+DEEPSPEC_ARCHITECTURES = {"dspark": "DSparkModel", "dflash": "DSparkModel", "eagle3": "Eagle3Model"}
+ARCHITECTURES = {"deepspec": DEEPSPEC_ARCHITECTURES, "speculators": SPECULATORS_ARCHITECTURES}
+DRAFTER_REFUSALS: dict[tuple[str, str], str] = {}  # (kind, layout) -> why that layout cannot hold the kind
 
 # DSpark / DFlash: ours -> theirs (deepspec and speculators use the same tensor names).
 # `{i}` is the draft-layer index. Tensors absent from our model (embed_tokens, lm_head, d2t, t2d) are written
@@ -53,8 +67,37 @@ EAGLE3_NAME_MAP = (
     (r"layer\.self_attn\.(q_proj|k_proj|v_proj|o_proj|q_norm|k_norm)\.weight", r"layers.0.self_attn.\1.weight"),
     (r"layer\.mlp\.(gate_proj|up_proj|down_proj)\.weight", r"layers.0.mlp.\1.weight"),
 )
+# Our drafter kind -> the tensor-name map of its exported weights (both layouts use the same names).
+NAME_MAPS = {"dspark": DSPARK_NAME_MAP, "dflash": DSPARK_NAME_MAP, "eagle3": EAGLE3_NAME_MAP}
 # Our buffers that are not weights of theirs: the draft vocabulary's ids, written as d2t / t2d instead.
 OURS_NOT_EXPORTED = ("draft_head.draft_to_target",)
+
+
+def markov_head_type(head: str, *, layout: str) -> str | None:
+    """The `markov_head_type` that `layout` writes for our `head` (None for no head); a ValueError naming the layout
+    and the fix for a head it cannot hold or that has no mapping yet."""
+    if head == NO_HEAD:
+        return None
+    if head in HEAD_REFUSALS:
+        raise ValueError(f"export.layout={layout}: model.head={head!r} cannot be represented: {HEAD_REFUSALS[head]}")
+    if head not in HEAD_TO_MARKOV_TYPE:
+        raise ValueError(f"export.layout={layout}: model.head={head!r} has no markov_head_type; add it to "
+                         "dspark.interop.layouts.HEAD_TO_MARKOV_TYPE (and its tensors to DSPARK_NAME_MAP), or give "
+                         "the reason it cannot be represented in HEAD_REFUSALS")
+    return HEAD_TO_MARKOV_TYPE[head]
+
+
+def drafter_layout(kind: str, *, layout: str) -> tuple[str, tuple]:
+    """(architecture name in `layout`, tensor-name map) of our drafter `kind`; a ValueError naming the layout and the
+    fix for a kind it cannot hold or that has no mapping yet."""
+    if (kind, layout) in DRAFTER_REFUSALS:
+        raise ValueError(f"export.layout={layout}: drafter={kind!r} cannot be represented: "
+                         f"{DRAFTER_REFUSALS[(kind, layout)]}")
+    if kind not in ARCHITECTURES[layout] or kind not in NAME_MAPS:
+        raise ValueError(f"export.layout={layout}: drafter={kind!r} has no exported form; add it to "
+                         f"dspark.interop.layouts.NAME_MAPS and {layout.upper()}_ARCHITECTURES, or give the reason "
+                         "in DRAFTER_REFUSALS")
+    return ARCHITECTURES[layout][kind], NAME_MAPS[kind]
 
 
 def _compile(pairs):

@@ -18,7 +18,7 @@ import torch
 from torch import Tensor
 
 from dspark.interop.export import CONFIG_FILE, WEIGHTS_FILE
-from dspark.interop.layouts import DSPARK_NAME_MAP, EAGLE3_NAME_MAP, MARKOV_TYPE_TO_HEAD, map_names
+from dspark.interop.layouts import MARKOV_TYPE_TO_HEAD, NAME_MAPS, SPECULATORS_ARCHITECTURES, map_names
 
 # Their tensors we rebuild from the target (or ignore): checked against the target, never loaded as weights.
 FROZEN_TENSORS = ("embed_tokens.weight", "lm_head.weight", "d2t", "t2d")
@@ -120,7 +120,8 @@ def _describe_speculators(config: dict[str, Any], *, source: str) -> dict[str, A
         base = heads | {"depth": int(layer_config["num_hidden_layers"]), "block_size": int(config["block_size"]),
                         "mask_token_id": int(config["mask_token_id"])}
     else:
-        raise ValueError(f"{source}: speculators_model_type={kind!r} is not dspark, dflash or eagle3")
+        raise ValueError(f"{source}: speculators_model_type={kind!r} is not one of "
+                         f"{', '.join(SPECULATORS_ARCHITECTURES)}")
     if not aux:
         raise ValueError(f"{source}: no aux hidden-state layer ids in config.json; they are needed to read the "
                          "target's features")
@@ -251,7 +252,7 @@ def _our_state_dict(drafter: Any, tensors: dict[str, Tensor], *, kind: str, mask
                     source: str) -> dict[str, Tensor]:
     ours = drafter.state_dict()
     names = [n for n in ours if n != "backbone.mask_embedding"]
-    mapping = map_names(names, EAGLE3_NAME_MAP if kind == "eagle3" else DSPARK_NAME_MAP)
+    mapping = map_names(names, NAME_MAPS[kind])
     missing = [theirs for theirs in mapping.values() if theirs not in tensors]
     if missing:
         raise ValueError(f"{source}: model.safetensors lacks {missing[:5]}{' ...' if len(missing) > 5 else ''} "

@@ -20,11 +20,17 @@ by b's mean. The verdict reads the interval: above 0 → holds, below 0 → reve
 The change of a relative gain between two block sizes (`gain_change`) adds the two relative standard errors: the
 gains come from different drafter pairs evaluated on the same prompts, which ignores a positive correlation and so
 errs wide.
+
+Every judgement a report prints is also recorded as a `Claim` (the results index reads them as data): `mean`, `low`
+and `high` are the effect whose sign the claim is about (a gain or a difference; 0 = no effect), and its verdict is
+always `verdict_of(low, high, runs=runs)` (`VERDICTS`), so data and text cannot disagree. Our interval is never
+compared with the paper's number: our target and budget differ, so only directions are judged.
 """
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
+from typing import Any
 
 import polars as pl
 
@@ -35,6 +41,16 @@ MIN_ROUNDS = 20  #: a run's cond@k counts only when at least this many rounds re
 
 
 NOT_RESOLVED = "not resolved (the 95% CI spans 0)"
+
+# A Claim's verdict, read from its 95% interval of the effect (never chosen by hand).
+VERDICTS = {
+    "holds": "the 95% interval lies above 0: the claimed direction",
+    "reversed": "the 95% interval lies below 0: the opposite direction",
+    "not resolved": "the 95% interval spans 0",
+    "no interval": "both arms ran, but there is a point estimate only (one run of a metric with no within-run "
+                   "standard error, or a statistic the report has no interval for)",
+    "not run yet": "no run measured one of the arms (runs = 0)",
+}
 
 
 def read_interval(low: float, high: float, *, up: str = "holds", down: str = "reversed") -> str:
@@ -202,3 +218,81 @@ def judged(label: str, diff: Difference, *, relative: bool = True) -> str:
     """One claim line: '<label>: +12.3% [+4.1%, +20.5%] (runs 2 vs 2) → holds'."""
     runs = f"runs {diff.a.runs} vs {diff.b.runs}"
     return f"{label}: {diff.text(relative=relative)} ({runs}) → **{diff.verdict}**"
+
+
+def verdict_of(low: float, high: float, *, runs: int) -> str:
+    """A Claim's verdict (`VERDICTS`) from the 95% interval [low, high] of its effect and the runs per arm."""
+    if runs <= 0:
+        return "not run yet"
+    if not (math.isfinite(low) and math.isfinite(high)):
+        return "no interval"
+    return "holds" if low > 0 else "reversed" if high < 0 else "not resolved"
+
+
+@dataclass(frozen=True)
+class Claim:
+    """One paper claim as judged by one report, as data (`<report>.claims.json`).
+
+    id: stable slug '<report>.<comparison>.<scope>' (e.g. 'main.dspark_vs_dflash.all'); statement: the claim in one
+    line; paper: the paper's number as text ('–' when it has none); ours: our estimate as the report prints it,
+    with its 95% interval ('+9.1% [+4.0%, +14.2%]'); mean, low, high: that effect and interval as floats (NaN when
+    none; a relative gain is a fraction); runs: runs per arm (the smaller arm); seeds: the arms' seeds ('0,1');
+    verdict: `verdict_of(low, high, runs=runs)`, checked on construction; scope: what was compared, over what.
+    """
+
+    id: str
+    statement: str
+    paper: str
+    ours: str
+    low: float
+    high: float
+    mean: float
+    runs: int
+    seeds: str
+    verdict: str
+    scope: str
+
+    def __post_init__(self) -> None:
+        derived = verdict_of(self.low, self.high, runs=self.runs)
+        if self.verdict != derived:
+            raise ValueError(f"claim {self.id}: verdict {self.verdict!r} disagrees with its interval "
+                             f"[{self.low}, {self.high}] over {self.runs} runs ({derived!r})")
+
+    @classmethod
+    def judge(cls, *, id: str, statement: str, paper: str, ours: str, mean: float, low: float = math.nan,
+              high: float = math.nan, runs: int, seeds: str, scope: str) -> "Claim":
+        """A Claim whose verdict is read from [low, high] (no interval given: a point estimate)."""
+        return cls(id=id, statement=statement, paper=paper, ours=ours, low=low, high=high, mean=mean, runs=runs,
+                   seeds=seeds, verdict=verdict_of(low, high, runs=runs), scope=scope)
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready: the fields, with NaN floats as None."""
+        return {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in asdict(self).items()}
+
+
+def point_text(diff: Difference, *, relative: bool = True, digits: int = 3) -> str:
+    """The point estimate of a difference without an interval: '+1.2% (no interval)', or '–'."""
+    if not (diff.a.ok and diff.b.ok) or (relative and diff.b.mean == 0):
+        return "–"
+    value = f"{diff.a.mean / diff.b.mean - 1:+.1%}" if relative else f"{diff.mean:+.{digits}f}"
+    return f"{value} (no interval)"
+
+
+def difference_claim(diff: Difference, *, id: str, statement: str, paper: str, scope: str, seeds: str,
+                     relative: bool = True) -> Claim:
+    """The Claim of a judged difference a − b (relative to b, or absolute): the numbers `judged` prints."""
+    runs = min(diff.a.runs, diff.b.runs)
+    if diff.ok:
+        mean, low, high = diff.relative() if relative else (diff.mean, diff.low, diff.high)
+        return Claim.judge(id=id, statement=statement, paper=paper, ours=diff.text(relative=relative), mean=mean,
+                           low=low, high=high, runs=runs, seeds=seeds, scope=scope)
+    point = (diff.a.mean / diff.b.mean - 1 if relative and diff.b.mean else diff.mean) if runs else math.nan
+    return Claim.judge(id=id, statement=statement, paper=paper, ours=point_text(diff, relative=relative),
+                       mean=point, runs=runs, seeds=seeds, scope=scope)
+
+
+def interval_claim(interval: NormalInterval, *, id: str, statement: str, paper: str, ours: str, runs: int,
+                   seeds: str, scope: str) -> Claim:
+    """The Claim of any normal interval (a `GainChange`)."""
+    return Claim.judge(id=id, statement=statement, paper=paper, ours=ours, mean=interval.mean, low=interval.low,
+                       high=interval.high, runs=runs, seeds=seeds, scope=scope)

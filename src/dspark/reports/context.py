@@ -13,9 +13,12 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import polars as pl
 
+from dspark.config.schema import FIXED_HEAD
+from dspark.drafters.factory import DRAFTER_BUILDERS
 from dspark.registry import Registry
+from dspark.reports.claims import Claim
 from dspark.reports.collect import SweepRuns
-from dspark.reports.paper import DATASETS, DRAFTER_LABELS
+from dspark.reports.paper import DATASETS
 from dspark.reports.stats import Estimate, group_estimates
 from dspark.reports.writer import Section
 
@@ -30,7 +33,8 @@ _DATASET_TAU = re.compile(r"^eval/([^/]+)/tau$")
 
 @dataclass
 class ReportContext:
-    """A sweep's completed runs plus where the report's figures go."""
+    """A sweep's completed runs plus where the report's figures go; builders append the paper claims they judge
+    to `claims` (the same numbers as their text; the generator writes them beside the report)."""
 
     name: str
     runs: SweepRuns
@@ -39,6 +43,7 @@ class ReportContext:
     description: str = ""
     store: TrackingStore | None = None  # for artifact downloads (reliability diagrams)
     spec: Any = None   # the SweepSpec (Optuna reports read the objective and the search space)
+    claims: list[Claim] = field(default_factory=list)
     _rows: dict = field(default_factory=dict, repr=False)
 
     @property
@@ -81,6 +86,16 @@ class ReportContext:
             self._rows[key] = frame
         return self._rows[key]
 
+    def seeds(self, *groups: dict[str, Any]) -> str:
+        """The seeds of the runs of `groups`, e.g. '0,1' ('' when the frame has no seed column)."""
+        found: set = set()
+        for group in groups:
+            rows = self.rows_of(group)
+            column = "axis.seed" if "axis.seed" in rows.columns else "seed"
+            if column in rows.columns:
+                found |= {v for v in rows[column].to_list() if v is not None}
+        return ",".join(str(v) for v in sorted(found, key=lambda v: (str(type(v)), v)))
+
 
 ReportBuilder = Callable[[ReportContext], list[Section]]
 REPORT_BUILDERS: Registry[ReportBuilder] = Registry("sweep report")
@@ -106,12 +121,29 @@ def head_of(group: dict[str, Any]) -> str | None:
     return group.get("axis.model.head") or group.get("model.head")
 
 
+def drafter_label(name: str) -> str:
+    """A drafter's display label from its registration (`DRAFTER_BUILDERS`; the name when it gave none)."""
+    return DRAFTER_BUILDERS.label(name)
+
+
+def takes_head(drafter: str) -> bool:
+    """Whether `model.head` chooses this drafter's sequential head (config.schema.FIXED_HEAD: dflash/eagle3 fix it)."""
+    return FIXED_HEAD.get(drafter) is None
+
+
 def variant_label(group: dict[str, Any]) -> str:
     """'DSpark (markov)', 'DFlash', 'EAGLE-3', from the axis values or the run tags."""
-    drafter = group.get("axis.drafter") or group.get("drafter") or "?"
+    drafter = str(group.get("axis.drafter") or group.get("drafter") or "?")
     head = head_of(group)
-    label = DRAFTER_LABELS.get(str(drafter), str(drafter))
-    return f"{label} ({head})" if drafter == "dspark" and head else label
+    label = drafter_label(drafter)
+    return f"{label} ({head})" if drafter in DRAFTER_BUILDERS and takes_head(drafter) and head else label
+
+
+def variant_slug(group: dict[str, Any]) -> str:
+    """The claim-id form of `variant_label`: 'dspark_markov', 'dflash'."""
+    drafter = str(group.get("axis.drafter") or group.get("drafter") or "unknown")
+    head = head_of(group)
+    return f"{drafter}_{head}" if drafter in DRAFTER_BUILDERS and takes_head(drafter) and head else drafter
 
 
 def axis_text(group: dict[str, Any], *, skip: tuple[str, ...] = ()) -> str:

@@ -2,7 +2,8 @@
 
 Threshold rows derive per-round counts from the logged pooled metrics of each domain: accepted drafts per round
 ≈ τ − 1 and verified drafts per round = τ / verify_rate − 1 (exact except for rounds ended by a drafted EOS, where
-τ = A), rejected = verified − accepted.
+τ = A), rejected = verified − accepted. Each judged line is also a `Claim` in `ctx.claims` (ids
+'threshold.verify_rate.<domain>', 'calibration.ece_drop.pos<k>', 'latency.sequential_share.<head>').
 """
 from __future__ import annotations
 
@@ -11,7 +12,9 @@ import shutil
 import tempfile
 from pathlib import Path
 
+from dspark.drafters.heads import SEQUENTIAL_HEADS
 from dspark.reports import paper
+from dspark.reports.claims import Claim, Difference, difference_claim, judged, pooled_plain
 from dspark.reports.context import REPORT_BUILDERS, ReportContext, axis_text, eval_domains
 from dspark.reports.plots import plot_lines
 from dspark.markdown import markdown_table, num, pct
@@ -42,7 +45,7 @@ def threshold_rows(ctx: ReportContext) -> list[dict]:
                 continue
             verified = tau.mean / rate.mean - 1.0
             accepted = tau.mean - 1.0
-            rows.append({"domain": domain, "threshold": theta, "tau": tau, "verify": rate,
+            rows.append({"domain": domain, "threshold": theta, "tau": tau, "verify": rate, "group": group,
                          "accepted_per_round": accepted, "rejected_per_round": max(0.0, verified - accepted),
                          "verify_rate": rate.mean})
     order = {d: i for i, d in enumerate(eval_domains(ctx.frame))}
@@ -73,11 +76,27 @@ def build_threshold(ctx: ReportContext) -> list[Section]:
             lowest, best = part[0], max(part, key=lambda r: r["verify_rate"])
             rate = lambda r: f"{pct(r['verify_rate'], signed=False)} at θ={r['threshold']:g}"  # noqa: E731
             lines.append(f"Ours, {domain}: verify rate {rate(lowest)} → {rate(best)} (τ "
-                         f"{lowest['tau'].text(show_n=False)} → {best['tau'].text(show_n=False)}).")
+                         f"{lowest['tau'].text(show_n=False)} → {best['tau'].text(show_n=False)}); "
+                         + threshold_judgement(ctx, domain, lowest, best) + ".")
     body = ("θ = 0 verifies every draft (the fixed policy); raw confidences, no STS (METHOD §6). Accepted / "
             "rejected per round are derived from τ and the verify rate (see the module note).\n\n"
             f"![threshold]({path.name})\n\n" + markdown_table(header, table))
     return [Section("Static confidence threshold", body), _claim("threshold", lines)]
+
+
+def threshold_judgement(ctx: ReportContext, domain: str, lowest: dict, best: dict) -> str:
+    """The verify rate at the best θ minus at the lowest, between seeds (a claim 'threshold.verify_rate.<d>')."""
+    column = f"eval/domain/{domain}/verify_rate"
+    arms = (best["group"], lowest["group"])
+    diff = Difference(pooled_plain(ctx.rows_of(arms[0]), column), pooled_plain(ctx.rows_of(arms[1]), column))
+    ref = paper.THRESHOLD_VERIFY_RATE.get(domain)
+    ctx.claims.append(difference_claim(
+        diff, id=f"threshold.verify_rate.{domain}", relative=False, seeds=ctx.seeds(*arms),
+        statement="A static confidence threshold raises the verify rate (Fig. 5).",
+        paper=f"{pct(ref[0], signed=False)} → {pct(ref[1], signed=False)} ({domain}, Fig. 5)" if ref else "–",
+        scope=f"{domain} verify rate at θ={best['threshold']:g} (the highest) minus at θ={lowest['threshold']:g}, "
+              "between seeds only"))
+    return judged("difference (seeds only)", diff, relative=False)
 
 
 # ---- calibration (Fig. 6) ----
@@ -138,7 +157,31 @@ def build_calibration(ctx: ReportContext) -> list[Section]:
         if reliability is not None:
             body += ["", f"Reliability diagram of run {frame['run_id'][0]}:", "", f"![reliability]({reliability.name})"]
         sections.append(Section(f"Calibration — {axis_text(group, skip=('axis.seed',))}", "\n".join(body)))
-    return sections + [_claim("calibration", [])]
+    return sections + [_claim("calibration", calibration_judgements(ctx, positions))]
+
+
+def calibration_judgements(ctx: ReportContext, positions: list[int]) -> list[str]:
+    """ECE before minus after STS per position and configuration, between seeds (both come from the same runs,
+    so this unpaired interval errs wide); a claim 'calibration.ece_drop.pos<k>' each."""
+    lines = []
+    groups = ctx.group_dicts()
+    for index, group in enumerate(groups):
+        rows, where = ctx.rows_of(group), axis_text(group, skip=("axis.seed",))
+        lines += ["" if lines else "Ours, ECE of a_k before minus after STS (seeds only), "
+                  + (where if len(groups) > 1 else "every run") + ":"]
+        for k in positions:
+            diff = Difference(pooled_plain(rows, f"calibration/ece_before/pos{k}"),
+                              pooled_plain(rows, f"calibration/ece_after/pos{k}"))
+            if not (diff.a.ok and diff.b.ok):
+                continue
+            ref = paper.CALIBRATION.get(k)
+            ctx.claims.append(difference_claim(
+                diff, id=f"calibration.ece_drop{'' if index == 0 else f'_{index}'}.pos{k}", relative=False,
+                statement=f"STS lowers the ECE of the cumulative confidence a_k at position {k} (Fig. 6).",
+                paper=(f"{100 * ref['ece_before']:.1f}% → {100 * ref['ece_after']:.1f}% (Fig. 6, Alpaca)" if ref
+                       else "–"), seeds=ctx.seeds(group), scope=f"ECE before minus after STS, {where}"))
+            lines.append(f"- {judged(f'position {k}', diff, relative=False)}")
+    return lines
 
 
 # ---- latency (Fig. 4 right) ----
@@ -155,7 +198,7 @@ def latency_rows(ctx: ReportContext) -> list[dict]:
                          "block_size": int(group.get("axis.model.block_size", 0)),
                          **{p: mean(p) for p in ("verify_ms", "draft_parallel_ms", "draft_sequential_ms", "other_ms",
                                                  "round_ms", "sequential_share")},
-                         "n": _est(ctx, frame, f"latency/ctx{length}/round_ms").n})
+                         "n": _est(ctx, frame, f"latency/ctx{length}/round_ms").n, "group": group})
     return rows
 
 
@@ -173,10 +216,29 @@ def build_latency(ctx: ReportContext) -> list[Section]:
     table = [[str(r["context_length"]), r["head"], str(r["block_size"]), str(r["n"]), num(r["round_ms"], 1),
               num(r["verify_ms"], 1), num(r["draft_parallel_ms"], 1), num(r["draft_sequential_ms"], 2),
               num(r["other_ms"], 1), pct(r["sequential_share"], 2, signed=False)] for r in rows]
-    shares = [r["sequential_share"] for r in rows if r["head"] != "none"]
-    share = lambda v: pct(v, 2, signed=False)  # noqa: E731
-    lines = [f"Ours: the sequential loop takes {share(min(shares))}–{share(max(shares))} of a round for the "
-             "markov/rnn heads (batch 1, untrained drafters, this machine)."] if shares else []
+    lines = latency_judgements(ctx, rows)
     body = ("Untrained drafters (timing does not depend on weights), fixed ℓ = γ, random contexts; mean ms per "
             f"round.\n\n![latency]({path.name})\n\n" + markdown_table(header, table))
     return [Section("Latency per round", body), _claim("latency", lines)]
+
+
+def latency_judgements(ctx: ReportContext, rows: list[dict]) -> list[str]:
+    """Per registered head with a sequential loop: the range of its share of a round over the timed cells (a point
+    claim 'latency.sequential_share.<head>' on the largest share: no interval over the cells' maximum)."""
+    share = lambda v: pct(v, 2, signed=False)  # noqa: E731
+    lines = []
+    for head in (h for h in SEQUENTIAL_HEADS.ordered() if h != paper.NO_HEAD):
+        mine = [r for r in rows if r["head"] == head and r["sequential_share"] == r["sequential_share"]]
+        if not mine:
+            continue
+        low, high = min(r["sequential_share"] for r in mine), max(r["sequential_share"] for r in mine)
+        lines.append(f"Ours, {head} head: the sequential loop takes {share(low)}–{share(high)} of a round "
+                     "(batch 1, untrained drafters, this machine).")
+        ctx.claims.append(Claim.judge(
+            id=f"latency.sequential_share.{head}", mean=high, ours=f"{share(low)}–{share(high)} (no interval)",
+            statement=f"The {head} head's sequential loop adds only a small share to the round latency (Fig. 4 "
+                      "right).", paper=f"{share(paper.SEQUENTIAL_SHARE[0])}–{share(paper.SEQUENTIAL_SHARE[1])} "
+                                     "(batch 128, contexts 512–4096; Fig. 4 right)",
+            runs=min(r["n"] for r in mine), seeds=ctx.seeds(*[r["group"] for r in mine]),
+            scope="largest share of a round over the timed cells (context length × γ), batch 1"))
+    return lines

@@ -10,7 +10,18 @@ from __future__ import annotations
 DATASETS = ("gsm8k", "math500", "aime25", "mbpp", "humaneval", "livecodebench", "mt-bench", "alpaca", "arena-hard")
 DOMAINS = {"math": ("gsm8k", "math500", "aime25"), "code": ("mbpp", "humaneval", "livecodebench"),
            "chat": ("mt-bench", "alpaca", "arena-hard")}
-DRAFTER_LABELS = {"eagle3": "EAGLE-3", "dflash": "DFlash", "dspark": "DSpark"}
+# Table 1's ordering, best first (DSpark > DFlash > EAGLE-3 on every set). Drafter labels come from their
+# registration (`dspark.drafters.factory.DRAFTER_BUILDERS`); a drafter the paper has no rank for is compared
+# against every drafter of this ordering.
+DRAFTER_ORDER = ("dspark", "dflash", "eagle3")
+# The head comparisons: every head against no head (B_k = 0, DFlash-style), and every other head against the
+# paper's default head (Markov; the paper: the RNN head only marginally above it).
+NO_HEAD, REFERENCE_HEAD = "none", "markov"
+# The heads the paper evaluates (Fig. 4, §4.3.2); others (DeepSpec's gated head, new ones) are compared without a
+# paper claim.
+PAPER_HEADS = ("markov", "rnn")
+# The baseline of the depth and block-size figures (Fig. 3, Fig. 4 left): every other drafter is compared with it.
+BASELINE_DRAFTER = "dflash"
 
 # Table 1, Qwen3-4B (METHOD §9).
 TABLE1_TAU = {
@@ -53,6 +64,30 @@ CLAIMS = {
                    "positions 1/3/5/7; AUROC 0.818/0.812/0.864/0.907 (Fig. 6, Alpaca).",
     "latency": "The sequential loop adds 0.2–1.3% to round latency (batch 128, contexts 512–4096; Fig. 4 right).",
 }
+
+
+def table1_gain_text(a: str, b: str, scope: str = "macro") -> str:
+    """The paper's Table 1 gain of drafter `a` over `b`: '+16.3% (Table 1 macro)', '+15.1% (Table 1, math sets)',
+    or '–' when the paper has no number for either drafter."""
+    if a not in TABLE1_TAU or b not in TABLE1_TAU:
+        return "–"
+    if scope in DOMAINS:
+        return f"{domain_gain(TABLE1_TAU[a], TABLE1_TAU[b], scope):+.1%} (Table 1, {scope} sets, Qwen3-4B)"
+    return f"{macro_gain(TABLE1_TAU[a], TABLE1_TAU[b]):+.1%} (Table 1 macro, Qwen3-4B)"
+
+
+def block_gain_text(*, domain: str | None = None, size: int | None = None) -> str:
+    """Fig. 4 (left) DSpark (Markov) gains over DFlash as text: at one γ ('+16/15/18% (math/code/chat)'), their
+    growth from γ=7 to γ=15 (size None), or one domain's."""
+    first, last = min(BLOCK_SIZE_GAIN), max(BLOCK_SIZE_GAIN)
+    if size is not None and size not in BLOCK_SIZE_GAIN:
+        return "–"
+    at = lambda g: (f"{100 * BLOCK_SIZE_GAIN[g][domain]:+.0f}%" if domain else  # noqa: E731
+                    "+" + "/".join(f"{100 * BLOCK_SIZE_GAIN[g][d]:.0f}" for d in DOMAINS) + "%")
+    where = f"{domain}, Fig. 4 left" if domain else "math/code/chat, Fig. 4 left"
+    if size is not None:
+        return f"{at(size)} at γ={size} ({where})"
+    return f"{at(first)} at γ={first} → {at(last)} at γ={last} ({where})"
 
 
 def domain_of(dataset: str) -> str | None:

@@ -61,17 +61,25 @@ class Provenance:
             extra["imported from the sweep ledger"] = imported
         return cls(git_commit=commit, date=stamp, machine=runs.machines() or tag("machine"), target=tag("target"),
                    budget=tag("budget"), command=without_arguments(tag("command"), selection_keys),
-                   tracking_uri=_safe_uri(store.uri), experiment=f"{experiment} (id {store.experiment_id})",
+                   tracking_uri=shown_uri(store.uri), experiment=experiment,
                    parent_run_id=runs.parent.info.run_id if runs.parent is not None else "–",
                    sweep_hash=tag("sweep.hash"), extra=extra)
 
     def lines(self) -> list[str]:
         rows = [("git commit", self.git_commit), ("generated", self.date), ("machine", self.machine),
                 ("target", self.target), ("budget", self.budget), ("command", f"`{self.command}`"),
-                ("MLflow", f"{self.tracking_uri}, experiment {self.experiment}"),
-                ("parent run", f"{self.parent_run_id} (sweep.hash {self.sweep_hash})")]
+                ("MLflow", f"{self.tracking_uri}, experiment {self.experiment}, parent run tagged "
+                           f"`sweep.hash = {self.sweep_hash}`")]
         rows += list(self.extra.items())
         return [f"- {name}: {value}" for name, value in rows]
+
+
+def shown_uri(uri: str) -> str:
+    """The store as a report shows it: a local store by its place under paths.root (no machine's path), a server
+    without credentials. The parent run's id is left out too: it differs in every store that imports the ledger."""
+    if uri.startswith("sqlite:") or uri.startswith("file:") or "://" not in uri:
+        return "the local store under paths.root (`mlflow.db`)"
+    return _safe_uri(uri)
 
 
 def _safe_uri(uri: str) -> str:
@@ -91,7 +99,7 @@ def render_report(*, name: str, description: str, paper_ref: str, provenance: Pr
         lines += [f"Reproduces: {paper_ref}.", ""]
     lines += provenance.lines()
     regenerate = report_command(provenance.command, name=name)
-    lines += [f"- regenerate: `{regenerate}` (reads the tracking store only)", ""]
+    lines += [f"- regenerate: `{regenerate}` (reads the tracking store and the sweep's ledgers)", ""]
     if note:
         lines += [f"> {note}", ""]
     for section in sections:
@@ -110,14 +118,3 @@ def report_command(command: str, *, name: str) -> str:
     if not command.startswith("python "):
         return f"python experiments/run.py sweep={name} stage=report"
     return f"{without_arguments(command, ['stage'])} stage=report"
-
-
-def no_runs_section(runs: Any, *, name: str) -> Section:
-    """What a report says when its sweep has no completed cell yet."""
-    counts = ", ".join(f"{k} {v}" for k, v in sorted(runs.status_counts.items())) or "none"
-    where = (f"parent run {runs.parent.info.run_id}" if runs.parent is not None
-             else "no parent run of this sweep in this store")
-    body = (f"No finished runs of sweep `{name}` yet ({where}; child runs by status: {counts}), so there is "
-            f"nothing to tabulate. Run `python experiments/run.py sweep={name}` (same paths.root / tracking.uri) "
-            "first; rerunning it resumes any unfinished cells.")
-    return Section("No finished runs", body)

@@ -29,7 +29,6 @@ from typing import Any, Callable
 import torch
 from torch import Tensor
 
-from dspark.hardware import format_row_padding
 from dspark.scheduling.sps import SPSTable, machine_fingerprint, profile_sps
 
 __all__ = ["SERVING_CONTEXT_TOKENS", "ForwardFactory", "load_or_profile_serving_sps", "load_sps_table",
@@ -135,7 +134,7 @@ def serving_sps_path(cache_dir: str | Path, target: Any, *, num_rows: int, conte
     `forward_name` names a timed forward other than the plain cache's (`-engine`: serving's batched engine)."""
     machine = hashlib.sha256(machine_fingerprint().encode()).hexdigest()[:12]
     padding = getattr(target, "row_padding", None) or {}
-    padded = ("p" + format_row_padding(padding).replace(":", ".").replace(",", "-")) if padding else ""
+    padded = ("p" + "-".join(f"{n}.{m}" for n, m in sorted(padding.items()))) if padding else ""
     layout = getattr(target, "few_row_layout", "linear")[0] + padded
     name = (f"serving-{target.fingerprint[:16]}-{machine}-f{FORWARD_PATH_REVISION}{layout}"
             f"-r{num_rows}-c{context_length}{'' if forward_name == 'plain' else '-' + forward_name}.json")

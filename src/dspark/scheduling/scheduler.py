@@ -20,8 +20,8 @@ with the best current candidates.
 
 Column planner (`plan_columns`, for a padded engine). The `BatchedEngine` verifies all R rows in one forward
 right-padded to max_r ℓ_r + 1 tokens, so a step costs SPS(R·(max ℓ + 1)) whatever Σ ℓ_r is, and the first draft of
-any row costs a whole column. Algorithm 1 prices one candidate per token and refuses that column one c̃ at a time
-(reports/serving.notes-2026-12-03-bf16.md: R = 8, c̃ ≈ 0.35). The planner admits whole columns instead: with k columns every row
+any row costs a whole column. Algorithm 1 prices one candidate per token and so refuses that column one c̃ at a
+time at low confidences (docs/LOG.md). The planner admits whole columns instead: with k columns every row
 verifies ℓ_r = min(k, n_r) drafts (n_r = drafted slots) and
 
     E(k) = R + Σ_r Σ_{j≤min(k, n_r)} S_{r,j},    S_{r,j} = Π_{i≤j} c̃_{r,i},    Θ(k) = E(k)·SPS(R·(k+1)),

@@ -20,13 +20,19 @@ from matplotlib.figure import Figure
 from dspark.plotting import save_figure
 from dspark.serving.records import ServeSummary
 
-POLICY_ORDER = ("mtp1", "static", "fixed", "threshold", "calibrated_threshold", "scheduler", "async")
+
+
+def policy_order() -> list[str]:
+    """The policies in registration order (`decoding.policies.POLICIES`): a new policy gets its line and colour."""
+    from dspark.decoding.policies import POLICIES
+
+    return POLICIES.ordered()
 
 
 def _series(summaries: Sequence[ServeSummary]) -> list[tuple[str, bool, list[ServeSummary]]]:
     """(policy, simulated, points ordered by R) for every policy and kind present, in a stable policy order."""
-    names = sorted({s.policy for s in summaries},
-                   key=lambda n: (POLICY_ORDER.index(n) if n in POLICY_ORDER else len(POLICY_ORDER), n))
+    order = policy_order()
+    names = sorted({s.policy for s in summaries}, key=lambda n: (order.index(n) if n in order else len(order), n))
     series = []
     for name in names:
         for simulated in (False, True):

@@ -3,11 +3,9 @@ with the single-request engine's scheduler, which uses its R = 1 case) and times
 module adds the forward the `BatchedEngine` itself runs (`serve.sps_forward=engine`): a 2-D attention mask over a
 cache that keeps hole columns, per-token positions, the LM head — what its `seconds_verify` measures.
 
-Why both: in a serving run on the Zen 3 at R = 1 the plain table priced 4 tokens like 2 (61.0 vs 59.1 ms) while
-the engine's steps paid 61.1 ms for 4 against 52.4 for 2 (`reports/serving.notes-2026-12-05-lean-round.md`). Profiled in isolation the
-two forwards cost the same within 7% there (`benchmarks/results/sps-forward-zen3.md`), so that gap comes from the
-live step (cache widths, the drafter's work between forwards), not the code path; this table is for machines
-where the two paths do differ (e.g. a mask-building cost that grows with the cache's holes).
+Why both: a scheduler priced on a forward other than the one the engine runs misjudges ℓ; where the two code paths
+cost differently (e.g. a mask-building cost that grows with the cache's holes) serving profiles its own forward
+(`benchmarks/bench_sps_forward.py` compares them; docs/LOG.md has the serving run that raised it).
 """
 from __future__ import annotations
 

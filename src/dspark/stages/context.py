@@ -21,9 +21,8 @@ log = logging.getLogger("dspark")
 # Keys that change what a trained drafter is; everything else (decode.*, stage, tracking, paths) does not.
 TRAINING_GROUPS = ("target", "drafter", "seed", "model", "loss", "data", "optim", "target_options")
 # What the training data's supervision is, beside the config: 2 = the bf16 feature caches' log-normaliser refined in
-# fp32 (`dspark.data.features.BF16_LOG_Z_VERSION`, 2026-12-04). Drafters trained on caches from before it read p_t
-# ~4% off (std; up to ~20%) and are not reused: a resumed sweep would otherwise mix them with cells trained on the
-# fixed caches.
+# fp32 (`dspark.data.features.BF16_LOG_Z_VERSION`). Drafters trained on older supervision are not reused, so a
+# resumed sweep never mixes them with cells trained on the fixed caches (docs/LOG.md has the measurement).
 SUPERVISION_VERSION = 2
 # (group, key, default) of training keys added after runs were cached: left out of the hash at their default
 HASH_NEUTRAL_DEFAULTS = (("model", "confidence_with_markov", True), ("model", "import_from", ""),

@@ -1,11 +1,19 @@
 """Stages `eval`, `report` and `profile`: turn a trained drafter into measured results (METHOD §5, §6, §8).
 
-`run_eval`: load target + drafter → (STS calibration on held-out prompts, when decode.calibrate and the policy reads
+`run_eval`: load target + drafter → (STS calibration on held-out prompts, when decode.calibrate and a policy reads
 confidences) → (SPS table, for the scheduler) → speculative decoding and (decode.baseline) target-only decoding
 of the same prompts → per-dataset / per-domain / overall metrics (`dspark.evaluation.summary`) → MLflow (`eval/…`,
 `summary/…`), raw round records (`<run dir>/evals/<stamp>-<policy>-T<temperature>/rounds.jsonl` + `meta.json`)
-and a markdown report `<reports>/eval-<run dir>-<policy>-T<temperature>-<prompts digest>.md` with its figures next to it (also
-attached to the MLflow run).
+and a markdown report `<reports>/eval-<run dir>-<policy>-T<temperature>-<prompts digest>.md` with its figures next to
+it (attached to the MLflow run with an HTML rendering, `dspark.tracking.artifacts.log_report`).
+
+The speed measurement: decode.policy=fixed (every draft verified) gives the paper's τ but is not a speed policy, so
+when decode.baseline is on and the policy is not already the speed policy, `SPEED_POLICY` (the scheduler) and
+target-only decoding are also run on decode.speed_prompts of the prompts (`speed-rounds.jsonl`, `speed/…` metrics,
+a report section). `EvalResult.headline` states τ and that speed-up: the run's last line.
+
+Nothing written holds an absolute path of the machine: paths in meta.json and the report are relative to
+paths.root (`portable_path`), and the command drops its `paths.*` arguments.
 `run_report` rebuilds that report from the latest saved records of this config; `run_profile` re-measures SPS(B).
 """
 from __future__ import annotations
@@ -14,6 +22,7 @@ import hashlib
 import json
 import logging
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -24,12 +33,22 @@ from dspark.evaluation.calibrate import CalibrationReport
 from dspark.evaluation.diagnostics import load_or_profile_sps, sps_markdown
 from dspark.evaluation.plots import plot_conditional_acceptance
 from dspark.evaluation.rollouts import encode_prompts, read_rollouts_jsonl, run_rollouts, write_rollouts_jsonl
-from dspark.evaluation.summary import flatten_metrics, report_markdown, summarize
+from dspark.evaluation.summary import (
+    EvalSummary,
+    flatten_metrics,
+    report_markdown,
+    speed_metrics,
+    speedup_phrase,
+    summarize,
+    tau_phrase,
+)
 from dspark.files import atomic_write_text
 from dspark.hardware import machine_summary
 from dspark.stages.context import StageContext, run_name
 from dspark.stages.drafter import TrainedDrafter, calibrate, open_trained_drafter
 from dspark.stages.prepare import PreparedData
+from dspark.tracking.artifacts import log_report
+from dspark.tracking.ui import public_uri
 
 if TYPE_CHECKING:
     from dspark.drafters.factory import DrafterSpec
@@ -38,8 +57,27 @@ if TYPE_CHECKING:
 log = logging.getLogger("dspark")
 EVALS_DIR = "evals"
 ROUNDS_FILE = "rounds.jsonl"
+SPEED_ROUNDS_FILE = "speed-rounds.jsonl"
 META_FILE = "meta.json"
 SPS_POLICIES = ("scheduler", "async")
+SPEED_POLICY = "scheduler"  # the policy whose speed-up the run reports (README "What to expect")
+
+
+@dataclass
+class EvalResult:
+    """What `run_eval` leaves: the report and the line that states the result (the run prints it last)."""
+
+    report: Path
+    headline: str
+
+
+@dataclass
+class SpeedPlan:
+    """Whether and how the speed-up is measured beside decode.policy's pass (`plan_speed`)."""
+
+    separate: bool  # a second pass: SPEED_POLICY and target-only on `prompts` of the prompts
+    prompts: int
+    note: str  # why there is no separate pass (empty when there is one)
 
 
 def check_decode_config(decode: Any) -> None:
@@ -81,11 +119,28 @@ def load_eval_prompts(ctx: StageContext, target: Target) -> list:
     return encode_prompts(target, records, max_new_tokens=decode.max_new_tokens)
 
 
-def maybe_calibrate(ctx: StageContext, trained: TrainedDrafter, *, proposer: Any, prepared: PreparedData | None
-                    ) -> tuple[CalibrationReport | None, str]:
-    """STS at decode.temperature when decode.calibrate, the policy reads confidences and the drafter has them."""
+def plan_speed(decode: Any, trained: TrainedDrafter) -> SpeedPlan:
+    """A separate speed pass runs when decode.baseline is on, decode.policy is not SPEED_POLICY already (its own pass
+    then measures the speed-up), decode.speed_prompts > 0 and the drafter has the confidences the scheduler reads."""
+    count = decode.speed_prompts
+    if not decode.baseline:
+        return SpeedPlan(False, 0, "not measured (decode.baseline=false)")
+    if decode.policy == SPEED_POLICY:
+        return SpeedPlan(False, 0, "")
+    if count < 1:
+        return SpeedPlan(False, 0, "not measured (decode.speed_prompts=0)")
+    if not trained.has_confidence:
+        return SpeedPlan(False, 0, f"{trained.spec.kind} has no confidence head for decode.policy={SPEED_POLICY}")
+    return SpeedPlan(True, count, "")
+
+
+def maybe_calibrate(ctx: StageContext, trained: TrainedDrafter, *, proposer: Any, prepared: PreparedData | None,
+                    speed: SpeedPlan | None = None) -> tuple[CalibrationReport | None, str]:
+    """STS at decode.temperature when decode.calibrate and a policy of this evaluation (decode.policy, or the speed
+    pass's scheduler) reads confidences the drafter has."""
     decode = ctx.cfg.decode
-    if not decode.calibrate or decode.policy not in CONFIDENCE_POLICIES:
+    speed_reads = speed is not None and speed.separate
+    if not decode.calibrate or (decode.policy not in CONFIDENCE_POLICIES and not speed_reads):
         return None, "not used (decode.policy reads no confidences or decode.calibrate=false)"
     if not trained.has_confidence:
         raise ValueError(f"decode.policy={decode.policy} needs a drafter with a confidence head (drafter=dspark); "
@@ -104,81 +159,163 @@ def new_eval_dir(ctx: StageContext) -> Path:
     return path
 
 
-def run_eval(ctx: StageContext, drafter_path: str | Path, *, prepared: PreparedData | None = None) -> Path:
-    """Evaluate the drafter at `drafter_path` with the decode.* config; returns the report's path. `prepared` (the
-    data this invocation regenerated) supplies the held-out calibration prompts."""
+def speed_subset(prompts: list, count: int) -> list:
+    """`count` of the prompts, taken in turn from each set (gsm8k, humaneval, mt-bench, gsm8k, …) in their order."""
+    by_set: dict[str, list] = {}
+    for prompt in prompts:
+        by_set.setdefault(prompt.dataset, []).append(prompt)
+    chosen, depth = [], 0
+    while len(chosen) < min(count, len(prompts)):
+        chosen += [group[depth] for group in by_set.values() if depth < len(group)][:count - len(chosen)]
+        depth += 1
+    return chosen
+
+
+def run_eval(ctx: StageContext, drafter_path: str | Path, *, prepared: PreparedData | None = None) -> EvalResult:
+    """Evaluate the drafter at `drafter_path` with the decode.* config (and the speed pass of `plan_speed`); returns
+    the report's path and the headline. `prepared` (the data this invocation regenerated) supplies the held-out
+    calibration prompts."""
     from dspark.decoding.engine import SpeculativeEngine
     from dspark.decoding.policies import build_policy
     from dspark.decoding.proposers import build_proposer
-    from dspark.evaluation.coverage import draft_vocab_coverage
 
     cfg, decode = ctx.cfg, ctx.cfg.decode
     check_decode_config(decode)
     trained = open_trained_drafter(ctx, drafter_path)
-    target, spec, drafter_path = trained.target, trained.spec, trained.path
+    target, spec = trained.target, trained.spec
     proposer = build_proposer(trained.drafter, precision=decode.drafter_precision)
-    calibration, calibration_source = maybe_calibrate(ctx, trained, proposer=proposer, prepared=prepared)
+    speed = plan_speed(decode, trained)
+    calibration, calibration_source = maybe_calibrate(ctx, trained, proposer=proposer, prepared=prepared, speed=speed)
     sts = calibration.sts if calibration else None
     sps, sps_path = (None, None)
-    if decode.policy in SPS_POLICIES:
+    if decode.policy in SPS_POLICIES or speed.separate:
         sps, sps_path = load_or_profile_sps(target=target, cache_dir=ctx.paths.cache, block_size=spec.block_size)
-    policy = build_policy(decode.policy, threshold=decode.threshold, static_k=decode.static_k, sps=sps)
+
+    def engine(policy: str | None) -> Any:  # None: target-only decoding, the speed-up's baseline
+        common = {"target": target, "temperature": decode.temperature, "max_new_tokens": decode.max_new_tokens}
+        if policy is None:
+            return SpeculativeEngine(proposer=None, policy=build_policy("fixed"), **common)
+        return SpeculativeEngine(proposer=proposer, policy=build_policy(policy, threshold=decode.threshold,
+                                                                        static_k=decode.static_k, sps=sps),
+                                 calibration=sts if policy in CONFIDENCE_POLICIES else None,
+                                 step_costs=decode.step_costs, **common)
+
     prompts = load_eval_prompts(ctx, target)
-    log.info("evaluating %s on %d prompts (%s), policy %s, temperature %g", drafter_path, len(prompts),
-             ", ".join(decode.eval_sets), decode.policy, decode.temperature)
-    engines = {"speculative": SpeculativeEngine(target=target, proposer=proposer, policy=policy,
-                                                temperature=decode.temperature, max_new_tokens=decode.max_new_tokens,
-                                                calibration=sts, step_costs=decode.step_costs)}
-    if decode.baseline:
-        engines["target"] = SpeculativeEngine(target=target, proposer=None, policy=build_policy("fixed"),
-                                              temperature=decode.temperature, max_new_tokens=decode.max_new_tokens)
+    log.info("evaluating %s on %d prompts (%s), policy %s, temperature %g", portable_path(trained.path, ctx=ctx),
+             len(prompts), ", ".join(decode.eval_sets), decode.policy, decode.temperature)
+    engines = {"speculative": engine(decode.policy)} | ({"target": engine(None)} if decode.baseline else {})
     rollouts = run_rollouts(engines, prompts, seed=cfg.seed,
                             desc="eval (speculative + target-only)" if decode.baseline else "eval (speculative)")
+    speed_rollouts = None
+    if speed.separate:
+        subset = speed_subset(prompts, speed.prompts)
+        log.info("speed-up: decode.policy=%s against target-only decoding on %d of the prompts", SPEED_POLICY,
+                 len(subset))
+        speed_rollouts = run_rollouts({"speculative": engine(SPEED_POLICY), "target": engine(None)}, subset,
+                                      seed=cfg.seed, desc=f"speed ({SPEED_POLICY} + target-only)")
     out_dir = new_eval_dir(ctx)
     write_rollouts_jsonl(out_dir / ROUNDS_FILE, rollouts)
-    meta = eval_meta(ctx, spec=spec, drafter_path=drafter_path, out_dir=out_dir, sps_path=sps_path,
-                     calibration=calibration, calibration_source=calibration_source)
-    atomic_write_text(out_dir / META_FILE, json.dumps(meta, indent=2))
+    if speed_rollouts is not None:
+        write_rollouts_jsonl(out_dir / SPEED_ROUNDS_FILE, speed_rollouts)
+    meta = eval_meta(ctx, spec=spec, drafter_path=trained.path, out_dir=out_dir, sps_path=sps_path,
+                     calibration=calibration, calibration_source=calibration_source, speed=speed_rollouts is not None)
     summary = summarize(rollouts, block_size=spec.block_size)
+    speed_summary = summarize(speed_rollouts, block_size=spec.block_size) if speed_rollouts else None
+    meta["headline"] = headline(decode, summary, speed_summary, note=speed.note, block_size=spec.block_size)
+    atomic_write_text(out_dir / META_FILE, json.dumps(meta, indent=2))
     metrics = flatten_metrics(summary) | (calibration.metrics() if calibration else {})
-    coverage = draft_vocab_coverage(target=target, drafter=trained.drafter, prompts=prompts, rollouts=rollouts,
-                                    temperature=decode.temperature)
-    if coverage:
-        metrics |= {("eval/vocab_coverage" if d == "all" else f"eval/domain/{d}/vocab_coverage"): v
-                    for d, v in coverage.items()}
-        log.info("draft-vocabulary coverage of the target's own generations: %s",
-                 ", ".join(f"{d} {v:.3f}" for d, v in sorted(coverage.items())))
+    metrics |= speed_metrics(speed_summary) if speed_summary else {}
+    metrics |= coverage_metrics(target=target, trained=trained, prompts=prompts, rollouts=rollouts, decode=decode)
     if ctx.store is not None:
         ctx.store.log_metrics(ctx.run_id, metrics)
-    report = write_report(ctx, meta, summary)
-    log.info("eval: τ %.3f (pooled, mean over datasets), speed-up %s; report %s", summary.overall["tau"],
-             speedup_note(decode, summary.overall.get("speedup")), report)
-    return report
+    report = write_report(ctx, meta, summary, speed=speed_summary)
+    log.info("eval: report %s", report)
+    return EvalResult(report=report, headline=meta["headline"])
 
 
-def speedup_note(decode: Any, speedup: float | None) -> str:
-    """The speed-up as the final log line states it; under `decode.policy=fixed` it says that this policy measures τ
-    (every draft verified, the paper's offline setting) and names the speed policy, so a ratio below 1× is not read as
-    what speculative decoding gives on this machine."""
-    if not decode.baseline or speedup is None:
-        return "not measured (decode.baseline=false)"
-    if decode.policy != "fixed":
-        return f"{speedup:.2f}x"
-    return (f"{speedup:.2f}x under decode.policy=fixed (every draft verified: the τ setting, not a speed policy; for "
-            "speed evaluate with decode.policy=scheduler, README 'What to expect')")
+def coverage_metrics(*, target: Target, trained: TrainedDrafter, prompts: list, rollouts: list, decode: Any
+                     ) -> dict[str, float]:
+    """`eval/vocab_coverage` (and per domain): the draft vocabulary's share of the target's own generations."""
+    from dspark.evaluation.coverage import draft_vocab_coverage
+
+    coverage = draft_vocab_coverage(target=target, drafter=trained.drafter, prompts=prompts, rollouts=rollouts,
+                                    temperature=decode.temperature)
+    if not coverage:
+        return {}
+    log.info("draft-vocabulary coverage of the target's own generations: %s",
+             ", ".join(f"{d} {v:.3f}" for d, v in sorted(coverage.items())))
+    return {("eval/vocab_coverage" if d == "all" else f"eval/domain/{d}/vocab_coverage"): v
+            for d, v in coverage.items()}
+
+
+def tau_setting(decode: Any, *, block_size: int) -> str:
+    """How τ was measured, in the paper's words when it is the paper's setting (fixed ℓ = γ, T = 1)."""
+    temperature = f"T={decode.temperature:g}" + (" (greedy)" if decode.temperature == 0 else "")
+    if decode.policy == "fixed":
+        return f"fixed ℓ=γ={block_size}, {temperature}"
+    return f"decode.policy={decode.policy}, {temperature}"
+
+
+def headline(decode: Any, summary: EvalSummary, speed: EvalSummary | None, *, note: str, block_size: int) -> str:
+    """The run's last line: τ in the evaluated setting (the paper's with decode.policy=fixed, T=1) and the speed-up
+    of SPEED_POLICY over target-only decoding, each with its 95% interval over prompts where there is one."""
+    tau = tau_phrase(summary, setting=tau_setting(decode, block_size=block_size))
+    against = "vs target-only on this machine"
+    if speed is not None:
+        return f"{tau} · {speedup_phrase(speed, setting=f'with decode.policy={SPEED_POLICY} {against}')}"
+    if decode.baseline and (decode.policy == SPEED_POLICY or note):
+        reason = f"; {note}" if note else ""
+        return f"{tau} · {speedup_phrase(summary, setting=f'with decode.policy={decode.policy} {against}{reason}')}"
+    return f"{tau} · speed-up {note or 'not measured'}"
+
+
+def portable_path(path: str | Path | None, *, ctx: StageContext) -> str | None:
+    """`path` as written into reports and meta: relative to paths.root when under it, else relative to the current
+    directory when under it, else only its name (`…/name`): never an absolute path of this machine."""
+    if path is None:
+        return None
+    path = Path(path).expanduser()
+    if not path.is_absolute():
+        return path.as_posix()
+    resolved = path.resolve()
+    for base in (Path(ctx.paths.root).resolve(), Path.cwd().resolve()):
+        if resolved.is_relative_to(base):
+            return resolved.relative_to(base).as_posix() or "."
+    return f"…/{path.name}"
+
+
+def portable_command(argv: list[str], *, ctx: StageContext) -> str:
+    """The command as reports record it: without `paths.*` (this machine's directories; reports say that paths are
+    relative to paths.root), any other absolute path made portable and a URI's password masked."""
+    kept = []
+    for arg in argv:
+        key, sep, value = arg.partition("=")
+        if sep and key.startswith("paths."):
+            continue
+        if sep and value.startswith(("/", "~")):
+            arg = f"{key}={portable_path(value, ctx=ctx)}"
+        elif sep and "://" in value:
+            arg = f"{key}={public_uri(value)}"
+        kept.append(arg)
+    return " ".join(["python experiments/run.py", *kept])
 
 
 def eval_meta(ctx: StageContext, *, spec: DrafterSpec, drafter_path: Path, out_dir: Path, sps_path: Path | None,
-              calibration: CalibrationReport | None, calibration_source: str) -> dict:
-    """What ran, for the report and for rebuilding it (`run_report`)."""
+              calibration: CalibrationReport | None, calibration_source: str, speed: bool = False) -> dict:
+    """What ran, for the report and for rebuilding it (`run_report`); paths relative to paths.root."""
     tags = ctx.run_tags()
     target = ctx.load_target()
+    speed_meta = {"policy": SPEED_POLICY, "rounds_file": portable_path(out_dir / SPEED_ROUNDS_FILE, ctx=ctx)}
     return {
-        "run_name": run_name(ctx.cfg), "command": tags["command"], "git_commit": tags.get("git.commit", ""),
-        "mlflow_run_id": ctx.run_id, "target": target.name, "target_fingerprint": target.fingerprint,
-        "drafter_kind": spec.kind, "spec": spec.to_dict(), "drafter_path": str(drafter_path),
-        "decode": to_dict(ctx.cfg.decode), "seed": ctx.cfg.seed, "eval_dir": str(out_dir),
-        "rounds_file": str(out_dir / ROUNDS_FILE), "sps_table": str(sps_path) if sps_path else None,
+        "run_name": run_name(ctx.cfg), "command": portable_command(ctx.rc.argv, ctx=ctx),
+        "git_commit": tags.get("git.commit", ""), "mlflow_run_id": ctx.run_id,
+        "target": portable_path(target.name, ctx=ctx),
+        "target_fingerprint": target.fingerprint, "drafter_kind": spec.kind, "spec": spec.to_dict(),
+        "drafter_path": portable_path(drafter_path, ctx=ctx), "paths_relative_to": "paths.root",
+        "decode": to_dict(ctx.cfg.decode), "seed": ctx.cfg.seed, "eval_dir": portable_path(out_dir, ctx=ctx),
+        "rounds_file": portable_path(out_dir / ROUNDS_FILE, ctx=ctx),
+        "speed": speed_meta if speed else None,
+        "sps_table": portable_path(sps_path, ctx=ctx),
         "calibration_source": calibration_source,
         "calibration_md": calibration.markdown() if calibration else None,
         "reliability_plot": calibration.plot_path.name if calibration and calibration.plot_path else None,
@@ -191,8 +328,9 @@ def eval_meta(ctx: StageContext, *, spec: DrafterSpec, drafter_path: Path, out_d
     }
 
 
-def write_report(ctx: StageContext, meta: dict, summary: Any) -> Path:
-    """Write the markdown report and the cond@k figure; attach both (and the reliability figure) to MLflow."""
+def write_report(ctx: StageContext, meta: dict, summary: Any, *, speed: EvalSummary | None = None) -> Path:
+    """Write the markdown report and the cond@k figure; attach them (an HTML rendering with the figures inlined, the
+    reliability figure, the round records) to the MLflow run."""
     paths = report_paths(ctx)
     paths["report"].parent.mkdir(parents=True, exist_ok=True)
     plot_conditional_acceptance(summary, paths["cond"], title=f"cond@k — {meta['run_name']}, "
@@ -202,13 +340,16 @@ def write_report(ctx: StageContext, meta: dict, summary: Any) -> Path:
     if calibration_md:
         calibration_md = f"Held-out prompts: {meta['calibration_source']}.\n\n{calibration_md}"
     atomic_write_text(paths["report"], report_markdown(meta, summary, cond_plot=paths["cond"].name,
-                                                       calibration_md=calibration_md, reliability_plot=reliability),
+                                                       calibration_md=calibration_md, reliability_plot=reliability,
+                                                       speed=speed),
                       key="paths.reports")
     if ctx.store is not None:
-        for key in ("report", "cond") + (("reliability",) if reliability else ()):
-            ctx.store.client.log_artifact(ctx.run_id, str(paths[key]), artifact_path="eval")
-        if meta.get("rounds_file") and Path(meta["rounds_file"]).exists():
-            ctx.store.client.log_artifact(ctx.run_id, meta["rounds_file"], artifact_path="eval")
+        figures = [paths["cond"]] + ([paths["reliability"]] if reliability else [])
+        log_report(ctx.store, ctx.run_id, paths["report"], figures, artifact_path="eval")
+        for records in (meta.get("rounds_file"), (meta.get("speed") or {}).get("rounds_file")):
+            path = Path(ctx.paths.root) / records if records else None  # an absolute path (older meta) stays as is
+            if path is not None and path.exists():
+                ctx.store.client.log_artifact(ctx.run_id, str(path), artifact_path="eval")
     return paths["report"]
 
 
@@ -226,11 +367,13 @@ def run_report(ctx: StageContext) -> Path:
         raise ValueError(f"No saved evaluation of this config under {ctx.run_dir / EVALS_DIR}: run stage=eval (or "
                          "stage=all) with the same training config first, then stage=report.")
     meta = json.loads((latest / META_FILE).read_text())
-    rollouts = read_rollouts_jsonl(latest / ROUNDS_FILE)
-    summary = summarize(rollouts, block_size=int(meta["spec"]["block_size"]))
-    report = write_report(ctx, meta, summary)
+    block_size = int(meta["spec"]["block_size"])
+    summary = summarize(read_rollouts_jsonl(latest / ROUNDS_FILE), block_size=block_size)
+    speed_file = latest / SPEED_ROUNDS_FILE
+    speed = summarize(read_rollouts_jsonl(speed_file), block_size=block_size) if speed_file.exists() else None
+    report = write_report(ctx, meta, summary, speed=speed)
     if ctx.store is not None:
-        ctx.store.log_metrics(ctx.run_id, flatten_metrics(summary))
+        ctx.store.log_metrics(ctx.run_id, flatten_metrics(summary) | (speed_metrics(speed) if speed else {}))
     log.info("rebuilt %s from %s", report, latest)
     print(f"report: {report} (from {latest})")
     return report

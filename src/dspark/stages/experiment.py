@@ -4,6 +4,9 @@ run (`run_experiment`). The CLI calls both for a plain run; the sweep driver cal
 Exit codes of `run_experiment`: 0 success, 1 the run failed (its MLflow run is marked FAILED), 2 the tracking store
 could not be opened (nothing ran). Ctrl-C marks the run KILLED and raises `RunInterrupted`, which says what was kept
 (the caller, the CLI or the sweep driver, prints it and exits 130).
+
+A run of its own (not a sweep's cell) prints where to see it in the MLflow UI when it starts and again at the end
+(`dspark.tracking.ui`), and then, as its last line, the evaluation's headline: τ and the speed-up.
 """
 from __future__ import annotations
 
@@ -75,7 +78,7 @@ def run_experiment(rc: ResolvedConfig, *, parent_run_id: str | None = None, extr
                    trainer_callbacks: list | None = None) -> int:
     """Run the stages of one config inside one MLflow run; returns an exit code. `trainer_callbacks` are added to
     the training stage's Lightning Trainer (the sweep driver's Optuna pruning uses it)."""
-    from dspark.stages.context import RunPaths, StageContext, run_name, seed_everything
+    from dspark.stages.context import RunPaths, StageContext, seed_everything
     from dspark.tracking import open_store
 
     ctx = StageContext(rc=rc, paths=RunPaths.from_config(rc.cfg), trainer_callbacks=list(trainer_callbacks or []))
@@ -87,16 +90,18 @@ def run_experiment(rc: ResolvedConfig, *, parent_run_id: str | None = None, extr
         print(f"error: {err}", file=sys.stderr)
         return 2
     worker = is_ddp_worker()
+    standalone = not worker and parent_run_id is None  # a sweep prints its own links and summary
     if worker:
         ctx.run_id = os.environ[RUN_ID_ENV]
     else:
         tags = ctx.run_tags() | (extra_tags or {})
-        ctx.run_id = ctx.store.create_run(run_name=run_name(rc.cfg), tags=tags, parent_run_id=parent_run_id)
+        ctx.run_id = ctx.store.create_run(run_name=mlflow_run_name(rc, tags), tags=tags, parent_run_id=parent_run_id)
         os.environ[RUN_ID_ENV] = ctx.run_id
         ctx.store.log_config(ctx.run_id, rc.cfg, run_dir=ctx.run_dir)
+    links = print_ui_links(ctx) if standalone else []
     started = time.time()
     try:
-        run_stages(ctx)
+        headline = run_stages(ctx)
     except KeyboardInterrupt:  # Ctrl-C: KILLED, not FAILED; the next run of the same command resumes
         if not worker:
             ctx.store.finish(ctx.run_id, status="KILLED")
@@ -110,12 +115,51 @@ def run_experiment(rc: ResolvedConfig, *, parent_run_id: str | None = None, extr
     if not worker:
         ctx.store.log_metrics(ctx.run_id, {"summary/wall_seconds": time.time() - started})
         ctx.store.finish(ctx.run_id)
-        log.info("done: MLflow run %s in %s; run directory %s", ctx.run_id, ctx.store.uri, ctx.run_dir)
+        from dspark.tracking.ui import public_uri
+
+        log.info("done: MLflow run %s in %s; run directory %s", ctx.run_id, public_uri(ctx.store.uri), ctx.run_dir)
+    if standalone:
+        print("\n".join(links), flush=True)
+        if headline:
+            print(headline, flush=True)  # the run's last line: what it measured
+    elif headline:
+        log.info("%s", headline)
     return 0
 
 
-def run_stages(ctx: StageContext) -> None:
-    """prepare → train → eval (or serve), stopping after `stage` (report/profile are their own entry points)."""
+def mlflow_run_name(rc: ResolvedConfig, tags: dict) -> str:
+    """The run's name in MLflow: `run_name` (what was trained), led by a sweep cell's axis values when it is one."""
+    from dspark.stages.context import run_name
+    from dspark.tracking.runs import cell_run_name
+
+    name = run_name(rc.cfg)
+    return cell_run_name(tags["cell"], name) if tags.get("cell") else name
+
+
+UI_COLUMNS = ("params.drafter", "params.model.head", "params.model.depth", "params.model.block_size",
+              "params.budget", "params.decode.policy", "metrics.summary/tau", "metrics.eval/all/tau_prompt_mean",
+              "metrics.speed/speedup_prompt_mean", "metrics.summary/speedup", "metrics.val/tau_prob",
+              "metrics.summary/wall_seconds")
+
+
+def print_ui_links(ctx: StageContext) -> list[str]:
+    """Print (and return, for the end of the run) where the run shows in the MLflow UI: the runs table of this run
+    name (earlier runs of the same config beside it) with the columns a reader compares, and the command that serves
+    a local store."""
+    from dspark.stages.context import run_name
+    from dspark.tracking.ui import run_url, runs_table_url, ui_lines
+
+    name = run_name(ctx.cfg)
+    filter_string = f"attributes.run_name = '{name}'" if "'" not in name else None
+    url = runs_table_url(ctx.store, filter_string=filter_string, columns=UI_COLUMNS, view_name=f"runs named {name}")
+    lines = ui_lines(ctx.store, url=url) + [f"  this run: {run_url(ctx.store, ctx.run_id)}"]
+    print("\n".join(lines), flush=True)
+    return lines
+
+
+def run_stages(ctx: StageContext) -> str | None:
+    """prepare → train → eval (or serve), stopping after `stage` (report/profile are their own entry points);
+    returns the evaluation's headline, if the run evaluated."""
     from dspark.stages.prepare import run_prepare
     from dspark.stages.train import run_train
 
@@ -124,43 +168,43 @@ def run_stages(ctx: StageContext) -> None:
         from dspark.stages.evaluate import run_report
 
         run_report(ctx)
-        return
+        return None
     if stage == "profile":
         from dspark.stages.evaluate import run_profile
 
         run_profile(ctx)
-        return
+        return None
     if stage == "export":
         from dspark.stages.export import run_export
 
         run_export(ctx)
-        return
+        return None
     if ctx.cfg.model.import_from and stage in ("eval", "all", "serve"):  # an exported drafter instead of training
         from dspark.stages.export import import_to_run_dir
 
-        _evaluate_or_serve(ctx, import_to_run_dir(ctx), prepared=None)
-        return
+        return _evaluate_or_serve(ctx, import_to_run_dir(ctx), prepared=None)
     data = run_prepare(ctx)
     ctx.store.log_metrics(ctx.run_id, {"data/sequences": data.num_sequences} | {
         f"data/{k}": float(v) for k, v in data.stats.items() if isinstance(v, (int, float))})
     if stage == "prepare":
-        return
+        return None
     drafter_path = run_train(ctx, data)
     if stage == "train" or is_ddp_worker():
-        return
+        return None
     release_freed_memory()  # training's kept heap blocks are the wrong sizes for evaluation
-    _evaluate_or_serve(ctx, drafter_path, prepared=data)
+    return _evaluate_or_serve(ctx, drafter_path, prepared=data)
 
 
-def _evaluate_or_serve(ctx: StageContext, drafter_path, *, prepared) -> None:
+def _evaluate_or_serve(ctx: StageContext, drafter_path, *, prepared) -> str | None:
+    """Serve (no headline) or evaluate (its headline)."""
     if ctx.cfg.stage == "serve":
         from dspark.stages.serve import run_serve
 
         run_serve(ctx, drafter_path, prepared=prepared)
-        return
+        return None
     from dspark.stages.evaluate import run_eval
 
-    run_eval(ctx, drafter_path, prepared=prepared)
+    return run_eval(ctx, drafter_path, prepared=prepared).headline
 
 
 def kept_after_interrupt(ctx: StageContext) -> str:

@@ -13,9 +13,7 @@ import os
 import sys
 from collections.abc import Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
-
-import torch
+from typing import Any
 
 from dspark.config import ResolvedConfig
 from dspark.drafters.checkpoint import DRAFTER_FILE, read_checkpoint, save_drafter
@@ -24,9 +22,6 @@ from dspark.stages.context import RunPaths, StageContext
 from dspark.stages.prepare import PreparedData
 from dspark.training.module import DrafterModule
 from dspark.training.optim import count_parameters
-
-if TYPE_CHECKING:
-    from dspark.targets import Target
 
 log = logging.getLogger("dspark")
 
@@ -141,6 +136,8 @@ def _train_or_reuse(ctx: StageContext, data: PreparedData) -> Path:
     vocab_ids = None
     if spec.draft_vocab_size:
         datamodule.setup("fit")
+        from dspark.data.draft_vocab import draft_vocab_from_data
+
         vocab_ids = draft_vocab_from_data(data.regen_dir, datamodule.split_index["train"], target=target,
                                           size=spec.draft_vocab_size, feature_dir=data.feature_dir)
     module = build_module(ctx, spec, draft_vocab_ids=vocab_ids)
@@ -194,31 +191,6 @@ def resumable_checkpoint(last: Path) -> Path | None:
 
 def _fmt(value: float | None) -> str:
     return "n/a" if value is None else f"{value:.3f}"
-
-
-def draft_vocab_from_data(regen_dir: Path, indices: list[int], *, target: Target, size: int,
-                          feature_dir: Path | None = None) -> torch.Tensor:
-    """The `size` target ids the drafter predicts over (+ the stop ids).
-
-    With a feature cache that holds the target's expected token mass (Σ p_t over the supervised positions), the ids
-    of largest mass: what the target itself would write in these contexts — the quantity a draft vocabulary must
-    cover, since acceptance at a position is bounded by Σ_{x ∈ Vd} p_t(x). Otherwise the most frequent supervised
-    tokens of the training split."""
-    from dspark.data.regenerate import load_regenerated
-    from dspark.drafters.vocab import build_draft_vocab
-
-    if feature_dir is not None:
-        from dspark.data.features import FeatureCache
-
-        mass = FeatureCache(feature_dir).target_mass()
-        if mass is not None:
-            log.info("draft vocabulary: the %d ids of largest expected target mass", size)
-            return build_draft_vocab(mass, size=size, always=target.stop_token_ids)
-    rows = load_regenerated(regen_dir).select(indices).with_format("torch", columns=["input_ids", "loss_mask"])
-    counts = torch.zeros(target.vocab_size, dtype=torch.long)
-    for row in rows:
-        counts += torch.bincount(row["input_ids"][row["loss_mask"].bool()].long(), minlength=target.vocab_size)
-    return build_draft_vocab(counts, size=size, always=target.stop_token_ids)
 
 
 def fit_interruptibly(trainer: Any, module: Any, **fit_args: Any) -> None:

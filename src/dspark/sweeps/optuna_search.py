@@ -14,7 +14,6 @@ pointing at one `optuna.storage`) does:
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import sys
@@ -28,7 +27,7 @@ from dspark.config import ConfigError, ResolvedConfig, resolve_config
 from dspark.files import atomic_write_text
 from dspark.stages.train import recorded_training_metrics
 from dspark.sweeps import runs as sweep_runs
-from dspark.sweeps.identity import arg_key, excluded_from_hash, parent_tags, supervision_identity, sweep_dir
+from dspark.sweeps.identity import arg_key, identity_hash, parent_tags, sweep_dir, sweep_identity
 from dspark.sweeps.optuna_study import StudyHandle, claim_trial, default_storage, mask, setup_study, trial_is_default
 from dspark.sweeps.spec import SweepSpec
 from dspark.tracking import runs as run_tree
@@ -77,16 +76,11 @@ def fixed_argv(rc: ResolvedConfig, spec: SweepSpec, *, ignore: tuple[str, ...] =
 
 
 def search_hash(rc: ResolvedConfig, spec: SweepSpec, *, ignore: tuple[str, ...] = ()) -> str:
-    """Hash of the fixed config (searched keys, paths, tracking and optuna.* excluded), the search space and the
-    supervision version (a study of drafters trained on superseded supervision is not resumed)."""
-    from dspark.config.loader import flatten, to_dict
-
-    base = resolve_config(fixed_argv(rc, spec, ignore=ignore), cell_overrides=spec.base_overrides(rc.cfg.budget))
-    flat = {k: v for k, v in flatten(to_dict(base.cfg)).items()
-            if not excluded_from_hash(k) and k not in searched_keys(spec)}
-    payload = json.dumps({"config": flat, "spec": spec.digest(), **supervision_identity()}, sort_keys=True,
-                         default=str)
-    return hashlib.sha256(payload.encode()).hexdigest()[:12]
+    """The search's identity hash (`dspark.sweeps.identity`: name, budget, explicit overrides, search space, recipe
+    and supervision versions): a study of drafters trained on superseded supervision is not resumed, and a changed
+    default does not orphan a study."""
+    fixed_argv(rc, spec, ignore=ignore)  # a searched key on the command line is refused here
+    return identity_hash(sweep_identity(rc, spec, ignore=ignore))
 
 
 def open_search(rc: ResolvedConfig, spec: SweepSpec) -> tuple[StudyHandle, str]:

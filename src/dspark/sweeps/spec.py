@@ -144,6 +144,33 @@ class SweepSpec:
                         out.append(Cell(index=len(out), key=key, axes=axes, overrides={**base, **axes}))
         return out
 
+    def with_args(self, args: dict[str, Any]) -> "SweepSpec":
+        """This sweep with its axes or seeds replaced from the command line (`sweep.axes.<key>=[v, ...]`,
+        `sweep.seeds=[0, 1, 2]`): a grown sweep keeps its identity, so its finished cells are reused and only new
+        cells run. Every problem is a ConfigError naming the argument and the fix."""
+        if not args:
+            return self
+        grid = [dict(block) for block in self.grid]
+        seeds = self.seeds
+        for arg, raw in args.items():
+            values = raw if isinstance(raw, list) else [raw]
+            if arg == "sweep.seeds":
+                seeds = [coerce(v, int, key=arg) for v in values]
+                if not seeds:
+                    raise ConfigError(f"{arg}=[]: give at least one seed, e.g. {arg}=[0,1].")
+                continue
+            key = arg[len(AXES_ARG):] if arg.startswith(AXES_ARG) else ""
+            axes = [k for k in self.axis_keys() if k != "seed"]
+            if self.kind != "grid" or key not in axes:
+                where = f"sweep={self.name}"
+                raise ConfigError(f"{arg}: {where} has no axis '{key or arg}' (its axes: {', '.join(axes) or 'none'};"
+                                  f" seeds: sweep.seeds=[...]). To set a key for every cell, pass {key or 'KEY'}=VALUE.")
+            if not values:
+                raise ConfigError(f"{arg}=[]: give at least one value, e.g. {arg}=[{_show(grid_values(grid, key)[0])}].")
+            coerced = [coerce_value(key, v, where=f"command line {arg}") for v in values]
+            grid = [{k: (coerced if k == key else v) for k, v in block.items()} for block in grid]
+        return dataclasses.replace(self, grid=grid, seeds=seeds)
+
     def latency_options(self, budget: str) -> dict[str, Any]:
         opts = {k: v for k, v in self.latency.items() if k != "budgets"}
         return opts | dict(self.latency.get("budgets", {}).get(budget, {}))
@@ -154,6 +181,15 @@ class SweepSpec:
                    "grid": self.grid, "runner": self.runner, "latency": self.latency,
                    "optuna": dataclasses.asdict(self.optuna) if self.optuna else None}
         return hashlib.sha256(json.dumps(payload, sort_keys=True, default=str).encode()).hexdigest()[:12]
+
+
+#: the command-line prefix that replaces one axis's values (`sweep.axes.model.head=[markov,rnn]`)
+AXES_ARG = "sweep.axes."
+
+
+def grid_values(grid: list[dict[str, list[Any]]], key: str) -> list[Any]:
+    """Every value of one axis over the grid's blocks, in order, once each."""
+    return list(dict.fromkeys(v for block in grid for v in block.get(key, [])))
 
 
 def _show(value: Any) -> str:

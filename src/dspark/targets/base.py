@@ -8,10 +8,6 @@ never used as a feature (METHOD §10).
 """
 from __future__ import annotations
 
-import hashlib
-import json
-import logging
-import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -21,13 +17,8 @@ from torch import Tensor, nn
 from transformers import DynamicCache
 
 from dspark.drafters.layers import DraftLayerSpec
-from dspark.files import atomic_write_text
-from dspark.hardware import (FEW_ROW_LAYOUT_ENV, ROW_PAD_ENV, RowPadding, cpu_model, few_row_layout,
-                              format_row_padding, machine_fingerprint, parse_row_padding, row_padding,
-                              use_few_row_products, worth_probing)
 from dspark.targets.attention import use_grouped_sdpa
-
-log = logging.getLogger("dspark")
+from dspark.targets.layout import choose_few_row_layout
 
 FEATURE_LAYERS_KEY = "model.feature_layers"
 
@@ -73,62 +64,6 @@ def _default_hint(num_layers: int) -> str:
         return ""
 
 
-def few_row_decision_path(cache_dir: str | Path, fingerprint: str) -> Path:
-    """Where a target's measured few-row choice is kept for this machine:
-    `<cache>/hardware/few-row-<fingerprint[:16]>-<machine hash>-t<torch threads>.json` (the machine: SPS tables'
-    `machine_fingerprint` and the CPU model)."""
-    digest = hashlib.sha256(f"{machine_fingerprint()}|{cpu_model()}".encode()).hexdigest()[:12]
-    return Path(cache_dir) / "hardware" / f"few-row-{fingerprint[:16]}-{digest}-t{torch.get_num_threads()}.json"
-
-
-def _read_decision(path: Path) -> tuple[str, RowPadding] | None:
-    try:
-        record = json.loads(path.read_text())
-        layout, padding = record["layout"], parse_row_padding(record["row_padding"])
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
-    return (layout, padding) if layout in ("linear", "transposed") else None
-
-
-def _choose_few_row_layout(model: nn.Module, head_weight: Tensor, decision_file: Path | None = None
-                           ) -> tuple[str, RowPadding]:
-    """Measure once whether this machine's few-row products (a verify forward's ℓ + 1 tokens) are faster in the
-    (W xᵀ)ᵀ layout, and switch every `nn.Linear` of the frozen model to it if so (`dspark.hardware.few_row_layout`:
-    fp32 CPU weights only, tiny models never); in that layout, also which row counts are faster computed as more rows
-    (`dspark.hardware.row_padding`: one row as two, three as four on the Zen 3). Returns (layout, row padding).
-
-    decision_file: where a measured choice is kept and, when present, read instead of measuring again — the probe's
-    choice varied from load to load on a busy VM (three loads in an hour padded `1:2,3:4,7:8`, `1:2,3:4,11:16` and
-    `1:3,2:4`, the last making the plain step 24% dearer), so two runs on one machine compared different baselines.
-    Delete the file to measure again; `DSPARK_FEW_ROW_LAYOUT` / `DSPARK_ROW_PADDING` still override it."""
-    forced = (os.environ.get(FEW_ROW_LAYOUT_ENV, "auto") != "auto" or os.environ.get(ROW_PAD_ENV, "auto") != "auto")
-    kept = _read_decision(decision_file) if decision_file is not None and not forced else None
-    if kept is not None:
-        layout, padding = kept
-        source = f"kept in {decision_file} (delete it to measure again)"
-    else:
-        layout, speedup = few_row_layout(head_weight.detach())
-        padding, costs = row_padding(head_weight.detach()) if layout == "transposed" else ({}, {})
-        source = f"measured: {speedup:.1f}× x Wᵀ's speed on the LM head at 2–4 tokens"
-        if costs:
-            source += ("; LM head ms " + ", ".join(f"{n} → {m} rows {costs[n]:.1f} → {costs[m]:.1f}"
-                                                  for n, m in sorted(padding.items())))
-        # only a measured choice is kept: tiny, bf16 or GPU weights are never probed
-        if decision_file is not None and not forced and worth_probing(head_weight):
-            record = {"layout": layout, "row_padding": format_row_padding(padding), "layout_speedup": speedup,
-                      "row_costs_ms": costs}
-            try:
-                atomic_write_text(decision_file, json.dumps(record, indent=1))
-            except OSError as err:  # a convenience, not a result: a read-only cache only means measuring next time
-                log.warning("target: could not keep the few-row choice (%s); the next load measures again", err)
-    if layout != "transposed":
-        return layout, {}
-    count = use_few_row_products(model, row_padding=padding)
-    log.info("target: %d linear layers compute few-token products as (W xᵀ)ᵀ, row padding %s (%s; %s=linear, "
-             "%s=off turn these off)", count, format_row_padding(padding), source, FEW_ROW_LAYOUT_ENV, ROW_PAD_ENV)
-    return layout, padding
-
-
 @dataclass
 class TargetForward:
     """One target forward. B batch, T tokens in this call, m feature layers, d hidden size, V vocabulary."""
@@ -149,9 +84,9 @@ class Target:
     identity whatever dtype it was loaded in: the fp32 load's fingerprint; drafters record it, so a drafter trained
     against the fp32 target also serves a bf16 load of the same files), `default_system_prompt` (True when the chat template inserts its own system turn
     if none is given, as SmolLM2's does; `chat_prompt_ids` keeps that behaviour), `few_row_layout` (`linear`, or
-    `transposed` where this machine computes few-token products faster as (W xᵀ)ᵀ: `_choose_few_row_layout`),
+    `transposed` where this machine computes few-token products faster as (W xᵀ)ᵀ: `layout.choose_few_row_layout`),
     `row_padding` ({n: m} where, in that layout, n-token products run as m rows, the extra ones zero; empty if none);
-    both measured once per machine and kept in `few_row_decision` when given (`few_row_decision_path`);
+    both measured once per machine and kept in `few_row_decision` when given (`layout.few_row_decision_path`);
     `attention`, the attention implementation the model runs (`dspark.targets.attention.GROUPED_SDPA` where
     transformers' `sdpa` would copy the KV cache for every multi-token forward, else transformers' own).
     """
@@ -188,7 +123,7 @@ class Target:
         self.fingerprint = fingerprint
         self.checkpoint_fingerprint = checkpoint_fingerprint or fingerprint
         self.default_system_prompt = _template_adds_system_turn(tokenizer)
-        self.few_row_layout, self.row_padding = _choose_few_row_layout(model, self.lm_head.weight, few_row_decision)
+        self.few_row_layout, self.row_padding = choose_few_row_layout(model, self.lm_head.weight, few_row_decision)
         # multi-token forwards (verify, padded batches) attend with grouped-query SDPA, no copy of the KV cache
         self.attention = use_grouped_sdpa(model)
 

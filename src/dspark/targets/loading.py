@@ -14,9 +14,10 @@ from typing import Any
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from dspark.targets.base import Target, few_row_decision_path, resolve_feature_layer_ids
+from dspark.targets.base import Target, resolve_feature_layer_ids
 from dspark.targets.builtin import TARGET_KEY, TARGETS, TargetSource
 from dspark.targets.checks import check_gguf_file, check_model_dir, looks_like_path
+from dspark.targets.layout import few_row_decision_path
 from dspark.targets.storage import convert_gguf, gguf_cache_name, materialize, targets_cache_root
 
 MASK_KEY = "target_options.mask_token_id"

@@ -8,6 +8,9 @@ groups and `search_runs` filters stay trivial:
             sweep.attempt (unique per attempt, to find the run the stages created), sweep.complete=true when
             every stage of the cell returned successfully.
 
+Names lead with what tells runs apart, since the UI's name column shows a name's start: a parent is
+`sweep-<name> <budget> <hash>`, a child `<axis values> · <run name>` (`model.depth=3 seed=1 · dspark-markov-d3-g7-s1`).
+
 A cell counts as done only with status FINISHED *and* `sweep.complete=true`: Lightning's MLFlowLogger marks a run
 FINISHED when training ends, so a process killed during evaluation would otherwise look finished. The sweep driver
 writes this tree and reports read it; neither needs the other.
@@ -51,14 +54,27 @@ def find_parent(store: TrackingStore, *, sweep: str, sweep_hash: str | None = No
     return runs[0] if runs else None
 
 
+def parent_name(*, sweep: str, sweep_hash: str, budget: str | None) -> str:
+    """`sweep-depth cpu-ref 1a2b3c4d5e6f`: the sweep, its budget and its config hash, what tells parents apart."""
+    return " ".join(part for part in (f"sweep-{sweep}", budget, sweep_hash) if part)
+
+
+def cell_run_name(label: str, name: str) -> str:
+    """`model.depth=3 seed=1 · dspark-markov-d3-g7-s1`: a cell's axis values first, where the UI column shows them."""
+    return f"{label} · {name}" if name else label
+
+
 def open_parent(store: TrackingStore, *, sweep: str, sweep_hash: str, tags: dict[str, str]) -> tuple[str, bool]:
-    """Reuse the parent of this sweep + hash (set RUNNING again) or create it; returns (run id, reused)."""
+    """Reuse the parent of this sweep + hash (set RUNNING again) or create it; returns (run id, reused). Its name is
+    `parent_name` (budget from tags["budget"]); a reused parent of an older naming is renamed."""
+    name = parent_name(sweep=sweep, sweep_hash=sweep_hash, budget=tags.get("budget"))
     parent = find_parent(store, sweep=sweep, sweep_hash=sweep_hash)
     if parent is not None:
-        store.client.update_run(parent.info.run_id, status="RUNNING")
+        rename = {"name": name} if parent.info.run_name != name else {}
+        store.client.update_run(parent.info.run_id, status="RUNNING", **rename)
         return parent.info.run_id, True
     tags = tags | {"sweep.name": sweep, "sweep.hash": sweep_hash, "sweep.role": PARENT}
-    return store.create_run(run_name=f"sweep-{sweep}", tags=tags), False
+    return store.create_run(run_name=name, tags=tags), False
 
 
 def children(store: TrackingStore, parent_id: str) -> list[Any]:
@@ -94,13 +110,14 @@ def cell_tags(*, sweep: str, sweep_hash: str, paper_ref: str, index: int, key: s
 def settle_attempt(store: TrackingStore, attempt: str, *, ok: bool, label: str | None = None) -> str | None:
     """After a cell returned: tag its run complete, or make sure it is FAILED; returns its run id.
 
-    `label` is appended to the run name (cells differing only in decode.* would otherwise share one name)."""
+    `label` (the cell's axis values) leads the run name (`cell_run_name`) unless it already does: the UI's name
+    column shows a name's start, and cells differing only in decode.* would otherwise share one name."""
     run = find_attempt(store, attempt)
     if run is None:
         return None
     run_id = run.info.run_id
-    if label and label not in (run.info.run_name or ""):
-        store.client.update_run(run_id, name=f"{run.info.run_name} | {label}")
+    if label and not (run.info.run_name or "").startswith(label):
+        store.client.update_run(run_id, name=cell_run_name(label, run.info.run_name or ""))
     if ok:
         store.client.set_tag(run_id, COMPLETE_TAG, "true")
         if run.info.status != "FINISHED":

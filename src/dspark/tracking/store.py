@@ -17,6 +17,7 @@ from typing import Any
 from dspark.config import ConfigError, RunConfig, to_yaml
 from dspark.files import atomic_write_text
 from dspark.hardware import machine_summary
+from dspark.tracking.ui import public_uri
 
 
 def tracking_uri_for(cfg: RunConfig) -> str:
@@ -30,15 +31,16 @@ def check_reachable(uri: str, *, timeout: float = 5.0) -> None:
     """Fail before any work when an http(s) tracking server does not answer /health."""
     if not uri.startswith(("http://", "https://")):
         return
+    shown = public_uri(uri)  # an error message never shows the password
     try:
         with urllib.request.urlopen(uri.rstrip("/") + "/health", timeout=timeout) as resp:
             if resp.status == 200:
                 return
     except (urllib.error.URLError, socket.timeout, ConnectionError) as err:
-        raise ConfigError(f"tracking.uri={uri} is unreachable ({err}). Start it with `mlflow server --host 127.0.0.1 "
+        raise ConfigError(f"tracking.uri={shown} is unreachable ({err}). Start it with `mlflow server --host 127.0.0.1 "
                           "--port 5000 --backend-store-uri sqlite:///$PWD/outputs/mlflow.db`, or drop tracking.uri "
                           "to use the local sqlite store.") from err
-    raise ConfigError(f"tracking.uri={uri}: /health did not answer 200.")
+    raise ConfigError(f"tracking.uri={shown}: /health did not answer 200.")
 
 
 @dataclass
@@ -100,11 +102,23 @@ def open_store(cfg: RunConfig) -> TrackingStore:
 
     # Two processes opening a new sqlite store at once race in MLflow's schema migration, which the client runs
     # when it is built ("Online migration expected to match one row ... 0 found"), and in create_experiment; the
-    # first opener does both while the others wait.
-    with FileLock(str(Path(cfg.paths.root).resolve() / ".mlflow.db.lock")):
+    # first opener does both while the others wait. The lock sits beside the database, so processes with their own
+    # paths.root that share one `tracking.uri=sqlite:///…` file wait on the same lock.
+    with FileLock(str(sqlite_lock_path(uri, root=Path(cfg.paths.root)))):
         client = MlflowClient(tracking_uri=uri)
         artifacts = (Path(cfg.paths.root).resolve() / "mlartifacts").as_uri()
         return TrackingStore(uri=uri, experiment_id=_experiment_id(client, cfg, artifacts=artifacts), client=client)
+
+
+def sqlite_lock_path(uri: str, *, root: Path) -> Path:
+    """`<dir>/.<db>.lock` beside the database file of a `sqlite:///` URI (`<root>/.mlflow.db.lock` for the default
+    store); under `root` for an in-memory database."""
+    database = uri.removeprefix("sqlite:///") if uri.startswith("sqlite:///") else ""
+    if database in ("", ":memory:"):
+        return root.resolve() / ".mlflow.db.lock"
+    path = Path(database).resolve()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    return path.parent / f".{path.name}.lock"
 
 
 def _experiment_id(client: Any, cfg: RunConfig, *, artifacts: str | None) -> str:

@@ -36,6 +36,18 @@ def pooled_weight_sum(local: torch.Tensor) -> torch.Tensor:
     return total / dist.get_world_size()
 
 
+# spec values the config leaves to training (model.feature_layers=[] → the target's default layer ids,
+# target_options.mask_token_id=None → the reserved row chosen): logged once as `resolved/<key>`; the rest of the spec
+# repeats model.* and is not logged
+RESOLVED_SPEC_KEYS = ("feature_layers", "mask_token_id")
+
+
+def resolved_params(drafter_config: dict[str, Any], *, target_fingerprint: str) -> dict[str, Any]:
+    """The run params that only training knows: the spec's resolved values and the target's weights identity."""
+    params = {f"resolved/{k}": drafter_config[k] for k in RESOLVED_SPEC_KEYS if k in drafter_config}
+    return params | {"resolved/target_fingerprint": target_fingerprint}
+
+
 class NonFiniteLossError(FloatingPointError):
     """Raised when the loss is NaN/inf; the run is marked FAILED and the last good checkpoint is kept."""
 
@@ -52,9 +64,13 @@ class DrafterModule(L.LightningModule):
         self.block_size = block_size
         self.loss_weights = asdict(loss)  # the step functions' keyword arguments (alpha_ce, ..., decay)
         self.optim_cfg = asdict(optim)
+        # kept in checkpoints, not logged: the run's params are the flattened config (`TrackingStore.log_config`),
+        # and these copy it under other names (loss_weights/alpha_tv = loss.alpha_tv); `on_fit_start` logs the rest
         self.save_hyperparameters({"drafter_kind": drafter_kind, "block_size": block_size,
                                    "loss_weights": self.loss_weights, "optim": self.optim_cfg,
-                                   "drafter_config": drafter_config, "target_fingerprint": target.fingerprint})
+                                   "drafter_config": drafter_config, "target_fingerprint": target.fingerprint},
+                                  logger=False)
+        self.resolved_params = resolved_params(drafter_config, target_fingerprint=target.fingerprint)
         # keys are "<split>_metrics": a bare "train" would shadow nn.Module.train
         self.split_metrics = nn.ModuleDict({f"{s}_metrics": self._split_metrics() for s in ("train", "val")})
         self.validated_at_step = -1  # global step of the last validation (-1: none yet)
@@ -67,6 +83,8 @@ class DrafterModule(L.LightningModule):
 
     def on_fit_start(self) -> None:
         self.target.model.to(self.device)  # the target follows the drafter's device (GPU runs)
+        if self.logger is not None:  # rank zero only (Lightning's loggers)
+            self.logger.log_hyperparams(self.resolved_params)
 
     def on_train_start(self) -> None:
         for metric in self.split_metrics["val_metrics"].values():
