@@ -283,3 +283,17 @@ def test_the_sqlite_lock_sits_beside_the_database_whatever_paths_root(tmp_path):
     assert sqlite_lock_path(f"sqlite:///{tmp_path}/root/mlflow.db", root=tmp_path / "root") == \
         tmp_path / "root" / ".mlflow.db.lock"  # the default store: the lock of before
     assert sqlite_lock_path("sqlite://", root=tmp_path) == tmp_path / ".mlflow.db.lock"
+
+
+def test_what_a_run_records_names_no_machine_path_and_no_password(tmp_path):
+    """config.yaml, the flat params and the recorded command leave out paths.* and mask a URI's password."""
+    from dspark.config import resolve_config
+    from dspark.tracking.store import _flat_params, portable_config_yaml
+    from dspark.tracking.ui import public_command
+
+    argv = [f"paths.root={tmp_path}", "budget=smoke", "optuna.storage=postgresql://me:hunter2@db.example/optuna"]
+    cfg = resolve_config(argv).cfg
+    recorded = portable_config_yaml(cfg) + repr(_flat_params(cfg)) + public_command(argv)
+    assert str(tmp_path) not in recorded and "hunter2" not in recorded
+    assert "postgresql://me:***@db.example/optuna" in recorded and "budget=smoke" in recorded
+    assert str(tmp_path) in repr(cfg.paths) and "hunter2" in cfg.optuna.storage  # control: the config has both

@@ -12,6 +12,7 @@ import torch
 
 from dspark.config import ResolvedConfig, RunConfig, repo_root, to_dict
 from dspark.tracking import TrackingStore, git_provenance
+from dspark.tracking.ui import public_command
 
 if TYPE_CHECKING:
     from dspark.targets import Target
@@ -124,7 +125,7 @@ class StageContext:
         cfg = self.cfg
         tags = {"drafter": cfg.drafter, "model.head": cfg.model.head, "target": cfg.target, "budget": cfg.budget,
                 "seed": str(cfg.seed), "stage": cfg.stage, "training.key": training_key(cfg),
-                "command": "python experiments/run.py " + " ".join(self.rc.argv)}
+                "command": public_command(self.rc.argv)}
         return tags | git_provenance(repo_root())
 
 

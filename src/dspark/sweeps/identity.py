@@ -116,19 +116,11 @@ def parent_tags(rc: ResolvedConfig, spec: SweepSpec, *, total: int, identity: di
 
 
 def sweep_command(argv: Iterable[str]) -> str:
-    """The command as recorded on runs, ledgers and reports: without `paths.*` (a machine's directories) and with
-    credentials in a URI value masked (`tracking.uri`, `optuna.storage`)."""
-    words = [_mask_credentials(a) for a in argv if not arg_key(a).startswith("paths.")]
-    return " ".join(["python experiments/run.py", *words])
+    """The command as recorded on runs, ledgers and reports (`tracking.ui.public_command`: no `paths.*`, no
+    password)."""
+    from dspark.tracking.ui import public_command
 
-
-def _mask_credentials(arg: str) -> str:
-    """`key=scheme://user:pw@host/...` → `key=scheme://***@host/...`."""
-    key, _, value = arg.partition("=")
-    if "://" in value and "@" in value.split("://", 1)[1].split("/", 1)[0]:
-        scheme, rest = value.split("://", 1)
-        return f"{key}={scheme}://***@{rest.split('@', 1)[1]}"
-    return arg
+    return public_command(list(argv))
 
 
 def sweep_dir(rc: ResolvedConfig, spec: SweepSpec, sweep_hash: str) -> Path:

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from dspark.config import ConfigError, RunConfig, to_yaml
+from dspark.config import ConfigError, RunConfig
 from dspark.files import atomic_write_text
 from dspark.hardware import machine_summary
 from dspark.tracking.ui import public_uri
@@ -60,8 +60,11 @@ class TrackingStore:
         return run.info.run_id
 
     def log_config(self, run_id: str, cfg: RunConfig, *, run_dir: Path) -> None:
-        """Write the resolved config next to the run's results and attach it as an artifact; flat params too."""
-        path = atomic_write_text(run_dir / "config.yaml", to_yaml(cfg))
+        """Write the resolved config next to the run's results and attach it as an artifact; flat params too.
+
+        Both leave out `paths.*` (this machine's directories: the file sits in the run directory under paths.root)
+        and mask a URI's password, so nothing recorded names a machine's path or a secret."""
+        path = atomic_write_text(run_dir / "config.yaml", portable_config_yaml(cfg))
         self.client.log_artifact(run_id, str(path))
         params = _flat_params(cfg)
         from mlflow.entities import Param
@@ -81,10 +84,29 @@ class TrackingStore:
         self.client.set_terminated(run_id, status=status)
 
 
-def _flat_params(cfg: RunConfig) -> dict[str, str]:
-    from dspark.config.loader import flatten, to_dict
+def _portable_tree(cfg: RunConfig) -> dict[str, Any]:
+    """The config as recorded: without the `paths` group, URI passwords masked."""
+    from dspark.config.loader import to_dict
 
-    return {k: str(v) for k, v in flatten(to_dict(cfg)).items()}
+    tree = {k: v for k, v in to_dict(cfg).items() if k != "paths"}
+    for group, key in (("tracking", "uri"), ("optuna", "storage")):
+        if isinstance(tree.get(group, {}).get(key), str):
+            tree[group][key] = public_uri(tree[group][key])
+    return tree
+
+
+def portable_config_yaml(cfg: RunConfig) -> str:
+    """config.yaml of a run: the resolved config less `paths.*` (see `log_config`)."""
+    import yaml
+
+    return ("# the resolved config of this run; paths.* are left out (they name one machine's directories)\n"
+            + yaml.safe_dump(_portable_tree(cfg), sort_keys=False))
+
+
+def _flat_params(cfg: RunConfig) -> dict[str, str]:
+    from dspark.config.loader import flatten
+
+    return {k: str(v) for k, v in flatten(_portable_tree(cfg)).items()}
 
 
 def open_store(cfg: RunConfig) -> TrackingStore:

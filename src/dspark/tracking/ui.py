@@ -60,6 +60,18 @@ def public_uri(uri: str) -> str:
     return _without_credentials(uri, mask="***") if "://" in uri else uri
 
 
+def public_command(argv: Sequence[str]) -> str:
+    """A command line as runs, ledgers and reports record it: without `paths.*` (a machine's directories: what runs
+    write is relative to paths.root) and with any URI's password masked (`tracking.uri`, `optuna.storage`)."""
+    kept = []
+    for arg in argv:
+        key, sep, value = arg.partition("=")
+        if sep and key.strip().startswith("paths."):
+            continue
+        kept.append(f"{key}={public_uri(value)}" if sep and "://" in value else arg)
+    return " ".join(["python experiments/run.py", *kept])
+
+
 def is_server_uri(uri: str) -> bool:
     return uri.startswith(("http://", "https://"))
 
