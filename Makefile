@@ -1,5 +1,6 @@
 # DSpark Lab — the two commands of the README.
 #   make run   [ARGS="key=value ..."]   create .venv if needed, install everything, run the default experiment
+#   make results [PUBLISH=sweep]       regenerate results/ from the committed ledgers (after publishing a sweep's)
 #   make test  [PYTEST_ARGS="..."]      same set-up, then the test suite (one pytest-xdist worker per core, one
 #              [TEST_WORKERS=n|0]      torch thread each, a test file per worker; TEST_WORKERS=0 runs them in turn)
 # Torch: machines without an NVIDIA driver get the CPU build (torch==2.13.0; this machine kind keeps that wheel on
@@ -30,9 +31,10 @@ $(STAMP): pyproject.toml Makefile
 run: $(STAMP)
 	$(BIN)/python experiments/run.py $(ARGS)
 
-# results/: every sweep report regenerated from its committed ledger, then results/INDEX.md.
+# results/: every sweep report regenerated from its committed ledger, then results/INDEX.md; PUBLISH=<sweep> first
+# copies that sweep's newest ledger from outputs/ledgers/ into results/<sweep>/ledger.json.
 results: $(STAMP)
-	$(BIN)/python -m dspark.results
+	$(BIN)/python -m dspark.results $(if $(PUBLISH),--publish $(PUBLISH),)
 
 test: $(STAMP)
 	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
