@@ -378,3 +378,14 @@ def test_depth_report_judges_the_trend_against_the_shallowest(store_root, tmp_pa
                            provenance=PROVENANCE)
     assert "held-out τ_prob 1.410 vs 1.400 (a single seed: no interval)" in text
     assert "held-out τ_prob **not measured**" in text
+
+
+def test_the_parent_run_carries_the_sweeps_judged_claims_as_metrics(tmp_path, store_root):
+    store = _store(store_root, "headline")
+    parent = _seed_sweep(store, sweep="depth", cells=SEEDED["depth"])
+    rc = resolve_config(["budget=smoke", f"paths.root={tmp_path}", "sweep=depth", "tracking.experiment=headline"])
+    write_sweep_report(rc, load_sweep("depth"), store=store, parent_id=parent)
+    metrics = store.client.get_run(parent).data.metrics
+    claims = [k for k in metrics if k.startswith("claim/")]
+    assert claims and all(k.endswith(("/mean", "/low", "/high")) for k in claims)
+    assert any(k.startswith("claim/depth.dspark2_vs_dflash5.") for k in claims)

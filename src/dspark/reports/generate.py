@@ -120,7 +120,20 @@ def write_sweep_report(rc: ResolvedConfig, spec: Any, *, store: TrackingStore, p
 
         log_report(store, runs.parent.info.run_id, path, figures, artifact_path="report")
         store.client.log_artifact(runs.parent.info.run_id, str(claims_path), artifact_path="report")
+        store.log_metrics(runs.parent.info.run_id, headline_metrics(claims))
     return path
+
+
+def headline_metrics(claims: list[dict[str, Any]]) -> dict[str, float]:
+    """The sweep's judged claims as metrics of its parent run (`claim/<id>/mean|low|high`), so the runs table
+    shows a sweep's answers beside its cells'."""
+    out = {}
+    for claim in claims:
+        for part in ("mean", "low", "high"):
+            value = claim.get(part)
+            if isinstance(value, (int, float)) and value == value:  # NaN and None stay out
+                out[f"claim/{claim['id']}/{part}"] = float(value)
+    return out
 
 
 def collect_parent(store: TrackingStore, sweep: str, parent_id: str, *, run_ids: set[str] | None = None
