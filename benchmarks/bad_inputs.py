@@ -10,6 +10,7 @@ Writes outputs/benchmarks/bad_inputs.md with the command that produced it.
     PYTHONPATH=src .venv/bin/python benchmarks/bad_inputs.py                       # ~3-5 minutes on 2 cores
     PYTHONPATH=src .venv/bin/python benchmarks/bad_inputs.py --compare ../other-checkout  # adds its columns
 """
+
 from __future__ import annotations
 
 import argparse
@@ -53,8 +54,11 @@ def make_files(work: Path) -> dict[str, str]:
     (work / "notes" / "README.txt").write_text("a directory of notes, not a model\n")
     files["NOT_A_MODEL"] = str(work / "notes")
     tiny = _tiny_model_dir(work / "tiny-cache")
-    for label, damage in (("NO_WEIGHTS", _drop_weights), ("CUT_SAFETENSORS", _cut_safetensors),
-                          ("NO_MODEL_TYPE", _drop_model_type)):
+    for label, damage in (
+        ("NO_WEIGHTS", _drop_weights),
+        ("CUT_SAFETENSORS", _cut_safetensors),
+        ("NO_MODEL_TYPE", _drop_model_type),
+    ):
         copy = work / label.lower()
         shutil.copytree(tiny, copy)
         damage(copy)
@@ -64,8 +68,11 @@ def make_files(work: Path) -> dict[str, str]:
     (work / "cut.gguf").write_bytes(data[: 1 << 20])  # the first MiB of SmolLM2-135M's 94 MiB GGUF
     (work / "header.gguf").write_bytes(data[:24])
     (work / "text.gguf").write_text("not a gguf file\n")
-    files |= {"CUT_GGUF": str(work / "cut.gguf"), "HEADER_GGUF": str(work / "header.gguf"),
-              "TEXT_GGUF": str(work / "text.gguf")}
+    files |= {
+        "CUT_GGUF": str(work / "cut.gguf"),
+        "HEADER_GGUF": str(work / "header.gguf"),
+        "TEXT_GGUF": str(work / "text.gguf"),
+    }
     prompts = work / "prompts"
     prompts.mkdir()
     (prompts / "gsm8k_test.jsonl").write_text('{"prompt": "What is 2+2?"}\n{"prompt": "cut off\n')
@@ -104,8 +111,12 @@ def _read_only_dir(path: Path) -> str:
     if os.geteuid() != 0:
         path.chmod(0o555)
         return str(path)
-    if subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=1m", "dspark-bad-inputs", str(path)],
-                      capture_output=True).returncode != 0:
+    if (
+        subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", "ro,size=1m", "dspark-bad-inputs", str(path)], capture_output=True
+        ).returncode
+        != 0
+    ):
         return ""
     return str(path)
 
@@ -137,8 +148,11 @@ def cases() -> list[Case]:
         Case("malformed JSONL line", [*smoke, "data.local_dir=PROMPTS", "decode.eval_sets=[gsm8k]"]),
         Case("JSONL of blank lines only", [*smoke, "data.local_dir=PROMPTS", "decode.eval_sets=[mt-bench]"]),
         Case("JSONL row without a prompt", [*smoke, "data.local_dir=PROMPTS", "decode.eval_sets=[humaneval]"]),
-        Case("hub-only set, hub off", [*smoke, "decode.eval_sets=[gsm8k]", "data.train_sets=[open-perfectblend]"],
-             env={"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}),
+        Case(
+            "hub-only set, hub off",
+            [*smoke, "decode.eval_sets=[gsm8k]", "data.train_sets=[open-perfectblend]"],
+            env={"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"},
+        ),
         Case("missing target path", [*smoke, "target=/no/such/model"]),
         Case("directory that is not a model", [*smoke, "target=NOT_A_MODEL"]),
         Case("model directory without weights", [*smoke, "target=NO_WEIGHTS"]),
@@ -159,8 +173,12 @@ def run_case(case: Case, *, tree: Path, files: dict[str, str], root: Path, timeo
     args = [_fill(a, files) for a in case.args]
     target_root = files.get(case.root, "") if case.root else str(root)
     if case.root and not target_root:
-        return {"exit": "skipped", "seconds": 0.0, "message": "(no read-only directory can be made here)",
-                "clean": True}
+        return {
+            "exit": "skipped",
+            "seconds": 0.0,
+            "message": "(no read-only directory can be made here)",
+            "clean": True,
+        }
     argv = [sys.executable, str(tree / "experiments" / "run.py"), *args, f"paths.root={target_root}"]
     env = dict(os.environ, PYTHONPATH=str(tree / "src"), OMP_NUM_THREADS="1", **case.env)
     env.pop("DSPARK_MLFLOW_RUN_ID", None)
@@ -185,7 +203,7 @@ def first_message_line(stderr: str) -> str:
     lines = [line.rstrip() for line in stderr.splitlines()]
     for i, line in enumerate(lines):
         if line.startswith("error:"):
-            text = line[len("error:"):].strip()
+            text = line[len("error:") :].strip()
             if text.endswith(":") and i + 1 < len(lines):
                 text = f"{text} {lines[i + 1].strip()}"
             return text
@@ -202,8 +220,15 @@ def table(rows: list[dict], *, compare: bool) -> str:
     out = [head, rule]
     for i, row in enumerate(rows, 1):
         now = row["now"]
-        cells = [str(i), row["name"], f"`{row['args']}`", str(now["exit"]), f"{now['seconds']:.1f}",
-                 "yes" if now["clean"] else "**no**", _md(now["message"])]
+        cells = [
+            str(i),
+            row["name"],
+            f"`{row['args']}`",
+            str(now["exit"]),
+            f"{now['seconds']:.1f}",
+            "yes" if now["clean"] else "**no**",
+            _md(now["message"]),
+        ]
         if compare:
             before = row["before"]
             cells += [str(before["exit"]), f"{before['seconds']:.1f}", _md(before["message"])]
@@ -228,14 +253,19 @@ def main(argv: list[str]) -> int:
                 row = {"name": case.name, "args": " ".join(case.args)}
                 row["now"] = run_case(case, tree=REPO, files=files, root=work / f"root-{i}", timeout=args.timeout)
                 if args.compare:
-                    row["before"] = run_case(case, tree=args.compare.resolve(), files=files,
-                                             root=work / f"before-{i}", timeout=args.timeout)
+                    row["before"] = run_case(
+                        case, tree=args.compare.resolve(), files=files, root=work / f"before-{i}", timeout=args.timeout
+                    )
                 for result in (row["now"], row.get("before")):
                     if result is not None:
-                        result["message"] = placeholders(result["message"], files=files, work=work,
-                                                         compare=args.compare)
-                print(f"{case.name}: exit {row['now']['exit']} in {row['now']['seconds']:.1f} s: "
-                      f"{row['now']['message'][:120]}", flush=True)
+                        result["message"] = placeholders(
+                            result["message"], files=files, work=work, compare=args.compare
+                        )
+                print(
+                    f"{case.name}: exit {row['now']['exit']} in {row['now']['seconds']:.1f} s: "
+                    f"{row['now']['message'][:120]}",
+                    flush=True,
+                )
                 rows.append(row)
         finally:
             if os.geteuid() == 0 and files.get("READ_ONLY"):
@@ -243,21 +273,32 @@ def main(argv: list[str]) -> int:
     refused = sum(r["now"]["exit"] == 2 and r["now"]["clean"] for r in rows)
     slowest = max(r["now"]["seconds"] for r in rows)
     command = command_line("bad_inputs.py", argv, prefix="PYTHONPATH=src python")
-    text = "\n".join([
-        "# Bad inputs through the command line (issue 14, defect 4)", "",
-        f"`{command.strip()}` on {os.cpu_count()} CPUs; each case is a fresh `python experiments/run.py ARGS "
-        "paths.root=<fresh dir>` process, so seconds include Python's imports (~3-6 s here). A case is refused "
-        "before any work when it exits 2 and no MLflow store was created (\"nothing ran\").", "",
-        f"**{refused} of {len(rows)} refused before any work; slowest {slowest:.1f} s.**"
-        + (f" Before: the same cases against {args.compare_label or repo_path(args.compare)}." if args.compare
-           else ""), "",
-        table(rows, compare=bool(args.compare)), "",
-        "Placeholders: NOT_A_MODEL a directory holding a README; NO_WEIGHTS / CUT_SAFETENSORS / NO_MODEL_TYPE copies "
-        "of the tiny target's directory without model.safetensors, with it cut in half, without config.json's "
-        "model_type; CUT_GGUF the first MiB of SmolLM2-135M's GGUF; HEADER_GGUF its first 24 bytes; TEXT_GGUF a text "
-        "file; PROMPTS a directory with a gsm8k_test.jsonl whose 2nd line is cut off, an mtbench.jsonl of blank "
-        "lines and a humaneval.jsonl row without `prompt`; READ_ONLY a read-only directory (a read-only tmpfs when "
-        "run as root, which ignores directory modes); <tmp> the temporary directory of the run.", ""])
+    text = "\n".join(
+        [
+            "# Bad inputs through the command line (issue 14, defect 4)",
+            "",
+            f"`{command.strip()}` on {os.cpu_count()} CPUs; each case is a fresh `python experiments/run.py ARGS "
+            "paths.root=<fresh dir>` process, so seconds include Python's imports (~3-6 s here). A case is refused "
+            'before any work when it exits 2 and no MLflow store was created ("nothing ran").',
+            "",
+            f"**{refused} of {len(rows)} refused before any work; slowest {slowest:.1f} s.**"
+            + (
+                f" Before: the same cases against {args.compare_label or repo_path(args.compare)}."
+                if args.compare
+                else ""
+            ),
+            "",
+            table(rows, compare=bool(args.compare)),
+            "",
+            "Placeholders: NOT_A_MODEL a directory holding a README; NO_WEIGHTS / CUT_SAFETENSORS / NO_MODEL_TYPE copies "
+            "of the tiny target's directory without model.safetensors, with it cut in half, without config.json's "
+            "model_type; CUT_GGUF the first MiB of SmolLM2-135M's GGUF; HEADER_GGUF its first 24 bytes; TEXT_GGUF a text "
+            "file; PROMPTS a directory with a gsm8k_test.jsonl whose 2nd line is cut off, an mtbench.jsonl of blank "
+            "lines and a humaneval.jsonl row without `prompt`; READ_ONLY a read-only directory (a read-only tmpfs when "
+            "run as root, which ignores directory modes); <tmp> the temporary directory of the run.",
+            "",
+        ]
+    )
     if args.only:
         print(text)
     else:

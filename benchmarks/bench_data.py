@@ -15,6 +15,7 @@ outputs/benchmarks/data.md with the command that produced it.
     .venv/bin/python benchmarks/bench_data.py                      # tiny + smollm2-135m
     .venv/bin/python benchmarks/bench_data.py --targets tiny       # seconds
 """
+
 from __future__ import annotations
 
 import argparse
@@ -48,11 +49,16 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--reference-prompts", type=int, default=48, help="reference sequences prefilled")
     parser.add_argument("--regen-prompts", type=int, default=16, help="prompts regenerated for the order comparison")
-    parser.add_argument("--precision-batch", type=int, default=32,
-                        help="prompts (one batch) regenerated for the fp32 / bf16 comparison")
+    parser.add_argument(
+        "--precision-batch", type=int, default=32, help="prompts (one batch) regenerated for the fp32 / bf16 comparison"
+    )
     parser.add_argument("--threads", type=int, default=2, help="torch intra-op threads")
-    parser.add_argument("--cache-dir", type=Path, default=default_cache_dir(),
-                        help="where targets are cached (converted targets are reused; default <repo>/outputs/cache)")
+    parser.add_argument(
+        "--cache-dir",
+        type=Path,
+        default=default_cache_dir(),
+        help="where targets are cached (converted targets are reused; default <repo>/outputs/cache)",
+    )
     parser.add_argument("--output", type=Path, default=RESULTS / "data.md", help="where the markdown table is written")
     return parser.parse_args(argv)
 
@@ -70,8 +76,9 @@ def median_seconds(fn, *, repeats: int) -> float:
 def bench_regeneration(target, args, work: Path) -> tuple[Path, dict]:
     prompts = generate_synthetic_prompts(args.num_prompts, seed=0)
     sampling = SamplingConfig(max_new_tokens=args.max_new_tokens, batch_size=args.num_prompts)
-    regen_dir = regenerate_responses(target, prompts, sampling=sampling, cache_dir=work, seed=0,
-                                     min_loss_tokens=1, show_progress=False)
+    regen_dir = regenerate_responses(
+        target, prompts, sampling=sampling, cache_dir=work, seed=0, min_loss_tokens=1, show_progress=False
+    )
     return regen_dir, read_manifest(regen_dir)["stats"]
 
 
@@ -90,8 +97,16 @@ def bench_features_regenerated(target, regen_dir: Path, args, work: Path) -> dic
         items = []
         for i in indices:
             features, final_hidden = cache[i]
-            items.append({"input_ids": rows[i], "loss_mask": masks[i], "index": i, "features": features,
-                          "anchors": torch.zeros(0, dtype=torch.long), "final_hidden": final_hidden})
+            items.append(
+                {
+                    "input_ids": rows[i],
+                    "loss_mask": masks[i],
+                    "index": i,
+                    "features": features,
+                    "anchors": torch.zeros(0, dtype=torch.long),
+                    "final_hidden": final_hidden,
+                }
+            )
         return collate_sequences(items, pad_token_id=0)
 
     def compute_online():
@@ -100,9 +115,13 @@ def bench_features_regenerated(target, regen_dir: Path, args, work: Path) -> dic
 
     tokens = sum(len(r) for r in rows)
     disk = sum(p.stat().st_size for p in feature_dir.glob("*.safetensors"))
-    return {"tokens": tokens, "cached_s": median_seconds(read_cached, repeats=args.repeats),
-            "online_s": median_seconds(compute_online, repeats=args.repeats), "build_s": build_s,
-            "bytes_per_token": disk / max(1, sum(len(data[i]["input_ids"]) for i in range(len(data))))}
+    return {
+        "tokens": tokens,
+        "cached_s": median_seconds(read_cached, repeats=args.repeats),
+        "online_s": median_seconds(compute_online, repeats=args.repeats),
+        "build_s": build_s,
+        "bytes_per_token": disk / max(1, sum(len(data[i]["input_ids"]) for i in range(len(data)))),
+    }
 
 
 def bench_features_long(target, args, work: Path) -> dict:
@@ -112,17 +131,25 @@ def bench_features_long(target, args, work: Path) -> dict:
     mask = torch.ones_like(ids, dtype=torch.bool)
     features, final_hidden = compute_features(target, ids, attention_mask=mask)
     path = work / "long.safetensors"
-    save_file({f"{name}.{b}": t[b].to(torch.float16).contiguous() for name, t in
-               (("features", features), ("final_hidden", final_hidden)) for b in range(len(ids))}, str(path))
+    save_file(
+        {
+            f"{name}.{b}": t[b].to(torch.float16).contiguous()
+            for name, t in (("features", features), ("final_hidden", final_hidden))
+            for b in range(len(ids))
+        },
+        str(path),
+    )
     handle = safe_open(str(path), framework="pt")
 
     def read_cached():
         for name in ("features", "final_hidden"):
             torch.stack([handle.get_tensor(f"{name}.{b}") for b in range(len(ids))]).float()
 
-    return {"tokens": ids.numel(), "cached_s": median_seconds(read_cached, repeats=args.repeats),
-            "online_s": median_seconds(lambda: compute_features(target, ids, attention_mask=mask),
-                                       repeats=args.repeats)}
+    return {
+        "tokens": ids.numel(),
+        "cached_s": median_seconds(read_cached, repeats=args.repeats),
+        "online_s": median_seconds(lambda: compute_features(target, ids, attention_mask=mask), repeats=args.repeats),
+    }
 
 
 def training_prompts(count: int):
@@ -145,14 +172,14 @@ def bench_reference_prefill(target, args, work: Path) -> list[tuple[str, int, fl
     """(precision, tokens, seconds) of the feature-cache prefill over reference sequences, fp32 and bf16."""
     from dspark.data.reference import build_reference_dataset
 
-    ref_dir = build_reference_dataset(target, training_prompts(args.reference_prompts), cache_dir=work,
-                                      max_length=512)
+    ref_dir = build_reference_dataset(target, training_prompts(args.reference_prompts), cache_dir=work, max_length=512)
     tokens = sum(len(r) for r in load_regenerated(ref_dir)["input_ids"])
     results = []
     for precision in precisions_here():
         start = time.perf_counter()
-        cache_features(target, ref_dir, cache_dir=work / precision, batch_size=16, show_progress=False,
-                       precision=precision)
+        cache_features(
+            target, ref_dir, cache_dir=work / precision, batch_size=16, show_progress=False, precision=precision
+        )
         results.append((precision, tokens, time.perf_counter() - start))
     return results
 
@@ -162,9 +189,19 @@ def bench_regeneration_order(target, args, work: Path) -> list[tuple[str, float,
     prompts = training_prompts(args.regen_prompts)
     sampling = SamplingConfig(max_new_tokens=args.max_new_tokens, batch_size=8)
     out = []
-    for label, ordered in (("input order", prompts), ("batched by length", sorted(prompts, key=lambda p: len(p.prompt)))):
-        regen_dir = regenerate_responses(target, ordered, sampling=sampling, cache_dir=work / label.replace(" ", "_"),
-                                         seed=0, min_loss_tokens=1, show_progress=False)
+    for label, ordered in (
+        ("input order", prompts),
+        ("batched by length", sorted(prompts, key=lambda p: len(p.prompt))),
+    ):
+        regen_dir = regenerate_responses(
+            target,
+            ordered,
+            sampling=sampling,
+            cache_dir=work / label.replace(" ", "_"),
+            seed=0,
+            min_loss_tokens=1,
+            show_progress=False,
+        )
         stats = read_manifest(regen_dir)["stats"]
         out.append((label, stats["generated_tokens"], stats["seconds"]))
     return out
@@ -174,12 +211,21 @@ def bench_regeneration_precision(target, args, work: Path) -> list[tuple[str, fl
     """(precision, generated tokens, seconds) regenerating the same prompts at T = 1 in one batch of
     --precision-batch, fp32 and (CPUs with bf16 instructions) bf16 autocast, as `data.regen_precision` does."""
     prompts = sorted(training_prompts(args.precision_batch), key=lambda p: len(p.prompt))
-    sampling = SamplingConfig(temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=args.max_new_tokens,
-                              batch_size=args.precision_batch)
+    sampling = SamplingConfig(
+        temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=args.max_new_tokens, batch_size=args.precision_batch
+    )
     out = []
     for precision in precisions_here():
-        regen_dir = regenerate_responses(target, prompts, sampling=sampling, cache_dir=work / f"regen_{precision}",
-                                         seed=0, min_loss_tokens=1, show_progress=False, precision=precision)
+        regen_dir = regenerate_responses(
+            target,
+            prompts,
+            sampling=sampling,
+            cache_dir=work / f"regen_{precision}",
+            seed=0,
+            min_loss_tokens=1,
+            show_progress=False,
+            precision=precision,
+        )
         stats = read_manifest(regen_dir)["stats"]
         out.append((precision, stats["generated_tokens"], stats["seconds"]))
     return out
@@ -197,10 +243,12 @@ def bench_precast(target, args, work: Path) -> list[tuple[str, str, float, float
     from dspark.data.reference import build_reference_dataset
 
     prompts = sorted(training_prompts(args.precision_batch), key=lambda p: len(p.prompt))
-    sampling = SamplingConfig(temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=args.max_new_tokens,
-                              batch_size=args.precision_batch)
-    ref_dir = build_reference_dataset(target, training_prompts(args.reference_prompts), cache_dir=work,
-                                      max_length=512)  # bench_reference_prefill's, reused from the same cache
+    sampling = SamplingConfig(
+        temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=args.max_new_tokens, batch_size=args.precision_batch
+    )
+    ref_dir = build_reference_dataset(
+        target, training_prompts(args.reference_prompts), cache_dir=work, max_length=512
+    )  # bench_reference_prefill's, reused from the same cache
     ref_tokens = sum(len(r) for r in load_regenerated(ref_dir)["input_ids"])
     out = []
     for rep in range(2):
@@ -213,13 +261,22 @@ def bench_precast(target, args, work: Path) -> list[tuple[str, str, float, float
                     patch.callback(setattr, module, "autocast_linear_weights", original)
             with patch:
                 tag = f"{weights.replace(' ', '_')}_{rep}"
-                regen_dir = regenerate_responses(target, prompts, sampling=sampling, cache_dir=work / f"pc_{tag}",
-                                                 seed=0, min_loss_tokens=1, show_progress=False, precision="bf16")
+                regen_dir = regenerate_responses(
+                    target,
+                    prompts,
+                    sampling=sampling,
+                    cache_dir=work / f"pc_{tag}",
+                    seed=0,
+                    min_loss_tokens=1,
+                    show_progress=False,
+                    precision="bf16",
+                )
                 stats = read_manifest(regen_dir)["stats"]
                 out.append(("regeneration", weights, stats["generated_tokens"], stats["seconds"]))
                 start = time.perf_counter()
-                cache_features(target, ref_dir, cache_dir=work / f"pcf_{tag}", batch_size=16, show_progress=False,
-                               precision="bf16")
+                cache_features(
+                    target, ref_dir, cache_dir=work / f"pcf_{tag}", batch_size=16, show_progress=False, precision="bf16"
+                )
                 out.append(("prefill", weights, ref_tokens, time.perf_counter() - start))
     return out
 
@@ -235,14 +292,22 @@ def bench_sampler(target, args, work: Path) -> list[tuple[str, float, float]]:
 
     precision = resolve_prefill_precision("auto", target, key="data.regen_precision")
     prompts = sorted(training_prompts(args.precision_batch), key=lambda p: len(p.prompt))
-    sampling = SamplingConfig(temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=args.max_new_tokens,
-                              batch_size=args.precision_batch)
+    sampling = SamplingConfig(
+        temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=args.max_new_tokens, batch_size=args.precision_batch
+    )
     out = []
     for rep in range(2):
         for sampler in ("generate", "lean"):
-            regen_dir = regenerate_responses(target, prompts, sampling=dataclasses.replace(sampling, sampler=sampler),
-                                             cache_dir=work / f"sampler_{sampler}_{rep}", seed=rep,
-                                             min_loss_tokens=1, show_progress=False, precision=precision)
+            regen_dir = regenerate_responses(
+                target,
+                prompts,
+                sampling=dataclasses.replace(sampling, sampler=sampler),
+                cache_dir=work / f"sampler_{sampler}_{rep}",
+                seed=rep,
+                min_loss_tokens=1,
+                show_progress=False,
+                precision=precision,
+            )
             stats = read_manifest(regen_dir)["stats"]
             out.append((f"{sampler} ({precision})", stats["generated_tokens"], stats["seconds"]))
     return out
@@ -256,26 +321,46 @@ def sampler_rows(name: str, results: list[tuple[str, float, float]], args) -> li
         totals[label] = (done[0] + tokens, done[1] + seconds)
     base_label = next(label for label in totals if label.startswith("generate"))
     base = totals[base_label][0] / totals[base_label][1]
-    return [[name, f"regeneration at T = 1 of {args.precision_batch} prompts in one batch, sampler {label}, "
-                   "2 alternations", f"{tokens:.0f} tokens in {seconds:.1f} s", f"{tokens / seconds:.1f} tok/s",
-             f"{tokens / seconds / base:.2f}× generate"] for label, (tokens, seconds) in totals.items()]
+    return [
+        [
+            name,
+            f"regeneration at T = 1 of {args.precision_batch} prompts in one batch, sampler {label}, 2 alternations",
+            f"{tokens:.0f} tokens in {seconds:.1f} s",
+            f"{tokens / seconds:.1f} tok/s",
+            f"{tokens / seconds / base:.2f}× generate",
+        ]
+        for label, (tokens, seconds) in totals.items()
+    ]
 
 
 def precast_rows(name: str, results: list[tuple[str, str, float, float]], args) -> list[list[str]]:
     """Summed over the two alternations, with the ratio of cast-once to re-cast tok/s."""
     rows = []
     for stage in ("regeneration", "prefill"):
-        totals = {w: (sum(t for s, ww, t, _ in results if s == stage and ww == w),
-                      sum(sec for s, ww, _, sec in results if s == stage and ww == w))
-                  for w in ("autocast re-cast", "cast once")}
+        totals = {
+            w: (
+                sum(t for s, ww, t, _ in results if s == stage and ww == w),
+                sum(sec for s, ww, _, sec in results if s == stage and ww == w),
+            )
+            for w in ("autocast re-cast", "cast once")
+        }
         base = totals["autocast re-cast"][0] / totals["autocast re-cast"][1]
-        size = f"{args.precision_batch} prompts in one batch" if stage == "regeneration" else \
-            f"{args.reference_prompts} reference sequences, batch 16"
+        size = (
+            f"{args.precision_batch} prompts in one batch"
+            if stage == "regeneration"
+            else f"{args.reference_prompts} reference sequences, batch 16"
+        )
         for weights, (tokens, seconds) in totals.items():
             rate = tokens / seconds
-            rows.append([name, f"bf16 {stage} ({size}), linear weights {weights}, 2 alternations",
-                         f"{tokens:.0f} tokens in {seconds:.1f} s", f"{rate:.0f} tok/s",
-                         f"{rate / base:.2f}× re-cast"])
+            rows.append(
+                [
+                    name,
+                    f"bf16 {stage} ({size}), linear weights {weights}, 2 alternations",
+                    f"{tokens:.0f} tokens in {seconds:.1f} s",
+                    f"{rate:.0f} tok/s",
+                    f"{rate / base:.2f}× re-cast",
+                ]
+            )
     return rows
 
 
@@ -292,33 +377,75 @@ def run_target(name: str, args) -> list[list[str]]:
         precast = bench_precast(target, args, work) if "bf16" in precisions_here() else []
         samplers = bench_sampler(target, args, work)
     regen_tok_s = stats["generated_tokens"] / stats["seconds"]
-    rows = [[name, "regeneration (sampling, batch %d)" % args.num_prompts,
-             f"{stats['generated_tokens']:.0f} tokens in {stats['seconds']:.1f} s", f"{regen_tok_s:.1f} tok/s", ""]]
+    rows = [
+        [
+            name,
+            "regeneration (sampling, batch %d)" % args.num_prompts,
+            f"{stats['generated_tokens']:.0f} tokens in {stats['seconds']:.1f} s",
+            f"{regen_tok_s:.1f} tok/s",
+            "",
+        ]
+    ]
     base = None
     for label, tokens, seconds in order:
         rate = tokens / seconds
         base = base or rate
-        rows.append([name, f"regeneration of {args.regen_prompts} training prompts, {label} (batch 8)",
-                     f"{tokens:.0f} tokens in {seconds:.1f} s", f"{rate:.1f} tok/s", f"{rate / base:.2f}× input order"])
+        rows.append(
+            [
+                name,
+                f"regeneration of {args.regen_prompts} training prompts, {label} (batch 8)",
+                f"{tokens:.0f} tokens in {seconds:.1f} s",
+                f"{rate:.1f} tok/s",
+                f"{rate / base:.2f}× input order",
+            ]
+        )
     for precision, tokens, seconds in by_precision:
         rate = tokens / seconds
-        rows.append([name, f"regeneration at T = 1 of {args.precision_batch} training prompts in one batch ({precision})",
-                     f"{tokens:.0f} tokens in {seconds:.1f} s", f"{rate:.1f} tok/s",
-                     f"{rate * by_precision[0][2] / by_precision[0][1]:.2f}× fp32"])
+        rows.append(
+            [
+                name,
+                f"regeneration at T = 1 of {args.precision_batch} training prompts in one batch ({precision})",
+                f"{tokens:.0f} tokens in {seconds:.1f} s",
+                f"{rate:.1f} tok/s",
+                f"{rate * by_precision[0][2] / by_precision[0][1]:.2f}× fp32",
+            ]
+        )
     for precision, tokens, seconds in prefill:
         rate = tokens / seconds
-        rows.append([name, f"reference prefill → feature cache ({precision}, length-batched)",
-                     f"{tokens} tokens in {seconds:.1f} s", f"{rate:.0f} tok/s", f"{rate / regen_tok_s:.0f}× regeneration"])
+        rows.append(
+            [
+                name,
+                f"reference prefill → feature cache ({precision}, length-batched)",
+                f"{tokens} tokens in {seconds:.1f} s",
+                f"{rate:.0f} tok/s",
+                f"{rate / regen_tok_s:.0f}× regeneration",
+            ]
+        )
     rows += precast_rows(name, precast, args) if precast else []
     rows += sampler_rows(name, samplers, args)
-    for label, r in ((f"features, regenerated batch (B={args.batch_size})", short),
-                     (f"features, B={args.batch_size} × T={args.long_length}", long)):
+    for label, r in (
+        (f"features, regenerated batch (B={args.batch_size})", short),
+        (f"features, B={args.batch_size} × T={args.long_length}", long),
+    ):
         winner = "cached" if r["cached_s"] < r["online_s"] else "online"
-        rows.append([name, label, f"{r['tokens']} tokens",
-                     f"cached {1e3 * r['cached_s']:.1f} ms vs online {1e3 * r['online_s']:.1f} ms",
-                     f"{winner} ({max(r['online_s'], r['cached_s']) / min(r['online_s'], r['cached_s']):.1f}×)"])
-    rows.append([name, "feature cache build + size", "", f"{short['build_s']:.1f} s",
-                 f"{short['bytes_per_token']:.0f} bytes/token (fp16, m={len(target.feature_layer_ids)})"])
+        rows.append(
+            [
+                name,
+                label,
+                f"{r['tokens']} tokens",
+                f"cached {1e3 * r['cached_s']:.1f} ms vs online {1e3 * r['online_s']:.1f} ms",
+                f"{winner} ({max(r['online_s'], r['cached_s']) / min(r['online_s'], r['cached_s']):.1f}×)",
+            ]
+        )
+    rows.append(
+        [
+            name,
+            "feature cache build + size",
+            "",
+            f"{short['build_s']:.1f} s",
+            f"{short['bytes_per_token']:.0f} bytes/token (fp16, m={len(target.feature_layer_ids)})",
+        ]
+    )
     return rows
 
 
@@ -332,6 +459,7 @@ def main(argv: list[str]) -> int:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
     from dspark.hardware import keep_freed_memory
+
     keep_freed_memory()  # as the CLI does (DSPARK_KEEP_FREED_MEMORY=0 measures glibc's default)
     load_before = os.getloadavg()
     started = datetime.datetime.now()

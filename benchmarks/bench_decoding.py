@@ -30,6 +30,7 @@ instructions, drafter precision), load averages and git commit. The target cache
     .venv/bin/python benchmarks/bench_decoding.py --drafter dspark=outputs/runs/<run> --drafter dflash=... \\
         --drafter eagle3=...                                                                # the full comparison
 """
+
 from __future__ import annotations
 
 import argparse
@@ -42,11 +43,28 @@ from typing import Callable
 
 import torch
 
-from common import (RESULTS, Drafter, add_target_arguments, command_line, git_commit, load_verdict, machine_line,
-                    relative_argument, repo_path, start_timing, trained_drafters, untrained_drafters, write_result)
+from common import (
+    RESULTS,
+    Drafter,
+    add_target_arguments,
+    command_line,
+    git_commit,
+    load_verdict,
+    machine_line,
+    relative_argument,
+    repo_path,
+    start_timing,
+    trained_drafters,
+    untrained_drafters,
+    write_result,
+)
 
-PHASES = (("seconds_verify", "verify"), ("seconds_draft_parallel", "draft parallel"),
-          ("seconds_draft_sequential", "draft sequential"), ("seconds_other", "other"))
+PHASES = (
+    ("seconds_verify", "verify"),
+    ("seconds_draft_parallel", "draft parallel"),
+    ("seconds_draft_sequential", "draft sequential"),
+    ("seconds_other", "other"),
+)
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -54,36 +72,66 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_target_arguments(parser)
-    parser.add_argument("--drafter", action="append", default=[], metavar="NAME=PATH",
-                        help="a trained drafter: run directory or drafter.pt (repeatable)")
+    parser.add_argument(
+        "--drafter",
+        action="append",
+        default=[],
+        metavar="NAME=PATH",
+        help="a trained drafter: run directory or drafter.pt (repeatable)",
+    )
     parser.add_argument("--sets", nargs="+", default=DecodeConfig().eval_sets)
     parser.add_argument("--prompts", type=int, default=10, help="prompts per set")
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--temperatures", type=float, nargs="+", default=[1.0, 0.0])
     parser.add_argument("--static", type=int, nargs="*", default=None, help="static ℓ values (default 1..γ-1)")
     parser.add_argument("--no-scheduler", action="store_true")
-    parser.add_argument("--step-costs", nargs="+", default=["profile", "measured"], choices=["profile", "measured"],
-                        help="decode.step_costs of the scheduler rows, one row each: profile (the SPS(B) table of "
-                             "the start of the run) and measured (re-priced from the rounds' own costs)")
-    parser.add_argument("--reuse-sps", action="store_true",
-                        help="read the cached SPS(B) table instead of profiling it at the start of this run (a table "
-                             "measured under another load misleads the scheduler: the rounds then pay other costs)")
-    parser.add_argument("--static-drafters", type=int, default=None, metavar="N",
-                        help="static ℓ rows for the first N drafters only (default: every drafter)")
+    parser.add_argument(
+        "--step-costs",
+        nargs="+",
+        default=["profile", "measured"],
+        choices=["profile", "measured"],
+        help="decode.step_costs of the scheduler rows, one row each: profile (the SPS(B) table of "
+        "the start of the run) and measured (re-priced from the rounds' own costs)",
+    )
+    parser.add_argument(
+        "--reuse-sps",
+        action="store_true",
+        help="read the cached SPS(B) table instead of profiling it at the start of this run (a table "
+        "measured under another load misleads the scheduler: the rounds then pay other costs)",
+    )
+    parser.add_argument(
+        "--static-drafters",
+        type=int,
+        default=None,
+        metavar="N",
+        help="static ℓ rows for the first N drafters only (default: every drafter)",
+    )
     parser.add_argument("--block-size", type=int, default=7, help="γ of untrained drafters and of prompt lookup")
     parser.add_argument("--depth", type=int, default=5, help="draft layers of untrained DSpark/DFlash drafters")
     parser.add_argument("--draft-vocab", type=int, default=8192, help="Vd of untrained drafters (0 = full V)")
     parser.add_argument("--precision", default="auto", help="decode.drafter_precision: auto | fp32 | bf16 | int8")
-    parser.add_argument("--also-precision", nargs="*", default=[], metavar="PRECISION",
-                        help="every drafter again at these decode.drafter_precision values (rows named [int8], say), "
-                             "side by side with --precision in the same run")
-    parser.add_argument("--target-dtype", default="float32", choices=["float32", "bfloat16"],
-                        help="target.dtype of every mode (the baseline too): bfloat16 flattens the cost of verifying "
-                             "2–8 tokens on AMX-BF16 CPUs")
+    parser.add_argument(
+        "--also-precision",
+        nargs="*",
+        default=[],
+        metavar="PRECISION",
+        help="every drafter again at these decode.drafter_precision values (rows named [int8], say), "
+        "side by side with --precision in the same run",
+    )
+    parser.add_argument(
+        "--target-dtype",
+        default="float32",
+        choices=["float32", "bfloat16"],
+        help="target.dtype of every mode (the baseline too): bfloat16 flattens the cost of verifying "
+        "2–8 tokens on AMX-BF16 CPUs",
+    )
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--quick", action="store_true",
-                        help="2 prompts per set, 24 tokens, T = 1, static ℓ 1 and 3: round costs in minutes")
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="2 prompts per set, 24 tokens, T = 1, static ℓ 1 and 3: round costs in minutes",
+    )
     parser.add_argument("--output", type=Path, default=RESULTS / "decoding.md")
     args = parser.parse_args(argv)
     if args.quick:
@@ -93,6 +141,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 
 # ---- drafters and modes ----
+
 
 def calibration_for(drafter: Drafter, temperature: float):
     """The STS fit stored in drafter.pt at this temperature, or None (then the scheduler reads raw c_k)."""
@@ -105,22 +154,41 @@ def calibration_for(drafter: Drafter, temperature: float):
 Mode = Callable[[object], dict]  # prompt → {"tokens", "seconds", "rounds"}
 
 
-def engine_mode(target, drafter: Drafter | None, policy: str, *, temperature: float, args, sps=None,
-                static_k: int = 0, step_costs: str = "profile") -> Mode:
+def engine_mode(
+    target,
+    drafter: Drafter | None,
+    policy: str,
+    *,
+    temperature: float,
+    args,
+    sps=None,
+    static_k: int = 0,
+    step_costs: str = "profile",
+) -> Mode:
     from dspark.decoding import SpeculativeEngine, build_policy, build_proposer
     from dspark.evaluation.rollouts import prompt_generator
 
     calibration = calibration_for(drafter, temperature) if drafter is not None and policy == "scheduler" else None
     engine = SpeculativeEngine(
-        target=target, proposer=None if drafter is None else build_proposer(
-            drafter.module, precision=drafter.precision or args.precision),
-        policy=build_policy(policy, static_k=static_k, sps=sps), temperature=temperature,
-        max_new_tokens=args.max_new_tokens, calibration=calibration, step_costs=step_costs)
+        target=target,
+        proposer=None
+        if drafter is None
+        else build_proposer(drafter.module, precision=drafter.precision or args.precision),
+        policy=build_policy(policy, static_k=static_k, sps=sps),
+        temperature=temperature,
+        max_new_tokens=args.max_new_tokens,
+        calibration=calibration,
+        step_costs=step_costs,
+    )
 
     def run(prompt, max_new_tokens=None):
-        result = engine.generate(prompt.input_ids, max_new_tokens=max_new_tokens,
-                                 generator=prompt_generator(seed=args.seed, prompt=prompt, device=target.device))
+        result = engine.generate(
+            prompt.input_ids,
+            max_new_tokens=max_new_tokens,
+            generator=prompt_generator(seed=args.seed, prompt=prompt, device=target.device),
+        )
         return {"tokens": len(result.new_tokens), "seconds": result.total_seconds, "rounds": result.rounds}
+
     run.engine = engine
     return run
 
@@ -134,50 +202,70 @@ def measured_cost_lines(modes: dict[str, Mode]) -> list[str]:
         if costs is None:
             continue
         measured = costs.measured()
-        sizes = ", ".join(f"B={b}: {1000 * costs.verify_seconds(b):.1f}"
-                          + (f" ({costs.samples(b)})" if b in measured else " (profile)")
-                          for b in costs.profile.batch_tokens)
-        lines.append(f"- {name}: {costs.rounds} rounds; verify ms by B (rounds in the window) {sizes}; overhead "
-                     f"{1000 * (costs.overhead or 0.0):.1f} ms per round; level {costs.level():.2f}× the profile")
+        sizes = ", ".join(
+            f"B={b}: {1000 * costs.verify_seconds(b):.1f}"
+            + (f" ({costs.samples(b)})" if b in measured else " (profile)")
+            for b in costs.profile.batch_tokens
+        )
+        lines.append(
+            f"- {name}: {costs.rounds} rounds; verify ms by B (rounds in the window) {sizes}; overhead "
+            f"{1000 * (costs.overhead or 0.0):.1f} ms per round; level {costs.level():.2f}× the profile"
+        )
     return lines
 
 
 def hf_mode(target, *, temperature: float, lookup: int | None, args) -> Mode:
     def run(prompt, max_new_tokens=None):
         ids = torch.tensor([prompt.input_ids], device=target.device)
-        sampling = {"do_sample": True, "temperature": temperature, "top_k": 0, "top_p": 1.0} if temperature > 0 \
+        sampling = (
+            {"do_sample": True, "temperature": temperature, "top_k": 0, "top_p": 1.0}
+            if temperature > 0
             else {"do_sample": False}
+        )
         extra = {"prompt_lookup_num_tokens": lookup} if lookup else {}
         torch.manual_seed(args.seed)
         start = time.perf_counter()
-        out = target.model.generate(ids, attention_mask=torch.ones_like(ids), pad_token_id=target.stop_token_ids[0],
-                                    eos_token_id=list(target.stop_token_ids),
-                                    max_new_tokens=max_new_tokens or args.max_new_tokens, **sampling, **extra)
+        out = target.model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            pad_token_id=target.stop_token_ids[0],
+            eos_token_id=list(target.stop_token_ids),
+            max_new_tokens=max_new_tokens or args.max_new_tokens,
+            **sampling,
+            **extra,
+        )
         return {"tokens": int(out.shape[1] - ids.shape[1]), "seconds": time.perf_counter() - start, "rounds": []}
+
     return run
 
 
 def build_modes(target, drafters: list[Drafter], *, temperature: float, args, sps) -> dict[str, Mode]:
-    modes = {"target-only (our engine)": engine_mode(target, None, "fixed", temperature=temperature, args=args),
-             "HF generate": hf_mode(target, temperature=temperature, lookup=None, args=args),
-             f"HF prompt lookup ({args.block_size})": hf_mode(target, temperature=temperature,
-                                                              lookup=args.block_size, args=args)}
+    modes = {
+        "target-only (our engine)": engine_mode(target, None, "fixed", temperature=temperature, args=args),
+        "HF generate": hf_mode(target, temperature=temperature, lookup=None, args=args),
+        f"HF prompt lookup ({args.block_size})": hf_mode(
+            target, temperature=temperature, lookup=args.block_size, args=args
+        ),
+    }
     for position, drafter in enumerate(drafters):
         gamma = drafter.module.block_size
         statics = args.static if args.static is not None else range(1, gamma)
         if args.static_drafters is not None and position >= args.static_drafters:
             statics = []
-        modes[f"{drafter.name} · fixed ℓ={gamma}"] = engine_mode(target, drafter, "fixed", temperature=temperature,
-                                                                 args=args)
+        modes[f"{drafter.name} · fixed ℓ={gamma}"] = engine_mode(
+            target, drafter, "fixed", temperature=temperature, args=args
+        )
         for k in statics:
             if 0 < k < gamma:
-                modes[f"{drafter.name} · static ℓ={k}"] = engine_mode(target, drafter, "static", static_k=k,
-                                                                      temperature=temperature, args=args)
+                modes[f"{drafter.name} · static ℓ={k}"] = engine_mode(
+                    target, drafter, "static", static_k=k, temperature=temperature, args=args
+                )
         if not args.no_scheduler and getattr(drafter.module, "confidence_head", None) is not None:
             for step_costs in args.step_costs:
                 label = f"{drafter.name} · scheduler" + ("" if step_costs == "profile" else f" ({step_costs} costs)")
-                modes[label] = engine_mode(target, drafter, "scheduler", sps=sps, temperature=temperature,
-                                           args=args, step_costs=step_costs)
+                modes[label] = engine_mode(
+                    target, drafter, "scheduler", sps=sps, temperature=temperature, args=args, step_costs=step_costs
+                )
     return modes
 
 
@@ -200,8 +288,9 @@ def run_interleaved(modes: dict[str, Mode], prompts: list, *, label: str) -> dic
 BOOTSTRAP_DRAWS = 4000
 
 
-def paired_ratio_ci(mode: list[tuple[int, float]], base: list[tuple[int, float]], *, seed: int = 0,
-                    confidence: float = 0.95) -> tuple[float, float]:
+def paired_ratio_ci(
+    mode: list[tuple[int, float]], base: list[tuple[int, float]], *, seed: int = 0, confidence: float = 0.95
+) -> tuple[float, float]:
     """Percentile-bootstrap CI of (Σ tokens / Σ seconds of `mode`) / (the same of `base`) over prompts resampled
     jointly: both modes ran on the same prompts, interleaved, so resampling pairs keeps what they share (prompt
     length, the machine's drift at that minute) out of the interval. Lists of per-prompt (tokens, seconds)."""
@@ -228,8 +317,11 @@ def scheduler_comparison(totals: dict[str, dict]) -> list[str]:
         drafter = name[: name.index("· scheduler")]
         rate = t["tokens"] / t["seconds"]
         lines.append(f"- {name}:")
-        others = [(other[len(drafter) + 2:], o) for other, o in totals.items()
-                  if other != name and other.startswith(drafter + "· ")]
+        others = [
+            (other[len(drafter) + 2 :], o)
+            for other, o in totals.items()
+            if other != name and other.startswith(drafter + "· ")
+        ]
         others += [(other, o) for other, o in totals.items() if other.startswith("HF ") and o.get("per_prompt")]
         for label, o in others:
             low, high = paired_ratio_ci(t["per_prompt"], o["per_prompt"])
@@ -256,9 +348,11 @@ def precision_comparison(totals: dict[str, dict], precisions: list[str]) -> list
             verdict = "faster" if low > 1 else ("slower" if high < 1 else "not distinguishable")
             taus = [sum(r.committed for r in x["rounds"]) / max(1, len(x["rounds"])) for x in (t, base)]
             ratio = (t["tokens"] / t["seconds"]) / (base["tokens"] / base["seconds"])
-            lines.append(f"- {name[name.index('· ') + 2:]}: [{precision}] {ratio:.3f}× "
-                         f"[{low:.3f}, {high:.3f}] the tok/s of the same policy at --precision → {verdict}; "
-                         f"τ {taus[0]:.3f} vs {taus[1]:.3f}")
+            lines.append(
+                f"- {name[name.index('· ') + 2 :]}: [{precision}] {ratio:.3f}× "
+                f"[{low:.3f}, {high:.3f}] the tok/s of the same policy at --precision → {verdict}; "
+                f"τ {taus[0]:.3f} vs {taus[1]:.3f}"
+            )
     return lines
 
 
@@ -288,12 +382,14 @@ def headroom_lines(totals: dict[str, dict]) -> list[str]:
         measured = ", ".join(f"{ell}: {1000 * verify[ell]:.1f}" for ell in sorted(verify))
         best = head.static_rates[head.best_static]
         statics = ", ".join(f"ℓ = {ell}: {rate / best:.3f}" for ell, rate in sorted(head.static_rates.items()))
-        lines.append(f"- {name}: hindsight (each round's ℓ chosen knowing its accepted count; not causal, a bound) "
-                     f"{head.ratio:.3f}× the best static ℓ = {head.best_static} and "
-                     f"{head.hindsight_rate / head.static_rates[1]:.3f}× static ℓ = 1 (MTP-1's verify length) on the "
-                     f"same {len(t['rounds'])} rounds — the most any verify-length policy could be ahead here. "
-                     f"Every static ℓ replayed on these rounds, relative to the best: {statics} (verify ms by ℓ: "
-                     f"{measured}; ℓ between measured lengths interpolated)")
+        lines.append(
+            f"- {name}: hindsight (each round's ℓ chosen knowing its accepted count; not causal, a bound) "
+            f"{head.ratio:.3f}× the best static ℓ = {head.best_static} and "
+            f"{head.hindsight_rate / head.static_rates[1]:.3f}× static ℓ = 1 (MTP-1's verify length) on the "
+            f"same {len(t['rounds'])} rounds — the most any verify-length policy could be ahead here. "
+            f"Every static ℓ replayed on these rounds, relative to the best: {statics} (verify ms by ℓ: "
+            f"{measured}; ℓ between measured lengths interpolated)"
+        )
     return lines
 
 
@@ -308,8 +404,10 @@ def fmt(value: float, digits: int = 2) -> str:
 def speed_table(totals: dict[str, dict]) -> str:
     base = totals["target-only (our engine)"]
     base_rate = base["tokens"] / base["seconds"]
-    head = ("| mode | tokens | tok/s | × target-only | 95% CI | τ | mean ℓ | rounds | ms / round | verify | "
-            "draft parallel | draft sequential | other |")
+    head = (
+        "| mode | tokens | tok/s | × target-only | 95% CI | τ | mean ℓ | rounds | ms / round | verify | "
+        "draft parallel | draft sequential | other |"
+    )
     lines = [head, "|" + "---|" * 13]
     for name, t in totals.items():
         rate, rounds = t["tokens"] / t["seconds"], t["rounds"]
@@ -317,9 +415,11 @@ def speed_table(totals: dict[str, dict]) -> str:
         ell = sum(r.num_verified for r in rounds) / len(rounds) if rounds else float("nan")
         phases = " | ".join(fmt(mean_ms(rounds, attribute)) for attribute, _ in PHASES)
         low, high = paired_ratio_ci(t["per_prompt"], base["per_prompt"]) if t is not base else (1.0, 1.0)
-        lines.append(f"| {name} | {t['tokens']} | {rate:.1f} | {rate / base_rate:.2f}× | [{fmt(low)}, {fmt(high)}] | "
-                     f"{fmt(tau)} | {fmt(ell)} | "
-                     f"{len(rounds) or '–'} | {fmt(mean_ms(rounds, 'seconds'), 1)} | {phases} |")
+        lines.append(
+            f"| {name} | {t['tokens']} | {rate:.1f} | {rate / base_rate:.2f}× | [{fmt(low)}, {fmt(high)}] | "
+            f"{fmt(tau)} | {fmt(ell)} | "
+            f"{len(rounds) or '–'} | {fmt(mean_ms(rounds, 'seconds'), 1)} | {phases} |"
+        )
     return "\n".join(lines)
 
 
@@ -327,18 +427,22 @@ def round_costs(totals: dict[str, dict]) -> list[str]:
     """The issue's two targets on the fixed-ℓ = γ rounds of every drafter: sequential share, drafter vs target step."""
     plain = totals["target-only (our engine)"]["rounds"]
     step_ms = mean_ms(plain, "seconds")
-    lines = [f"- one plain target step (target-only round, our engine): {step_ms:.1f} ms "
-             f"(verify {mean_ms(plain, 'seconds_verify'):.1f} ms, other {mean_ms(plain, 'seconds_other'):.2f} ms)"]
+    lines = [
+        f"- one plain target step (target-only round, our engine): {step_ms:.1f} ms "
+        f"(verify {mean_ms(plain, 'seconds_verify'):.1f} ms, other {mean_ms(plain, 'seconds_other'):.2f} ms)"
+    ]
     for name, t in totals.items():
         if "· fixed" not in name or not t["rounds"]:
             continue
         rounds = t["rounds"]
         total, sequential = mean_ms(rounds, "seconds"), mean_ms(rounds, "seconds_draft_sequential")
         drafting = mean_ms(rounds, "seconds_draft_parallel") + sequential
-        lines.append(f"- {name}: round {total:.1f} ms; sequential loop {sequential:.2f} ms = "
-                     f"{100 * sequential / total:.1f}% of the round (target ≤ 5%); drafter round {drafting:.1f} ms = "
-                     f"{100 * drafting / step_ms:.0f}% of a plain target step (target ≤ 20%); Python overhead "
-                     f"{mean_ms(rounds, 'seconds_other'):.2f} ms per round (target ≤ 1 ms)")
+        lines.append(
+            f"- {name}: round {total:.1f} ms; sequential loop {sequential:.2f} ms = "
+            f"{100 * sequential / total:.1f}% of the round (target ≤ 5%); drafter round {drafting:.1f} ms = "
+            f"{100 * drafting / step_ms:.0f}% of a plain target step (target ≤ 20%); Python overhead "
+            f"{mean_ms(rounds, 'seconds_other'):.2f} ms per round (target ≤ 1 ms)"
+        )
     return lines
 
 
@@ -347,9 +451,11 @@ def precision_line(args) -> str:
     from dspark.decoding.drafting import resolve_precision
 
     precision = resolve_precision(args.precision)
-    return (f"target {args.target_dtype} (every mode), drafter parallel stage "
-            f"{str(precision).replace('torch.', '')} (decode.drafter_precision={args.precision})"
-            + "".join(f"; rows marked [{p}]: decode.drafter_precision={p}" for p in args.also_precision))
+    return (
+        f"target {args.target_dtype} (every mode), drafter parallel stage "
+        f"{str(precision).replace('torch.', '')} (decode.drafter_precision={args.precision})"
+        + "".join(f"; rows marked [{p}]: decode.drafter_precision={p}" for p in args.also_precision)
+    )
 
 
 def main(argv: list[str]) -> int:
@@ -364,53 +470,117 @@ def main(argv: list[str]) -> int:
     target = load_target(args.target, cache_dir=args.cache_dir, dtype=args.target_dtype)
     records = {name: load_prompts(name, limit=args.prompts) for name in args.sets}
     prompts = encode_prompts(target, records, max_new_tokens=args.max_new_tokens)
-    drafters = trained_drafters(target, args.drafter) if args.drafter else untrained_drafters(
-        target, depth=args.depth, block_size=args.block_size, draft_vocab=args.draft_vocab, seed=args.seed)
-    drafters += [dataclasses.replace(d, name=f"{d.name} [{precision}]", precision=precision)
-                 for precision in args.also_precision for d in list(drafters)]
+    drafters = (
+        trained_drafters(target, args.drafter)
+        if args.drafter
+        else untrained_drafters(
+            target, depth=args.depth, block_size=args.block_size, draft_vocab=args.draft_vocab, seed=args.seed
+        )
+    )
+    drafters += [
+        dataclasses.replace(d, name=f"{d.name} [{precision}]", precision=precision)
+        for precision in args.also_precision
+        for d in list(drafters)
+    ]
     gamma = max(d.module.block_size for d in drafters)
-    sps, sps_path = load_or_profile_sps(target=target, cache_dir=args.cache_dir, block_size=gamma,
-                                        refresh=not args.reuse_sps)
+    sps, sps_path = load_or_profile_sps(
+        target=target, cache_dir=args.cache_dir, block_size=gamma, refresh=not args.reuse_sps
+    )
     sections = []
     for temperature in args.temperatures:
         modes = build_modes(target, drafters, temperature=temperature, args=args, sps=sps)
         totals = run_interleaved(modes, prompts, label=f"T={temperature:g}")
         comparison = scheduler_comparison(totals)
         by_precision = precision_comparison(totals, args.also_precision)
-        sections += [f"## Temperature {temperature:g}", "", speed_table(totals), "",
-                     *(["Scheduler against the same drafter's other policies (tok/s ratio, paired bootstrap 95% CI "
-                        "over prompts):", "", *comparison, ""] if comparison else []),
-                     *(["Each drafter at another precision against itself at --precision (paired bootstrap 95% CI "
-                        "over prompts):", "", *by_precision, ""] if by_precision else []),
-                     *(["Round costs the measured-cost scheduler ended with (`dspark.scheduling.measured`):", "",
-                        *measured, ""] if (measured := measured_cost_lines(modes)) else []),
-                     "Round costs (fixed ℓ = γ):", "", *round_costs(totals), "",
-                     "Headroom of any verify-length policy (replayed on the fixed-ℓ = γ rounds, "
-                     "`dspark.evaluation.headroom`):", "", *headroom_lines(totals), ""]
+        sections += [
+            f"## Temperature {temperature:g}",
+            "",
+            speed_table(totals),
+            "",
+            *(
+                [
+                    "Scheduler against the same drafter's other policies (tok/s ratio, paired bootstrap 95% CI "
+                    "over prompts):",
+                    "",
+                    *comparison,
+                    "",
+                ]
+                if comparison
+                else []
+            ),
+            *(
+                [
+                    "Each drafter at another precision against itself at --precision (paired bootstrap 95% CI "
+                    "over prompts):",
+                    "",
+                    *by_precision,
+                    "",
+                ]
+                if by_precision
+                else []
+            ),
+            *(
+                [
+                    "Round costs the measured-cost scheduler ended with (`dspark.scheduling.measured`):",
+                    "",
+                    *measured,
+                    "",
+                ]
+                if (measured := measured_cost_lines(modes))
+                else []
+            ),
+            "Round costs (fixed ℓ = γ):",
+            "",
+            *round_costs(totals),
+            "",
+            "Headroom of any verify-length policy (replayed on the fixed-ℓ = γ rounds, `dspark.evaluation.headroom`):",
+            "",
+            *headroom_lines(totals),
+            "",
+        ]
     trained = all(d.trained for d in drafters)
-    note = ("trained drafters: " + ", ".join(relative_argument(d) for d in args.drafter)) if trained else (
-        "**untrained drafters** (no --drafter given): τ ≈ 1, so their rows measure round costs, not a speed-up; "
-        "the scheduler reads raw confidences of an untrained head (σ ≈ 0.5)")
+    note = (
+        ("trained drafters: " + ", ".join(relative_argument(d) for d in args.drafter))
+        if trained
+        else (
+            "**untrained drafters** (no --drafter given): τ ≈ 1, so their rows measure round costs, not a speed-up; "
+            "the scheduler reads raw confidences of an untrained head (σ ≈ 0.5)"
+        )
+    )
     loads = f"{load_start[0]:.1f} / {os.getloadavg()[0]:.1f}"
-    sts_lines = [f"{d.name}: " + ", ".join(
-        f"T={t:g} {'STS from drafter.pt' if calibration_for(d, t) is not None else 'raw c_k (no STS stored)'}"
-        for t in args.temperatures) for d in drafters if getattr(d.module, "confidence_head", None) is not None]
+    sts_lines = [
+        f"{d.name}: "
+        + ", ".join(
+            f"T={t:g} {'STS from drafter.pt' if calibration_for(d, t) is not None else 'raw c_k (no STS stored)'}"
+            for t in args.temperatures
+        )
+        for d in drafters
+        if getattr(d.module, "confidence_head", None) is not None
+    ]
     sps_origin = "read from the cache (--reuse-sps)" if args.reuse_sps else "profiled at the start of this run"
-    text = "\n".join([
-        f"# Decoding speed side by side — {args.target}", "",
-        f"Command: `{command_line('bench_decoding.py', argv)}` ({time.time() - started:.0f} s in all)  ",
-        f"Machine: {machine_line()}; {precision_line(args)}; the target's few-token products: "
-        f"{target.few_row_layout} layout (`dspark.targets.layout.few_row_layout`)  ",
-        f"Git commit {commit} (at the start); {time.strftime('%Y-%m-%d %H:%M %Z')} (the end); 1-min load average "
-        f"{loads} at the start / "
-        f"end on {os.cpu_count()} cores ({load_verdict(load_start[0], args.threads)}).", "",
-        f"Prompts: the first {args.prompts} of {', '.join(args.sets)} ({len(prompts)} in all), chat-templated; "
-        f"max_new_tokens {args.max_new_tokens}; modes interleaved per prompt after a warm-up call; tok/s include "
-        f"prefill. Drafters: {note}.", "",
-        *([f"Confidences the scheduler reads: {'; '.join(sts_lines)}.", ""] if sts_lines else []),
-        *sections,
-        f"SPS(B) used by the scheduler (`{repo_path(sps_path)}`; R = 1, 256-token cache; {sps_origin}):", "",
-        sps_markdown(sps), ""])
+    text = "\n".join(
+        [
+            f"# Decoding speed side by side — {args.target}",
+            "",
+            f"Command: `{command_line('bench_decoding.py', argv)}` ({time.time() - started:.0f} s in all)  ",
+            f"Machine: {machine_line()}; {precision_line(args)}; the target's few-token products: "
+            f"{target.few_row_layout} layout (`dspark.targets.layout.few_row_layout`)  ",
+            f"Git commit {commit} (at the start); {time.strftime('%Y-%m-%d %H:%M %Z')} (the end); 1-min load average "
+            f"{loads} at the start / "
+            f"end on {os.cpu_count()} cores ({load_verdict(load_start[0], args.threads)}).",
+            "",
+            f"Prompts: the first {args.prompts} of {', '.join(args.sets)} ({len(prompts)} in all), chat-templated; "
+            f"max_new_tokens {args.max_new_tokens}; modes interleaved per prompt after a warm-up call; tok/s include "
+            f"prefill. Drafters: {note}.",
+            "",
+            *([f"Confidences the scheduler reads: {'; '.join(sts_lines)}.", ""] if sts_lines else []),
+            *sections,
+            f"SPS(B) used by the scheduler (`{repo_path(sps_path)}`; R = 1, 256-token cache; {sps_origin}):",
+            "",
+            sps_markdown(sps),
+            "",
+        ]
+    )
     write_result(text, args.output)
     return 0
 

@@ -19,6 +19,7 @@ It measures; it changes nothing in the library. Writes `--output` with the comma
 
     .venv/bin/python benchmarks/bench_matmul_layout.py --cache-dir outputs/cache
 """
+
 from __future__ import annotations
 
 import argparse
@@ -31,8 +32,15 @@ from pathlib import Path
 
 import torch
 
-from common import (RESULTS, add_target_arguments, command_line, machine_line, provenance_line, start_timing,
-                    write_result)
+from common import (
+    RESULTS,
+    add_target_arguments,
+    command_line,
+    machine_line,
+    provenance_line,
+    start_timing,
+    write_result,
+)
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -42,10 +50,18 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--rounds", type=int, default=5, help="interleaved rounds (each times every cell)")
     parser.add_argument("--reps", type=int, default=5, help="timed calls per cell and round (median kept)")
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--sizes", type=int, nargs="+", default=[1, 2, 3, 4, 5, 6, 7, 8, 9, 12, 16],
-                        help="B tokens per forward (each at most dspark.targets.layout.FEW_ROWS)")
-    parser.add_argument("--padding", default="auto",
-                        help="the row-padding table of the padded cells: auto (probe as the library does) or n:m,...")
+    parser.add_argument(
+        "--sizes",
+        type=int,
+        nargs="+",
+        default=[1, 2, 3, 4, 5, 6, 7, 8, 9, 12, 16],
+        help="B tokens per forward (each at most dspark.targets.layout.FEW_ROWS)",
+    )
+    parser.add_argument(
+        "--padding",
+        default="auto",
+        help="the row-padding table of the padded cells: auto (probe as the library does) or n:m,...",
+    )
     parser.add_argument("--output", type=Path, default=RESULTS / "matmul-layout.md")
     return parser.parse_args(argv)
 
@@ -80,8 +96,15 @@ def median_ms(fn, reps: int) -> float:
 
 
 def main(argv: list[str]) -> int:
-    from dspark.targets.layout import (FEW_ROW_LAYOUT_ENV, FEW_ROWS, ROW_PAD_ENV, few_row_product, format_row_padding,
-                                       parse_row_padding, row_padding)
+    from dspark.targets.layout import (
+        FEW_ROW_LAYOUT_ENV,
+        FEW_ROWS,
+        ROW_PAD_ENV,
+        few_row_product,
+        format_row_padding,
+        parse_row_padding,
+        row_padding,
+    )
     from dspark.targets import load_target
 
     args = parse_args(argv)
@@ -117,6 +140,7 @@ def main(argv: list[str]) -> int:
             forward = target(tokens, cache=cache, use_cache=True)
             target.logits_from_hidden(forward.final_hidden[0])
             target.rollback(cache, keep=args.context)
+
         return run
 
     results: dict[tuple[str, int, str], list[float]] = {}
@@ -130,38 +154,65 @@ def main(argv: list[str]) -> int:
     def cell(kind: str, b: int, mode: str) -> float:
         return statistics.median(results[(kind, b, mode)])
 
-    lines = [f"# Matrix-product layout of a few-token forward — {args.target}", "",
-             f"Command: `{command_line('bench_matmul_layout.py', argv)}` ({time.time() - started:.0f} s in all)  ",
-             f"Machine: {machine_line()}; target float32  ",
-             provenance_line(load_start, threads=args.threads), "",
-             f"Each cell: the median over {args.rounds} interleaved rounds of the median of {args.reps} calls (after a "
-             f"warm-up). Step = one target forward of B new tokens over a {args.context}-token KV cache plus the LM "
-             "head on its B positions (a verify round's target work at ℓ = B − 1; B = 1 is a plain decoding step).",
-             "", f"Row-padding table of the padded cells: `{format_row_padding(padding)}` ("
-             + ("probed on the LM head as `dspark.targets.layout.row_padding` does at target load: "
-                + ", ".join(f"{n} {c:.1f}" for n, c in sorted(probe_costs.items())) + " ms by rows"
-                if padding_given is None else "given by --padding") + ").", "",
-             "| B tokens | LM head x Wᵀ (ms) | LM head (W xᵀ)ᵀ (ms) | padded (ms) | step, nn.Linear (ms) | "
-             "step, every Linear (W xᵀ)ᵀ (ms) | padded step (ms) | nn.Linear step / its B = 1 | (W xᵀ)ᵀ step / its "
-             "B = 1 | padded step / its B = 1 |", "|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        f"# Matrix-product layout of a few-token forward — {args.target}",
+        "",
+        f"Command: `{command_line('bench_matmul_layout.py', argv)}` ({time.time() - started:.0f} s in all)  ",
+        f"Machine: {machine_line()}; target float32  ",
+        provenance_line(load_start, threads=args.threads),
+        "",
+        f"Each cell: the median over {args.rounds} interleaved rounds of the median of {args.reps} calls (after a "
+        f"warm-up). Step = one target forward of B new tokens over a {args.context}-token KV cache plus the LM "
+        "head on its B positions (a verify round's target work at ℓ = B − 1; B = 1 is a plain decoding step).",
+        "",
+        f"Row-padding table of the padded cells: `{format_row_padding(padding)}` ("
+        + (
+            "probed on the LM head as `dspark.targets.layout.row_padding` does at target load: "
+            + ", ".join(f"{n} {c:.1f}" for n, c in sorted(probe_costs.items()))
+            + " ms by rows"
+            if padding_given is None
+            else "given by --padding"
+        )
+        + ").",
+        "",
+        "| B tokens | LM head x Wᵀ (ms) | LM head (W xᵀ)ᵀ (ms) | padded (ms) | step, nn.Linear (ms) | "
+        "step, every Linear (W xᵀ)ᵀ (ms) | padded step (ms) | nn.Linear step / its B = 1 | (W xᵀ)ᵀ step / its "
+        "B = 1 | padded step / its B = 1 |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
 
     def library(kind: str, b: int) -> float:
         """The padded layout's cost at B: the padded cell where B is padded, the (W xᵀ)ᵀ one otherwise."""
         return cell(kind, b, "padded" if b in padding else "transposed")
 
-    plain = {"linear": cell("step", 1, "linear"), "transposed": cell("step", 1, "transposed"),
-             "padded": library("step", 1)}
+    plain = {
+        "linear": cell("step", 1, "linear"),
+        "transposed": cell("step", 1, "transposed"),
+        "padded": library("step", 1),
+    }
     for b in args.sizes:
-        h0, h1, s0, s1 = (cell("head", b, "linear"), cell("head", b, "transposed"), cell("step", b, "linear"),
-                          cell("step", b, "transposed"))
-        padded_cells = (f"{library('head', b):.1f} (→ {padding[b]})", f"{library('step', b):.1f} (→ {padding[b]})") \
-            if b in padding else ("same", "same")
-        lines.append(f"| {b} | {h0:.1f} | {h1:.1f} | {padded_cells[0]} | {s0:.1f} | {s1:.1f} | {padded_cells[1]} | "
-                     f"{s0 / plain['linear']:.2f} | {s1 / plain['transposed']:.2f} | "
-                     f"{library('step', b) / plain['padded']:.2f} |")
-    lines += ["", "The last three columns are the cost of verifying B − 1 drafts in plain steps in each layout (the "
-              "padded one is the library's choice on a machine where `few_row_layout` picks (W xᵀ)ᵀ). A padded B "
-              "computes its products with the table's rows, the extra ones zero; the target sees B tokens."]
+        h0, h1, s0, s1 = (
+            cell("head", b, "linear"),
+            cell("head", b, "transposed"),
+            cell("step", b, "linear"),
+            cell("step", b, "transposed"),
+        )
+        padded_cells = (
+            (f"{library('head', b):.1f} (→ {padding[b]})", f"{library('step', b):.1f} (→ {padding[b]})")
+            if b in padding
+            else ("same", "same")
+        )
+        lines.append(
+            f"| {b} | {h0:.1f} | {h1:.1f} | {padded_cells[0]} | {s0:.1f} | {s1:.1f} | {padded_cells[1]} | "
+            f"{s0 / plain['linear']:.2f} | {s1 / plain['transposed']:.2f} | "
+            f"{library('step', b) / plain['padded']:.2f} |"
+        )
+    lines += [
+        "",
+        "The last three columns are the cost of verifying B − 1 drafts in plain steps in each layout (the "
+        "padded one is the library's choice on a machine where `few_row_layout` picks (W xᵀ)ᵀ). A padded B "
+        "computes its products with the table's rows, the extra ones zero; the target sees B tokens.",
+    ]
     write_result("\n".join(lines) + "\n", args.output)
     return 0
 

@@ -10,6 +10,7 @@ share of the step (Fig. 4 right, now at batch R), target forwards per step, and 
     .venv/bin/python benchmarks/bench_serving.py                              # smollm2-135m, a few minutes
     .venv/bin/python benchmarks/bench_serving.py --target tiny --max-new-tokens 8   # seconds
 """
+
 from __future__ import annotations
 
 import argparse
@@ -48,9 +49,15 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 def make_requests(target, count: int, max_new_tokens: int) -> list[ServeRequest]:
     prompts = [r for name in SETS for r in load_prompts(name, limit=max(1, count // len(SETS) + 1))]
-    return [ServeRequest(request_id=i, prompt_ids=target.chat_prompt_ids(prompts[i % len(prompts)].prompt),
-                         domain=prompts[i % len(prompts)].domain, max_new_tokens=max_new_tokens)
-            for i in range(count)]
+    return [
+        ServeRequest(
+            request_id=i,
+            prompt_ids=target.chat_prompt_ids(prompts[i % len(prompts)].prompt),
+            domain=prompts[i % len(prompts)].domain,
+            max_new_tokens=max_new_tokens,
+        )
+        for i in range(count)
+    ]
 
 
 class ForwardCounter:
@@ -63,6 +70,7 @@ class ForwardCounter:
         def counted(*args, **kwargs):
             self.calls += 1
             return self._forward(*args, **kwargs)
+
         self.target.forward = counted
         return self
 
@@ -72,10 +80,17 @@ class ForwardCounter:
 
 def bench_cell(target, *, head: str, concurrency: int, args: argparse.Namespace) -> dict:
     # a random-weight DSpark drafter (timing does not depend on the weights) over the first --draft-vocab ids
-    drafter = untrained_drafter(target, head=head, depth=args.depth, block_size=args.block_size,
-                                draft_vocab=args.draft_vocab)
-    engine = BatchedEngine(target=target, drafter=drafter, policy=build_serve_policy("fixed"), temperature=1.0,
-                           max_new_tokens=args.max_new_tokens, precision=args.precision)
+    drafter = untrained_drafter(
+        target, head=head, depth=args.depth, block_size=args.block_size, draft_vocab=args.draft_vocab
+    )
+    engine = BatchedEngine(
+        target=target,
+        drafter=drafter,
+        policy=build_serve_policy("fixed"),
+        temperature=1.0,
+        max_new_tokens=args.max_new_tokens,
+        precision=args.precision,
+    )
     requests = make_requests(target, concurrency * args.waves, args.max_new_tokens)
     engine.serve(requests[:concurrency], concurrency=concurrency, seed=1, progress=False)  # warm-up
     with ForwardCounter(target) as counter:
@@ -86,14 +101,22 @@ def bench_cell(target, *, head: str, concurrency: int, args: argparse.Namespace)
     draft = med([s.seconds_draft for s in steady])
     step = med([s.seconds for s in steady])
     joins = sum(1 for s in result.steps if s.seconds_prefill > 0)
-    return {"head": head, "R": concurrency, "steps": len(steady), "step_ms": step, "draft_parallel_ms": draft - sequential,
-            "sequential_ms": sequential, "verify_ms": med([s.seconds_verify for s in steady]),
-            "other_ms": med([s.seconds_other for s in steady]), "sequential_share": sequential / step,
-            "verify_rows_ms": med([s.seconds_verify_rows for s in steady]),
-            "extend_ms": med([s.seconds_extend for s in steady]),
-            "bookkeeping_ms": med([s.seconds_bookkeeping for s in steady]),
-            "forwards_per_step": (counter.calls - joins) / len(result.steps),
-            "tok_s": sum(len(r.new_tokens) for r in result.requests) / result.wall_seconds}
+    return {
+        "head": head,
+        "R": concurrency,
+        "steps": len(steady),
+        "step_ms": step,
+        "draft_parallel_ms": draft - sequential,
+        "sequential_ms": sequential,
+        "verify_ms": med([s.seconds_verify for s in steady]),
+        "other_ms": med([s.seconds_other for s in steady]),
+        "sequential_share": sequential / step,
+        "verify_rows_ms": med([s.seconds_verify_rows for s in steady]),
+        "extend_ms": med([s.seconds_extend for s in steady]),
+        "bookkeeping_ms": med([s.seconds_bookkeeping for s in steady]),
+        "forwards_per_step": (counter.calls - joins) / len(result.steps),
+        "tok_s": sum(len(r.new_tokens) for r in result.requests) / result.wall_seconds,
+    }
 
 
 def w2_layouts(target, concurrency: list[int], *, rank: int = 256, repeats: int = 20) -> list[dict]:
@@ -107,8 +130,10 @@ def w2_layouts(target, concurrency: list[int], *, rank: int = 256, repeats: int 
             x = torch.randn(rows, rank)
             times = {"linear": [], "cached": []}
             for _ in range(repeats):
-                for name, fn in (("linear", lambda: torch.nn.functional.linear(x, layer.weight)),
-                                 ("cached", lambda: x @ weight_t)):
+                for name, fn in (
+                    ("linear", lambda: torch.nn.functional.linear(x, layer.weight)),
+                    ("cached", lambda: x @ weight_t),
+                ):
                     start = time.perf_counter()
                     fn()
                     times[name].append(time.perf_counter() - start)
@@ -119,39 +144,61 @@ def w2_layouts(target, concurrency: list[int], *, rank: int = 256, repeats: int 
 
 def markdown(rows: list[dict], args: argparse.Namespace, argv: list[str], started: str) -> str:
     load = os.getloadavg()
-    lines = ["# Batched serving step benchmark", "",
-             f"Command: `{command_line('bench_serving.py', argv, prefix='.venv/bin/python')}`", "",
-             f"Date: {started}. Machine: {machine_line()}; target fp32, drafter "
-             f"parallel stage {str(resolve_precision(args.precision)).replace('torch.', '')} "
-             f"(--precision {args.precision}). Load average after: {load[0]:.2f}, {load[1]:.2f}, {load[2]:.2f} "
-             "(other jobs on the machine add noise; ratios within a row group are the point).", "",
-             f"Target {args.target}; untrained DSpark drafters (depth {args.depth}, γ = {args.block_size}, rank 256, "
-             f"draft vocabulary {args.draft_vocab or 'full'}), "
-             f"policy fixed (every step verifies γ drafts per request), temperature 1, {args.max_new_tokens} new "
-             f"tokens per request, {args.waves} × R requests. Medians over steady steps (R active, no joins).", "",
-             "\"Other\" is split into the per-row verifier (p_t rows, rejection sampling, commit), the context "
-             "updates (target KV store and drafter context) and the rest, the engine's Python bookkeeping (policy, "
-             "block assembly, leaves, compaction; the single-request engine's \"other\").", "",
-             "| head | R | steps | step ms | draft parallel ms | sequential loop ms | verify ms | other ms "
-             "(verifier rows / context updates / bookkeeping) | sequential share | target forwards / step | tok/s |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "# Batched serving step benchmark",
+        "",
+        f"Command: `{command_line('bench_serving.py', argv, prefix='.venv/bin/python')}`",
+        "",
+        f"Date: {started}. Machine: {machine_line()}; target fp32, drafter "
+        f"parallel stage {str(resolve_precision(args.precision)).replace('torch.', '')} "
+        f"(--precision {args.precision}). Load average after: {load[0]:.2f}, {load[1]:.2f}, {load[2]:.2f} "
+        "(other jobs on the machine add noise; ratios within a row group are the point).",
+        "",
+        f"Target {args.target}; untrained DSpark drafters (depth {args.depth}, γ = {args.block_size}, rank 256, "
+        f"draft vocabulary {args.draft_vocab or 'full'}), "
+        f"policy fixed (every step verifies γ drafts per request), temperature 1, {args.max_new_tokens} new "
+        f"tokens per request, {args.waves} × R requests. Medians over steady steps (R active, no joins).",
+        "",
+        '"Other" is split into the per-row verifier (p_t rows, rejection sampling, commit), the context '
+        "updates (target KV store and drafter context) and the rest, the engine's Python bookkeeping (policy, "
+        'block assembly, leaves, compaction; the single-request engine\'s "other").',
+        "",
+        "| head | R | steps | step ms | draft parallel ms | sequential loop ms | verify ms | other ms "
+        "(verifier rows / context updates / bookkeeping) | sequential share | target forwards / step | tok/s |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for r in rows:
-        lines.append(f"| {r['head']} | {r['R']} | {r['steps']} | {r['step_ms']:.1f} | {r['draft_parallel_ms']:.1f} | "
-                     f"{r['sequential_ms']:.1f} | {r['verify_ms']:.1f} | {r['other_ms']:.1f} ({r['verify_rows_ms']:.2f} / "
-                     f"{r['extend_ms']:.2f} / {r['bookkeeping_ms']:.2f}) | "
-                     f"{100 * r['sequential_share']:.1f}% | {r['forwards_per_step']:.2f} | {r['tok_s']:.1f} |")
+        lines.append(
+            f"| {r['head']} | {r['R']} | {r['steps']} | {r['step_ms']:.1f} | {r['draft_parallel_ms']:.1f} | "
+            f"{r['sequential_ms']:.1f} | {r['verify_ms']:.1f} | {r['other_ms']:.1f} ({r['verify_rows_ms']:.2f} / "
+            f"{r['extend_ms']:.2f} / {r['bookkeeping_ms']:.2f}) | "
+            f"{100 * r['sequential_share']:.1f}% | {r['forwards_per_step']:.2f} | {r['tok_s']:.1f} |"
+        )
     base = {r["head"]: r for r in rows if r["R"] == min(args.concurrency)}
     lines.insert(6, "The sequential loop's W₂ product uses the cached contiguous [r, V] copy (`DecodeProjection`).")
     lines.insert(7, "")
-    lines += ["", "Step cost relative to the smallest R (same head): "
-              + "; ".join(f"{r['head']} R={r['R']}: {r['step_ms'] / base[r['head']]['step_ms']:.2f}×"
-                          for r in rows if r["head"] in base)]
+    lines += [
+        "",
+        "Step cost relative to the smallest R (same head): "
+        + "; ".join(
+            f"{r['head']} R={r['R']}: {r['step_ms'] / base[r['head']]['step_ms']:.2f}×"
+            for r in rows
+            if r["head"] in base
+        ),
+    ]
     if args.w2_rows:
-        lines += ["", f"W₂ product of one decoding slot, rank 256 × V = {args.vocab}, medians of 20 interleaved calls "
-                  "(the sequential loop does γ of these per step):", "",
-                  "| R | nn.Linear [V, r] ms | cached contiguous [r, V] ms | ratio |", "|---|---|---|---|"]
-        lines += [f"| {r['R']} | {r['linear_ms']:.2f} | {r['cached_ms']:.2f} | {r['linear_ms'] / r['cached_ms']:.2f}× |"
-                  for r in args.w2_rows]
+        lines += [
+            "",
+            f"W₂ product of one decoding slot, rank 256 × V = {args.vocab}, medians of 20 interleaved calls "
+            "(the sequential loop does γ of these per step):",
+            "",
+            "| R | nn.Linear [V, r] ms | cached contiguous [r, V] ms | ratio |",
+            "|---|---|---|---|",
+        ]
+        lines += [
+            f"| {r['R']} | {r['linear_ms']:.2f} | {r['cached_ms']:.2f} | {r['linear_ms'] / r['cached_ms']:.2f}× |"
+            for r in args.w2_rows
+        ]
     return "\n".join(lines) + "\n"
 
 

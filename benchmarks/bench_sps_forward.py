@@ -11,6 +11,7 @@ It measures; it changes nothing in the library. Writes `--output` with the comma
 
     .venv/bin/python benchmarks/bench_sps_forward.py --rows 1 2 4 --threads 2
 """
+
 from __future__ import annotations
 
 import argparse
@@ -19,8 +20,15 @@ import sys
 import time
 from pathlib import Path
 
-from common import (RESULTS, add_target_arguments, command_line, machine_line, provenance_line, start_timing,
-                    write_result)
+from common import (
+    RESULTS,
+    add_target_arguments,
+    command_line,
+    machine_line,
+    provenance_line,
+    start_timing,
+    write_result,
+)
 
 FORWARDS = ("plain", "engine")
 
@@ -54,9 +62,16 @@ def main(argv: list[str]) -> int:
         sizes = serving_batch_grid(rows * (args.block_size + 1), num_rows=rows)
         for alternation in range(args.alternations):
             for name in FORWARDS:
-                table = profile_serving_sps(target, max_batch_tokens=sizes[-1], num_rows=rows,
-                                            context_length=args.context, repeats=args.repeats, monotone=False,
-                                            seed=alternation, forward=engine_forward if name == "engine" else None)
+                table = profile_serving_sps(
+                    target,
+                    max_batch_tokens=sizes[-1],
+                    num_rows=rows,
+                    context_length=args.context,
+                    repeats=args.repeats,
+                    monotone=False,
+                    seed=alternation,
+                    forward=engine_forward if name == "engine" else None,
+                )
                 for b, rate in zip(table.batch_tokens, table.steps_per_second):
                     ms.setdefault((name, rows), {}).setdefault(b, []).append(1000.0 / rate)
         print(f"R = {rows} done", file=sys.stderr)
@@ -65,28 +80,47 @@ def main(argv: list[str]) -> int:
     return 0
 
 
-def report(args: argparse.Namespace, ms: dict, *, argv: list[str], started: float, load_start: tuple,
-           target) -> list[str]:
-    lines = ["# Verify-forward step time by size: plain cache vs the batched engine (`serve.sps_forward`)", "",
-             f"Command: `{command_line('bench_sps_forward.py', argv)}` ({time.time() - started:.0f} s in all)  ",
-             f"Machine: {machine_line()}; target {args.target} ({next(target.model.parameters()).dtype})  ",
-             provenance_line(load_start, threads=args.threads), "",
-             f"Median ms per forward over {args.alternations} alternated profiles × {args.repeats} timed calls "
-             f"(R rows × ⌈B/R⌉ new tokens on {args.context} committed tokens per row, LM head included; plain also "
-             "takes the softmax, as its table always has).", ""]
+def report(
+    args: argparse.Namespace, ms: dict, *, argv: list[str], started: float, load_start: tuple, target
+) -> list[str]:
+    lines = [
+        "# Verify-forward step time by size: plain cache vs the batched engine (`serve.sps_forward`)",
+        "",
+        f"Command: `{command_line('bench_sps_forward.py', argv)}` ({time.time() - started:.0f} s in all)  ",
+        f"Machine: {machine_line()}; target {args.target} ({next(target.model.parameters()).dtype})  ",
+        provenance_line(load_start, threads=args.threads),
+        "",
+        f"Median ms per forward over {args.alternations} alternated profiles × {args.repeats} timed calls "
+        f"(R rows × ⌈B/R⌉ new tokens on {args.context} committed tokens per row, LM head included; plain also "
+        "takes the softmax, as its table always has).",
+        "",
+    ]
     for rows in args.rows:
         sizes = sorted(ms[("plain", rows)])
-        lines += [f"## R = {rows}", "", "| B | " + " | ".join(f"{name} ms" for name in FORWARDS) + " | engine / plain |",
-                  "|---|---|---|---|"]
+        lines += [
+            f"## R = {rows}",
+            "",
+            "| B | " + " | ".join(f"{name} ms" for name in FORWARDS) + " | engine / plain |",
+            "|---|---|---|---|",
+        ]
         median = {name: {b: statistics.median(ms[(name, rows)][b]) for b in sizes} for name in FORWARDS}
         for b in sizes:
-            lines.append(f"| {b} | {median['plain'][b]:.1f} | {median['engine'][b]:.1f} | "
-                         f"{median['engine'][b] / median['plain'][b]:.2f} |")
+            lines.append(
+                f"| {b} | {median['plain'][b]:.1f} | {median['engine'][b]:.1f} | "
+                f"{median['engine'][b] / median['plain'][b]:.2f} |"
+            )
         base = rows  # one anchor per row, no drafts
         steps = [rows * (k + 1) for k in (1, 2, 3) if rows * (k + 1) in median["plain"]]
-        lines += ["", "Cost of verifying k drafts per row relative to none (what the scheduler weighs against τ): " +
-                  "; ".join(f"k = {b // rows - 1}: plain {median['plain'][b] / median['plain'][base]:.2f}×, engine "
-                            f"{median['engine'][b] / median['engine'][base]:.2f}×" for b in steps), ""]
+        lines += [
+            "",
+            "Cost of verifying k drafts per row relative to none (what the scheduler weighs against τ): "
+            + "; ".join(
+                f"k = {b // rows - 1}: plain {median['plain'][b] / median['plain'][base]:.2f}×, engine "
+                f"{median['engine'][b] / median['engine'][base]:.2f}×"
+                for b in steps
+            ),
+            "",
+        ]
     return lines
 
 

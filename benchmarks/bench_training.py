@@ -16,6 +16,7 @@ all of them alike. Levers (issue "drafters that learn"):
     .venv/bin/python benchmarks/bench_training.py                       # depth 1, 2, 5; ~10 min on 2 cores
     .venv/bin/python benchmarks/bench_training.py --depths 2 --repeats 2 # a quick look
 """
+
 from __future__ import annotations
 
 import argparse
@@ -56,22 +57,29 @@ def make_batch(target, *, batch: int, length: int, anchors: int) -> dict[str, to
     ids[ids == target.mask_token_id] = 0
     mask = torch.ones(batch, length, dtype=torch.bool)
     loss_mask = torch.zeros(batch, length, dtype=torch.bool)
-    loss_mask[:, length // 4:] = True
+    loss_mask[:, length // 4 :] = True
     out = target.forward(ids, attention_mask=mask)
     final_hidden = out.final_hidden.half()
     anchor_rows = [sample_anchors(m, max_anchors=anchors, generator=gen) for m in loss_mask]
-    return {"input_ids": ids, "attention_mask": mask, "loss_mask": loss_mask,
-            "features": out.features.half(), "final_hidden": final_hidden.float(),
-            "log_normalizer": torch.stack([log_normalizer(target, h) for h in final_hidden]),
-            "anchors": torch.stack(anchor_rows), "anchor_valid": torch.ones(batch, anchors, dtype=torch.bool)}
+    return {
+        "input_ids": ids,
+        "attention_mask": mask,
+        "loss_mask": loss_mask,
+        "features": out.features.half(),
+        "final_hidden": final_hidden.float(),
+        "log_normalizer": torch.stack([log_normalizer(target, h) for h in final_hidden]),
+        "anchors": torch.stack(anchor_rows),
+        "anchor_valid": torch.ones(batch, anchors, dtype=torch.bool),
+    }
 
 
 def build(target, *, kind: str, depth: int, vocab: bool, draft_ids: torch.Tensor):
     from dspark.config.schema import ModelConfig
     from dspark.drafters.factory import build_drafter, drafter_spec_for
 
-    cfg = ModelConfig(head="markov" if kind == "dspark" else "none", depth=depth,
-                      draft_vocab_size=draft_ids.numel() if vocab else 0)
+    cfg = ModelConfig(
+        head="markov" if kind == "dspark" else "none", depth=depth, draft_vocab_size=draft_ids.numel() if vocab else 0
+    )
     spec = drafter_spec_for(kind=kind, model_cfg=cfg, target=target)
     return build_drafter(spec, target, draft_vocab_ids=draft_ids if vocab else None)
 
@@ -85,8 +93,14 @@ class Config:
         self.batch = batches["anchors" in levers]
         from dspark.training.optim import build_optimizer  # the recipe's AdamW (fused on the CPU)
 
-        self.optimizer, _ = build_optimizer(self.drafter.parameters(), lr=1e-4, betas=(0.9, 0.999), weight_decay=0.0,
-                                            total_steps=1_000, warmup_fraction=0.0)
+        self.optimizer, _ = build_optimizer(
+            self.drafter.parameters(),
+            lr=1e-4,
+            betas=(0.9, 0.999),
+            weight_decay=0.0,
+            total_steps=1_000,
+            warmup_fraction=0.0,
+        )
         self.target, self.backbone = target, backbone
         self.times: list[float] = []
         self.blocks = int(self.batch["anchor_valid"].sum())
@@ -102,8 +116,15 @@ class Config:
             start = time.perf_counter()
             with torch.autocast("cpu", dtype=torch.bfloat16, enabled="bf16" in self.levers):
                 result = TRAINING_STEPS.resolve(self.kind)(
-                    drafter=self.drafter, target=self.target, batch=self.batch, block_size=7,
-                    alpha_ce=0.1, alpha_tv=0.9, alpha_conf=1.0 if self.kind == "dspark" else 0.0, decay=4.0)
+                    drafter=self.drafter,
+                    target=self.target,
+                    batch=self.batch,
+                    block_size=7,
+                    alpha_ce=0.1,
+                    alpha_tv=0.9,
+                    alpha_conf=1.0 if self.kind == "dspark" else 0.0,
+                    decay=4.0,
+                )
             result.loss.total.backward()
             torch.nn.utils.clip_grad_norm_(self.drafter.parameters(), 1.0)
             self.optimizer.step()
@@ -117,6 +138,7 @@ def main(argv: list[str]) -> int:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
     from dspark.hardware import keep_freed_memory
+
     keep_freed_memory()  # as the CLI does (DSPARK_KEEP_FREED_MEMORY=0 measures glibc's default)
     from dspark.data.regenerate import load_regenerated  # noqa: F401  (import cost outside the timings)
     from dspark.hardware import cpu_has_fast_bf16
@@ -124,8 +146,10 @@ def main(argv: list[str]) -> int:
 
     target = load_target(args.target, cache_dir=args.cache_dir)
     fast_bf16 = cpu_has_fast_bf16()
-    batches = {False: make_batch(target, batch=args.batch, length=args.length, anchors=32),
-               True: make_batch(target, batch=args.batch, length=args.length, anchors=96)}
+    batches = {
+        False: make_batch(target, batch=args.batch, length=args.length, anchors=32),
+        True: make_batch(target, batch=args.batch, length=args.length, anchors=96),
+    }
     # a realistic draft vocabulary: the 8,192 most frequent ids of the vendored training text
     draft_ids = frequent_ids(target, size=8192)
     configs: list[Config] = []
@@ -136,8 +160,11 @@ def main(argv: list[str]) -> int:
             if args.single_levers:
                 variants.update({f"+{lever}": {lever} for lever in sorted(levers_on)})
             for name, levers in variants.items():
-                configs.append(Config(name, kind=kind, depth=depth, levers=levers, target=target, batches=batches,
-                                      draft_ids=draft_ids))
+                configs.append(
+                    Config(
+                        name, kind=kind, depth=depth, levers=levers, target=target, batches=batches, draft_ids=draft_ids
+                    )
+                )
     load_before = os.getloadavg()
     for config in configs:  # warm-up
         config.step()
@@ -165,16 +192,20 @@ def frequent_ids(target, *, size: int) -> torch.Tensor:
 
 def write_report(args, configs: list[Config], *, load) -> None:
     lines = [
-        "# Training throughput: before / after the CPU recipe (one interleaved run)", "",
-        f"Command: `{command_line('bench_training.py', sys.argv[1:], prefix='.venv/bin/python')}`", "",
+        "# Training throughput: before / after the CPU recipe (one interleaved run)",
+        "",
+        f"Command: `{command_line('bench_training.py', sys.argv[1:], prefix='.venv/bin/python')}`",
+        "",
         f"Date {datetime.datetime.now():%Y-%m-%d %H:%M}, commit {git_commit()}. Machine: {machine_line()}. "
         "Load average "
         f"(1, 5, 15 min) before {', '.join(f'{x:.2f}' for x in load[0])}, after "
-        f"{', '.join(f'{x:.2f}' for x in load[1])}.", "",
+        f"{', '.join(f'{x:.2f}' for x in load[1])}.",
+        "",
         f"Target {args.target}; batch B = {args.batch} sequences × T = {args.length} tokens; γ = 7; Markov rank 256. "
         f"Each cell: median (min) of {args.repeats} timed steps after a warm-up, configurations interleaved. "
         "before = full vocabulary, fp32, 32 anchors, dense block mask; after = 8,192-token draft vocabulary, "
-        "bf16 autocast (CPUs with bf16 instructions only), 96 anchors, structured block attention.", "",
+        "bf16 autocast (CPUs with bf16 instructions only), 96 anchors, structured block attention.",
+        "",
         "| depth | drafter | config | blocks/step | s/step median (min) | blocks/s median | speed-up vs before |",
         "|---|---|---|---|---|---|---|",
     ]
@@ -185,8 +216,10 @@ def write_report(args, configs: list[Config], *, load) -> None:
         if c.name == "before":
             before[(c.depth, c.kind)] = rate
         ratio = rate / before[(c.depth, c.kind)]
-        lines.append(f"| {c.depth} | {c.kind} | {c.name} | {c.blocks} | {med:.3f} ({min(c.times):.3f}) | "
-                     f"{rate:.1f} | {ratio:.2f}× |")
+        lines.append(
+            f"| {c.depth} | {c.kind} | {c.name} | {c.blocks} | {med:.3f} ({min(c.times):.3f}) | "
+            f"{rate:.1f} | {ratio:.2f}× |"
+        )
     write_result("\n".join(lines) + "\n", args.output)
 
 

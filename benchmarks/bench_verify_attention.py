@@ -14,6 +14,7 @@ It measures; it changes nothing in the library. Writes `--output` with the comma
 
     .venv/bin/python benchmarks/bench_verify_attention.py --cache-dir outputs/cache
 """
+
 from __future__ import annotations
 
 import argparse
@@ -24,8 +25,15 @@ from pathlib import Path
 
 import torch
 
-from common import (RESULTS, add_target_arguments, command_line, machine_line, provenance_line, start_timing,
-                    write_result)
+from common import (
+    RESULTS,
+    add_target_arguments,
+    command_line,
+    machine_line,
+    provenance_line,
+    start_timing,
+    write_result,
+)
 
 MODES = ("sdpa", "grouped")  # transformers' own attention; dspark.targets.attention.GROUPED_SDPA
 
@@ -56,10 +64,12 @@ def main(argv: list[str]) -> int:
     started, load_start = start_timing(args.threads)
     target = load_target(args.target, cache_dir=args.cache_dir)
     if target.attention != GROUPED_SDPA:
-        raise SystemExit(f"{args.target} runs {target.attention!r} attention here, not {GROUPED_SDPA}: nothing to "
-                         "compare (grouped-query heads and transformers' sdpa are both needed)")
+        raise SystemExit(
+            f"{args.target} runs {target.attention!r} attention here, not {GROUPED_SDPA}: nothing to "
+            "compare (grouped-query heads and transformers' sdpa are both needed)"
+        )
     gen = torch.Generator().manual_seed(0)
-    evict = torch.ones(args.evict_mb * 2 ** 18) if args.evict_mb else None  # float32: 4 bytes each
+    evict = torch.ones(args.evict_mb * 2**18) if args.evict_mb else None  # float32: 4 bytes each
     caches = {}
     for rows in args.rows:  # one cache per R, filled once; each step drops its own block again
         context = torch.randint(100, target.vocab_size - 100, (rows, args.context), generator=gen)
@@ -75,6 +85,7 @@ def main(argv: list[str]) -> int:
             forward = target(tokens, attention_mask=mask, cache=caches[rows], use_cache=True)
             target.logits_from_hidden(forward.final_hidden)
             target.rollback(caches[rows], keep=args.context)
+
         return run
 
     def timed_ms(fn) -> float:
@@ -101,26 +112,37 @@ def main(argv: list[str]) -> int:
         return statistics.median(results[(rows, b, mode)])
 
     padding = format_row_padding(target.row_padding) if target.row_padding else "none"
-    lines = [f"# Verify-forward attention: transformers' sdpa vs grouped-query SDPA — {args.target}", "",
-             f"Command: `{command_line('bench_verify_attention.py', argv)}` ({time.time() - started:.0f} s in all)  ",
-             f"Machine: {machine_line()}; target {str(target.dtype).replace('torch.', '')}, few-token products "
-             f"{target.few_row_layout} (row padding {padding})  ",
-             provenance_line(load_start, threads=args.threads), "",
-             f"Each cell: the median over {args.rounds} interleaved rounds of the median of {args.reps} calls (after a "
-             f"warm-up; {args.evict_mb} MB read before each call). Step = one target forward of B new tokens per row "
-             f"over a {args.context}-token KV cache per row, plus the LM head on those positions (a verify round's "
-             "target work at ℓ = B − 1; R = 1, B = 1 is a plain decoding step, where both implementations run the "
-             "same code).", "",
-             "| R rows | B tokens | transformers sdpa (ms) | grouped SDPA (ms) | grouped / sdpa | sdpa step / plain "
-             "| grouped step / plain |", "|---|---|---|---|---|---|---|"]
+    lines = [
+        f"# Verify-forward attention: transformers' sdpa vs grouped-query SDPA — {args.target}",
+        "",
+        f"Command: `{command_line('bench_verify_attention.py', argv)}` ({time.time() - started:.0f} s in all)  ",
+        f"Machine: {machine_line()}; target {str(target.dtype).replace('torch.', '')}, few-token products "
+        f"{target.few_row_layout} (row padding {padding})  ",
+        provenance_line(load_start, threads=args.threads),
+        "",
+        f"Each cell: the median over {args.rounds} interleaved rounds of the median of {args.reps} calls (after a "
+        f"warm-up; {args.evict_mb} MB read before each call). Step = one target forward of B new tokens per row "
+        f"over a {args.context}-token KV cache per row, plus the LM head on those positions (a verify round's "
+        "target work at ℓ = B − 1; R = 1, B = 1 is a plain decoding step, where both implementations run the "
+        "same code).",
+        "",
+        "| R rows | B tokens | transformers sdpa (ms) | grouped SDPA (ms) | grouped / sdpa | sdpa step / plain "
+        "| grouped step / plain |",
+        "|---|---|---|---|---|---|---|",
+    ]
     plain = {mode: cell(args.rows[0], 1, mode) if 1 in args.sizes else float("nan") for mode in MODES}
     for rows in args.rows:
         for b in args.sizes:
             hf, ours = cell(rows, b, "sdpa"), cell(rows, b, "grouped")
-            lines.append(f"| {rows} | {b} | {hf:.1f} | {ours:.1f} | {ours / hf:.2f} | {hf / plain['sdpa']:.2f} | "
-                         f"{ours / plain['grouped']:.2f} |")
-    lines += ["", "The last two columns are the step's cost in plain steps (the first R's B = 1 cell of the same "
-              "implementation): what verifying B − 1 drafts per row costs against plain decoding."]
+            lines.append(
+                f"| {rows} | {b} | {hf:.1f} | {ours:.1f} | {ours / hf:.2f} | {hf / plain['sdpa']:.2f} | "
+                f"{ours / plain['grouped']:.2f} |"
+            )
+    lines += [
+        "",
+        "The last two columns are the step's cost in plain steps (the first R's B = 1 cell of the same "
+        "implementation): what verifying B − 1 drafts per row costs against plain decoding.",
+    ]
     write_result("\n".join(lines) + "\n", args.output)
     return 0
 

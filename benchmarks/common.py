@@ -6,6 +6,7 @@ targets and SPS tables to `outputs/cache` (or $DSPARK_BENCH_CACHE). What a scrip
 root (`repo_path`, `command_line`), so no result file carries one machine's checkout path. The scripts run as
 `python benchmarks/<script>.py`, which puts this directory on sys.path: they `import common`.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -31,6 +32,7 @@ if str(REPO / "src") not in sys.path:  # a checkout run without installing the p
 
 
 # ---- paths ----
+
 
 def default_cache_dir() -> Path:
     """The target / SPS cache of the benchmarks: $DSPARK_BENCH_CACHE, else `<repo>/outputs/cache` (the CLI's)."""
@@ -70,8 +72,12 @@ def command_line(script: str, argv: list[str], *, prefix: str = "python") -> str
 def add_target_arguments(parser: argparse.ArgumentParser, *, target: str = "smollm2-135m") -> None:
     """`--target` and `--cache-dir` (converted targets and SPS tables; default `default_cache_dir()`)."""
     parser.add_argument("--target", default=target)
-    parser.add_argument("--cache-dir", type=Path, default=default_cache_dir(),
-                        help=f"targets, SPS tables (default: ${CACHE_ENV} or <repo>/outputs/cache)")
+    parser.add_argument(
+        "--cache-dir",
+        type=Path,
+        default=default_cache_dir(),
+        help=f"targets, SPS tables (default: ${CACHE_ENV} or <repo>/outputs/cache)",
+    )
 
 
 def write_result(text: str, output: Path) -> Path:
@@ -84,6 +90,7 @@ def write_result(text: str, output: Path) -> Path:
 
 
 # ---- provenance: the code, the machine, the load ----
+
 
 def start_timing(threads: int) -> tuple[float, tuple[float, float, float]]:
     """Set torch's threads and keep freed memory as the CLI does (DSPARK_KEEP_FREED_MEMORY=0 measures glibc's
@@ -99,10 +106,16 @@ def git_commit() -> str:
     """The short commit of the checkout, "(with uncommitted changes)" when tracked files differ; "unknown" without
     git. Read it at the start: the code a run imported, whatever is committed while it runs."""
     try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True,
-                                check=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO,
-                               capture_output=True, text=True, check=True).stdout.strip()
+        commit = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True, check=True
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"],
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.strip()
         return commit + (" (with uncommitted changes)" if dirty else "")
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
@@ -113,8 +126,10 @@ def load_verdict(start_load: float, threads: int) -> str:
     the end value includes this run's own `threads`."""
     cores = os.cpu_count() or 1
     if start_load + threads > cores + 0.5:
-        return (f"other jobs were running at the start (load {start_load:.1f}) beside this run's {threads} threads on "
-                f"{cores} cores: absolute times are inflated, ratios between interleaved modes less so")
+        return (
+            f"other jobs were running at the start (load {start_load:.1f}) beside this run's {threads} threads on "
+            f"{cores} cores: absolute times are inflated, ratios between interleaved modes less so"
+        )
     return f"the end value includes this run's own {threads} threads; no other load at the start"
 
 
@@ -130,12 +145,15 @@ def machine_line() -> str:
 def provenance_line(start_load: tuple[float, ...], *, threads: int, commit: str | None = None) -> str:
     """`Git commit …; <date>; 1-min load average a / b at the start / end (verdict).` for a results header."""
     end = os.getloadavg()[0]
-    return (f"Git commit {commit or git_commit()}; {time.strftime('%Y-%m-%d %H:%M %Z')}; 1-min load average "
-            f"{start_load[0]:.1f} / {end:.1f} at the start / end on {os.cpu_count()} cores "
-            f"({load_verdict(start_load[0], threads)}).")
+    return (
+        f"Git commit {commit or git_commit()}; {time.strftime('%Y-%m-%d %H:%M %Z')}; 1-min load average "
+        f"{start_load[0]:.1f} / {end:.1f} at the start / end on {os.cpu_count()} cores "
+        f"({load_verdict(start_load[0], threads)})."
+    )
 
 
 # ---- drafters ----
+
 
 @dataclass
 class Drafter:
@@ -156,23 +174,45 @@ def trained_drafters(target, specs: list[str]) -> list[Drafter]:
         if not path:
             raise SystemExit(f"--drafter expects NAME=PATH (a run directory or drafter.pt), got {item!r}")
         module, spec, payload = load_drafter(drafter_file(path), target)
-        drafters.append(Drafter(f"{name} ({spec.kind}-{spec.head}-d{spec.depth}-g{spec.block_size}, "
-                                f"Vd {getattr(module, 'draft_vocab_size', target.vocab_size)})",
-                                module.to(target.device).eval(), True, payload))
+        drafters.append(
+            Drafter(
+                f"{name} ({spec.kind}-{spec.head}-d{spec.depth}-g{spec.block_size}, "
+                f"Vd {getattr(module, 'draft_vocab_size', target.vocab_size)})",
+                module.to(target.device).eval(),
+                True,
+                payload,
+            )
+        )
     return drafters
 
 
-def untrained_drafter(target, *, kind: str = "dspark", head: str = "markov", depth: int, block_size: int,
-                      draft_vocab: int, seed: int = 0, markov_rank: int = 256) -> torch.nn.Module:
+def untrained_drafter(
+    target,
+    *,
+    kind: str = "dspark",
+    head: str = "markov",
+    depth: int,
+    block_size: int,
+    draft_vocab: int,
+    seed: int = 0,
+    markov_rank: int = 256,
+) -> torch.nn.Module:
     """A random-weight drafter (timing does not depend on the weights) over the first `draft_vocab` ids (0 or ≥ V:
     the full vocabulary), seeded, on the target's device, eval mode."""
     from dspark.drafters.factory import DrafterSpec, build_drafter
 
     vd = draft_vocab if 0 < draft_vocab < target.vocab_size else 0
-    spec = DrafterSpec(kind=kind, head=head, depth=depth, block_size=block_size,
-                       markov_rank=markov_rank if head != "none" else 0,
-                       feature_layers=tuple(target.feature_layer_ids), mask_token_id=target.mask_token_id,
-                       target_fingerprint=target.fingerprint, draft_vocab_size=vd)
+    spec = DrafterSpec(
+        kind=kind,
+        head=head,
+        depth=depth,
+        block_size=block_size,
+        markov_rank=markov_rank if head != "none" else 0,
+        feature_layers=tuple(target.feature_layer_ids),
+        mask_token_id=target.mask_token_id,
+        target_fingerprint=target.fingerprint,
+        draft_vocab_size=vd,
+    )
     torch.manual_seed(seed)
     return build_drafter(spec, target, draft_vocab_ids=torch.arange(vd) if vd else None).to(target.device).eval()
 
@@ -181,14 +221,16 @@ def untrained_drafters(target, *, depth: int, block_size: int, draft_vocab: int,
     """Random-weight stand-ins of DSpark-Markov, DFlash (both `depth` layers) and EAGLE-3; the first is DSpark's."""
     out = []
     for kind, head, layers in (("dspark", "markov", depth), ("dflash", "none", depth), ("eagle3", "none", 1)):
-        module = untrained_drafter(target, kind=kind, head=head, depth=layers, block_size=block_size,
-                                   draft_vocab=draft_vocab, seed=seed)
+        module = untrained_drafter(
+            target, kind=kind, head=head, depth=layers, block_size=block_size, draft_vocab=draft_vocab, seed=seed
+        )
         label = f"{kind}-{head}-d{layers}" if kind != "eagle3" else "eagle3"
         out.append(Drafter(f"{label} (untrained, Vd {module.draft_vocab_size})", module, False))
     return out
 
 
 # ---- a run's held-out data (the analysis scripts) ----
+
 
 def locate_run(overrides: list[str]):
     """(ctx, prepared data) of the run that `experiments/run.py OVERRIDES` names; exits with what to run when its
@@ -201,8 +243,10 @@ def locate_run(overrides: list[str]):
     ctx = StageContext(rc=rc, paths=RunPaths.from_config(rc.cfg))
     drafter_path = ctx.run_dir / "drafter.pt"
     if not drafter_path.exists():
-        raise SystemExit(f"error: no trained drafter at {repo_path(drafter_path)}: run `python experiments/run.py "
-                         f"{' '.join(overrides)}` first (these arguments name the run by its training key)")
+        raise SystemExit(
+            f"error: no trained drafter at {repo_path(drafter_path)}: run `python experiments/run.py "
+            f"{' '.join(overrides)}` first (these arguments name the run by its training key)"
+        )
     prepared = run_prepare(ctx)  # the caches exist: this only finds them (and verifies their checksums)
     return ctx, prepared
 
@@ -231,9 +275,14 @@ def heldout_steps(ctx, drafter, datamodule, *, step=None, desc: str = "held-out 
     from dspark.evaluation.heldout import teacher_forced_steps, validation_step
 
     cfg = ctx.cfg
-    return teacher_forced_steps(datamodule.val_dataloader(), drafter=drafter, target=ctx.load_target(),
-                                block_size=cfg.model.block_size,
-                                step=step or validation_step(cfg.drafter, cfg.loss), desc=desc)
+    return teacher_forced_steps(
+        datamodule.val_dataloader(),
+        drafter=drafter,
+        target=ctx.load_target(),
+        block_size=cfg.model.block_size,
+        step=step or validation_step(cfg.drafter, cfg.loss),
+        desc=desc,
+    )
 
 
 def reference_count(regen_dir: Path) -> int:

@@ -15,6 +15,7 @@ decoding lossless (the verifier reads the q it sampled from); this script only m
 The arguments are `experiments/run.py`'s overrides (they name the run by its training key); the data caches and
 the drafter must exist. Writes `outputs/benchmarks/draft-temperature-<run name>.md`.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -66,8 +67,16 @@ def scan(ctx, drafter, datamodule, temperatures: list[float]) -> dict[float, dic
     return {t: {k: float(v) for k, v in m.compute().items()} for t, m in metrics.items()}
 
 
-def render(results: dict[float, dict[str, float]], *, gamma: int, argv: list[str], run_dir: Path, seconds: float,
-           threads: int, load: float) -> str:
+def render(
+    results: dict[float, dict[str, float]],
+    *,
+    gamma: int,
+    argv: list[str],
+    run_dir: Path,
+    seconds: float,
+    threads: int,
+    load: float,
+) -> str:
     base = results.get(1.0)
     best = max(results, key=lambda t: results[t]["tau_prob"])
     header = ["T_d", *[f"c*{k}" for k in range(1, gamma + 1)], "τ_prob", "vs T_d = 1"]
@@ -76,15 +85,25 @@ def render(results: dict[float, dict[str, float]], *, gamma: int, argv: list[str
         r = results[t]
         gain = f"{r['tau_prob'] / base['tau_prob'] - 1:+.1%}" if base else "–"
         mark = " **(best)**" if t == best else ""
-        rows.append(f"| {t:g}{mark} | " + " | ".join(f"{r[f'accept/pos{k}']:.3f}" for k in range(1, gamma + 1))
-                    + f" | {r['tau_prob']:.4f} | {gain} |")
-    lines = [f"# Held-out acceptance against draft temperature — {run_dir.name}", "",
-             f"Command: `{command_line('draft_temperature.py', argv)}` ({seconds:.0f} s)  ",
-             f"Date {datetime.datetime.now():%Y-%m-%d %H:%M}, commit {git_commit()}; {os.cpu_count()} CPUs, "
-             f"{threads} thread(s); load average at start {load:.1f}.  ",
-             f"Drafter: `{repo_path(run_dir)}/drafter.pt`, its validation blocks; p_d = softmax(logits / T_d), "
-             "c*k = Σ_{v ∈ Vd} min(p_d, p_t) per slot, τ_prob = 1 + Σ_k mean Π_{j≤k} c*_j.", "",
-             "| " + " | ".join(header) + " |", "|" + "---|" * len(header), *rows, ""]
+        rows.append(
+            f"| {t:g}{mark} | "
+            + " | ".join(f"{r[f'accept/pos{k}']:.3f}" for k in range(1, gamma + 1))
+            + f" | {r['tau_prob']:.4f} | {gain} |"
+        )
+    lines = [
+        f"# Held-out acceptance against draft temperature — {run_dir.name}",
+        "",
+        f"Command: `{command_line('draft_temperature.py', argv)}` ({seconds:.0f} s)  ",
+        f"Date {datetime.datetime.now():%Y-%m-%d %H:%M}, commit {git_commit()}; {os.cpu_count()} CPUs, "
+        f"{threads} thread(s); load average at start {load:.1f}.  ",
+        f"Drafter: `{repo_path(run_dir)}/drafter.pt`, its validation blocks; p_d = softmax(logits / T_d), "
+        "c*k = Σ_{v ∈ Vd} min(p_d, p_t) per slot, τ_prob = 1 + Σ_k mean Π_{j≤k} c*_j.",
+        "",
+        "| " + " | ".join(header) + " |",
+        "|" + "---|" * len(header),
+        *rows,
+        "",
+    ]
     return "\n".join(lines)
 
 
@@ -94,8 +113,15 @@ def main(argv: list[str]) -> int:
     started, load = time.time(), os.getloadavg()[0]
     ctx, _, datamodule, drafter, _ = load_run(overrides)
     results = scan(ctx, drafter, datamodule, sorted(set(args.temperatures)))
-    text = render(results, gamma=ctx.cfg.model.block_size, argv=argv, run_dir=ctx.run_dir,
-                  seconds=time.time() - started, threads=args.threads, load=load)
+    text = render(
+        results,
+        gamma=ctx.cfg.model.block_size,
+        argv=argv,
+        run_dir=ctx.run_dir,
+        seconds=time.time() - started,
+        threads=args.threads,
+        load=load,
+    )
     write_result(text, args.output or RESULTS / f"draft-temperature-{ctx.run_dir.name}.md")
     return 0
 

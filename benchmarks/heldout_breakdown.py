@@ -20,6 +20,7 @@ quantity the run logs as `val/tau_prob`, here over the group's blocks).
 The arguments are `experiments/run.py`'s overrides: they name the run (its training key) and its data; the data
 caches and the drafter must exist (run the experiment first); nothing is trained or written besides the report.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -34,26 +35,31 @@ import torch
 
 from common import RESULTS, command_line, git_commit, heldout_steps, load_run, reference_count, repo_path, write_result
 
-POSITION_BUCKETS = ((0, 16), (16, 64), (64, 128), (128, 256), (256, 10 ** 9))
+POSITION_BUCKETS = ((0, 16), (16, 64), (64, 128), (128, 256), (256, 10**9))
 
 
 def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--output", type=Path, default=None,
-                        help="markdown file (default outputs/benchmarks/heldout-<run name>.md)")
+    parser.add_argument(
+        "--output", type=Path, default=None, help="markdown file (default outputs/benchmarks/heldout-<run name>.md)"
+    )
     return parser.parse_known_args(argv)
 
 
 def bucket_label(offset: int) -> str:
     for low, high in POSITION_BUCKETS:
         if low <= offset < high:
-            return f"{low}–{high - 1}" if high < 10 ** 9 else f"≥ {low}"
+            return f"{low}–{high - 1}" if high < 10**9 else f"≥ {low}"
     raise ValueError(f"negative response offset {offset}")
 
 
-GROUPINGS = {"By source": (0,), "By source and domain": (0, 1), "By source and position": (0, 2),
-             "Regenerated text by domain and position": (0, 1, 2)}
+GROUPINGS = {
+    "By source": (0,),
+    "By source and domain": (0, 1),
+    "By source and position": (0, 2),
+    "Regenerated text by domain and position": (0, 1, 2),
+}
 
 
 class Groups:
@@ -65,8 +71,9 @@ class Groups:
         self.metrics: dict[tuple[tuple[int, ...], tuple[str, ...]], object] = {}
         self.coverage: dict[tuple[tuple[int, ...], tuple[str, ...]], list[float]] = defaultdict(lambda: [0.0, 0.0])
 
-    def add(self, keys: list[tuple[str, str, str]], c_star: torch.Tensor, valid: torch.Tensor,
-            coverage: torch.Tensor) -> None:
+    def add(
+        self, keys: list[tuple[str, str, str]], c_star: torch.Tensor, valid: torch.Tensor, coverage: torch.Tensor
+    ) -> None:
         """keys: one (source, domain, position) per block; c_star, valid [M, γ]; coverage [M] (slot 1)."""
         from dspark.metrics.acceptance import TeacherForcedAcceptance
 
@@ -88,8 +95,15 @@ class Groups:
         for name in names:
             values = self.metrics[name].compute()
             total, count = self.coverage[name]
-            out.append((" / ".join(name[1]) or "all", int(count), total / count,
-                        [float(values[f"accept/pos{k}"]) for k in range(1, self.g + 1)], float(values["tau_prob"])))
+            out.append(
+                (
+                    " / ".join(name[1]) or "all",
+                    int(count),
+                    total / count,
+                    [float(values[f"accept/pos{k}"]) for k in range(1, self.g + 1)],
+                    float(values["tau_prob"]),
+                )
+            )
         return out
 
 
@@ -113,8 +127,12 @@ def collect(ctx, drafter, datamodule, n_reference: int, domains: list[str]) -> G
                 keys.append((source, domains[index], bucket_label(max(offset, 0))))
                 rows.append((b, n))
         b_index, n_index = (torch.tensor(x) for x in zip(*rows))
-        groups.add(keys, result.c_star[b_index, n_index].float(), result.label_valid[b_index, n_index],
-                   coverage[b_index, n_index, 0].float())
+        groups.add(
+            keys,
+            result.c_star[b_index, n_index].float(),
+            result.label_valid[b_index, n_index],
+            coverage[b_index, n_index, 0].float(),
+        )
     return groups
 
 
@@ -123,28 +141,43 @@ def cell(value: float) -> str:
     return "–" if value != value else f"{value:.3f}"
 
 
-def render(groups: Groups, *, argv: list[str], run_dir: Path, seconds: float, threads: int, load: float,
-           logged: dict[str, float]) -> str:
+def render(
+    groups: Groups,
+    *,
+    argv: list[str],
+    run_dir: Path,
+    seconds: float,
+    threads: int,
+    load: float,
+    logged: dict[str, float],
+) -> str:
     g = groups.g
     header = ["group", "blocks", "coverage", *[f"c*{k}" for k in range(1, g + 1)], "τ_prob"]
     sep = "|" + "---|" * len(header)
 
     def rows(by: tuple[int, ...]) -> list[str]:
-        return [f"| {label} | {n} | {cov:.3f} | " + " | ".join(cell(c) for c in cs) + f" | {tau:.3f} |"
-                for label, n, cov, cs, tau in groups.table(by)]
+        return [
+            f"| {label} | {n} | {cov:.3f} | " + " | ".join(cell(c) for c in cs) + f" | {tau:.3f} |"
+            for label, n, cov, cs, tau in groups.table(by)
+        ]
 
     overall = groups.table(())[0]
-    lines = [f"# Held-out teacher-forced acceptance by source, domain and position — {run_dir.name}", "",
-             f"Command: `{command_line('heldout_breakdown.py', argv)}` ({seconds:.0f} s)  ",
-             f"Date {datetime.datetime.now():%Y-%m-%d %H:%M}, commit {git_commit()}; {os.cpu_count()} CPUs, "
-             f"{threads} thread(s); load average at start {load:.1f}.  ",
-             f"Drafter: `{repo_path(run_dir)}/drafter.pt`; the run's logged `val/accept/pos1` "
-             f"{logged.get('val/accept/pos1', float('nan')):.3f} and `val/tau_prob` "
-             f"{logged.get('val/tau_prob', float('nan')):.3f}; recomputed here over the same blocks: "
-             f"{overall[3][0]:.3f} and {overall[4]:.3f}.", "",
-             "c*k: mean teacher-forced acceptance of slot k (1 − ½‖p_d − p_t‖₁); coverage: p_t's mass inside the draft "
-             "vocabulary at slot 1; τ_prob: 1 + Σ_k mean Π_{j≤k} c*_j. Position: the anchor's offset from the "
-             "response's first token (a 64-token rollout sees 0–63).", ""]
+    lines = [
+        f"# Held-out teacher-forced acceptance by source, domain and position — {run_dir.name}",
+        "",
+        f"Command: `{command_line('heldout_breakdown.py', argv)}` ({seconds:.0f} s)  ",
+        f"Date {datetime.datetime.now():%Y-%m-%d %H:%M}, commit {git_commit()}; {os.cpu_count()} CPUs, "
+        f"{threads} thread(s); load average at start {load:.1f}.  ",
+        f"Drafter: `{repo_path(run_dir)}/drafter.pt`; the run's logged `val/accept/pos1` "
+        f"{logged.get('val/accept/pos1', float('nan')):.3f} and `val/tau_prob` "
+        f"{logged.get('val/tau_prob', float('nan')):.3f}; recomputed here over the same blocks: "
+        f"{overall[3][0]:.3f} and {overall[4]:.3f}.",
+        "",
+        "c*k: mean teacher-forced acceptance of slot k (1 − ½‖p_d − p_t‖₁); coverage: p_t's mass inside the draft "
+        "vocabulary at slot 1; τ_prob: 1 + Σ_k mean Π_{j≤k} c*_j. Position: the anchor's offset from the "
+        "response's first token (a 64-token rollout sees 0–63).",
+        "",
+    ]
     for title, by in GROUPINGS.items():
         body = rows(by)
         if by == (0, 1, 2):
@@ -164,10 +197,20 @@ def main(argv: list[str]) -> int:
     drafter_path = ctx.run_dir / "drafter.pt"
     domains = load_regenerated(prepared.regen_dir)["domain"]
     groups = collect(ctx, drafter, datamodule, reference_count(prepared.regen_dir), list(domains))
-    logged = {k: float(v) for k, v in (payload.get("metrics") or read_checkpoint(drafter_path).get("metrics")
-                                        or {}).items() if k.startswith("val/")}
-    text = render(groups, argv=argv, run_dir=ctx.run_dir, seconds=time.time() - started, threads=args.threads,
-                  load=load, logged=logged)
+    logged = {
+        k: float(v)
+        for k, v in (payload.get("metrics") or read_checkpoint(drafter_path).get("metrics") or {}).items()
+        if k.startswith("val/")
+    }
+    text = render(
+        groups,
+        argv=argv,
+        run_dir=ctx.run_dir,
+        seconds=time.time() - started,
+        threads=args.threads,
+        load=load,
+        logged=logged,
+    )
     write_result(text, args.output or RESULTS / f"heldout-{ctx.run_dir.name}.md")
     return 0
 

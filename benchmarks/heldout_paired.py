@@ -26,6 +26,7 @@ own. The drafters and data caches must exist (run the sweep first). Per-sequence
 drafter (`<run dir>/heldout-sequences.pt`, tensors only, keyed by the drafter file's size and mtime), so a rerun
 that adds an axis value evaluates only the new cells.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -38,16 +39,25 @@ from pathlib import Path
 
 import torch
 
-from common import (RESULTS, command_line, git_commit, heldout_steps, load_validation, locate_run, reference_count,
-                    write_result)
+from common import (
+    RESULTS,
+    command_line,
+    git_commit,
+    heldout_steps,
+    load_validation,
+    locate_run,
+    reference_count,
+    write_result,
+)
 
 CACHE_NAME = "heldout-sequences.pt"
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--axis", default=None,
-                        help="KEY=V1,V2,…: one pair of cells per value (omit for a single pair)")
+    parser.add_argument(
+        "--axis", default=None, help="KEY=V1,V2,…: one pair of cells per value (omit for a single pair)"
+    )
     parser.add_argument("--a", nargs="*", default=[], help="overrides of side A (the variant)")
     parser.add_argument("--b", nargs="*", default=[], help="overrides of side B (the baseline)")
     parser.add_argument("--resamples", type=int, default=2000)
@@ -59,8 +69,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     if args.resamples < 100:
         parser.error(f"--resamples must be at least 100 for a 95% interval (got {args.resamples})")
     if not args.a and not args.b:
-        parser.error("give --a and/or --b: the two sides' own overrides "
-                     "(e.g. --a model.head=markov --b drafter=dflash)")
+        parser.error(
+            "give --a and/or --b: the two sides' own overrides (e.g. --a model.head=markov --b drafter=dflash)"
+        )
     return args
 
 
@@ -79,9 +90,9 @@ def axis_values(axis: str | None) -> tuple[str | None, list[str]]:
 class SequenceSums:
     """Per held-out sequence (indexed by the dataset's sequence index): Σ τ_block and #blocks."""
 
-    index: torch.Tensor   # [S] long
+    index: torch.Tensor  # [S] long
     tau_sum: torch.Tensor  # [S] float64
-    blocks: torch.Tensor   # [S] float64
+    blocks: torch.Tensor  # [S] float64
 
     def as_dict(self) -> dict[str, torch.Tensor]:
         return {"index": self.index, "tau_sum": self.tau_sum, "blocks": self.blocks}
@@ -107,8 +118,11 @@ def sequence_sums(ctx, drafter, datamodule) -> SequenceSums:
             entry[0] += float(tau[b][counted[b]].sum())
             entry[1] += float(counted[b].sum())
     index = sorted(sums)
-    return SequenceSums(torch.tensor(index), torch.tensor([sums[i][0] for i in index], dtype=torch.float64),
-                        torch.tensor([sums[i][1] for i in index], dtype=torch.float64))
+    return SequenceSums(
+        torch.tensor(index),
+        torch.tensor([sums[i][0] for i in index], dtype=torch.float64),
+        torch.tensor([sums[i][1] for i in index], dtype=torch.float64),
+    )
 
 
 def cell_sums(overrides: list[str]) -> tuple[SequenceSums, dict, Path, list[str], int]:
@@ -153,8 +167,9 @@ def aligned(cells: list[SequenceSums]) -> tuple[torch.Tensor, torch.Tensor, torc
     return torch.tensor(index), tau, blocks
 
 
-def bootstrap_tau(tau: torch.Tensor, blocks: torch.Tensor, columns: torch.Tensor, *, resamples: int,
-                  seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+def bootstrap_tau(
+    tau: torch.Tensor, blocks: torch.Tensor, columns: torch.Tensor, *, resamples: int, seed: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """τ_prob per cell on the scope's sequences `columns` [S'] (point [C]) and on `resamples` joint resamples of
     them ([R, C]: every cell sees the same resampled sequences)."""
     t, n = tau[:, columns], blocks[:, columns]
@@ -187,51 +202,80 @@ def scope_columns(index: torch.Tensor, domains: list[str], n_reference: int) -> 
     return scopes
 
 
-def render(args: argparse.Namespace, key: str | None, values: list[str], runs: list[tuple[Path, Path]],
-           logged: list[tuple[dict, dict]], index: torch.Tensor, tau: torch.Tensor, blocks: torch.Tensor,
-           scopes: dict[str, torch.Tensor], *, seconds: float, load: float, argv: list[str]) -> str:
+def render(
+    args: argparse.Namespace,
+    key: str | None,
+    values: list[str],
+    runs: list[tuple[Path, Path]],
+    logged: list[tuple[dict, dict]],
+    index: torch.Tensor,
+    tau: torch.Tensor,
+    blocks: torch.Tensor,
+    scopes: dict[str, torch.Tensor],
+    *,
+    seconds: float,
+    load: float,
+    argv: list[str],
+) -> str:
     from dspark.reports.claims import read_interval
 
     label = (lambda v: f"{key}={v}") if key else (lambda v: "pair")
-    lines = ["# Held-out τ_prob, paired: " + " ".join(args.a) + " vs " + " ".join(args.b)
-             + (f" along {key}" if key else ""), "",
-             f"Command: `{command_line('heldout_paired.py', argv)}` ({seconds:.0f} s)  ",
-             f"Date {datetime.datetime.now():%Y-%m-%d %H:%M}, commit {git_commit()}; {os.cpu_count()} CPUs, "
-             f"{args.threads} thread(s); load average at start {load:.1f}.  ",
-             f"{index.numel()} held-out sequences, {int(blocks[0].sum())} blocks in the first cell; "
-             f"{args.resamples} joint bootstrap resamples of sequences (seed {args.seed}), percentile 95% CIs.", "",
-             "| cell | A run | B run | A τ_prob (logged) | B τ_prob (logged) |", "|---|---|---|---|---|"]
+    lines = [
+        "# Held-out τ_prob, paired: " + " ".join(args.a) + " vs " + " ".join(args.b) + (f" along {key}" if key else ""),
+        "",
+        f"Command: `{command_line('heldout_paired.py', argv)}` ({seconds:.0f} s)  ",
+        f"Date {datetime.datetime.now():%Y-%m-%d %H:%M}, commit {git_commit()}; {os.cpu_count()} CPUs, "
+        f"{args.threads} thread(s); load average at start {load:.1f}.  ",
+        f"{index.numel()} held-out sequences, {int(blocks[0].sum())} blocks in the first cell; "
+        f"{args.resamples} joint bootstrap resamples of sequences (seed {args.seed}), percentile 95% CIs.",
+        "",
+        "| cell | A run | B run | A τ_prob (logged) | B τ_prob (logged) |",
+        "|---|---|---|---|---|",
+    ]
     nan = float("nan")
     for i, (v, (a_dir, b_dir), (a_log, b_log)) in enumerate(zip(values, runs, logged)):
         a_tau = float(tau[2 * i].sum() / blocks[2 * i].sum())
         b_tau = float(tau[2 * i + 1].sum() / blocks[2 * i + 1].sum())
-        lines.append(f"| {label(v)} | `{a_dir.name}` | `{b_dir.name}` | "
-                     f"{a_tau:.3f} ({a_log.get('val/tau_prob', nan):.3f}) | "
-                     f"{b_tau:.3f} ({b_log.get('val/tau_prob', nan):.3f}) |")
-    lines += ["", "Recomputed τ_prob equals the run's logged `val/tau_prob` when the held-out blocks are the run's "
-              "own. "
-              "The intervals resample held-out sequences (every cell the same draw); they do not contain the spread "
-              "between training seeds, which one drafter per cell cannot show.", ""]
+        lines.append(
+            f"| {label(v)} | `{a_dir.name}` | `{b_dir.name}` | "
+            f"{a_tau:.3f} ({a_log.get('val/tau_prob', nan):.3f}) | "
+            f"{b_tau:.3f} ({b_log.get('val/tau_prob', nan):.3f}) |"
+        )
+    lines += [
+        "",
+        "Recomputed τ_prob equals the run's logged `val/tau_prob` when the held-out blocks are the run's "
+        "own. "
+        "The intervals resample held-out sequences (every cell the same draw); they do not contain the spread "
+        "between training seeds, which one drafter per cell cannot show.",
+        "",
+    ]
     for scope, columns in scopes.items():
         point, draws = bootstrap_tau(tau, blocks, columns, resamples=args.resamples, seed=args.seed)
         gains = point[0::2] / point[1::2] - 1
         gain_draws = draws[:, 0::2] / draws[:, 1::2] - 1
-        lines += [f"## {scope} ({columns.numel()} sequences)", "",
-                  "| cell | A τ_prob | B τ_prob | gain A/B − 1 [95% CI] | verdict |"
-                  + (f" change of the gain from {label(values[0])} [95% CI] | verdict |" if len(values) > 1 else ""),
-                  "|---|---|---|---|---|" + ("---|---|" if len(values) > 1 else "")]
+        lines += [
+            f"## {scope} ({columns.numel()} sequences)",
+            "",
+            "| cell | A τ_prob | B τ_prob | gain A/B − 1 [95% CI] | verdict |"
+            + (f" change of the gain from {label(values[0])} [95% CI] | verdict |" if len(values) > 1 else ""),
+            "|---|---|---|---|---|" + ("---|---|" if len(values) > 1 else ""),
+        ]
         for i, v in enumerate(values):
             low, high = interval(gain_draws[:, i])
-            row = (f"| {label(v)} | {point[2 * i]:.3f} | {point[2 * i + 1]:.3f} | {percent(float(gains[i]), low, high)}"
-                   f" | {read_interval(low, high)} |")
+            row = (
+                f"| {label(v)} | {point[2 * i]:.3f} | {point[2 * i + 1]:.3f} | {percent(float(gains[i]), low, high)}"
+                f" | {read_interval(low, high)} |"
+            )
             if len(values) > 1:
                 if i == 0:
                     row += " – | – |"
                 else:
                     change = gain_draws[:, i] - gain_draws[:, 0]
                     c_low, c_high = interval(change)
-                    row += (f" {percent(float(gains[i] - gains[0]), c_low, c_high)} | "
-                            f"{read_interval(c_low, c_high, up='grows', down='shrinks')} |")
+                    row += (
+                        f" {percent(float(gains[i] - gains[0]), c_low, c_high)} | "
+                        f"{read_interval(c_low, c_high, up='grows', down='shrinks')} |"
+                    )
             lines.append(row)
         lines.append("")
     return "\n".join(lines)
@@ -250,8 +294,10 @@ def main(argv: list[str]) -> int:
         for side in (args.a, args.b):
             cell, log, run_dir, cell_domains, cell_reference = cell_sums([*args.overrides, *axis, *side])
             if domains is not None and (cell_domains != domains or cell_reference != n_reference):
-                raise SystemExit(f"error: {run_dir.name} was trained on other data than the first cell; paired "
-                                 "comparisons need one data cache (keep data.* and seed-independent keys shared)")
+                raise SystemExit(
+                    f"error: {run_dir.name} was trained on other data than the first cell; paired "
+                    "comparisons need one data cache (keep data.* and seed-independent keys shared)"
+                )
             domains, n_reference = cell_domains, cell_reference
             sums.append(cell)
             pair.append((run_dir, log))
@@ -259,8 +305,9 @@ def main(argv: list[str]) -> int:
         logged.append((pair[0][1], pair[1][1]))
     index, tau, blocks = aligned(sums)
     scopes = scope_columns(index, domains, n_reference)
-    text = render(args, key, values, runs, logged, index, tau, blocks, scopes,
-                  seconds=time.time() - started, load=load, argv=argv)
+    text = render(
+        args, key, values, runs, logged, index, tau, blocks, scopes, seconds=time.time() - started, load=load, argv=argv
+    )
     name = f"heldout-paired-{runs[0][0].name.rsplit('-', 2)[0]}-vs-{runs[0][1].name.rsplit('-', 2)[0]}"
     write_result(text, args.output or RESULTS / f"{name}{'-' + key.split('.')[-1] if key else ''}.md")
     return 0

@@ -9,6 +9,7 @@ rate: compute-bound when that rate matches the large products of the training st
 
     .venv/bin/python benchmarks/profile_prefill.py --regen-dir outputs/cache/regen/<key> --start 700
 """
+
 from __future__ import annotations
 
 import argparse
@@ -23,8 +24,12 @@ from common import add_target_arguments
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--regen-dir", type=Path, required=True,
-                        help="a finished dataset directory (outputs/cache/regen/<key>, one with a COMPLETE marker)")
+    parser.add_argument(
+        "--regen-dir",
+        type=Path,
+        required=True,
+        help="a finished dataset directory (outputs/cache/regen/<key>, one with a COMPLETE marker)",
+    )
     add_target_arguments(parser)
     parser.add_argument("--start", type=int, default=0, help="first sequence of the dataset to prefill")
     parser.add_argument("--sequences", type=int, default=128)
@@ -56,8 +61,15 @@ def main(argv: list[str]) -> int:
     tokens = sum(len(r) for r in rows)
 
     def prefill(part: slice) -> None:
-        features._shard_tensors(target, rows[part], first_index=0, batch_size=args.batch_size,
-                                token_budget=args.token_budget, precision=precision, loss_masks=masks[part])
+        features._shard_tensors(
+            target,
+            rows[part],
+            first_index=0,
+            batch_size=args.batch_size,
+            token_budget=args.token_budget,
+            precision=precision,
+            loss_masks=masks[part],
+        )
 
     with autocast_linear_weights(target.model, torch.bfloat16 if precision == "bf16" else None):
         prefill(slice(0, 16))  # warm-up
@@ -69,16 +81,23 @@ def main(argv: list[str]) -> int:
     averages = prof.key_averages()
     mm_seconds = sum(e.self_cpu_time_total for e in averages if e.key == "aten::mm") / 1e6
     total_seconds = sum(e.self_cpu_time_total for e in averages) / 1e6
-    body = sum(p.numel() for name, p in target.model.named_parameters()
-               if p.dim() == 2 and "embed" not in name and "lm_head" not in name)  # the transformer's matrices
+    body = sum(
+        p.numel()
+        for name, p in target.model.named_parameters()
+        if p.dim() == 2 and "embed" not in name and "lm_head" not in name
+    )  # the transformer's matrices
     head = target.lm_head.weight.numel()
     flop = 2 * tokens * (body + head)
-    print(f"{tokens} tokens of {len(rows)} sequences (mean length {tokens / len(rows):.0f}), precision {precision}, "
-          f"batch {args.batch_size}, token budget {args.token_budget}: {seconds:.2f} s = {tokens / seconds:.0f} tok/s")
-    print(f"under the profiler: aten::mm {mm_seconds:.2f} s of {total_seconds:.2f} s "
-          f"({mm_seconds / total_seconds:.0%}); "
-          f"matrix products at {flop / mm_seconds / 1e9:.0f} GFLOP/s ({(body + head) * 2 / 1e6:.0f} MFLOP per token: "
-          f"target body {2 * body / 1e6:.0f}, lm head for log Z {2 * head / 1e6:.0f})")
+    print(
+        f"{tokens} tokens of {len(rows)} sequences (mean length {tokens / len(rows):.0f}), precision {precision}, "
+        f"batch {args.batch_size}, token budget {args.token_budget}: {seconds:.2f} s = {tokens / seconds:.0f} tok/s"
+    )
+    print(
+        f"under the profiler: aten::mm {mm_seconds:.2f} s of {total_seconds:.2f} s "
+        f"({mm_seconds / total_seconds:.0%}); "
+        f"matrix products at {flop / mm_seconds / 1e9:.0f} GFLOP/s ({(body + head) * 2 / 1e6:.0f} MFLOP per token: "
+        f"target body {2 * body / 1e6:.0f}, lm head for log Z {2 * head / 1e6:.0f})"
+    )
     print(averages.table(sort_by="self_cpu_time_total", row_limit=12, max_name_column_width=44))
     return 0
 

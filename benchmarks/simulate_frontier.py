@@ -18,6 +18,7 @@ target against MTP-1 (issue 11: 1.3×), no policy reaches that target with this 
     .venv/bin/python benchmarks/simulate_frontier.py --run-dir ... --sps-table gpu.json   # another machine's SPS(B)
     .venv/bin/python benchmarks/simulate_frontier.py --run-dir ... --cells 20261207-04 --concurrency 1 2 4 8 16 32 64
 """
+
 from __future__ import annotations
 
 import argparse
@@ -40,14 +41,25 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--block-size", type=int, default=7)
     parser.add_argument("--max-new-tokens", type=int, default=32)
     parser.add_argument("--sps-table", type=Path, default=None, help="use this SPS(B) JSON for every R instead")
-    parser.add_argument("--cells", default="",
-                        help="fit step costs to the real cells whose folder under <run dir>/serve starts with this "
-                             "(e.g. 20261207-04: one sweep's cells); default every cell")
-    parser.add_argument("--threads", type=int, default=None,
-                        help="torch threads (default: torch's, i.e. OMP_NUM_THREADS): give the serving run's count — "
-                             "the target's few-row choices and so its SPS tables are kept per thread count")
-    parser.add_argument("--scheduler-cost", default="columns", choices=("columns", "tokens"),
-                        help="serve.scheduler_cost of the replayed scheduler (columns: what the padded engine pays)")
+    parser.add_argument(
+        "--cells",
+        default="",
+        help="fit step costs to the real cells whose folder under <run dir>/serve starts with this "
+        "(e.g. 20261207-04: one sweep's cells); default every cell",
+    )
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="torch threads (default: torch's, i.e. OMP_NUM_THREADS): give the serving run's count — "
+        "the target's few-row choices and so its SPS tables are kept per thread count",
+    )
+    parser.add_argument(
+        "--scheduler-cost",
+        default="columns",
+        choices=("columns", "tokens"),
+        help="serve.scheduler_cost of the replayed scheduler (columns: what the padded engine pays)",
+    )
     parser.add_argument("--output", type=Path, default=RESULTS / "serving-simulated.md")
     return parser.parse_args(argv)
 
@@ -78,8 +90,9 @@ def tables(args: argparse.Namespace) -> dict:
     out = {}
     for rows in args.concurrency:
         print(f"profiling SPS(B) for {rows} rows up to {rows * (args.block_size + 1)} tokens", flush=True)
-        out[rows], _ = load_or_profile_serving_sps(target, cache_dir=args.cache_dir, num_rows=rows,
-                                                   max_batch_tokens=rows * (args.block_size + 1))
+        out[rows], _ = load_or_profile_serving_sps(
+            target, cache_dir=args.cache_dir, num_rows=rows, max_batch_tokens=rows * (args.block_size + 1)
+        )
     return out
 
 
@@ -89,36 +102,70 @@ def markdown(summaries: list, sps: dict, args: argparse.Namespace, argv: list[st
     from dspark.serving.load import speedup_at_matched_throughput
 
     load = os.getloadavg()
-    lines = ["# Simulated serving frontier (trace replay)", "",
-             f"Command: `{command_line('simulate_frontier.py', argv, prefix='.venv/bin/python')}`", "",
-             f"Date: {started}; load average after {load[0]:.2f}. SPS(B) "
-             + ("from " + repo_path(args.sps_table) if args.sps_table else "profiled on this machine for each R "
-                f"(rows × 256 cached tokens, up to R·(γ+1) tokens, {torch.get_num_threads()} threads)")
-             + f"; trace and step costs from `{repo_path(args.run_dir)}`; {args.max_new_tokens} tokens per simulated "
-             "request. All numbers are simulated.", "",
-             f"![frontier]({plot.name})", "",
-             "| policy | R | throughput (tok/s) | per-user speed (tok/s/user) | mean ℓ | τ |", "|---|---|---|---|---|---|"]
+    lines = [
+        "# Simulated serving frontier (trace replay)",
+        "",
+        f"Command: `{command_line('simulate_frontier.py', argv, prefix='.venv/bin/python')}`",
+        "",
+        f"Date: {started}; load average after {load[0]:.2f}. SPS(B) "
+        + (
+            "from " + repo_path(args.sps_table)
+            if args.sps_table
+            else "profiled on this machine for each R "
+            f"(rows × 256 cached tokens, up to R·(γ+1) tokens, {torch.get_num_threads()} threads)"
+        )
+        + f"; trace and step costs from `{repo_path(args.run_dir)}`; {args.max_new_tokens} tokens per simulated "
+        "request. All numbers are simulated.",
+        "",
+        f"![frontier]({plot.name})",
+        "",
+        "| policy | R | throughput (tok/s) | per-user speed (tok/s/user) | mean ℓ | τ |",
+        "|---|---|---|---|---|---|",
+    ]
     order = (*POLICIES, HINDSIGHT)
     for s in sorted(summaries, key=lambda s: (order.index(s.policy), s.concurrency)):
-        lines.append(f"| {s.policy} | {s.concurrency} | {s.throughput:.2f} | {s.user_speed:.3f} | {s.budget:.2f} | "
-                     f"{s.tau:.3f} |")
+        lines.append(
+            f"| {s.policy} | {s.concurrency} | {s.throughput:.2f} | {s.user_speed:.3f} | {s.budget:.2f} | {s.tau:.3f} |"
+        )
     mtp1 = {s.concurrency: s.throughput for s in summaries if s.policy == "mtp1"}
-    lines += ["", "Throughput over MTP-1's at the same R: " + "; ".join(
-        f"R={r}: scheduler {by['scheduler'] / mtp1[r]:.3f}×, hindsight {by[HINDSIGHT] / mtp1[r]:.3f}×"
-        for r, by in sorted(_by_level(summaries).items()) if r in mtp1)]
-    lines += ["", "SPS(B) per R (ms per verify forward at the smallest and largest profiled B): "
-              + "; ".join(f"R={r}: {1000 / t.steps_per_second[0]:.0f} ms at B={t.batch_tokens[0]}, "
-                          f"{1000 / t.steps_per_second[-1]:.0f} ms at B={t.batch_tokens[-1]}" for r, t in sps.items())]
+    lines += [
+        "",
+        "Throughput over MTP-1's at the same R: "
+        + "; ".join(
+            f"R={r}: scheduler {by['scheduler'] / mtp1[r]:.3f}×, hindsight {by[HINDSIGHT] / mtp1[r]:.3f}×"
+            for r, by in sorted(_by_level(summaries).items())
+            if r in mtp1
+        ),
+    ]
+    lines += [
+        "",
+        "SPS(B) per R (ms per verify forward at the smallest and largest profiled B): "
+        + "; ".join(
+            f"R={r}: {1000 / t.steps_per_second[0]:.0f} ms at B={t.batch_tokens[0]}, "
+            f"{1000 / t.steps_per_second[-1]:.0f} ms at B={t.batch_tokens[-1]}"
+            for r, t in sps.items()
+        ),
+    ]
     for policy in ("scheduler", "async", HINDSIGHT):
         result = speedup_at_matched_throughput(summaries, policy, "mtp1", simulated=True)
         lines.append("")
-        points = ", ".join(f"{p.ratio:.2f}× at {p.throughput:.1f} tok/s (mtp1 R={p.concurrency})"
-                           for p in result.points)
-        lines.append(f"{policy} vs mtp1: " + (result.reason if result.reason else
-                     f"per-user speed at matched throughput {result.median:.2f}× median (min {result.min:.2f}×, "
-                     f"max {result.max:.2f}×): {points}"))
-    lines += ["", f"{HINDSIGHT} is not causal (it knows each round's accepted count): its ratio is the most any "
-              "verify-length policy could reach here with this drafter and these costs."]
+        points = ", ".join(
+            f"{p.ratio:.2f}× at {p.throughput:.1f} tok/s (mtp1 R={p.concurrency})" for p in result.points
+        )
+        lines.append(
+            f"{policy} vs mtp1: "
+            + (
+                result.reason
+                if result.reason
+                else f"per-user speed at matched throughput {result.median:.2f}× median (min {result.min:.2f}×, "
+                f"max {result.max:.2f}×): {points}"
+            )
+        )
+    lines += [
+        "",
+        f"{HINDSIGHT} is not causal (it knows each round's accepted count): its ratio is the most any "
+        "verify-length policy could reach here with this drafter and these costs.",
+    ]
     return "\n".join(lines) + "\n"
 
 
@@ -143,11 +190,22 @@ def main(argv: list[str]) -> int:
     costs = fit_step_costs(real_steps + trace_steps)  # as stage=serve fits them: the cells and the trace
     sps = tables(args)
     trace = trace_from_steps(trace_steps)
-    summaries = simulate_frontier(trace, policies=POLICIES, concurrency_levels=args.concurrency, sps=sps, costs=costs,
-                                  max_new_tokens=args.max_new_tokens, pad_to_longest=True,
-                                  scheduler_cost=args.scheduler_cost)
-    summaries += [simulate_hindsight(trace, concurrency=rows, sps=sps[rows], costs=costs,
-                                     max_new_tokens=args.max_new_tokens).summary() for rows in args.concurrency]
+    summaries = simulate_frontier(
+        trace,
+        policies=POLICIES,
+        concurrency_levels=args.concurrency,
+        sps=sps,
+        costs=costs,
+        max_new_tokens=args.max_new_tokens,
+        pad_to_longest=True,
+        scheduler_cost=args.scheduler_cost,
+    )
+    summaries += [
+        simulate_hindsight(
+            trace, concurrency=rows, sps=sps[rows], costs=costs, max_new_tokens=args.max_new_tokens
+        ).summary()
+        for rows in args.concurrency
+    ]
     plot = plot_frontier(summaries, args.output.with_suffix(".png"), title="Simulated frontier (trace replay)")
     write_result(markdown(summaries, sps, args, argv, started, plot), args.output)
     return 0

@@ -15,6 +15,7 @@ decoding bug.
 
     .venv/bin/python benchmarks/tf_vs_rollout.py --drafter outputs/runs/<run dir> --prompts 4
 """
+
 from __future__ import annotations
 
 import argparse
@@ -54,12 +55,17 @@ def slot1_teacher_forced(target, drafter, sequence: list[int], anchors: list[int
 
     ids = torch.tensor([sequence], device=target.device)
     anchor_t = torch.tensor([anchors], device=target.device)
-    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids, dtype=torch.bool),
-             "loss_mask": torch.ones_like(ids, dtype=torch.bool), "anchors": anchor_t,
-             "anchor_valid": torch.ones_like(anchor_t, dtype=torch.bool)}
-    [(_, (drafted, _, final_hidden))] = teacher_forced_steps([batch], drafter=drafter, target=target,
-                                                              block_size=drafter.block_size, show_progress=False)
-    draft_logits = drafted.logits[0, :, 0].float()                      # [N, Vd]: slot 1 of each block
+    batch = {
+        "input_ids": ids,
+        "attention_mask": torch.ones_like(ids, dtype=torch.bool),
+        "loss_mask": torch.ones_like(ids, dtype=torch.bool),
+        "anchors": anchor_t,
+        "anchor_valid": torch.ones_like(anchor_t, dtype=torch.bool),
+    }
+    [(_, (drafted, _, final_hidden))] = teacher_forced_steps(
+        [batch], drafter=drafter, target=target, block_size=drafter.block_size, show_progress=False
+    )
+    draft_logits = drafted.logits[0, :, 0].float()  # [N, Vd]: slot 1 of each block
     target_logits = target.logits_from_hidden(final_hidden[0, anchor_t[0]]).float()  # [N, V]: predicts a+1
     ids_map = draft_to_target(drafter)
     if temperature == 0:
@@ -87,13 +93,19 @@ def main(argv: list[str]) -> int:
     drafter = drafter.eval()
     if spec.kind == "eagle3":
         raise SystemExit("tf_vs_rollout.py compares block drafters (dspark, dflash); EAGLE-3 drafts a chain")
-    prompts = encode_prompts(target, {s: load_prompts(s, limit=args.prompts) for s in args.sets},
-                             max_new_tokens=args.max_new_tokens)
+    prompts = encode_prompts(
+        target, {s: load_prompts(s, limit=args.prompts) for s in args.sets}, max_new_tokens=args.max_new_tokens
+    )
     held_out = (payload.get("metrics") or {}).get("val/accept/pos1")
     rows = []
     for temperature in args.temperatures:
-        engine = SpeculativeEngine(target=target, proposer=build_proposer(drafter), policy=build_policy("fixed"),
-                                   temperature=temperature, max_new_tokens=args.max_new_tokens)
+        engine = SpeculativeEngine(
+            target=target,
+            proposer=build_proposer(drafter),
+            policy=build_policy("fixed"),
+            temperature=temperature,
+            max_new_tokens=args.max_new_tokens,
+        )
         by_set: dict[str, list[tuple[float, float]]] = {}
         for prompt in prompts:
             result = engine.generate(prompt.input_ids, generator=prompt_generator(seed=args.seed, prompt=prompt))
@@ -103,7 +115,8 @@ def main(argv: list[str]) -> int:
                 continue
             forced = slot1_teacher_forced(target, drafter, sequence, [r.anchor_position for r in rounds], temperature)
             by_set.setdefault(prompt.dataset, []).extend(
-                (f, float(r.num_accepted >= 1)) for f, r in zip(forced, rounds))
+                (f, float(r.num_accepted >= 1)) for f, r in zip(forced, rounds)
+            )
         pooled = [pair for pairs in by_set.values() for pair in pairs]
         for name, pairs in [*by_set.items(), ("all", pooled)]:
             forced_mean = sum(f for f, _ in pairs) / len(pairs)
@@ -112,21 +125,33 @@ def main(argv: list[str]) -> int:
     commit = git_commit()  # short hash, "(with uncommitted changes)" when dirty
     label = {0.0: "T = 0: teacher-forced argmax agreement", 1.0: "T = 1: teacher-forced c*₁"}
     lines = [
-        f"# Teacher-forced vs rollout slot-1 acceptance on the target's own text — {args.target}", "",
+        f"# Teacher-forced vs rollout slot-1 acceptance on the target's own text — {args.target}",
+        "",
         f"Command: `{command_line('tf_vs_rollout.py', argv)}` ({time.time() - started:.0f} s)  ",
         f"Date {datetime.datetime.now():%Y-%m-%d %H:%M}, commit {commit}; {os.cpu_count()} CPUs, {args.threads} "
         f"thread(s); load average {load_start[0]:.1f} → {os.getloadavg()[0]:.1f}.  ",
         f"Drafter: `{repo_path(path)}` ({spec.kind}-{spec.head}-d{spec.depth}-g{spec.block_size}, Vd "
         f"{spec.draft_vocab_size or target.vocab_size}); its held-out teacher-forced slot-1 acceptance on "
-        f"training-distribution text: **{held_out:.3f}**." if held_out is not None else
-        f"Drafter: `{repo_path(path)}`.", "",
+        f"training-distribution text: **{held_out:.3f}**."
+        if held_out is not None
+        else f"Drafter: `{repo_path(path)}`.",
+        "",
         f"Prompts: the first {args.prompts} of {', '.join(args.sets)}; {args.max_new_tokens} new tokens, policy "
-        "fixed (ℓ = γ). One row per (temperature, prompt set): the rounds' anchors on the final text.", "",
-        "| T | set | rounds | teacher-forced slot 1 | rollout: draft 1 accepted |", "|---|---|---|---|---|",
-        *[f"| {t:g} | {name} | {n} | {f:.3f} | {r:.3f} |" for t, name, n, f, r in rows], "",
+        "fixed (ℓ = γ). One row per (temperature, prompt set): the rounds' anchors on the final text.",
+        "",
+        "| T | set | rounds | teacher-forced slot 1 | rollout: draft 1 accepted |",
+        "|---|---|---|---|---|",
+        *[f"| {t:g} | {name} | {n} | {f:.3f} | {r:.3f} |" for t, name, n, f, r in rows],
+        "",
         "Reading: at T = 0 the two columns must be equal (same contexts, deterministic); at T = 1 they agree in "
-        "expectation. " + " ".join(f"{label.get(t, f'T = {t:g}')} {f:.3f} vs rollout {r:.3f} (all sets)."
-                                   for t, name, _, f, r in rows if name == "all"), ""]
+        "expectation. "
+        + " ".join(
+            f"{label.get(t, f'T = {t:g}')} {f:.3f} vs rollout {r:.3f} (all sets)."
+            for t, name, _, f, r in rows
+            if name == "all"
+        ),
+        "",
+    ]
     write_result("\n".join(lines), args.output)
     return 0
 

@@ -1,4 +1,5 @@
 """DSpark Lab entry point: `python experiments/run.py [sweep=NAME] [key=value ...]` (see experiments/default.yaml)."""
+
 import sys
 from pathlib import Path
 

@@ -1,4 +1,5 @@
 """Shared fixtures: a session-wide output root so the tiny target and regenerated data are built once."""
+
 from __future__ import annotations
 
 import os

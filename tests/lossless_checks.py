@@ -4,6 +4,7 @@ Randomised probability integral transform: for a token x drawn from p (tokens or
 V ~ U(0, 1) is exactly U(0, 1), independently across samples, when x ~ p. A 10-bin chi-square on the u's then tests
 that generated tokens follow the target's own conditionals.
 """
+
 from __future__ import annotations
 
 import numpy as np
@@ -18,7 +19,7 @@ def pit_values(target, prompt, sequences, rng: np.random.Generator) -> list[np.n
     length = max(len(s) for s in sequences)
     ids = torch.tensor([[*prompt, *s, *[0] * (length - len(s))] for s in sequences])  # right padding: causal
     with torch.no_grad():
-        logits = target.forward(ids, return_logits=True).logits[:, len(prompt) - 1:len(prompt) - 1 + length]
+        logits = target.forward(ids, return_logits=True).logits[:, len(prompt) - 1 : len(prompt) - 1 + length]
     probs = torch.softmax(logits.double(), dim=-1)  # [N, L, V]
     order = probs.argsort(dim=-1, descending=True, stable=True)
     rank = order.argsort(dim=-1)

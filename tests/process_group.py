@@ -10,6 +10,7 @@ stderr (faulthandler on SIGUSR1, installed before the worker starts), then is ki
 ranks still running, instead of waiting forever in `join`. The stacks land in the test's captured stderr: a hang
 says where it hung.
 """
+
 from __future__ import annotations
 
 import faulthandler

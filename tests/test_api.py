@@ -1,5 +1,6 @@
 """`dspark.api.speculative_generate` takes the engine's `decode.*` options (static ℓ, drafter precision, step
 costs, ...) and they reach the engine: each changes what the rounds show, never the lossless output at T = 0."""
+
 from __future__ import annotations
 
 import pytest
@@ -18,9 +19,16 @@ pytestmark = pytest.mark.usefixtures("one_thread")  # tiny tensors: one thread (
 @pytest.fixture(scope="module")
 def drafter(tiny):
     """An untrained DSpark-Markov drafter (γ = 3, with a confidence head) around the tiny target."""
-    spec = DrafterSpec(kind="dspark", head="markov", depth=1, block_size=GAMMA, markov_rank=8,
-                       feature_layers=tuple(tiny.feature_layer_ids), mask_token_id=tiny.mask_token_id,
-                       target_fingerprint=tiny.fingerprint)
+    spec = DrafterSpec(
+        kind="dspark",
+        head="markov",
+        depth=1,
+        block_size=GAMMA,
+        markov_rank=8,
+        feature_layers=tuple(tiny.feature_layer_ids),
+        mask_token_id=tiny.mask_token_id,
+        target_fingerprint=tiny.fingerprint,
+    )
     torch.manual_seed(0)
     return build_drafter(spec, tiny).eval()
 

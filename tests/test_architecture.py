@@ -1,5 +1,6 @@
 """The layer rules of docs/ARCHITECTURE.md hold (import-linter contracts in pyproject.toml), and each contract fails
 on an import planted in a copy of the package."""
+
 from __future__ import annotations
 
 import os
@@ -13,8 +14,10 @@ import pytest
 pytest.importorskip("importlinter", reason="install the test extra: pip install -e '.[test]'")
 
 ROOT = Path(__file__).resolve().parents[1]
-LINT = ("import sys; from importlinter.cli import lint_imports_command; "
-        "sys.argv[0] = 'lint-imports'; sys.exit(lint_imports_command())")
+LINT = (
+    "import sys; from importlinter.cli import lint_imports_command; "
+    "sys.argv[0] = 'lint-imports'; sys.exit(lint_imports_command())"
+)
 
 
 def lint_imports(root: Path, *contracts: str) -> subprocess.CompletedProcess:
@@ -41,16 +44,27 @@ def copy_root(tmp_path_factory) -> Path:
     return root
 
 
-@pytest.mark.parametrize("module, planted, contract", [
-    ("evaluation/summary.py", "from dspark.stages.context import StageContext", "library-below-orchestration"),
-    ("decoding/engine.py", "import dspark.cli", "library-below-orchestration"),
-    ("training/optim.py", "from dspark.sweeps import driver", "layers"),
-    ("reports/collect.py", "from dspark.sweeps.driver import plan_grid", "reports-from-the-store"),
-    ("drafters/layers.py", "from dspark.targets import Target", "layers"),
-    ("sweeps/identity.py", "from dspark.sweeps.driver import plan_grid", "no-cycles"),
-    ("newtopic.py", "import dspark.registry", "layers"),  # a top-level module no layer names
-], ids=["evaluation->stages", "decoding->cli", "training->sweeps", "reports->sweeps", "drafters->targets",
-        "sweeps-cycle", "unlayered-module"])
+@pytest.mark.parametrize(
+    "module, planted, contract",
+    [
+        ("evaluation/summary.py", "from dspark.stages.context import StageContext", "library-below-orchestration"),
+        ("decoding/engine.py", "import dspark.cli", "library-below-orchestration"),
+        ("training/optim.py", "from dspark.sweeps import driver", "layers"),
+        ("reports/collect.py", "from dspark.sweeps.driver import plan_grid", "reports-from-the-store"),
+        ("drafters/layers.py", "from dspark.targets import Target", "layers"),
+        ("sweeps/identity.py", "from dspark.sweeps.driver import plan_grid", "no-cycles"),
+        ("newtopic.py", "import dspark.registry", "layers"),  # a top-level module no layer names
+    ],
+    ids=[
+        "evaluation->stages",
+        "decoding->cli",
+        "training->sweeps",
+        "reports->sweeps",
+        "drafters->targets",
+        "sweeps-cycle",
+        "unlayered-module",
+    ],
+)
 def test_a_planted_violation_breaks_its_contract(copy_root, module, planted, contract):
     path = copy_root / "src" / "dspark" / module
     original = path.read_text() if path.exists() else None

@@ -1,4 +1,5 @@
 """build_blocks against a per-block Python reference (METHOD §2.1 table) and sample_anchors properties (§3)."""
+
 from __future__ import annotations
 
 import pytest
@@ -47,8 +48,14 @@ def test_build_blocks_matches_reference(block_size: int, seed: int) -> None:
     ids, mask, anchors, valid = random_batch(gen, batch=3, length=17, num_anchors=8)
     blocks = build_blocks(ids, mask, anchors, valid, block_size=block_size, mask_token_id=MASK)
     for b in range(ids.shape[0]):
-        ref = reference_blocks(ids[b].tolist(), mask[b].tolist(), anchors[b].tolist(), valid[b].tolist(),
-                               block_size=block_size, mask_token_id=MASK)
+        ref = reference_blocks(
+            ids[b].tolist(),
+            mask[b].tolist(),
+            anchors[b].tolist(),
+            valid[b].tolist(),
+            block_size=block_size,
+            mask_token_id=MASK,
+        )
         assert blocks.block_input_ids[b].tolist() == ref["inp"]
         assert blocks.positions[b].tolist() == ref["pos"]
         assert blocks.labels[b].tolist() == ref["lab"]

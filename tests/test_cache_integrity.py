@@ -1,6 +1,7 @@
 """Cache integrity (issue 14, "Caches"): a truncated or bit-flipped regeneration or feature shard is detected by
 the checksums in the manifest and rebuilt (only that shard), never trained on; two processes preparing the same
 cache at once produce one valid cache (a lock file), the second reusing the first one's work."""
+
 from __future__ import annotations
 
 import json
@@ -28,13 +29,15 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def _regen(tiny, cache_dir: Path) -> Path:
-    return regenerate_responses(tiny, PROMPTS, sampling=SAMPLING, cache_dir=cache_dir, seed=0, min_loss_tokens=1,
-                                show_progress=False)
+    return regenerate_responses(
+        tiny, PROMPTS, sampling=SAMPLING, cache_dir=cache_dir, seed=0, min_loss_tokens=1, show_progress=False
+    )
 
 
 def _features(tiny, regen_dir: Path, cache_dir: Path) -> Path:
-    return cache_features(tiny, regen_dir, cache_dir=cache_dir, batch_size=2, shard_size=2, show_progress=False,
-                          precision="fp32")
+    return cache_features(
+        tiny, regen_dir, cache_dir=cache_dir, batch_size=2, shard_size=2, show_progress=False, precision="fp32"
+    )
 
 
 def _count_calls(monkeypatch, module, name: str) -> list:
@@ -100,8 +103,7 @@ def test_a_cache_sealed_before_checksums_is_reused_unverified(tiny, tmp_path, mo
 
 
 @pytest.mark.parametrize("damage", ["truncate", "bit-flip"])
-def test_a_damaged_feature_shard_is_recomputed_before_training_reads_it(damage, tiny, tmp_path, monkeypatch,
-                                                                         caplog):
+def test_a_damaged_feature_shard_is_recomputed_before_training_reads_it(damage, tiny, tmp_path, monkeypatch, caplog):
     regen_dir = _regen(tiny, tmp_path)
     feature_dir = _features(tiny, regen_dir, tmp_path)
     good = [tuple(t.clone() for t in FeatureCache(feature_dir)[i]) for i in range(len(PROMPTS))]  # not mmapped
@@ -120,8 +122,9 @@ def test_a_damaged_feature_shard_is_recomputed_before_training_reads_it(damage, 
 
 
 def test_a_damaged_reference_shard_is_rebuilt(tiny, tmp_path, caplog):
-    prompts = [PromptRecord(f"r{i}", "math", f"Add {i} and 2.", reference=f"{i} + 2 = {i + 2}, done.")
-               for i in range(3)]
+    prompts = [
+        PromptRecord(f"r{i}", "math", f"Add {i} and 2.", reference=f"{i} + 2 = {i + 2}, done.") for i in range(3)
+    ]
     out = build_reference_dataset(tiny, prompts, cache_dir=tmp_path, max_length=64, min_loss_tokens=1)
     good = load_regenerated(out).to_list()
     shard_path(out, 0).write_bytes(b"PAR1")
@@ -167,8 +170,16 @@ def test_two_processes_preparing_one_cache_build_it_once(tmp_path):
     cache, barrier = tmp_path / "cache", tmp_path / "barrier"
     barrier.mkdir()
     env = dict(os.environ, PYTHONPATH=str(REPO / "src"), OMP_NUM_THREADS="1")
-    procs = [subprocess.Popen([sys.executable, "-c", PREPARER, str(cache), str(barrier), name], env=env,
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for name in ("a", "b")]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", PREPARER, str(cache), str(barrier), name],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for name in ("a", "b")
+    ]
     outputs = [p.communicate(timeout=600) for p in procs]
     assert [p.returncode for p in procs] == [0, 0], [err[-2000:] for _, err in outputs]
     results = [json.loads(out.strip().splitlines()[-1]) for out, _ in outputs]

@@ -1,5 +1,6 @@
 """drafter.pt is read with `torch.load(weights_only=True)`: our own files load (with calibration entries); a crafted
 pickle is refused with an error naming the file and runs nothing; a truncated file is named too."""
+
 from __future__ import annotations
 
 import pickle
@@ -102,18 +103,36 @@ def test_a_torch_file_that_is_not_a_drafter_is_named(tmp_path):
 
 
 def test_our_own_drafter_pt_loads_safely_with_calibration(tiny, tmp_path):
-    spec = DrafterSpec(kind="dspark", head="markov", depth=1, block_size=4, markov_rank=8,
-                       feature_layers=tuple(tiny.feature_layer_ids), mask_token_id=tiny.mask_token_id,
-                       target_fingerprint=tiny.fingerprint)
+    spec = DrafterSpec(
+        kind="dspark",
+        head="markov",
+        depth=1,
+        block_size=4,
+        markov_rank=8,
+        feature_layers=tuple(tiny.feature_layer_ids),
+        mask_token_id=tiny.mask_token_id,
+        target_fingerprint=tiny.fingerprint,
+    )
     drafter = build_drafter(spec, tiny)
-    calibration = {"T=1": {"method": "sts", "temperatures": [1.0, 0.9, 1.1, 1.2], "grid": [0.5, 1.0, 2.0],
-                           "n_bins": 10, "num_rounds": 3, "metrics_before": {"ece": [0.1] * 4, "count": [3] * 4},
-                           "rounds": {"conf": torch.rand(3, 4, dtype=torch.float64),
-                                      "accepted_prefix": torch.tensor([0, 2, 4]),
-                                      "valid": torch.ones(3, 4, dtype=torch.bool)}}}
+    calibration = {
+        "T=1": {
+            "method": "sts",
+            "temperatures": [1.0, 0.9, 1.1, 1.2],
+            "grid": [0.5, 1.0, 2.0],
+            "n_bins": 10,
+            "num_rounds": 3,
+            "metrics_before": {"ece": [0.1] * 4, "count": [3] * 4},
+            "rounds": {
+                "conf": torch.rand(3, 4, dtype=torch.float64),
+                "accepted_prefix": torch.tensor([0, 2, 4]),
+                "valid": torch.ones(3, 4, dtype=torch.bool),
+            },
+        }
+    }
     path = tmp_path / DRAFTER_FILE
-    save_drafter(path, spec=spec, state_dict=drafter.state_dict(), metrics={"val/tau_prob": 1.5},
-                 calibration=calibration)
+    save_drafter(
+        path, spec=spec, state_dict=drafter.state_dict(), metrics={"val/tau_prob": 1.5}, calibration=calibration
+    )
     loaded, loaded_spec, payload = load_drafter(path, tiny, block_size=4)
     assert loaded_spec == spec and payload["metrics"] == {"val/tau_prob": 1.5}
     assert payload["calibration"]["T=1"]["temperatures"] == [1.0, 0.9, 1.1, 1.2]

@@ -1,4 +1,5 @@
 """The command line in-process: exit codes, messages, prepare/train stages on the tiny target with MLflow on."""
+
 from __future__ import annotations
 
 import re
@@ -20,14 +21,17 @@ def shared_root(tmp_path_factory) -> str:
     return str(tmp_path_factory.mktemp("cli-root"))
 
 
-@pytest.mark.parametrize("argv, needle", [
-    (["no_such_key=1"], "no_such_key"),
-    (["sweep=no_such_sweep"], "no_such_sweep"),
-    (["data.train_sets=[gsm8kk]"], "gsm8k"),
-    (["decode.eval_sets=[nope]"], "prompt set"),
-    (["target=/no/such/model"], "/no/such/model"),
-    (["data.local_dir=/no/such/dir"], "data.local_dir"),
-])
+@pytest.mark.parametrize(
+    "argv, needle",
+    [
+        (["no_such_key=1"], "no_such_key"),
+        (["sweep=no_such_sweep"], "no_such_sweep"),
+        (["data.train_sets=[gsm8kk]"], "gsm8k"),
+        (["decode.eval_sets=[nope]"], "prompt set"),
+        (["target=/no/such/model"], "/no/such/model"),
+        (["data.local_dir=/no/such/dir"], "data.local_dir"),
+    ],
+)
 def test_bad_input_exits_2_with_message(argv, needle, capsys, tmp_path):
     assert main(argv + [f"paths.root={tmp_path}"]) == 2
     assert needle in capsys.readouterr().err
@@ -42,12 +46,16 @@ def test_missing_eval_set_fails_in_seconds_before_any_work(capsys, tmp_path, mon
 
     monkeypatch.setattr(prompts, "VENDORED_DIR", tmp_path / "no_vendored_sets")
     monkeypatch.delenv("DSPARK_DATA_DIR", raising=False)
-    for key, value in (("HF_HUB_OFFLINE", "1"), ("HF_HUB_CACHE", str(tmp_path / "hub")),
-                       ("HF_DATASETS_CACHE", str(tmp_path / "datasets"))):
+    for key, value in (
+        ("HF_HUB_OFFLINE", "1"),
+        ("HF_HUB_CACHE", str(tmp_path / "hub")),
+        ("HF_DATASETS_CACHE", str(tmp_path / "datasets")),
+    ):
         monkeypatch.setenv(key, value)
     started = time.perf_counter()
-    assert main(["budget=smoke", "data.train_sets=[synthetic]", "decode.eval_sets=[gsm8k]",
-                 f"paths.root={tmp_path}"]) == 2
+    assert (
+        main(["budget=smoke", "data.train_sets=[synthetic]", "decode.eval_sets=[gsm8k]", f"paths.root={tmp_path}"]) == 2
+    )
     assert time.perf_counter() - started < 10
     err = capsys.readouterr().err
     assert "decode.eval_sets: prompt set 'gsm8k'" in err and "Fix:" in err and "data.local_dir=DIR" in err
@@ -72,10 +80,14 @@ def test_prepare_stage_caches_regenerated_data(shared_root):
 
 
 # Every registered drafter: with each registered head where model.head chooses it, else with the head it fixes.
-TRAIN_ARGVS = {f"{kind}-{head}" if FIXED_HEAD.get(kind) is None else kind:
-               [f"drafter={kind}", *([f"model.head={head}"] if FIXED_HEAD.get(kind) is None else [])]
-               for kind in DRAFTER_BUILDERS.ordered()
-               for head in (SEQUENTIAL_HEADS.ordered() if FIXED_HEAD.get(kind) is None else [FIXED_HEAD[kind]])}
+TRAIN_ARGVS = {
+    f"{kind}-{head}" if FIXED_HEAD.get(kind) is None else kind: [
+        f"drafter={kind}",
+        *([f"model.head={head}"] if FIXED_HEAD.get(kind) is None else []),
+    ]
+    for kind in DRAFTER_BUILDERS.ordered()
+    for head in (SEQUENTIAL_HEADS.ordered() if FIXED_HEAD.get(kind) is None else [FIXED_HEAD[kind]])
+}
 
 
 @pytest.mark.parametrize("argv", list(TRAIN_ARGVS.values()), ids=list(TRAIN_ARGVS))
@@ -85,9 +97,13 @@ def test_train_stage_each_drafter(argv, shared_root, capsys):
     # installed) draws nothing there until the end ("Epoch 0/0 ━━━…"), so a redirected log showed no progress
     assert re.search(r"Epoch 0: +\d+%\|", capsys.readouterr().out)
     client, runs = _runs(shared_root)
-    run = next(r for r in runs if r.data.tags.get("stage") == "train"
-               and r.data.tags["drafter"] == argv[0].split("=")[1]
-               and r.data.tags["model.head"] == client.get_run(r.info.run_id).data.params["model.head"])
+    run = next(
+        r
+        for r in runs
+        if r.data.tags.get("stage") == "train"
+        and r.data.tags["drafter"] == argv[0].split("=")[1]
+        and r.data.tags["model.head"] == client.get_run(r.info.run_id).data.params["model.head"]
+    )
     assert run.info.status == "FINISHED"
     metrics = run.data.metrics
     assert "train/loss" in metrics and "val/accept/pos1" in metrics and "val/tau_prob" in metrics
@@ -126,13 +142,22 @@ def test_max_steps_mid_epoch_still_stores_held_out_metrics(shared_root):
     the final drafter, so drafter.pt and the run carry its held-out metrics, not none (or an older step's)."""
     from dspark.drafters.checkpoint import read_checkpoint
 
-    argv = ["stage=train", "budget=smoke", f"paths.root={shared_root}", "drafter=dflash", "optim.max_steps=1",
-            "trainer.val_check_interval=1.0"]
+    argv = [
+        "stage=train",
+        "budget=smoke",
+        f"paths.root={shared_root}",
+        "drafter=dflash",
+        "optim.max_steps=1",
+        "trainer.val_check_interval=1.0",
+    ]
     assert main(argv) == 0
     client, runs = _runs(shared_root)
     run = next(r for r in runs if r.data.params.get("optim.max_steps") == "1")
     history = client.get_metric_history(run.info.run_id, "val/tau_prob")
     assert [m.step for m in history] == [1]
-    path = next(p for p in (Path(shared_root) / "runs").glob("dflash-*/drafter.pt")
-                if "max_steps: 1" in (p.parent / "config.yaml").read_text())
+    path = next(
+        p
+        for p in (Path(shared_root) / "runs").glob("dflash-*/drafter.pt")
+        if "max_steps: 1" in (p.parent / "config.yaml").read_text()
+    )
     assert "val/tau_prob" in read_checkpoint(path)["metrics"]

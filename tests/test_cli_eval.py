@@ -1,6 +1,7 @@
 """`python experiments/run.py budget=smoke …` in-process through `dspark.cli.main`: the eval stage with each decoding
 policy and greedy verification, then `stage=report` and `stage=profile`. All invocations share one paths.root, so
 prepare/train run once and later runs reuse the cached data and the trained drafter."""
+
 from __future__ import annotations
 
 import json
@@ -39,8 +40,7 @@ def _latest_run(root):
 
     client = MlflowClient(tracking_uri=f"sqlite:///{root}/mlflow.db")
     experiment = client.get_experiment_by_name("dspark-lab")
-    return client.search_runs([experiment.experiment_id], order_by=["attributes.start_time DESC"],
-                              max_results=1)[0]
+    return client.search_runs([experiment.experiment_id], order_by=["attributes.start_time DESC"], max_results=1)[0]
 
 
 def _eval_dirs(root):
@@ -84,9 +84,14 @@ def test_eval_stage_logs_metrics(root, case):
     assert len(stem) == len(prefix) + 6
     assert "τ pooled" in report.read_text() and (root / "reports" / f"{stem}-cond.png").exists()
     from dspark.hardware import machine_summary
+
     # the machine and the resolved precisions are in the header (smoke: fp32 target; auto → bf16 or fp32 here)
-    assert meta["machine"] == machine_summary() and f"- machine: {meta['machine']}; target float32, drafter " \
-        f"parallel stage {meta['precision'].split('stage ')[1]}" in report.read_text()
+    assert (
+        meta["machine"] == machine_summary()
+        and f"- machine: {meta['machine']}; target float32, drafter "
+        f"parallel stage {meta['precision'].split('stage ')[1]}"
+        in report.read_text()
+    )
     assert meta["precision"].endswith("(decode.drafter_precision=auto)")
     artifacts = {a.path for a in _client(root).list_artifacts(run.info.run_id, "eval")}
     assert {f"eval/{stem}.md", f"eval/{stem}-cond.png"} <= artifacts
@@ -157,9 +162,11 @@ def test_report_names_tell_evaluations_of_one_drafter_apart():
     base = stem(eval_sets=["gsm8k", "humaneval", "mt-bench"], prompts_per_set=10)
     assert base.startswith("eval-dspark-markov-d2-g7-s0-abc-fixed-T1-")
     assert base == stem(eval_sets=["gsm8k", "humaneval", "mt-bench"], prompts_per_set=10)
-    others = {stem(eval_sets=["gsm8k", "math500"], prompts_per_set=10),
-              stem(eval_sets=["gsm8k", "humaneval", "mt-bench"], prompts_per_set=4),
-              stem(eval_sets=["gsm8k", "humaneval", "mt-bench"], prompts_per_set=10, max_new_tokens=32)}
+    others = {
+        stem(eval_sets=["gsm8k", "math500"], prompts_per_set=10),
+        stem(eval_sets=["gsm8k", "humaneval", "mt-bench"], prompts_per_set=4),
+        stem(eval_sets=["gsm8k", "humaneval", "mt-bench"], prompts_per_set=10, max_new_tokens=32),
+    }
     assert base not in others and len(others) == 3
 
 

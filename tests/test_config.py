@@ -1,4 +1,5 @@
 """Config files, key=value parsing and the errors users see (issue: config and command line, bad input)."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -16,7 +17,13 @@ YAML_FILES = sorted(p for p in (repo_root() / "experiments").rglob("*.yaml"))
 
 def test_yaml_files_exist():
     assert (repo_root() / "experiments" / "default.yaml") in YAML_FILES
-    assert {p.stem for p in (experiments_dir() / "budgets").glob("*.yaml")} == {"smoke", "cpu", "cpu-ref", "cpu-long", "paper"}
+    assert {p.stem for p in (experiments_dir() / "budgets").glob("*.yaml")} == {
+        "smoke",
+        "cpu",
+        "cpu-ref",
+        "cpu-long",
+        "paper",
+    }
 
 
 @pytest.mark.parametrize("path", YAML_FILES, ids=lambda p: p.name)
@@ -49,7 +56,10 @@ def test_defaults_match_the_paper():
     # ~500 optimiser steps: slot 1 gets a larger share of the loss (experiments/budgets/cpu.yaml says why)
     assert (cpu.loss.alpha_ce, cpu.loss.alpha_tv, cpu.loss.alpha_conf, cpu.loss.decay) == (0.1, 0.9, 1.0, 2.0)
     cfg = cpu
-    assert Path(cfg.paths.root) == repo_root() / "outputs" and Path(cfg.paths.reports) == repo_root() / "outputs" / "reports"
+    assert (
+        Path(cfg.paths.root) == repo_root() / "outputs"
+        and Path(cfg.paths.reports) == repo_root() / "outputs" / "reports"
+    )
 
 
 def test_precedence_cli_over_budget_over_default():
@@ -72,25 +82,28 @@ def test_dflash_means_no_head_and_ce_only():
     assert (cfg.loss.alpha_ce, cfg.loss.alpha_tv, cfg.loss.alpha_conf) == (1.0, 0.0, 0.0)
 
 
-@pytest.mark.parametrize("argv, needles", [
-    (["no_such_key=1"], ["no_such_key", "Top-level keys"]),
-    (["model.depht=3"], ["model.depht", "model.depth"]),
-    (["model.depth=abc"], ["model.depth", "integer"]),
-    (["loss.alpha_ce=[1]"], ["loss.alpha_ce", "number"]),
-    (["data.cache_features=maybe"], ["data.cache_features", "true/false"]),
-    (["drafter=medusa"], ["drafter", *DRAFTER_BUILDERS.names()]),  # the error lists every registered drafter
-    (["model.head=lstm"], ["model.head", *SEQUENTIAL_HEADS.names()]),  # ... and every registered head
-    (["budget=huge"], ["budget", "smoke", "paper"]),
-    (["model.block_size=0"], ["model.block_size"]),
-    (["model.depth=0"], ["model.depth"]),
-    (["model.markov_rank=-1"], ["model.markov_rank"]),
-    (["decode.threshold=1.5"], ["decode.threshold", "[0, 1]"]),
-    (["drafter=dflash", "model.head=markov"], ["dflash", "model.head"]),
-    (["drafter=eagle3", "model.head=rnn"], ["eagle3", "model.head"]),
-    (["sweep=no_such_sweep"], ["sweep", "no_such_sweep"]),
-    (["serve.scheduler_cost=bogus"], ["serve.scheduler_cost", "bogus", "tokens", "columns"]),
-    (["model"], ["key=value"]),
-])
+@pytest.mark.parametrize(
+    "argv, needles",
+    [
+        (["no_such_key=1"], ["no_such_key", "Top-level keys"]),
+        (["model.depht=3"], ["model.depht", "model.depth"]),
+        (["model.depth=abc"], ["model.depth", "integer"]),
+        (["loss.alpha_ce=[1]"], ["loss.alpha_ce", "number"]),
+        (["data.cache_features=maybe"], ["data.cache_features", "true/false"]),
+        (["drafter=medusa"], ["drafter", *DRAFTER_BUILDERS.names()]),  # the error lists every registered drafter
+        (["model.head=lstm"], ["model.head", *SEQUENTIAL_HEADS.names()]),  # ... and every registered head
+        (["budget=huge"], ["budget", "smoke", "paper"]),
+        (["model.block_size=0"], ["model.block_size"]),
+        (["model.depth=0"], ["model.depth"]),
+        (["model.markov_rank=-1"], ["model.markov_rank"]),
+        (["decode.threshold=1.5"], ["decode.threshold", "[0, 1]"]),
+        (["drafter=dflash", "model.head=markov"], ["dflash", "model.head"]),
+        (["drafter=eagle3", "model.head=rnn"], ["eagle3", "model.head"]),
+        (["sweep=no_such_sweep"], ["sweep", "no_such_sweep"]),
+        (["serve.scheduler_cost=bogus"], ["serve.scheduler_cost", "bogus", "tokens", "columns"]),
+        (["model"], ["key=value"]),
+    ],
+)
 def test_bad_input_names_the_problem(argv, needles):
     with pytest.raises(ConfigError) as err:
         resolve_config(argv)
@@ -107,16 +120,46 @@ def test_all_errors_reported_together():
 def test_schema_keys_are_documented_in_default_yaml():
     """The public keys of the issue are all in the schema."""
     keys = set(valid_keys())
-    for key in ["target", "drafter", "model.head", "model.depth", "model.block_size", "model.markov_rank",
-                "model.feature_layers", "loss.alpha_ce", "loss.alpha_tv", "loss.alpha_conf", "loss.decay", "seed",
-                "budget", "stage", "paths.root", "data.local_dir"]:
+    for key in [
+        "target",
+        "drafter",
+        "model.head",
+        "model.depth",
+        "model.block_size",
+        "model.markov_rank",
+        "model.feature_layers",
+        "loss.alpha_ce",
+        "loss.alpha_tv",
+        "loss.alpha_conf",
+        "loss.decay",
+        "seed",
+        "budget",
+        "stage",
+        "paths.root",
+        "data.local_dir",
+    ]:
         assert key in keys
     assert isinstance(RunConfig().model.feature_layers, list)
 
 
 # Defect 2 of issue 14: PyYAML's YAML 1.1 resolver read `1e-4` (no dot) as a string, so every float key refused it.
-FLOAT_FORMS = ["1e-4", "3e-3", "1E-4", "1e4", "+2.5E-1", "-0.5e+0", ".5", "5.", "0.25", "1_0.5e-1", "7", " 1e-4 ",
-               "inf", "-Infinity", "1e-04"]
+FLOAT_FORMS = [
+    "1e-4",
+    "3e-3",
+    "1E-4",
+    "1e4",
+    "+2.5E-1",
+    "-0.5e+0",
+    ".5",
+    "5.",
+    "0.25",
+    "1_0.5e-1",
+    "7",
+    " 1e-4 ",
+    "inf",
+    "-Infinity",
+    "1e-04",
+]
 
 
 def _float_keys() -> list[str]:
@@ -156,8 +199,14 @@ def test_numbers_follow_python_not_yaml_1_1():
     """`010` is ten (YAML 1.1: octal eight); words, dates and bad literals are unchanged."""
     from dspark.config.loader import safe_load
 
-    assert [safe_load(t) for t in ["010", "1_000", "0x1f", "1e5", ".inf", "-.inf"]] == [10, 1000, 31, 1e5,
-                                                                                        float("inf"), float("-inf")]
+    assert [safe_load(t) for t in ["010", "1_000", "0x1f", "1e5", ".inf", "-.inf"]] == [
+        10,
+        1000,
+        31,
+        1e5,
+        float("inf"),
+        float("-inf"),
+    ]
     assert [safe_load(t) for t in ["1e", "e5", "1__0", "nan", "yes", "null"]] == ["1e", "e5", "1__0", "nan", True, None]
     assert resolve_config(["model.depth=1e0", "seed=1_0"]).cfg.model.depth == 1
 
@@ -167,8 +216,11 @@ def test_scientific_floats_in_sweep_files():
 
     spec = parse_sweep("t", "fixed: {optim.lr: 1e-4}\ngrid:\n  - {loss.decay: [1e0, 4E0]}\n")
     assert spec.fixed == {"optim.lr": 1e-4} and spec.grid == [{"loss.decay": [1.0, 4.0]}]
-    search = parse_sweep("t", "optuna:\n  params: {optim.lr: {type: float, low: 1e-5, high: 1e-3, log: true}}\n"
-                              "  defaults: {optim.lr: 6e-4}\n").optuna
+    search = parse_sweep(
+        "t",
+        "optuna:\n  params: {optim.lr: {type: float, low: 1e-5, high: 1e-3, log: true}}\n"
+        "  defaults: {optim.lr: 6e-4}\n",
+    ).optuna
     assert (search.params[0].low, search.params[0].high, search.defaults) == (1e-5, 1e-3, {"optim.lr": 6e-4})
 
 

@@ -1,4 +1,5 @@
 """docs/CONFIG.md is generated from the schema's `#:` comments and kept in sync (dspark.config.reference)."""
+
 from __future__ import annotations
 
 import inspect

@@ -1,4 +1,5 @@
 """DrafterDataModule (METHOD §3 anchors, held-out splits) and the optional target-feature cache."""
+
 from __future__ import annotations
 
 import lightning as L
@@ -39,8 +40,14 @@ def regen_dir(tiny, tmp_path_factory):
     prompts = [PromptRecord(f"p{i}", "chat", f"Question number {i}?") for i in range(NUM_PROMPTS)]
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(tiny.model, "generate", random_generate(tiny.tokenizer.eos_token_id))
-        return regenerate_responses(tiny, prompts, sampling=SamplingConfig(max_new_tokens=40, batch_size=4),
-                                    cache_dir=tmp_path_factory.mktemp("cache"), seed=0, show_progress=False)
+        return regenerate_responses(
+            tiny,
+            prompts,
+            sampling=SamplingConfig(max_new_tokens=40, batch_size=4),
+            cache_dir=tmp_path_factory.mktemp("cache"),
+            seed=0,
+            show_progress=False,
+        )
 
 
 def make_dm(regen_dir, **overrides) -> DrafterDataModule:
@@ -150,8 +157,15 @@ class AnchorRecorder(L.LightningModule):
 def test_trainer_resamples_anchors_each_epoch(regen_dir) -> None:
     dm = DrafterDataModule(regen_dir, batch_size=4, max_anchors=MAX_ANCHORS, block_size=3, val_fraction=0.2)
     module = AnchorRecorder()
-    trainer = L.Trainer(max_epochs=2, accelerator="cpu", logger=False, enable_checkpointing=False,
-                        enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0)
+    trainer = L.Trainer(
+        max_epochs=2,
+        accelerator="cpu",
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        limit_val_batches=0,
+    )
     trainer.fit(module, datamodule=dm)
     assert len(module.seen) == 2 and module.seen[0].keys() == module.seen[1].keys()
     assert module.seen[0] != module.seen[1]
@@ -159,8 +173,9 @@ def test_trainer_resamples_anchors_each_epoch(regen_dir) -> None:
 
 
 def test_feature_cache_matches_online_and_feeds_batches(tiny, regen_dir, tmp_path, monkeypatch) -> None:
-    feature_dir = cache_features(tiny, regen_dir, cache_dir=tmp_path, batch_size=3, shard_size=5,
-                                 show_progress=False, precision="fp32")
+    feature_dir = cache_features(
+        tiny, regen_dir, cache_dir=tmp_path, batch_size=3, shard_size=5, show_progress=False, precision="fp32"
+    )
     cache = FeatureCache(feature_dir)
     data = load_regenerated(regen_dir)
     assert len(cache) == len(data) == NUM_PROMPTS
@@ -176,8 +191,9 @@ def test_feature_cache_matches_online_and_feeds_batches(tiny, regen_dir, tmp_pat
     assert cache_features(tiny, regen_dir, cache_dir=tmp_path, show_progress=False, precision="fp32") == feature_dir
     # the log-normaliser matches the full-vocabulary logits of the stored hidden states
     _, cached_h = cache[6]
-    torch.testing.assert_close(cache.log_normalizer(6),
-                               torch.logsumexp(tiny.lm_head(cached_h.float()).float(), dim=-1), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(
+        cache.log_normalizer(6), torch.logsumexp(tiny.lm_head(cached_h.float()).float(), dim=-1), atol=1e-5, rtol=1e-5
+    )
     # the expected token mass: Σ p_t over the positions that predict a supervised token, over every sequence
     expected = torch.zeros(tiny.vocab_size)
     for index in range(len(cache)):
@@ -215,8 +231,9 @@ def test_draft_vocabulary_follows_the_target_mass_else_the_training_split_counts
     chosen_by_count[tiny.stop_token_ids] = False  # forced in, whatever their count
     assert int(counts[chosen_by_count].min()) >= int(counts[~chosen].max())
     assert by_count.tolist() == sorted(by_count.tolist())
-    feature_dir = cache_features(tiny, regen_dir, cache_dir=tmp_path, batch_size=4, show_progress=False,
-                                 precision="fp32")
+    feature_dir = cache_features(
+        tiny, regen_dir, cache_dir=tmp_path, batch_size=4, show_progress=False, precision="fp32"
+    )
     mass = FeatureCache(feature_dir).target_mass()
     by_mass = draft_vocab_from_data(regen_dir, train, target=tiny, size=size, feature_dir=feature_dir)
     assert set(tiny.stop_token_ids) <= set(by_mass.tolist()) and by_mass.numel() == size
@@ -262,8 +279,9 @@ def test_bf16_feature_cache_log_normalizer_is_exact_at_large_logits(tiny, regen_
     _, hidden = compute_features(tiny, ids, attention_mask=torch.ones_like(ids, dtype=torch.bool))
     scale = 30.0 / (hidden[0] @ head.T).abs().amax().item()
     monkeypatch.setattr(tiny.lm_head, "weight", torch.nn.Parameter(head * scale, requires_grad=False))
-    feature_dir = cache_features(tiny, regen_dir, cache_dir=tmp_path, batch_size=3, shard_size=5,
-                                 show_progress=False, precision="bf16")
+    feature_dir = cache_features(
+        tiny, regen_dir, cache_dir=tmp_path, batch_size=3, shard_size=5, show_progress=False, precision="bf16"
+    )
     assert torch.equal(tiny.lm_head.weight, head * scale)  # the swap put the fp32 head back
     cache = FeatureCache(feature_dir)
     errors, plain_errors = [], []

@@ -6,6 +6,7 @@
   what a full recomputation from the raw features drafts, for a fixed seed, with and without a draft vocabulary;
 - the drafter's precision: `auto` follows the AMX detection (never assumed), bf16 stays close to fp32.
 """
+
 from __future__ import annotations
 
 import pytest
@@ -22,8 +23,7 @@ from test_serving_lossless import build_test_drafter
 
 GAMMA = 3
 SPS = SPSTable(batch_tokens=list(range(1, 10)), steps_per_second=[1 / (1 + (b - 1) / 2) for b in range(1, 10)])
-CALIBRATION = STSCalibration(temperatures=[2.0, 0.5, 1.0], grid=[0.5, 1.0, 2.0], n_bins=20, ece_before=[],
-                             ece_after=[])
+CALIBRATION = STSCalibration(temperatures=[2.0, 0.5, 1.0], grid=[0.5, 1.0, 2.0], n_bins=20, ece_before=[], ece_after=[])
 TEXTS = ("What is 2+2?", "Hi", "Write a short poem about the sea and the wind, please.")
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -50,17 +50,28 @@ def test_decode_and_serve_policies_verify_the_same_prefix_lengths(target, prompt
     """Greedy (deterministic drafts): the single-request engine and the batched one at R = 1 see the same raw
     confidences round by round and verify the same ℓ; the calibration changes what calibrated policies read."""
     drafter = build_test_drafter(target)
-    single = SpeculativeEngine(target=target, proposer=DSparkProposer(drafter),
-                               policy=build_policy(policy, threshold=0.5, sps=SPS), temperature=0.0,
-                               max_new_tokens=24, calibration=CALIBRATION)
-    batched = BatchedEngine(target=target, drafter=drafter,
-                            policy=build_serve_policy(policy, threshold=0.5, sps=SPS), temperature=0.0,
-                            max_new_tokens=24, calibration=CALIBRATION)
+    single = SpeculativeEngine(
+        target=target,
+        proposer=DSparkProposer(drafter),
+        policy=build_policy(policy, threshold=0.5, sps=SPS),
+        temperature=0.0,
+        max_new_tokens=24,
+        calibration=CALIBRATION,
+    )
+    batched = BatchedEngine(
+        target=target,
+        drafter=drafter,
+        policy=build_serve_policy(policy, threshold=0.5, sps=SPS),
+        temperature=0.0,
+        max_new_tokens=24,
+        calibration=CALIBRATION,
+    )
     lengths = set()
     for index, prompt in enumerate(prompts):
         solo = single.generate(prompt, generator=None)
-        served = batched.serve([ServeRequest(request_id=index, prompt_ids=prompt)], concurrency=1, seed=0,
-                               progress=False)
+        served = batched.serve(
+            [ServeRequest(request_id=index, prompt_ids=prompt)], concurrency=1, seed=0, progress=False
+        )
         rounds = [r for step in served.steps for r in step.rounds]
         assert served.requests[0].new_tokens == solo.new_tokens
         assert [r.num_verified for r in rounds] == [r.num_verified for r in solo.rounds]
@@ -77,9 +88,14 @@ def test_threshold_reads_raw_and_calibrated_threshold_calibrated_confidences(tar
     """The same engine, θ and calibration: the two named behaviours differ, each equal to its rule on the record."""
     drafter = build_test_drafter(target)
     for name, field in (("threshold", "confidences"), ("calibrated_threshold", "calibrated")):
-        engine = SpeculativeEngine(target=target, proposer=DSparkProposer(drafter),
-                                   policy=build_policy(name, threshold=0.5), temperature=1.0, max_new_tokens=24,
-                                   calibration=CALIBRATION)
+        engine = SpeculativeEngine(
+            target=target,
+            proposer=DSparkProposer(drafter),
+            policy=build_policy(name, threshold=0.5),
+            temperature=1.0,
+            max_new_tokens=24,
+            calibration=CALIBRATION,
+        )
         for prompt in prompts:
             result = engine.generate(prompt, generator=torch.Generator().manual_seed(0))
             for r in result.rounds:
@@ -103,8 +119,9 @@ class FullRecomputation(DSparkProposer):
     def block_hidden(self, anchor_token, anchor_position):
         block = torch.full((1, 1, self.block_size), self.drafter.mask_token_id, dtype=torch.long)
         block[0, 0, 0] = anchor_token
-        hidden = self.drafter.backbone(self.features, block_input_ids=block,
-                                       anchor_positions=torch.tensor([[anchor_position]]))
+        hidden = self.drafter.backbone(
+            self.features, block_input_ids=block, anchor_positions=torch.tensor([[anchor_position]])
+        )
         return hidden[0, 0]
 
 
@@ -112,9 +129,16 @@ class FullRecomputation(DSparkProposer):
 @pytest.mark.parametrize("temperature", [1.0, 0.0])
 def test_cached_context_round_drafts_what_a_full_recomputation_drafts(target, prompts, vocabulary, temperature):
     drafter = build_test_drafter(target, draft_vocab(target) if vocabulary == "draft" else None)
-    engines = [SpeculativeEngine(target=target, proposer=proposer(drafter), policy=build_policy("fixed"),
-                                 temperature=temperature, max_new_tokens=32)
-               for proposer in (DSparkProposer, FullRecomputation)]
+    engines = [
+        SpeculativeEngine(
+            target=target,
+            proposer=proposer(drafter),
+            policy=build_policy("fixed"),
+            temperature=temperature,
+            max_new_tokens=32,
+        )
+        for proposer in (DSparkProposer, FullRecomputation)
+    ]
     rounds = 0
     for index, prompt in enumerate(prompts):
         cached, full = (engine.generate(prompt, generator=torch.Generator().manual_seed(index)) for engine in engines)
@@ -157,19 +181,31 @@ def test_int8_parallel_stage_is_a_close_quantised_copy_and_drafts_through_the_en
     assert logits.dtype == torch.float32 and logits.shape == (4, 256)
     assert (logits - reference).abs().max() < 0.05 * reference.abs().max()
     proposer = DSparkProposer(drafter, precision="int8")
-    engine = SpeculativeEngine(target=target, proposer=proposer, policy=build_policy("fixed"), temperature=1.0,
-                               max_new_tokens=12)
+    engine = SpeculativeEngine(
+        target=target, proposer=proposer, policy=build_policy("fixed"), temperature=1.0, max_new_tokens=12
+    )
     result = engine.generate(prompts[0], generator=torch.Generator().manual_seed(0))
     assert len(result.new_tokens) == 12 and all(len(r.drafts) > 0 for r in result.rounds[:-1])
     assert proposer._keys[0].view().dtype == torch.float32
     # the batched serving proposer on the same int8 stage: greedy output is the target's own (lossless at T = 0)
     plain = SpeculativeEngine(target=target, proposer=None, policy=None, temperature=0.0, max_new_tokens=12)
-    served = BatchedEngine(target=target, drafter=drafter, policy=build_serve_policy("fixed"), temperature=0.0,
-                           max_new_tokens=12, precision="int8")
-    result = served.serve([ServeRequest(request_id=i, prompt_ids=p) for i, p in enumerate(prompts[:2])],
-                          concurrency=2, seed=0, progress=False)
-    assert [r.new_tokens for r in result.requests] == [plain.generate(p, generator=None).new_tokens
-                                                       for p in prompts[:2]]
+    served = BatchedEngine(
+        target=target,
+        drafter=drafter,
+        policy=build_serve_policy("fixed"),
+        temperature=0.0,
+        max_new_tokens=12,
+        precision="int8",
+    )
+    result = served.serve(
+        [ServeRequest(request_id=i, prompt_ids=p) for i, p in enumerate(prompts[:2])],
+        concurrency=2,
+        seed=0,
+        progress=False,
+    )
+    assert [r.new_tokens for r in result.requests] == [
+        plain.generate(p, generator=None).new_tokens for p in prompts[:2]
+    ]
     assert served.proposer.dtype == torch.float32
     assert any(r.num_verified > 0 for step in result.steps for r in step.rounds)
 
@@ -244,8 +280,7 @@ def test_fused_projections_of_a_decode_copy_give_the_separate_products(target, d
         unfused = unfused.to(torch.bfloat16)
         unfused.rotary.float()
     assert all(layer.self_attn.q_proj is None and layer.mlp.gate_proj is None for layer in fused_backbone.layers)
-    assert all(isinstance(layer, DraftDecoderLayer) and layer.self_attn.qkv_proj is None
-               for layer in unfused.layers)
+    assert all(isinstance(layer, DraftDecoderLayer) and layer.self_attn.qkv_proj is None for layer in unfused.layers)
     act = torch.float32 if dtype in (torch.float32, torch.qint8) else dtype
     context = torch.randn(1, 9, target.hidden_size).to(act)
     block = torch.randn(1, GAMMA, target.hidden_size).to(act)
@@ -265,5 +300,9 @@ def test_fused_projections_of_a_decode_copy_give_the_separate_products(target, d
         if dtype == torch.qint8:
             assert torch.equal(fused_out, separate_out)
         else:
-            torch.testing.assert_close(fused_out, separate_out, atol=1e-5 if dtype == torch.float32 else 2e-2,
-                                       rtol=1e-5 if dtype == torch.float32 else 2e-2)
+            torch.testing.assert_close(
+                fused_out,
+                separate_out,
+                atol=1e-5 if dtype == torch.float32 else 2e-2,
+                rtol=1e-5 if dtype == torch.float32 else 2e-2,
+            )

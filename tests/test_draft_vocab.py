@@ -1,5 +1,6 @@
 """The draft vocabulary (issue: learning drafters): the selection, the frozen rows, exact TV/acceptance against
 the full-vocabulary target, and the structured training attention equal to the dense mask."""
+
 from __future__ import annotations
 
 import pytest
@@ -46,25 +47,50 @@ def test_draft_head_uses_the_frozen_rows_and_maps_ids_both_ways():
 
 
 def _drafter(ids, head="markov") -> DSparkDrafter:
-    config = LlamaConfig(vocab_size=VOCAB, hidden_size=D, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
-                         intermediate_size=64, num_hidden_layers=4)
+    config = LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=D,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        intermediate_size=64,
+        num_hidden_layers=4,
+    )
     torch.manual_seed(0)
-    return DSparkDrafter(spec=DraftLayerSpec.from_hf_config(config), num_feature_layers=M, depth=1,
-                         block_size=GAMMA, head=head, markov_rank=8, confidence=True,
-                         embed_tokens=nn.Embedding(VOCAB, D), lm_head=nn.Linear(D, VOCAB, bias=False),
-                         mask_token_id=MASK_ID, draft_vocab_ids=ids)
+    return DSparkDrafter(
+        spec=DraftLayerSpec.from_hf_config(config),
+        num_feature_layers=M,
+        depth=1,
+        block_size=GAMMA,
+        head=head,
+        markov_rank=8,
+        confidence=True,
+        embed_tokens=nn.Embedding(VOCAB, D),
+        lm_head=nn.Linear(D, VOCAB, bias=False),
+        mask_token_id=MASK_ID,
+        draft_vocab_ids=ids,
+    )
 
 
 def test_drafter_logits_are_over_the_draft_vocabulary_and_state_round_trips():
     ids = torch.arange(0, VOCAB, 2)
     drafter = _drafter(ids)
-    assert drafter.draft_vocab_size == 20 and drafter.head.w2.out_features == 20 and drafter.head.w1.num_embeddings == VOCAB
-    out = drafter(context_features=torch.randn(1, 10, M * D), context_valid=torch.ones(1, 10, dtype=torch.bool),
-                  block_input_ids=torch.full((1, 2, GAMMA), MASK_ID), anchor_positions=torch.tensor([[3, 7]]),
-                  prev_tokens=torch.randint(0, VOCAB - 1, (1, 2, GAMMA)))
+    assert (
+        drafter.draft_vocab_size == 20
+        and drafter.head.w2.out_features == 20
+        and drafter.head.w1.num_embeddings == VOCAB
+    )
+    out = drafter(
+        context_features=torch.randn(1, 10, M * D),
+        context_valid=torch.ones(1, 10, dtype=torch.bool),
+        block_input_ids=torch.full((1, 2, GAMMA), MASK_ID),
+        anchor_positions=torch.tensor([[3, 7]]),
+        prev_tokens=torch.randint(0, VOCAB - 1, (1, 2, GAMMA)),
+    )
     assert out.logits.shape == (1, 2, GAMMA, 20)
-    rebuilt = DSparkDrafter.from_extra_config(drafter.extra_config(), embed_tokens=drafter.embed_tokens,
-                                              lm_head=drafter.lm_head)
+    rebuilt = DSparkDrafter.from_extra_config(
+        drafter.extra_config(), embed_tokens=drafter.embed_tokens, lm_head=drafter.lm_head
+    )
     rebuilt.load_state_dict(drafter.state_dict())
     assert torch.equal(rebuilt.draft_to_target, ids)
 
@@ -85,10 +111,23 @@ def test_tv_and_acceptance_with_a_draft_vocabulary_equal_the_full_vocabulary_bru
     in_vocab = inverse[labels_full] >= 0
     from dspark.drafters.dspark import DSparkOutput
 
-    out = DSparkOutput(hidden=torch.zeros(*shape, 1), parallel_logits=draft_logits, logits=draft_logits,
-                       confidence_logits=torch.randn(*shape, generator=g))
-    loss = compute_dspark_loss(out, labels=labels, label_valid=valid, target_probs=target_full[..., ids],
-                               label_in_vocab=in_vocab, alpha_ce=0.1, alpha_tv=0.9, alpha_conf=1.0, decay=4.0)
+    out = DSparkOutput(
+        hidden=torch.zeros(*shape, 1),
+        parallel_logits=draft_logits,
+        logits=draft_logits,
+        confidence_logits=torch.randn(*shape, generator=g),
+    )
+    loss = compute_dspark_loss(
+        out,
+        labels=labels,
+        label_valid=valid,
+        target_probs=target_full[..., ids],
+        label_in_vocab=in_vocab,
+        alpha_ce=0.1,
+        alpha_tv=0.9,
+        alpha_conf=1.0,
+        decay=4.0,
+    )
     # brute force over the full vocabulary
     p_d_full = torch.zeros(*shape, VOCAB)
     p_d_full[..., ids] = torch.softmax(draft_logits, -1)
@@ -136,14 +175,21 @@ def test_target_distribution_is_the_exact_full_vocabulary_p_t_on_draft_ids(block
     expected = torch.stack([full[b, positions[b]] for b in range(2)])[..., ids]
     target = SimpleNamespace(lm_head=drafter.lm_head)
     online = target_distribution(drafter, target, {}, final_hidden, positions)
-    cached = target_distribution(drafter, target, {"log_normalizer": torch.logsumexp(drafter.lm_head(final_hidden), -1)},
-                                 final_hidden, positions)
+    cached = target_distribution(
+        drafter, target, {"log_normalizer": torch.logsumexp(drafter.lm_head(final_hidden), -1)}, final_hidden, positions
+    )
     for got in (online, cached):
         torch.testing.assert_close(got.probs, expected, atol=1e-6, rtol=1e-5)
         torch.testing.assert_close(got.coverage, expected.sum(-1), atol=1e-6, rtol=1e-5)
     # the loss's supervised slots only: the same rows, in [select] order, and coverage still per slot
     select = torch.rand(positions.shape, generator=g) < 0.6
-    selected = target_distribution(drafter, target, {"log_normalizer": torch.logsumexp(drafter.lm_head(final_hidden), -1)},
-                                   final_hidden, positions, select=select)
+    selected = target_distribution(
+        drafter,
+        target,
+        {"log_normalizer": torch.logsumexp(drafter.lm_head(final_hidden), -1)},
+        final_hidden,
+        positions,
+        select=select,
+    )
     torch.testing.assert_close(selected.probs, expected[select], atol=1e-6, rtol=1e-5)
     torch.testing.assert_close(selected.coverage, expected.sum(-1), atol=1e-6, rtol=1e-5)

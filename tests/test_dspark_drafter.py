@@ -2,6 +2,7 @@
 
 Weights are re-drawn with a large std so that a leak would move outputs far beyond float noise.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -25,8 +26,15 @@ pytestmark = pytest.mark.usefixtures("one_thread")  # tiny tensors: one thread (
 
 
 def tiny_spec(qk_norm: bool = False) -> DraftLayerSpec:
-    config = LlamaConfig(vocab_size=VOCAB, hidden_size=D, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
-                         intermediate_size=64, num_hidden_layers=4)
+    config = LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=D,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        intermediate_size=64,
+        num_hidden_layers=4,
+    )
     return dataclasses.replace(DraftLayerSpec.from_hf_config(config), qk_norm=qk_norm)
 
 
@@ -36,13 +44,29 @@ def frozen_modules(seed: int = 0) -> tuple[nn.Embedding, nn.Linear]:
     return embed.requires_grad_(False), lm_head.requires_grad_(False)
 
 
-def make_drafter(head: str = "markov", rank: int = 6, *, confidence: bool = True, qk_norm: bool = False,
-                 seed: int = 0, depth: int = 2) -> DSparkDrafter:
+def make_drafter(
+    head: str = "markov",
+    rank: int = 6,
+    *,
+    confidence: bool = True,
+    qk_norm: bool = False,
+    seed: int = 0,
+    depth: int = 2,
+) -> DSparkDrafter:
     embed, lm_head = frozen_modules()  # the same "target" for every drafter; `seed` draws the drafter weights
     torch.manual_seed(seed + 1)
-    drafter = DSparkDrafter(spec=tiny_spec(qk_norm), num_feature_layers=M, depth=depth, block_size=GAMMA,
-                            head=head, markov_rank=rank, confidence=confidence, embed_tokens=embed,
-                            lm_head=lm_head, mask_token_id=MASK_ID)
+    drafter = DSparkDrafter(
+        spec=tiny_spec(qk_norm),
+        num_feature_layers=M,
+        depth=depth,
+        block_size=GAMMA,
+        head=head,
+        markov_rank=rank,
+        confidence=confidence,
+        embed_tokens=embed,
+        lm_head=lm_head,
+        mask_token_id=MASK_ID,
+    )
     with torch.no_grad():  # large weights so that any leak is visible far above float noise
         for name, p in drafter.named_parameters():
             p.copy_(1 + 0.1 * torch.randn_like(p) if "norm" in name else 0.3 * torch.randn_like(p))
@@ -56,9 +80,13 @@ def make_inputs(seed: int = 0) -> dict[str, torch.Tensor]:
     block_ids[..., 0] = torch.randint(0, VOCAB - 1, (batch, blocks), generator=g)
     prev = torch.randint(0, VOCAB - 1, (batch, blocks, GAMMA), generator=g)
     prev[..., 0] = block_ids[..., 0]
-    return dict(context_features=torch.randn(batch, T, M * D, generator=g),
-                context_valid=torch.ones(batch, T, dtype=torch.bool), block_input_ids=block_ids,
-                anchor_positions=ANCHORS.clone(), prev_tokens=prev)
+    return dict(
+        context_features=torch.randn(batch, T, M * D, generator=g),
+        context_valid=torch.ones(batch, T, dtype=torch.bool),
+        block_input_ids=block_ids,
+        anchor_positions=ANCHORS.clone(),
+        prev_tokens=prev,
+    )
 
 
 def run(drafter: DSparkDrafter, inputs: dict) -> object:
@@ -129,9 +157,11 @@ def test_single_block_call_matches_batched_forward():
     for bi, n in [(0, 1), (1, 2), (1, 1)]:
         anchor = ANCHORS[bi, n].item()
         with torch.no_grad():
-            hidden = drafter.backbone(inputs["context_features"][bi:bi + 1, :anchor],
-                                      block_input_ids=inputs["block_input_ids"][bi:bi + 1, n:n + 1],
-                                      anchor_positions=torch.tensor([[anchor]]))
+            hidden = drafter.backbone(
+                inputs["context_features"][bi : bi + 1, :anchor],
+                block_input_ids=inputs["block_input_ids"][bi : bi + 1, n : n + 1],
+                anchor_positions=torch.tensor([[anchor]]),
+            )
         torch.testing.assert_close(hidden[0, 0], base.hidden[bi, n], atol=1e-5, rtol=1e-5)
 
 
@@ -173,9 +203,12 @@ def test_step_loop_reproduces_teacher_forced_outputs(head):
     with torch.no_grad():
         for k in range(GAMMA):
             step_bias, _ = drafter.head.step(base.hidden[..., k, :], prev[..., k], state)
-            logits, conf, state = drafter.sequential_step(hidden_k=base.hidden[..., k, :],
-                                                          parallel_logits_k=base.parallel_logits[..., k, :],
-                                                          prev_token=prev[..., k], state=state)
+            logits, conf, state = drafter.sequential_step(
+                hidden_k=base.hidden[..., k, :],
+                parallel_logits_k=base.parallel_logits[..., k, :],
+                prev_token=prev[..., k],
+                state=state,
+            )
             if bias is not None:
                 torch.testing.assert_close(step_bias, bias[..., k, :], atol=1e-6, rtol=0)
             torch.testing.assert_close(logits, base.logits[..., k, :], atol=1e-6, rtol=0)
@@ -195,9 +228,18 @@ def test_mask_slots_use_the_trained_mask_embedding():
 
 def test_only_drafter_weights_are_parameters_and_state():
     embed, lm_head = nn.Embedding(VOCAB, D), nn.Linear(D, VOCAB, bias=False)  # requires_grad on purpose
-    drafter = DSparkDrafter(spec=tiny_spec(), num_feature_layers=M, depth=1, block_size=GAMMA, head="rnn",
-                            markov_rank=4, confidence=True, embed_tokens=embed, lm_head=lm_head,
-                            mask_token_id=MASK_ID)
+    drafter = DSparkDrafter(
+        spec=tiny_spec(),
+        num_feature_layers=M,
+        depth=1,
+        block_size=GAMMA,
+        head="rnn",
+        markov_rank=4,
+        confidence=True,
+        embed_tokens=embed,
+        lm_head=lm_head,
+        mask_token_id=MASK_ID,
+    )
     frozen = {id(p) for p in [*embed.parameters(), *lm_head.parameters()]}
     assert not frozen & {id(p) for p in drafter.parameters()}
     assert not any(k.startswith(("embed", "lm_head")) or ".embed_tokens" in k for k in drafter.state_dict())
@@ -209,22 +251,36 @@ def test_only_drafter_weights_are_parameters_and_state():
 
 def test_extra_config_rebuilds_the_drafter():
     drafter, inputs = make_drafter("rnn", rank=5, qk_norm=True), make_inputs()
-    rebuilt = DSparkDrafter.from_extra_config(drafter.extra_config(), embed_tokens=drafter.embed_tokens,
-                                              lm_head=drafter.lm_head)
+    rebuilt = DSparkDrafter.from_extra_config(
+        drafter.extra_config(), embed_tokens=drafter.embed_tokens, lm_head=drafter.lm_head
+    )
     rebuilt.load_state_dict(drafter.state_dict())
     torch.testing.assert_close(run(rebuilt.eval(), inputs).logits, run(drafter, inputs).logits, atol=0, rtol=0)
 
 
-@pytest.mark.parametrize("key,kwargs", [
-    ("model.block_size", {"block_size": 0}),
-    ("model.depth", {"depth": 0}),
-    ("model.markov_rank", {"markov_rank": -1}),
-    ("model.head", {"head": "markv"}),
-])
+@pytest.mark.parametrize(
+    "key,kwargs",
+    [
+        ("model.block_size", {"block_size": 0}),
+        ("model.depth", {"depth": 0}),
+        ("model.markov_rank", {"markov_rank": -1}),
+        ("model.head", {"head": "markv"}),
+    ],
+)
 def test_bad_config_values_name_the_key(key, kwargs):
     embed, lm_head = frozen_modules()
-    args = dict(spec=tiny_spec(), num_feature_layers=M, depth=1, block_size=GAMMA, head="markov", markov_rank=4,
-                confidence=True, embed_tokens=embed, lm_head=lm_head, mask_token_id=MASK_ID)
+    args = dict(
+        spec=tiny_spec(),
+        num_feature_layers=M,
+        depth=1,
+        block_size=GAMMA,
+        head="markov",
+        markov_rank=4,
+        confidence=True,
+        embed_tokens=embed,
+        lm_head=lm_head,
+        mask_token_id=MASK_ID,
+    )
     with pytest.raises(ValueError, match=key.replace(".", r"\.")):
         DSparkDrafter(**{**args, **kwargs})
 

@@ -1,4 +1,5 @@
 """DSpark loss (METHOD §3): terms against a per-slot python loop, gradient routing, and that training reduces it."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -28,14 +29,17 @@ def random_output(seed: int = 0, *, batch: int = 2, blocks: int = 3, vocab: int 
     out = DSparkOutput(hidden=torch.zeros(*shape, 4), parallel_logits=logits, logits=logits, confidence_logits=conf)
     lengths = torch.randint(0, GAMMA + 1, (batch, blocks), generator=g)
     lengths[0, 0] = GAMMA
-    supervision = dict(labels=torch.randint(0, vocab, shape, generator=g),
-                       label_valid=torch.arange(GAMMA) < lengths.unsqueeze(-1),
-                       target_probs=torch.softmax(3 * torch.randn(*shape, vocab, generator=g), dim=-1))
+    supervision = dict(
+        labels=torch.randint(0, vocab, shape, generator=g),
+        label_valid=torch.arange(GAMMA) < lengths.unsqueeze(-1),
+        target_probs=torch.softmax(3 * torch.randn(*shape, vocab, generator=g), dim=-1),
+    )
     return out, supervision
 
 
-def brute_force_loss(out: DSparkOutput, sup: dict, *, decay: float, alpha_ce: float, alpha_tv: float,
-                     alpha_conf: float) -> dict[str, float]:
+def brute_force_loss(
+    out: DSparkOutput, sup: dict, *, decay: float, alpha_ce: float, alpha_tv: float, alpha_conf: float
+) -> dict[str, float]:
     """Independent per-(sequence, block, slot) loop in float64."""
     sums = {"ce": 0.0, "tv": 0.0, "conf": 0.0}
     weight_total = 0.0
@@ -95,22 +99,27 @@ def test_target_logits_equal_target_probs():
 def test_zero_alphas_skip_terms_and_dflash_needs_no_target():
     out, sup = random_output(2)
     target = sup.pop("target_probs")
-    dflash = compute_dspark_loss(dataclasses.replace(out, confidence_logits=None), **sup, alpha_ce=1.0,
-                                 alpha_tv=0.0, alpha_conf=0.0, decay=4.0)
+    dflash = compute_dspark_loss(
+        dataclasses.replace(out, confidence_logits=None), **sup, alpha_ce=1.0, alpha_tv=0.0, alpha_conf=0.0, decay=4.0
+    )
     assert dflash.c_star is None and dflash.tv.item() == 0 and dflash.conf.item() == 0
     assert dflash.total.item() == pytest.approx(dflash.ce.item())
-    with_target = compute_dspark_loss(out, **sup, target_probs=target, alpha_ce=1.0, alpha_tv=0.0, alpha_conf=0.0,
-                                      decay=4.0)
+    with_target = compute_dspark_loss(
+        out, **sup, target_probs=target, alpha_ce=1.0, alpha_tv=0.0, alpha_conf=0.0, decay=4.0
+    )
     assert with_target.c_star is not None and with_target.total.item() == pytest.approx(dflash.total.item())
 
 
-@pytest.mark.parametrize("change,match", [
-    ({"alpha_conf": 1.0, "no_confidence": True}, r"loss\.alpha_conf"),
-    ({"alpha_tv": 0.5, "no_target": True}, r"loss\.alpha_tv"),
-    ({"alpha_ce": 0.0, "alpha_tv": 0.0, "alpha_conf": 0.0}, r"loss\.alpha_ce"),
-    ({"alpha_ce": -1.0}, r"loss\.alpha_ce"),
-    ({"decay": 0.0}, r"loss\.decay"),
-])
+@pytest.mark.parametrize(
+    "change,match",
+    [
+        ({"alpha_conf": 1.0, "no_confidence": True}, r"loss\.alpha_conf"),
+        ({"alpha_tv": 0.5, "no_target": True}, r"loss\.alpha_tv"),
+        ({"alpha_ce": 0.0, "alpha_tv": 0.0, "alpha_conf": 0.0}, r"loss\.alpha_ce"),
+        ({"alpha_ce": -1.0}, r"loss\.alpha_ce"),
+        ({"decay": 0.0}, r"loss\.decay"),
+    ],
+)
 def test_bad_loss_arguments_raise(change, match):
     out, sup = random_output(3)
     args = {**ALPHAS, "decay": 4.0, **change}
@@ -133,13 +142,29 @@ def test_position_weights_and_empty_batch():
 
 
 def tiny_drafter(head: str, *, seed: int = 0) -> DSparkDrafter:
-    config = LlamaConfig(vocab_size=VOCAB, hidden_size=D, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
-                         intermediate_size=64, num_hidden_layers=4)
+    config = LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=D,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        intermediate_size=64,
+        num_hidden_layers=4,
+    )
     torch.manual_seed(seed)
     embed, lm_head = nn.Embedding(VOCAB, D), nn.Linear(D, VOCAB, bias=False)
-    return DSparkDrafter(spec=DraftLayerSpec.from_hf_config(config), num_feature_layers=M, depth=2,
-                         block_size=GAMMA, head=head, markov_rank=8, confidence=True, embed_tokens=embed,
-                         lm_head=lm_head, mask_token_id=MASK_ID)
+    return DSparkDrafter(
+        spec=DraftLayerSpec.from_hf_config(config),
+        num_feature_layers=M,
+        depth=2,
+        block_size=GAMMA,
+        head=head,
+        markov_rank=8,
+        confidence=True,
+        embed_tokens=embed,
+        lm_head=lm_head,
+        mask_token_id=MASK_ID,
+    )
 
 
 def training_batch(seed: int = 0) -> tuple[dict, dict]:
@@ -151,9 +176,13 @@ def training_batch(seed: int = 0) -> tuple[dict, dict]:
     gather = lambda pos: torch.stack([seq[b][pos[b]] for b in range(2)])  # noqa: E731
     block_ids = torch.full(idx.shape, MASK_ID)
     block_ids[..., 0] = gather(anchors)
-    inputs = dict(context_features=torch.randn(2, 24, M * D, generator=g),
-                  context_valid=torch.ones(2, 24, dtype=torch.bool), block_input_ids=block_ids,
-                  anchor_positions=anchors, prev_tokens=gather(idx))
+    inputs = dict(
+        context_features=torch.randn(2, 24, M * D, generator=g),
+        context_valid=torch.ones(2, 24, dtype=torch.bool),
+        block_input_ids=block_ids,
+        anchor_positions=anchors,
+        prev_tokens=gather(idx),
+    )
     labels = gather(idx + 1)
     target = torch.softmax(torch.randn(*labels.shape, VOCAB, generator=g), -1) * 0.3
     target = target + 0.7 * nn.functional.one_hot(labels, VOCAB)  # peaked on the label, like a real target
@@ -195,8 +224,16 @@ def test_a_few_optimizer_steps_reduce_the_loss(head):
     assert losses[-1] < 0.8 * losses[0], losses
 
 
-def plain_autograd_loss(out: DSparkOutput, sup: dict, *, alpha_ce: float, alpha_tv: float, alpha_conf: float,
-                        decay: float, label_in_vocab=None) -> torch.Tensor:
+def plain_autograd_loss(
+    out: DSparkOutput,
+    sup: dict,
+    *,
+    alpha_ce: float,
+    alpha_tv: float,
+    alpha_conf: float,
+    decay: float,
+    label_in_vocab=None,
+) -> torch.Tensor:
     """The objective written with autograd's own log_softmax / abs (the formula the fused row terms replace)."""
     valid = sup["label_valid"]
     w = position_weights(GAMMA, decay).expand(valid.shape)[valid]
@@ -206,14 +243,21 @@ def plain_autograd_loss(out: DSparkOutput, sup: dict, *, alpha_ce: float, alpha_
     if label_in_vocab is not None:
         nll = torch.where(label_in_vocab[valid], nll, 0.0)
     l1 = (log_p.exp() - p_t).abs().sum(-1) + (1 - p_t.sum(-1)).clamp_min(0)
-    bce = nn.functional.binary_cross_entropy_with_logits(out.confidence_logits[valid], (1 - 0.5 * l1.detach())
-                                                         .clamp(0, 1), reduction="none")
+    bce = nn.functional.binary_cross_entropy_with_logits(
+        out.confidence_logits[valid], (1 - 0.5 * l1.detach()).clamp(0, 1), reduction="none"
+    )
     return (alpha_ce * (w * nll).sum() + alpha_tv * (w * l1).sum() + alpha_conf * (w * bce).sum()) / w.sum()
 
 
-@pytest.mark.parametrize("alphas", [ALPHAS, dict(alpha_ce=1.0, alpha_tv=0.0, alpha_conf=0.0),
-                                    dict(alpha_ce=0.0, alpha_tv=1.0, alpha_conf=0.0),
-                                    dict(alpha_ce=0.0, alpha_tv=0.0, alpha_conf=1.0)])
+@pytest.mark.parametrize(
+    "alphas",
+    [
+        ALPHAS,
+        dict(alpha_ce=1.0, alpha_tv=0.0, alpha_conf=0.0),
+        dict(alpha_ce=0.0, alpha_tv=1.0, alpha_conf=0.0),
+        dict(alpha_ce=0.0, alpha_tv=0.0, alpha_conf=1.0),
+    ],
+)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
 def test_fused_row_terms_give_autograds_gradients(alphas, dtype):
     """The hand-written backward of the L1 / CE terms equals autograd through the plain formula, for every α mix,

@@ -1,4 +1,5 @@
 """EAGLE-3 drafter, TTT attention and loss (METHOD §4), checked against loop references on tiny random configs."""
+
 from __future__ import annotations
 
 import math
@@ -19,9 +20,17 @@ VOCAB, HIDDEN, M = 97, 32, 2
 
 
 def make_spec(qk_norm: bool = True) -> DraftLayerSpec:
-    return DraftLayerSpec(hidden_size=HIDDEN, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
-                          intermediate_size=64, rms_norm_eps=1e-6, rope_theta=10000.0, qk_norm=qk_norm,
-                          vocab_size=VOCAB)
+    return DraftLayerSpec(
+        hidden_size=HIDDEN,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        intermediate_size=64,
+        rms_norm_eps=1e-6,
+        rope_theta=10000.0,
+        qk_norm=qk_norm,
+        vocab_size=VOCAB,
+    )
 
 
 def make_drafter(*, block_size: int = 3, qk_norm: bool = True, seed: int = 0) -> Eagle3Drafter:
@@ -29,8 +38,9 @@ def make_drafter(*, block_size: int = 3, qk_norm: bool = True, seed: int = 0) ->
     embed = nn.Embedding(VOCAB, HIDDEN)
     lm_head = nn.Linear(HIDDEN, VOCAB, bias=False)
     nn.init.normal_(lm_head.weight, std=0.5)  # a peaked head so logits differ visibly between inputs
-    drafter = Eagle3Drafter(spec=make_spec(qk_norm), num_feature_layers=M, block_size=block_size,
-                            embed_tokens=embed, lm_head=lm_head)
+    drafter = Eagle3Drafter(
+        spec=make_spec(qk_norm), num_feature_layers=M, block_size=block_size, embed_tokens=embed, lm_head=lm_head
+    )
     # Non-trivial norm weights so a wrongly placed norm changes the numbers.
     with torch.no_grad():
         for name, param in drafter.named_parameters():
@@ -93,7 +103,7 @@ def reference_ttt(drafter: Eagle3Drafter, features: torch.Tensor, input_ids: tor
     keys, values, logits = [], [], []
     for step in range(drafter.block_size):
         tokens = torch.zeros_like(embeds)
-        tokens[:, : max(seq_len - step - 1, 0)] = embeds[:, step + 1:]
+        tokens[:, : max(seq_len - step - 1, 0)] = embeds[:, step + 1 :]
         q, k, v = project(drafter, g, tokens, step)
         keys.append(k)
         values.append(v)
@@ -113,18 +123,14 @@ def reference_ttt(drafter: Eagle3Drafter, features: torch.Tensor, input_ids: tor
 
 def test_create_ttt_mask_matches_hand_written_case():
     """T = 4: step 0 is lower-triangular; each later step adds the identity block (own position only)."""
-    step0 = [[1, 0, 0, 0],
-             [1, 1, 0, 0],
-             [1, 1, 1, 0],
-             [1, 1, 1, 1]]
-    step1 = [[1, 0, 0, 0, 1, 0, 0, 0],
-             [1, 1, 0, 0, 0, 1, 0, 0],
-             [1, 1, 1, 0, 0, 0, 1, 0],
-             [1, 1, 1, 1, 0, 0, 0, 1]]
-    step2 = [[1, 0, 0, 0, 1, 0, 0, 0, 1, 0, 0, 0],
-             [1, 1, 0, 0, 0, 1, 0, 0, 0, 1, 0, 0],
-             [1, 1, 1, 0, 0, 0, 1, 0, 0, 0, 1, 0],
-             [1, 1, 1, 1, 0, 0, 0, 1, 0, 0, 0, 1]]
+    step0 = [[1, 0, 0, 0], [1, 1, 0, 0], [1, 1, 1, 0], [1, 1, 1, 1]]
+    step1 = [[1, 0, 0, 0, 1, 0, 0, 0], [1, 1, 0, 0, 0, 1, 0, 0], [1, 1, 1, 0, 0, 0, 1, 0], [1, 1, 1, 1, 0, 0, 0, 1]]
+    step2 = [
+        [1, 0, 0, 0, 1, 0, 0, 0, 1, 0, 0, 0],
+        [1, 1, 0, 0, 0, 1, 0, 0, 0, 1, 0, 0],
+        [1, 1, 1, 0, 0, 0, 1, 0, 0, 0, 1, 0],
+        [1, 1, 1, 1, 0, 0, 0, 1, 0, 0, 0, 1],
+    ]
     for step, expected in enumerate([step0, step1, step2]):
         mask = create_ttt_mask(4, step)
         assert mask.dtype == torch.bool
@@ -172,7 +178,7 @@ def test_outputs_are_causal_in_features_and_tokens():
         base = run(drafter, features, input_ids).logits
         for i in range(8):
             noisy_features = features.clone()
-            noisy_features[:, i + 1:] = torch.randn(noisy_features[:, i + 1:].shape, generator=gen)
+            noisy_features[:, i + 1 :] = torch.randn(noisy_features[:, i + 1 :].shape, generator=gen)
             changed_feature = features.clone()
             changed_feature[:, i] += 1.0
             after_features = run(drafter, noisy_features, input_ids).logits
@@ -224,7 +230,7 @@ def brute_force_loss(output, target_logits, loss_mask, attention_mask, step_weig
                 count += 1
         per_step.append(ce_sum / (batch * seq_len))
         accuracy.append(hits / max(count, 1))
-        total += step_weight ** k * per_step[-1]
+        total += step_weight**k * per_step[-1]
     return total, per_step, accuracy
 
 
@@ -241,15 +247,17 @@ def random_loss_inputs(seed: int = 3, batch: int = 3, seq_len: int = 7, steps: i
 
 def test_loss_matches_brute_force():
     output, target_logits, loss_mask, attention_mask = random_loss_inputs()
-    loss = compute_eagle3_loss(output, target_logits=target_logits, loss_mask=loss_mask,
-                               attention_mask=attention_mask, step_weight=0.8)
+    loss = compute_eagle3_loss(
+        output, target_logits=target_logits, loss_mask=loss_mask, attention_mask=attention_mask, step_weight=0.8
+    )
     total, per_step, accuracy = brute_force_loss(output, target_logits, loss_mask, attention_mask, 0.8)
     assert loss.total.item() == pytest.approx(total, rel=1e-5)
     assert loss.per_step.tolist() == pytest.approx(per_step, rel=1e-5)
     assert loss.accuracy.tolist() == pytest.approx(accuracy)
     # The same loss from probabilities instead of logits.
-    from_probs = compute_eagle3_loss(output, target_probs=torch.softmax(target_logits, -1), loss_mask=loss_mask,
-                                     attention_mask=attention_mask)
+    from_probs = compute_eagle3_loss(
+        output, target_probs=torch.softmax(target_logits, -1), loss_mask=loss_mask, attention_mask=attention_mask
+    )
     assert from_probs.total.item() == pytest.approx(total, rel=1e-5)
 
 
@@ -258,15 +266,18 @@ def test_loss_mask_definition_on_a_small_case():
     loss_mask = torch.tensor([[0, 1, 1, 1]], dtype=torch.bool)
     attention_mask = torch.ones(1, 4, dtype=torch.bool)
     mask = create_eagle3_loss_mask(loss_mask, attention_mask, num_steps=3)
-    assert mask[0].T.int().tolist() == [[0, 1, 1, 0],   # step 0: i+1 < 4 and loss_mask[i]
-                                        [1, 1, 0, 0],   # step 1: i+2 < 4 and loss_mask[i+1]
-                                        [1, 0, 0, 0]]   # step 2: i+3 < 4 and loss_mask[i+2]
+    assert mask[0].T.int().tolist() == [
+        [0, 1, 1, 0],  # step 0: i+1 < 4 and loss_mask[i]
+        [1, 1, 0, 0],  # step 1: i+2 < 4 and loss_mask[i+1]
+        [1, 0, 0, 0],
+    ]  # step 2: i+3 < 4 and loss_mask[i+2]
 
 
 def test_acceptance_proxy_matches_total_variation():
     output, target_logits, loss_mask, attention_mask = random_loss_inputs()
-    proxy = compute_eagle3_acceptance_proxy(output, target_logits=target_logits, loss_mask=loss_mask,
-                                            attention_mask=attention_mask)
+    proxy = compute_eagle3_acceptance_proxy(
+        output, target_logits=target_logits, loss_mask=loss_mask, attention_mask=attention_mask
+    )
     supervised = create_eagle3_loss_mask(loss_mask, attention_mask, num_steps=4)
     batch, seq_len, _ = target_logits.shape
     for b in range(batch):
@@ -307,8 +318,9 @@ def test_adamw_steps_reduce_the_loss():
     optimizer = torch.optim.AdamW(drafter.parameters(), lr=3e-3, weight_decay=0.0)
     losses = []
     for _ in range(15):
-        loss = compute_eagle3_loss(run(drafter, features, input_ids), target_logits=target_logits,
-                                   loss_mask=mask, attention_mask=mask).total
+        loss = compute_eagle3_loss(
+            run(drafter, features, input_ids), target_logits=target_logits, loss_mask=mask, attention_mask=mask
+        ).total
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
@@ -333,10 +345,13 @@ def test_draft_chain_matches_ttt_at_the_last_context_position():
     features, input_ids = make_batch(1, context_len + steps, seed=9)
     with torch.no_grad():
         ttt = run(drafter, features, input_ids).logits
-    drafted = input_ids[0, context_len + 1:].tolist()  # x_{S+1}, x_{S+2}, ... are what the chain predicts
-    draft = drafter.draft_chain(context_features=features[:, :context_len],
-                                context_ids=input_ids[:, :context_len + 1], num_tokens=steps,
-                                sample_fn=forced_sampler(drafted + [0]))
+    drafted = input_ids[0, context_len + 1 :].tolist()  # x_{S+1}, x_{S+2}, ... are what the chain predicts
+    draft = drafter.draft_chain(
+        context_features=features[:, :context_len],
+        context_ids=input_ids[:, : context_len + 1],
+        num_tokens=steps,
+        sample_fn=forced_sampler(drafted + [0]),
+    )
     assert draft.tokens.tolist() == [drafted + [0]]  # the last draft is sampled, never fed back
     assert draft.probs.shape == (1, steps, VOCAB)
     for step in range(steps):
@@ -356,7 +371,7 @@ def test_draft_chain_stops_at_a_stop_id():
     assert full.tokens.shape == (1, 4)
     stopped = drafter.draft_chain(num_tokens=4, stop_ids={int(full.tokens[0, 1])}, **kwargs)
     first_stop = full.tokens[0].tolist().index(int(full.tokens[0, 1]))
-    assert stopped.tokens[0].tolist() == full.tokens[0, :first_stop + 1].tolist()
+    assert stopped.tokens[0].tolist() == full.tokens[0, : first_stop + 1].tolist()
     torch.testing.assert_close(stopped.probs.sum(-1), torch.ones(1, first_stop + 1))
 
 
@@ -366,11 +381,17 @@ def test_bad_shapes_raise_value_errors():
     with pytest.raises(ValueError, match="num_feature_layers"):
         run(drafter, features[..., :HIDDEN], input_ids)
     with pytest.raises(ValueError, match="context_ids"):
-        drafter.draft_chain(context_features=features, context_ids=input_ids, num_tokens=2,
-                            sample_fn=forced_sampler([1, 2]))
+        drafter.draft_chain(
+            context_features=features, context_ids=input_ids, num_tokens=2, sample_fn=forced_sampler([1, 2])
+        )
     with pytest.raises(ValueError, match="block_size"):
-        Eagle3Drafter(spec=make_spec(), num_feature_layers=M, block_size=0, embed_tokens=nn.Embedding(VOCAB, HIDDEN),
-                      lm_head=nn.Linear(HIDDEN, VOCAB, bias=False))
+        Eagle3Drafter(
+            spec=make_spec(),
+            num_feature_layers=M,
+            block_size=0,
+            embed_tokens=nn.Embedding(VOCAB, HIDDEN),
+            lm_head=nn.Linear(HIDDEN, VOCAB, bias=False),
+        )
     output = run(drafter, features, input_ids)
     mask = torch.ones(1, 5, dtype=torch.bool)
     with pytest.raises(ValueError, match="exactly one"):
@@ -379,8 +400,11 @@ def test_bad_shapes_raise_value_errors():
 
 def test_sampled_positions_equal_the_full_loss_when_every_position_is_sampled():
     """logit_positions = all positions, all valid → same logits, loss, accuracy and proxy as the full TTT."""
-    from dspark.losses.eagle3 import (compute_eagle3_sampled_acceptance, compute_eagle3_sampled_loss,
-                                      sampled_step_targets)
+    from dspark.losses.eagle3 import (
+        compute_eagle3_sampled_acceptance,
+        compute_eagle3_sampled_loss,
+        sampled_step_targets,
+    )
 
     drafter = make_drafter(block_size=3)
     features, input_ids = make_batch(2, 8, seed=4)
@@ -391,20 +415,21 @@ def test_sampled_positions_equal_the_full_loss_when_every_position_is_sampled():
     target_logits = torch.randn(2, 8, VOCAB, generator=torch.Generator().manual_seed(9)) * 2
     full = drafter(features=features, input_ids=input_ids, attention_mask=attention_mask)
     positions = torch.arange(8).expand(2, 8)
-    sampled = drafter(features=features, input_ids=input_ids, attention_mask=attention_mask,
-                      logit_positions=positions)
+    sampled = drafter(features=features, input_ids=input_ids, attention_mask=attention_mask, logit_positions=positions)
     for a, b in zip(full.logits, sampled.logits):
         torch.testing.assert_close(a, b)
-    index, supervised = sampled_step_targets(positions, torch.ones(2, 8, dtype=torch.bool), loss_mask=loss_mask,
-                                             attention_mask=attention_mask, num_steps=3)
+    index, supervised = sampled_step_targets(
+        positions, torch.ones(2, 8, dtype=torch.bool), loss_mask=loss_mask, attention_mask=attention_mask, num_steps=3
+    )
     gathered = target_logits.gather(1, index.flatten(1).unsqueeze(-1).expand(-1, -1, VOCAB)).view(2, 8, 3, VOCAB)
     want = compute_eagle3_loss(full, target_logits=target_logits, loss_mask=loss_mask, attention_mask=attention_mask)
     got = compute_eagle3_sampled_loss(sampled.logits, target_logits=gathered, supervised=supervised)
     torch.testing.assert_close(got.total, want.total)
     torch.testing.assert_close(got.accuracy, want.accuracy)
     assert got.num_supervised.tolist() == want.num_supervised.tolist()
-    proxy_full = compute_eagle3_acceptance_proxy(full, target_logits=target_logits, loss_mask=loss_mask,
-                                                 attention_mask=attention_mask)
+    proxy_full = compute_eagle3_acceptance_proxy(
+        full, target_logits=target_logits, loss_mask=loss_mask, attention_mask=attention_mask
+    )
     proxy = compute_eagle3_sampled_acceptance(sampled.logits, target_logits=gathered, supervised=supervised)
     assert torch.equal(proxy.valid, proxy_full.valid)
     torch.testing.assert_close(proxy.c_star, proxy_full.c_star)
@@ -421,8 +446,9 @@ def test_sampled_positions_pick_the_right_rows_and_mask_invalid_ones():
         torch.testing.assert_close(b[0], a[0, [5, 1, 7]])
     from dspark.losses.eagle3 import sampled_step_targets
 
-    index, supervised = sampled_step_targets(positions, torch.tensor([[True, True, False]]), loss_mask=mask,
-                                             attention_mask=mask, num_steps=2)
+    index, supervised = sampled_step_targets(
+        positions, torch.tensor([[True, True, False]]), loss_mask=mask, attention_mask=mask, num_steps=2
+    )
     assert index[0].tolist() == [[6, 7], [2, 3], [8, 8]]  # i+k+1, clamped to T-1
     # the third position is marked invalid, so none of its steps is supervised
     assert supervised[0].tolist() == [[True, True], [True, True], [False, False]]
@@ -433,15 +459,22 @@ def test_draft_chain_over_a_draft_vocabulary_returns_and_stops_on_target_ids():
     (a bug compared the stop set with the draft index)."""
     torch.manual_seed(0)
     ids = torch.arange(1, VOCAB, 2)  # odd target ids only: draft index j is target 2j + 1
-    drafter = Eagle3Drafter(spec=make_spec(), num_feature_layers=M, block_size=4, embed_tokens=nn.Embedding(VOCAB, HIDDEN),
-                            lm_head=nn.Linear(HIDDEN, VOCAB, bias=False), draft_vocab_ids=ids)
+    drafter = Eagle3Drafter(
+        spec=make_spec(),
+        num_feature_layers=M,
+        block_size=4,
+        embed_tokens=nn.Embedding(VOCAB, HIDDEN),
+        lm_head=nn.Linear(HIDDEN, VOCAB, bias=False),
+        draft_vocab_ids=ids,
+    )
     features, input_ids = make_batch(1, 6)
     greedy = lambda logits: (logits.argmax(-1), torch.softmax(logits, -1))  # noqa: E731
     free = drafter.draft_chain(context_features=features[:, :5], context_ids=input_ids, num_tokens=4, sample_fn=greedy)
     assert free.tokens.shape == (1, 4) and bool((free.tokens % 2 == 1).all())  # target ids, all in Vd
     assert free.probs.shape == (1, 4, VOCAB) and bool((free.probs[..., ::2] == 0).all())  # p_d is 0 outside Vd
     stop = int(free.tokens[0, 1])
-    stopped = drafter.draft_chain(context_features=features[:, :5], context_ids=input_ids, num_tokens=4,
-                                  sample_fn=greedy, stop_ids=[stop])
+    stopped = drafter.draft_chain(
+        context_features=features[:, :5], context_ids=input_ids, num_tokens=4, sample_fn=greedy, stop_ids=[stop]
+    )
     first = int((free.tokens[0] == stop).nonzero()[0])
-    assert stopped.tokens[0].tolist() == free.tokens[0, :first + 1].tolist()
+    assert stopped.tokens[0].tolist() == free.tokens[0, : first + 1].tolist()

@@ -4,6 +4,7 @@ Stub proposers draft the tiny target's own greedy continuation with chosen slots
 every round's A, τ and ℓ_eff are known in advance (never / always / partly accepted). Real drafters (freshly
 initialised, weights scaled up so they disagree with the target) check the context bookkeeping under sampling.
 """
+
 from __future__ import annotations
 
 import copy
@@ -49,9 +50,16 @@ def with_stop_ids(target, stop_ids):
 
 
 def make_drafter(target, kind, *, head="markov", gamma=GAMMA, seed=0, scale=5.0, sharpen=8.0):
-    spec = DrafterSpec(kind=kind, head=head if kind == "dspark" else "none", depth=1, block_size=gamma,
-                       markov_rank=8 if kind == "dspark" else 0, feature_layers=tuple(target.feature_layer_ids),
-                       mask_token_id=target.mask_token_id, target_fingerprint=target.fingerprint)
+    spec = DrafterSpec(
+        kind=kind,
+        head=head if kind == "dspark" else "none",
+        depth=1,
+        block_size=gamma,
+        markov_rank=8 if kind == "dspark" else 0,
+        feature_layers=tuple(target.feature_layer_ids),
+        mask_token_id=target.mask_token_id,
+        target_fingerprint=target.fingerprint,
+    )
     torch.manual_seed(seed)
     drafter = build_drafter(spec, target)
     with torch.no_grad():  # N(0, 0.02) weights leave p_d ≈ uniform; larger ones make real disagreements
@@ -69,7 +77,7 @@ def greedy_continuation(target, ids, n):
     for _ in range(n):
         logits = target.forward(torch.tensor([seq]), return_logits=True).logits[0, -1]
         seq.append(int(logits.argmax()))
-    return seq[len(ids):]
+    return seq[len(ids) :]
 
 
 class OracleProposer:
@@ -89,8 +97,9 @@ class OracleProposer:
         assert features.shape[1] == len(token_ids)
         self.tokens += list(token_ids)
 
-    def propose(self, *, anchor_token, anchor_position, temperature, generator, stop_ids, policy_hook=None,
-                max_drafts=None):
+    def propose(
+        self, *, anchor_token, anchor_position, temperature, generator, stop_ids, policy_hook=None, max_drafts=None
+    ):
         assert anchor_position == len(self.tokens)
         greedy = greedy_continuation(self.target, [*self.tokens, anchor_token], self.block_size)
         drafts = [g if k < self.correct else (g + 1) % self.target.vocab_size for k, g in enumerate(greedy)]
@@ -101,8 +110,13 @@ class OracleProposer:
 
 
 def engine(target, proposer, *, policy="fixed", temperature=0.0, max_new_tokens=13, **kw):
-    return SpeculativeEngine(target=target, proposer=proposer, policy=build_policy(policy, **kw),
-                             temperature=temperature, max_new_tokens=max_new_tokens)
+    return SpeculativeEngine(
+        target=target,
+        proposer=proposer,
+        policy=build_policy(policy, **kw),
+        temperature=temperature,
+        max_new_tokens=max_new_tokens,
+    )
 
 
 def run(eng, prompt, seed=0, **kw):
@@ -116,8 +130,9 @@ def test_counts_for_always_never_and_partly_accepted_drafts(target, prompt, corr
     reference = greedy_continuation(target, prompt, 13)
     assert result.new_tokens == reference and result.stop_reason == "max_new_tokens"
     assert len(result.rounds) == num_rounds  # 1 (first token, not a round) + rounds·τ = 13
-    assert [(r.num_verified, r.num_accepted, r.committed) for r in result.rounds] == \
-        [(GAMMA, accepted, accepted + 1)] * num_rounds
+    assert [(r.num_verified, r.num_accepted, r.committed) for r in result.rounds] == [
+        (GAMMA, accepted, accepted + 1)
+    ] * num_rounds
     positions = [r.anchor_position for r in result.rounds]
     assert positions == [len(prompt) + k * (accepted + 1) for k in range(num_rounds)]
     assert [r.extra_token for r in result.rounds] == [reference[p - len(prompt) + accepted + 1] for p in positions]
@@ -146,8 +161,13 @@ def test_accepted_stop_draft_ends_the_round_without_extra_token(target, prompt):
     stopped = with_stop_ids(target, [g[2]])  # round 1 drafts g1 g2 g3: g2 is a stop id
     result = run(engine(stopped, OracleProposer(stopped, correct=3)), prompt)
     (only,) = result.rounds
-    assert (only.drafts, only.num_verified, only.num_accepted, only.committed, only.extra_token) == \
-        (g[1:4], 2, 2, 2, None)  # ℓ_eff cut at the drafted stop id; τ = A through it
+    assert (only.drafts, only.num_verified, only.num_accepted, only.committed, only.extra_token) == (
+        g[1:4],
+        2,
+        2,
+        2,
+        None,
+    )  # ℓ_eff cut at the drafted stop id; τ = A through it
     assert result.new_tokens == g[:3] and result.stop_reason == "eos"
 
 
@@ -204,9 +224,9 @@ def test_cache_rollback_matches_a_fresh_forward(target, prompt, case):
     for record, (inputs, hidden, features) in zip(result.rounds, spy.calls[1:]):
         p = record.anchor_position
         keep = min(record.num_accepted + 1, len(sequence) - p)
-        assert inputs[:keep] == sequence[p:p + keep]
-        torch.testing.assert_close(hidden[:keep], fresh.final_hidden[0, p:p + keep], atol=1e-5, rtol=1e-5)
-        torch.testing.assert_close(features[:keep], fresh.features[0, p:p + keep], atol=1e-5, rtol=1e-5)
+        assert inputs[:keep] == sequence[p : p + keep]
+        torch.testing.assert_close(hidden[:keep], fresh.final_hidden[0, p : p + keep], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(features[:keep], fresh.features[0, p : p + keep], atol=1e-5, rtol=1e-5)
 
 
 class RecordingDSpark(DSparkProposer):
@@ -240,8 +260,9 @@ def test_dspark_context_is_exactly_the_committed_positions_before_the_anchor(tar
             torch.testing.assert_close(context, fused[:, :position], atol=1e-5, rtol=1e-5)
             block = torch.full((1, 1, GAMMA), target.mask_token_id)
             block[0, 0, 0] = anchor
-            expected = drafter.backbone.attend(fused[:, :position], block_input_ids=block,
-                                               anchor_positions=torch.tensor([[position]]))
+            expected = drafter.backbone.attend(
+                fused[:, :position], block_input_ids=block, anchor_positions=torch.tensor([[position]])
+            )
             torch.testing.assert_close(hidden, expected[0, 0], atol=1e-5, rtol=1e-5)
 
 
@@ -272,9 +293,12 @@ def test_eagle3_cached_rounds_equal_a_full_recomputation(target, prompt):
         def forced(logits):
             return torch.tensor([queue.pop(0)]), torch.softmax(logits.float(), dim=-1)
 
-        fresh = drafter.draft_chain(context_features=features[:, :position],
-                                    context_ids=torch.tensor([sequence[:position + 1]]),
-                                    num_tokens=len(queue), sample_fn=forced)
+        fresh = drafter.draft_chain(
+            context_features=features[:, :position],
+            context_ids=torch.tensor([sequence[: position + 1]]),
+            num_tokens=len(queue),
+            sample_fn=forced,
+        )
         assert fresh.tokens[0].tolist() == proposal.tokens.tolist()
         torch.testing.assert_close(proposal.draft_probs, fresh.probs[0].float(), atol=1e-5, rtol=1e-4)
 
@@ -290,8 +314,9 @@ def test_eagle3_extending_the_context_by_pieces_equals_one_pass(target):
         whole, last = drafter.extend_context(None, features=features, next_ids=ids[:, 1:])
         context = None
         for lo, hi in [(0, 1), (1, 4), (4, 6)]:
-            context, piece_last = drafter.extend_context(context, features=features[:, lo:hi],
-                                                         next_ids=ids[:, lo + 1:hi + 1])
+            context, piece_last = drafter.extend_context(
+                context, features=features[:, lo:hi], next_ids=ids[:, lo + 1 : hi + 1]
+            )
     for got, expected in zip(context, whole):
         torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(piece_last, last, atol=1e-5, rtol=1e-5)
@@ -310,28 +335,49 @@ def test_dspark_proposal_probs_are_the_teacher_forced_distributions(target, prom
     features = target.forward(torch.tensor([prompt])).features
     proposer.start(features=features, token_ids=prompt)
     anchor, position = 17, len(prompt)
-    proposal = proposer.propose(anchor_token=anchor, anchor_position=position, temperature=temperature,
-                                generator=torch.Generator().manual_seed(3), stop_ids=())
+    proposal = proposer.propose(
+        anchor_token=anchor,
+        anchor_position=position,
+        temperature=temperature,
+        generator=torch.Generator().manual_seed(3),
+        stop_ids=(),
+    )
     assert proposal.tokens.shape == (GAMMA,)
     block = torch.full((1, 1, GAMMA), target.mask_token_id)
     block[0, 0, 0] = anchor
     prev = torch.tensor([[[anchor, *proposal.tokens[:-1].tolist()]]])
     with torch.no_grad():
-        out = drafter(context_features=features, context_valid=torch.ones(1, position, dtype=torch.bool),
-                      block_input_ids=block, anchor_positions=torch.tensor([[position]]), prev_tokens=prev)
-    torch.testing.assert_close(proposal.draft_probs, probs_from_logits(out.logits[0, 0], temperature), atol=1e-6,
-                               rtol=1e-5)
+        out = drafter(
+            context_features=features,
+            context_valid=torch.ones(1, position, dtype=torch.bool),
+            block_input_ids=block,
+            anchor_positions=torch.tensor([[position]]),
+            prev_tokens=prev,
+        )
+    torch.testing.assert_close(
+        proposal.draft_probs, probs_from_logits(out.logits[0, 0], temperature), atol=1e-6, rtol=1e-5
+    )
     if head == "none":
         assert proposal.confidences is None
     else:
-        torch.testing.assert_close(proposal.confidences, torch.sigmoid(out.confidence_logits[0, 0]), atol=1e-6,
-                                   rtol=1e-5)
+        torch.testing.assert_close(
+            proposal.confidences, torch.sigmoid(out.confidence_logits[0, 0]), atol=1e-6, rtol=1e-5
+        )
 
 
 def test_threshold_policy_stops_drafting_at_the_first_low_confidence(target, prompt):
     drafter = make_drafter(target, "dspark", head="rnn")  # its c_1 spreads over (0.1, 0.99) here
-    result = run(engine(with_stop_ids(target, []), DSparkProposer(drafter), policy="threshold", threshold=0.6,
-                        temperature=1.0, max_new_tokens=30), prompt)
+    result = run(
+        engine(
+            with_stop_ids(target, []),
+            DSparkProposer(drafter),
+            policy="threshold",
+            threshold=0.6,
+            temperature=1.0,
+            max_new_tokens=30,
+        ),
+        prompt,
+    )
     lengths = {len(r.drafts) for r in result.rounds}
     assert len(lengths) > 1 and 0 in lengths  # stops at different slots, before slot 1 included
     for record in result.rounds:
@@ -370,26 +416,41 @@ def test_bad_inputs_raise(target, prompt):
     with pytest.raises(ValueError, match="confidence head"):
         engine(target, eagle, policy="threshold", threshold=0.5)
     with pytest.raises(ValueError, match="context holds"):
-        eagle.start(features=torch.zeros(1, 3, len(target.feature_layer_ids) * target.hidden_size),
-                    token_ids=[1, 2, 3])
+        eagle.start(features=torch.zeros(1, 3, len(target.feature_layer_ids) * target.hidden_size), token_ids=[1, 2, 3])
         eagle.propose(anchor_token=4, anchor_position=5, temperature=1.0, generator=None, stop_ids=())
 
 
 def test_api_round_trip(target, tmp_path):
     drafter = make_drafter(target, "dspark")
-    spec = DrafterSpec(kind="dspark", head="markov", depth=1, block_size=GAMMA, markov_rank=8,
-                       feature_layers=tuple(target.feature_layer_ids), mask_token_id=target.mask_token_id,
-                       target_fingerprint=target.fingerprint)
+    spec = DrafterSpec(
+        kind="dspark",
+        head="markov",
+        depth=1,
+        block_size=GAMMA,
+        markov_rank=8,
+        feature_layers=tuple(target.feature_layer_ids),
+        mask_token_id=target.mask_token_id,
+        target_fingerprint=target.fingerprint,
+    )
     save_drafter(tmp_path / "drafter.pt", spec=spec, state_dict=drafter.state_dict(), metrics={})
     for where in (tmp_path, tmp_path / "drafter.pt"):
         loaded = load_trained_drafter(where, target)
         assert all(torch.equal(a, b) for a, b in zip(loaded.state_dict().values(), drafter.state_dict().values()))
-    result = speculative_generate(target, loaded, "What is 2+2?", policy="threshold", threshold=0.3,
-                                  max_new_tokens=10, seed=1)
+    result = speculative_generate(
+        target, loaded, "What is 2+2?", policy="threshold", threshold=0.3, max_new_tokens=10, seed=1
+    )
     assert result.prompt_ids == target.chat_prompt_ids("What is 2+2?") and 1 <= len(result.new_tokens) <= 10
     assert all(r.confidences is not None and r.num_accepted <= r.num_verified for r in result.rounds)
-    again = speculative_generate(target, loaded, result.prompt_ids, chat_template=False, max_new_tokens=10, seed=1,
-                                 policy="threshold", threshold=0.3)
+    again = speculative_generate(
+        target,
+        loaded,
+        result.prompt_ids,
+        chat_template=False,
+        max_new_tokens=10,
+        seed=1,
+        policy="threshold",
+        threshold=0.3,
+    )
     assert again.new_tokens == result.new_tokens  # same seed, same tokens
     baseline = speculative_generate(target, None, "hello", chat_template=False, max_new_tokens=4, temperature=0.0)
     assert baseline.prompt_ids == target.tokenizer("hello", add_special_tokens=False)["input_ids"]

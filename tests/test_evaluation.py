@@ -1,5 +1,6 @@
 """dspark.evaluation: summary maths on hand-made rounds, plots, STS collection on a tiny drafter, SPS caching,
 diagnostics. The engine-backed tests use the offline `tiny` target and untrained drafters."""
+
 from __future__ import annotations
 
 import logging
@@ -37,21 +38,39 @@ pytestmark = pytest.mark.usefixtures("one_thread")  # tiny tensors: one thread (
 
 
 def _round(verified: int, accepted: int, *, eos: bool = False, conf=None) -> dict:
-    return {"anchor_position": 0, "drafts": [5] * verified, "confidences": conf, "calibrated": None,
-            "num_verified": verified, "num_accepted": accepted, "committed": accepted + (0 if eos else 1),
-            "extra_token": None if eos else 7, "seconds_draft_parallel": 0.002, "seconds_draft_sequential": 0.001,
-            "seconds_verify": 0.010, "seconds_other": 0.001}
+    return {
+        "anchor_position": 0,
+        "drafts": [5] * verified,
+        "confidences": conf,
+        "calibrated": None,
+        "num_verified": verified,
+        "num_accepted": accepted,
+        "committed": accepted + (0 if eos else 1),
+        "extra_token": None if eos else 7,
+        "seconds_draft_parallel": 0.002,
+        "seconds_draft_sequential": 0.001,
+        "seconds_verify": 0.010,
+        "seconds_other": 0.001,
+    }
 
 
-def _pair(dataset: str, domain: str, pid: str, rounds: list[dict], *, spec_s: float = 1.0,
-          target_s: float = 2.0) -> list[PromptRollout]:
+def _pair(
+    dataset: str, domain: str, pid: str, rounds: list[dict], *, spec_s: float = 1.0, target_s: float = 2.0
+) -> list[PromptRollout]:
     """A speculative rollout with `rounds` and a target-only rollout of the same tokens."""
     tokens = sum(r["committed"] for r in rounds)
-    common = dict(dataset=dataset, domain=domain, prompt_id=pid, prompt_tokens=10, stop_reason="max_new_tokens",
-                  prefill_seconds=0.1)
-    return [PromptRollout(mode="speculative", new_tokens=[1] * tokens, total_seconds=spec_s, rounds=rounds,
-                          **common),
-            PromptRollout(mode="target", new_tokens=[1] * tokens, total_seconds=target_s, **common)]
+    common = dict(
+        dataset=dataset,
+        domain=domain,
+        prompt_id=pid,
+        prompt_tokens=10,
+        stop_reason="max_new_tokens",
+        prefill_seconds=0.1,
+    )
+    return [
+        PromptRollout(mode="speculative", new_tokens=[1] * tokens, total_seconds=spec_s, rounds=rounds, **common),
+        PromptRollout(mode="target", new_tokens=[1] * tokens, total_seconds=target_s, **common),
+    ]
 
 
 def test_mean_ci_matches_student_t():
@@ -90,9 +109,11 @@ def test_cond_is_its_own_counter_and_eos_rounds_count():
 
 def test_domain_curves_average_benchmarks_not_rounds():
     """gsm8k: 1 round, cond@1 = 1; math500: 3 rounds, cond@1 = 0 → domain 0.5 (pooling would give 0.25)."""
-    rollouts = (_pair("gsm8k", "math", "g", [_round(3, 1)])
-                + _pair("math500", "math", "m", [_round(3, 0)] * 3, spec_s=1.0, target_s=4.0)
-                + _pair("mt-bench", "chat", "c", [_round(3, 3)]))
+    rollouts = (
+        _pair("gsm8k", "math", "g", [_round(3, 1)])
+        + _pair("math500", "math", "m", [_round(3, 0)] * 3, spec_s=1.0, target_s=4.0)
+        + _pair("mt-bench", "chat", "c", [_round(3, 3)])
+    )
     summary = summarize(rollouts, block_size=BLOCK)
     math_domain = summary.domains["math"]
     assert math_domain["cond/pos1"] == pytest.approx(0.5)
@@ -126,11 +147,25 @@ def test_rollouts_jsonl_roundtrip_and_report(tmp_path):
     summary = summarize(back, block_size=BLOCK)
     png = plot_conditional_acceptance(summary, tmp_path / "cond.png")
     assert png.read_bytes()[:8] == PNG_MAGIC
-    meta = {"run_name": "dspark-x", "command": "python experiments/run.py budget=smoke", "target": "tiny",
-            "target_fingerprint": "abc", "drafter_kind": "dspark", "drafter_path": "d.pt",
-            "spec": {"head": "markov", "depth": 1}, "seed": 0, "rounds_file": str(path),
-            "decode": {"policy": "threshold", "threshold": 0.5, "temperature": 1.0, "max_new_tokens": 8,
-                       "prompts_per_set": 1, "eval_sets": ["gsm8k"]}}
+    meta = {
+        "run_name": "dspark-x",
+        "command": "python experiments/run.py budget=smoke",
+        "target": "tiny",
+        "target_fingerprint": "abc",
+        "drafter_kind": "dspark",
+        "drafter_path": "d.pt",
+        "spec": {"head": "markov", "depth": 1},
+        "seed": 0,
+        "rounds_file": str(path),
+        "decode": {
+            "policy": "threshold",
+            "threshold": 0.5,
+            "temperature": 1.0,
+            "max_new_tokens": 8,
+            "prompts_per_set": 1,
+            "eval_sets": ["gsm8k"],
+        },
+    }
     text = report_markdown(meta, summary, cond_plot=png.name)
     assert "τ pooled" in text and "cond@3" in text and "θ = 0.5" in text and "![cond@k](cond.png)" in text
     with pytest.raises(ValueError, match="stage=eval"):
@@ -157,19 +192,42 @@ def test_fit_calibration_reports_and_plots(tmp_path):
     assert report.sts.temperatures[0] > 1.5  # over-confident confidences get a temperature > 1
     assert report.after.ece[0] < report.before.ece[0]
     assert {"calibration/ece_before/pos1", "calibration/auroc_after/pos3", "calibration/temperature/pos2"} <= set(
-        report.metrics())
+        report.metrics()
+    )
     assert "ECE % before → after" in report.markdown()
 
 
 def test_threshold_and_latency_plots(tmp_path):
     """The rows `reports.diagnostics` hands the Fig. 5 and Fig. 4 (right) plots draw into PNG files."""
-    threshold = [{"domain": d, "threshold": t, "accepted_per_round": 1.0 - t, "rejected_per_round": t,
-                  "verify_rate": 0.5 + t / 2} for d in ("math", "chat") for t in (0.0, 0.5, 0.9)]
+    threshold = [
+        {
+            "domain": d,
+            "threshold": t,
+            "accepted_per_round": 1.0 - t,
+            "rejected_per_round": t,
+            "verify_rate": 0.5 + t / 2,
+        }
+        for d in ("math", "chat")
+        for t in (0.0, 0.5, 0.9)
+    ]
     assert plot_threshold_sweep(threshold, tmp_path / "threshold.png").read_bytes()[:8] == PNG_MAGIC
-    latency = [{"context_length": c, "head": h, "block_size": b, "rounds": 4, "verify_ms": 10.0,
-                "draft_parallel_ms": 3.0, "draft_sequential_ms": 0.5 * (h != "none"), "other_ms": 1.0,
-                "round_ms": 14.5, "sequential_share": 0.03} for c in (64, 128) for h in ("none", "markov")
-               for b in (3, 7)]
+    latency = [
+        {
+            "context_length": c,
+            "head": h,
+            "block_size": b,
+            "rounds": 4,
+            "verify_ms": 10.0,
+            "draft_parallel_ms": 3.0,
+            "draft_sequential_ms": 0.5 * (h != "none"),
+            "other_ms": 1.0,
+            "round_ms": 14.5,
+            "sequential_share": 0.03,
+        }
+        for c in (64, 128)
+        for h in ("none", "markov")
+        for b in (3, 7)
+    ]
     assert plot_latency_breakdown(latency, tmp_path / "latency.png").read_bytes()[:8] == PNG_MAGIC
 
 
@@ -192,8 +250,9 @@ def test_encode_prompts_errors_name_the_prompt(tiny):
     with pytest.raises(ValueError, match="'g-2'.*empty"):
         encode_prompts(tiny, {"gsm8k": [PromptRecord("g-2", "math", "  ")]}, max_new_tokens=4)
     with pytest.raises(ValueError, match="'g-3'.*context of 16"):
-        encode_prompts(tiny, {"gsm8k": [PromptRecord("g-3", "math", "word " * 40)]}, max_new_tokens=4,
-                       context_length=16)
+        encode_prompts(
+            tiny, {"gsm8k": [PromptRecord("g-3", "math", "word " * 40)]}, max_new_tokens=4, context_length=16
+        )
 
 
 def test_sts_collection_on_tiny_drafter_stores_calibration(tiny, tmp_path, monkeypatch):
@@ -202,31 +261,65 @@ def test_sts_collection_on_tiny_drafter_stores_calibration(tiny, tmp_path, monke
     from dspark.drafters.checkpoint import load_drafter, save_drafter
 
     drafter = _untrained(tiny)
-    spec = DrafterSpec(kind="dspark", head="markov", depth=1, block_size=BLOCK, markov_rank=8,
-                       feature_layers=tuple(tiny.feature_layer_ids), mask_token_id=tiny.mask_token_id,
-                       target_fingerprint=tiny.fingerprint)
+    spec = DrafterSpec(
+        kind="dspark",
+        head="markov",
+        depth=1,
+        block_size=BLOCK,
+        markov_rank=8,
+        feature_layers=tuple(tiny.feature_layer_ids),
+        mask_token_id=tiny.mask_token_id,
+        target_fingerprint=tiny.fingerprint,
+    )
     path = tmp_path / "drafter.pt"
     save_drafter(path, spec=spec, state_dict=drafter.state_dict(), metrics={"val/loss": 1.0})
     _, _, payload = load_drafter(path, tiny, block_size=BLOCK)
     prompts = [tiny.chat_prompt_ids(text) for text in ("Add 3 and 4.", "Write a haiku.")]
-    rounds = collect_calibration_rounds(target=tiny, proposer=DSparkProposer(drafter), prompt_ids=prompts,
-                                        temperature=1.0, max_new_tokens=12, seed=0, block_size=BLOCK,
-                                        show_progress=False)
+    rounds = collect_calibration_rounds(
+        target=tiny,
+        proposer=DSparkProposer(drafter),
+        prompt_ids=prompts,
+        temperature=1.0,
+        max_new_tokens=12,
+        seed=0,
+        block_size=BLOCK,
+        show_progress=False,
+    )
     assert rounds.conf.shape[1] == BLOCK and rounds.conf.shape[0] >= 4 and rounds.num_prompts == 2
     assert bool(((rounds.conf > 0) & (rounds.conf < 1))[rounds.valid].all())
-    report = calibrate_drafter(target=tiny, proposer=DSparkProposer(drafter), drafter_path=path, payload=payload,
-                               prompt_ids=prompts, temperature=1.0, max_new_tokens=12, seed=0, block_size=BLOCK,
-                               plot_path=tmp_path / "reliability.png")
+    report = calibrate_drafter(
+        target=tiny,
+        proposer=DSparkProposer(drafter),
+        drafter_path=path,
+        payload=payload,
+        prompt_ids=prompts,
+        temperature=1.0,
+        max_new_tokens=12,
+        seed=0,
+        block_size=BLOCK,
+        plot_path=tmp_path / "reliability.png",
+    )
     assert report.plot_path.read_bytes()[:8] == PNG_MAGIC
     _, _, stored = load_drafter(path, tiny, block_size=BLOCK)
     entry = stored["calibration"][calibration_key(1.0)]
     assert entry["method"] == "sts" and len(entry["temperatures"]) == BLOCK
     assert entry["num_rounds"] == report.num_rounds and stored["metrics"] == {"val/loss": 1.0}
     # a second call at the same temperature reuses the stored fit without decoding
-    monkeypatch.setattr("dspark.evaluation.calibrate.collect_calibration_rounds",
-                        lambda **_: pytest.fail("decoded again although drafter.pt holds a fit"))
-    again = calibrate_drafter(target=tiny, proposer=None, drafter_path=path, payload=stored, prompt_ids=prompts,
-                              temperature=1.0, max_new_tokens=12, seed=0, block_size=BLOCK)
+    monkeypatch.setattr(
+        "dspark.evaluation.calibrate.collect_calibration_rounds",
+        lambda **_: pytest.fail("decoded again although drafter.pt holds a fit"),
+    )
+    again = calibrate_drafter(
+        target=tiny,
+        proposer=None,
+        drafter_path=path,
+        payload=stored,
+        prompt_ids=prompts,
+        temperature=1.0,
+        max_new_tokens=12,
+        seed=0,
+        block_size=BLOCK,
+    )
     assert again.sts.temperatures == report.sts.temperatures
 
 
@@ -245,14 +338,22 @@ def test_sps_table_cached_and_reprofiled_on_mismatch(tiny, tmp_path, caplog):
 
 def test_latency_breakdown_on_tiny(tiny):
     """The `latency` sweep's cell runner (`sweeps.latency`) reads these rows: one per (head, γ, context)."""
-    latency = latency_breakdown(target=tiny, heads=("none", "markov"), block_sizes=(3,), context_lengths=(32,),
-                                rounds=3, depth=1, markov_rank=8, show_progress=False)
-    assert [(r["head"], r["block_size"], r["context_length"]) for r in latency] == [("none", 3, 32),
-                                                                                    ("markov", 3, 32)]
+    latency = latency_breakdown(
+        target=tiny,
+        heads=("none", "markov"),
+        block_sizes=(3,),
+        context_lengths=(32,),
+        rounds=3,
+        depth=1,
+        markov_rank=8,
+        show_progress=False,
+    )
+    assert [(r["head"], r["block_size"], r["context_length"]) for r in latency] == [("none", 3, 32), ("markov", 3, 32)]
     for row in latency:
         assert row["rounds"] >= 1 and row["verify_ms"] > 0 and row["draft_parallel_ms"] > 0
-        assert row["round_ms"] == pytest.approx(row["verify_ms"] + row["draft_parallel_ms"]
-                                                + row["draft_sequential_ms"] + row["other_ms"])
+        assert row["round_ms"] == pytest.approx(
+            row["verify_ms"] + row["draft_parallel_ms"] + row["draft_sequential_ms"] + row["other_ms"]
+        )
 
 
 def test_teacher_forced_steps_rerun_the_training_step_without_gradients(tiny):
@@ -267,19 +368,30 @@ def test_teacher_forced_steps_rerun_the_training_step_without_gradients(tiny):
     drafter = _untrained(tiny)
     ids = torch.tensor([tiny.chat_prompt_ids("Add 3 and 4.")])
     anchors = torch.tensor([[2, 5, 8]])
-    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids, dtype=torch.bool),
-             "loss_mask": torch.ones_like(ids, dtype=torch.bool), "anchors": anchors,
-             "anchor_valid": torch.ones_like(anchors, dtype=torch.bool)}
+    batch = {
+        "input_ids": ids,
+        "attention_mask": torch.ones_like(ids, dtype=torch.bool),
+        "loss_mask": torch.ones_like(ids, dtype=torch.bool),
+        "anchors": anchors,
+        "anchor_valid": torch.ones_like(anchors, dtype=torch.bool),
+    }
     loss = LossConfig(alpha_ce=0.3, alpha_tv=0.7)
-    [(seen, result)] = teacher_forced_steps([batch], drafter=drafter, target=tiny, block_size=BLOCK,
-                                            step=validation_step("dspark", loss), show_progress=False)
+    [(seen, result)] = teacher_forced_steps(
+        [batch],
+        drafter=drafter,
+        target=tiny,
+        block_size=BLOCK,
+        step=validation_step("dspark", loss),
+        show_progress=False,
+    )
     expected = dspark_step(drafter=drafter, target=tiny, batch=batch, block_size=BLOCK, **asdict(loss))
     assert seen is batch and torch.equal(result.c_star, expected.c_star)
     assert torch.equal(result.label_valid, expected.label_valid)
     assert not result.loss.total.requires_grad and torch.is_grad_enabled()
     torch.testing.assert_close(result.loss.total, expected.loss.total.detach())
-    [(_, (output, blocks, _))] = teacher_forced_steps([batch], drafter=drafter, target=tiny, block_size=BLOCK,
-                                                      show_progress=False)
+    [(_, (output, blocks, _))] = teacher_forced_steps(
+        [batch], drafter=drafter, target=tiny, block_size=BLOCK, show_progress=False
+    )
     direct, _, _ = block_forward(drafter=drafter, target=tiny, batch=batch, block_size=BLOCK)
     assert torch.equal(output.logits, direct.logits) and not output.logits.requires_grad
     assert blocks.labels.shape == (1, 3, BLOCK)

@@ -1,5 +1,6 @@
 """`dspark.hardware`: which CPU flags count as bf16, the override, what `auto` precisions resolve to, and the
 allocator setting that keeps large freed blocks."""
+
 from __future__ import annotations
 
 import os
@@ -17,8 +18,9 @@ ZEN3 = "flags : fpu sse2 avx2 fma vaes"
 ICE_LAKE = "flags : fpu avx2 avx512f avx512bw avx512_vnni avx512_bf16x"  # a near-miss must not count
 
 
-@pytest.mark.parametrize("cpuinfo, unit", [(SAPPHIRE_RAPIDS, "amx_bf16"), (ZEN4, "avx512_bf16"), (ZEN3, None),
-                                           (ICE_LAKE, None), ("", None)])
+@pytest.mark.parametrize(
+    "cpuinfo, unit", [(SAPPHIRE_RAPIDS, "amx_bf16"), (ZEN4, "avx512_bf16"), (ZEN3, None), (ICE_LAKE, None), ("", None)]
+)
 def test_bf16_unit_is_read_from_whole_cpu_flags(cpuinfo, unit):
     assert hardware.bf16_unit_from(cpuinfo) == unit
 
@@ -32,8 +34,9 @@ def test_the_machine_line_tells_cpu_generations_apart(monkeypatch):
 
     zen4 = "processor\t: 0\nvendor_id\t: AuthenticAMD\ncpu family\t: 25\nmodel\t\t: 17\nmodel name\t: AMD EPYC\n"
     real_read = Path.read_text
-    monkeypatch.setattr(Path, "read_text", lambda self, *a, **k: zen4 if str(self) == "/proc/cpuinfo"
-                        else real_read(self, *a, **k))
+    monkeypatch.setattr(
+        Path, "read_text", lambda self, *a, **k: zen4 if str(self) == "/proc/cpuinfo" else real_read(self, *a, **k)
+    )
     monkeypatch.setenv("DSPARK_CPU_BF16", "0")
     hardware.cpu_bf16_unit.cache_clear()
     try:
@@ -90,8 +93,10 @@ def _page_faults(keep: str) -> tuple[bool, list[int]]:
     return kept == "1", [int(faults) for faults in rounds]
 
 
-@pytest.mark.skipif(not sys.platform.startswith("linux") or platform.libc_ver()[0] != "glibc",
-                    reason="keep_freed_memory tunes glibc malloc only")
+@pytest.mark.skipif(
+    not sys.platform.startswith("linux") or platform.libc_ver()[0] != "glibc",
+    reason="keep_freed_memory tunes glibc malloc only",
+)
 def test_keep_freed_memory_reuses_large_blocks_instead_of_faulting_them_in_again():
     kept, faults_kept = _page_faults("1")
     off, faults_default = _page_faults("0")
@@ -120,8 +125,10 @@ print(int(released), kept - resident_mib())
 """
 
 
-@pytest.mark.skipif(not sys.platform.startswith("linux") or platform.libc_ver()[0] != "glibc",
-                    reason="release_freed_memory trims glibc's heap only")
+@pytest.mark.skipif(
+    not sys.platform.startswith("linux") or platform.libc_ver()[0] != "glibc",
+    reason="release_freed_memory trims glibc's heap only",
+)
 def test_release_freed_memory_returns_kept_blocks_to_the_os():
     env = {**os.environ, "DSPARK_KEEP_FREED_MEMORY": "1"}
     out = subprocess.run([sys.executable, "-c", _TRIM_SCRIPT], env=env, capture_output=True, text=True, check=True)
@@ -141,8 +148,9 @@ def test_autocast_linear_weights_is_bit_identical_and_restores_the_weights(tiny)
 
     def sample():
         torch.manual_seed(3)
-        return model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=True,
-                              max_new_tokens=12, pad_token_id=0)
+        return model.generate(
+            input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=True, max_new_tokens=12, pad_token_id=0
+        )
 
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
         plain_text, plain = sample(), tiny.forward(ids)

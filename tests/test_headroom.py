@@ -1,4 +1,5 @@
 """The verify-length headroom replay (`dspark.evaluation.headroom`): a hand-worked case and brute force."""
+
 import itertools
 import random
 
@@ -9,10 +10,18 @@ from dspark.evaluation.headroom import interpolate_costs, policy_headroom
 
 
 def _round(accepted: int, *, verified: int = 2, other: float = 0.0, committed: int | None = None) -> RoundRecord:
-    return RoundRecord(anchor_position=0, drafts=[1] * verified, confidences=None, calibrated=None,
-                       num_verified=verified, num_accepted=accepted,
-                       committed=accepted + 1 if committed is None else committed, extra_token=2,
-                       seconds_verify=9.0, seconds_other=other)  # the fixed run's verify time is replaced
+    return RoundRecord(
+        anchor_position=0,
+        drafts=[1] * verified,
+        confidences=None,
+        calibrated=None,
+        num_verified=verified,
+        num_accepted=accepted,
+        committed=accepted + 1 if committed is None else committed,
+        extra_token=2,
+        seconds_verify=9.0,
+        seconds_other=other,
+    )  # the fixed run's verify time is replaced
 
 
 def test_hand_worked_case():
@@ -44,8 +53,13 @@ def test_hindsight_matches_brute_force_over_every_choice():
             rounds.append(_round(accepted, verified=verified, other=rng.random(), committed=accepted if stop else None))
         head = policy_headroom(rounds, verify_seconds=costs, block_size=gamma)
         table = interpolate_costs(costs, gamma)
-        options = [[((ell + 1) if ell < r.num_accepted else r.committed, r.seconds - r.seconds_verify + table[ell])
-                    for ell in range(r.num_verified + 1)] for r in rounds]
+        options = [
+            [
+                ((ell + 1) if ell < r.num_accepted else r.committed, r.seconds - r.seconds_verify + table[ell])
+                for ell in range(r.num_verified + 1)
+            ]
+            for r in rounds
+        ]
         best = max(sum(t for t, _ in pick) / sum(s for _, s in pick) for pick in itertools.product(*options))
         assert head.hindsight_rate == pytest.approx(best, rel=1e-9)
         assert head.ratio >= 1.0 - 1e-12

@@ -1,6 +1,7 @@
 """The ablation axes taken from DeepSpec / speculators: the gated Markov head, a confidence head without W_1,
 and the D-PARD objective (values against hand computations, gradients, and lossless decoding after D-PARD training).
 """
+
 from __future__ import annotations
 
 import math
@@ -21,11 +22,21 @@ from dspark.losses.dpard import dpard_position_weights, reach_weights, renyi_hal
 from dspark.targets import load_target
 from lossless_checks import pit_values, uniformity_p_values
 
-SPEC = DraftLayerSpec(hidden_size=16, num_attention_heads=2, num_key_value_heads=1, head_dim=8, intermediate_size=32,
-                      rms_norm_eps=1e-6, rope_theta=1e4, qk_norm=False, vocab_size=40)
+SPEC = DraftLayerSpec(
+    hidden_size=16,
+    num_attention_heads=2,
+    num_key_value_heads=1,
+    head_dim=8,
+    intermediate_size=32,
+    rms_norm_eps=1e-6,
+    rope_theta=1e4,
+    qk_norm=False,
+    vocab_size=40,
+)
 
 
 # ---- gated head ----
+
 
 def test_gated_bias_is_deepspec_formula_and_step_matches_teacher_forcing():
     torch.manual_seed(0)
@@ -45,9 +56,19 @@ def test_gated_bias_is_deepspec_formula_and_step_matches_teacher_forcing():
 
 def _drafter(head: str, *, with_markov: bool = True) -> DSparkDrafter:
     torch.manual_seed(1)
-    return DSparkDrafter(spec=SPEC, num_feature_layers=2, depth=1, block_size=4, head=head, markov_rank=6,
-                         confidence=True, embed_tokens=torch.nn.Embedding(40, 16), lm_head=torch.nn.Linear(16, 40),
-                         mask_token_id=39, confidence_with_markov=with_markov).eval()
+    return DSparkDrafter(
+        spec=SPEC,
+        num_feature_layers=2,
+        depth=1,
+        block_size=4,
+        head=head,
+        markov_rank=6,
+        confidence=True,
+        embed_tokens=torch.nn.Embedding(40, 16),
+        lm_head=torch.nn.Linear(16, 40),
+        mask_token_id=39,
+        confidence_with_markov=with_markov,
+    ).eval()
 
 
 def test_confidence_without_markov_reads_h_only():
@@ -56,15 +77,18 @@ def test_confidence_without_markov_reads_h_only():
     hidden = torch.randn(3, 16)
     a, b = without.confidence(hidden, torch.tensor([1, 2, 3])), without.confidence(hidden, torch.tensor([7, 8, 9]))
     assert torch.equal(a, b)  # no dependence on x_{k-1}
-    assert not torch.equal(with_w1.confidence(hidden, torch.tensor([1, 2, 3])),
-                           with_w1.confidence(hidden, torch.tensor([7, 8, 9])))
+    assert not torch.equal(
+        with_w1.confidence(hidden, torch.tensor([1, 2, 3])), with_w1.confidence(hidden, torch.tensor([7, 8, 9]))
+    )
     assert without.extra_config()["confidence_with_markov"] is False
-    rebuilt = DSparkDrafter.from_extra_config(without.extra_config(), embed_tokens=without.embed_tokens,
-                                              lm_head=without.lm_head)
+    rebuilt = DSparkDrafter.from_extra_config(
+        without.extra_config(), embed_tokens=without.embed_tokens, lm_head=without.lm_head
+    )
     assert rebuilt.confidence_head.proj.in_features == 16
 
 
 # ---- D-PARD ----
+
 
 def test_dpard_weights_follow_the_dpace_recurrence_by_hand():
     a = torch.tensor([[[0.8, 0.5, 0.2, 0.9]]])
@@ -87,12 +111,15 @@ def test_renyi_half_values():
     assert torch.allclose(got, expected, atol=1e-6)
     # a draft vocabulary: p_t sums to its covered mass, q is a distribution over the draft ids only
     covered = torch.tensor([[0.3, 0.3]])
-    assert float(renyi_half(torch.log(torch.tensor([[0.5, 0.5]])), covered)) == pytest.approx(-2 * math.log(2 * math.sqrt(0.3 * 0.5)))
+    assert float(renyi_half(torch.log(torch.tensor([[0.5, 0.5]])), covered)) == pytest.approx(
+        -2 * math.log(2 * math.sqrt(0.3 * 0.5))
+    )
 
 
 def _output(logits: torch.Tensor, confidence: torch.Tensor | None) -> DSparkOutput:
-    return DSparkOutput(hidden=torch.zeros(*logits.shape[:-1], 4), parallel_logits=logits, logits=logits,
-                        confidence_logits=confidence)
+    return DSparkOutput(
+        hidden=torch.zeros(*logits.shape[:-1], 4), parallel_logits=logits, logits=logits, confidence_logits=confidence
+    )
 
 
 def test_dpard_loss_value_gradient_and_registry():
@@ -103,8 +130,15 @@ def test_dpard_loss_value_gradient_and_registry():
     valid = torch.ones(2, 3, 4, dtype=torch.bool)
     valid[0, 0, 2:] = False
     valid[1, 2] = False  # a block with no supervised slot does not count
-    out = compute_dpard_loss(_output(logits, conf), label_valid=valid, target_probs=p_t, alpha_conf=1.0,
-                             dpard_alpha=0.5, labels=None, alpha_ce=0.1)
+    out = compute_dpard_loss(
+        _output(logits, conf),
+        label_valid=valid,
+        target_probs=p_t,
+        alpha_conf=1.0,
+        dpard_alpha=0.5,
+        labels=None,
+        alpha_ce=0.1,
+    )
     q = torch.softmax(logits.detach(), -1)
     a = torch.minimum(q, p_t).sum(-1) * valid
     w, r = dpard_position_weights(a, valid, alpha=0.5), reach_weights(a, valid)
@@ -124,26 +158,37 @@ def test_dpard_loss_value_gradient_and_registry():
 def test_dpard_is_zero_when_the_draft_is_the_target():
     logits = torch.randn(1, 2, 3, 8)
     p_t = torch.softmax(logits, -1)
-    out = compute_dpard_loss(_output(logits, None), label_valid=torch.ones(1, 2, 3, dtype=torch.bool),
-                             target_probs=p_t, alpha_conf=0.0, dpard_alpha=0.5)
+    out = compute_dpard_loss(
+        _output(logits, None),
+        label_valid=torch.ones(1, 2, 3, dtype=torch.bool),
+        target_probs=p_t,
+        alpha_conf=0.0,
+        dpard_alpha=0.5,
+    )
     assert abs(float(out.total)) < 1e-5 and torch.allclose(out.c_star, torch.ones(1, 2, 3))
 
 
 # ---- config ----
 
+
 def test_config_names_the_new_keys():
     from dspark.config import ConfigError, resolve_config
 
-    rc = resolve_config(["model.head=gated", "model.confidence_with_markov=false", "loss.kind=dpard",
-                         "loss.dpard_alpha=0.25"])
+    rc = resolve_config(
+        ["model.head=gated", "model.confidence_with_markov=false", "loss.kind=dpard", "loss.dpard_alpha=0.25"]
+    )
     assert (rc.cfg.model.head, rc.cfg.model.confidence_with_markov, rc.cfg.loss.kind) == ("gated", False, "dpard")
-    for argv, needle in ((["loss.kind=renyi"], "loss.kind"), (["loss.dpard_alpha=0"], "loss.dpard_alpha"),
-                         (["drafter=eagle3", "loss.kind=dpard"], "EAGLE-3")):
+    for argv, needle in (
+        (["loss.kind=renyi"], "loss.kind"),
+        (["loss.dpard_alpha=0"], "loss.dpard_alpha"),
+        (["drafter=eagle3", "loss.kind=dpard"], "EAGLE-3"),
+    ):
         with pytest.raises(ConfigError, match=needle):
             resolve_config(argv)
 
 
 # ---- a D-PARD-trained gated drafter still decodes losslessly ----
+
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
@@ -162,15 +207,30 @@ def test_dpard_trained_gated_drafter_decodes_losslessly(tiny, one_thread):
     optimizer = torch.optim.AdamW(drafter.parameters(), lr=3e-3)
     batch = _batch(tiny)
     for _ in range(6):
-        result = dspark_step(drafter=drafter, target=tiny, batch=batch, block_size=3, alpha_ce=0.0, alpha_tv=0.0,
-                             alpha_conf=1.0, decay=4.0, kind="dpard", dpard_alpha=0.5)
+        result = dspark_step(
+            drafter=drafter,
+            target=tiny,
+            batch=batch,
+            block_size=3,
+            alpha_ce=0.0,
+            alpha_tv=0.0,
+            alpha_conf=1.0,
+            decay=4.0,
+            kind="dpard",
+            dpard_alpha=0.5,
+        )
         optimizer.zero_grad()
         result.loss.total.backward()
         optimizer.step()
     with torch.no_grad():  # peaked drafts (as tests/test_lossless.py) so that rejections happen
         drafter.backbone.norm.weight.mul_(6.0)
-    engine = SpeculativeEngine(target=tiny, proposer=build_proposer(drafter.eval()),
-                               policy=build_policy("threshold", threshold=0.5), temperature=1.0, max_new_tokens=4)
+    engine = SpeculativeEngine(
+        target=tiny,
+        proposer=build_proposer(drafter.eval()),
+        policy=build_policy("threshold", threshold=0.5),
+        temperature=1.0,
+        max_new_tokens=4,
+    )
     prompt = tiny.chat_prompt_ids("Tell me a story.")
     generator = torch.Generator().manual_seed(0)
     results = [engine.generate(prompt, generator=generator) for _ in range(300)]

@@ -1,4 +1,5 @@
 """`model.init_layers`: draft layers initialised from the target's own decoder layers (`dspark.drafters.init`)."""
+
 from __future__ import annotations
 
 import pytest
@@ -51,10 +52,13 @@ def test_a_layer_of_another_shape_is_refused_with_the_key(tiny):
         copy_target_layers(drafter.backbone.layers, tiny, [0])
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["model.depth=2", "model.init_layers=[0]"], "names 1 target layers for model.depth=2"),
-    (["drafter=eagle3", "model.depth=1", "model.init_layers=[0]"], "EAGLE-3's layer reads"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["model.depth=2", "model.init_layers=[0]"], "names 1 target layers for model.depth=2"),
+        (["drafter=eagle3", "model.depth=1", "model.init_layers=[0]"], "EAGLE-3's layer reads"),
+    ],
+)
 def test_the_config_refuses_a_layer_list_it_cannot_apply(argv, message):
     with pytest.raises(Exception, match=message):
         resolve_config(argv)

@@ -4,6 +4,7 @@ safetensors files, prompt files, and policies that need a confidence head.
 Every check here reads headers or listings only, so each case is asserted to answer in well under a second (a
 model load takes seconds; the GGUF conversion ~18 s).
 """
+
 from __future__ import annotations
 
 import json
@@ -47,16 +48,19 @@ def test_a_whole_model_directory_passes(tiny_dir):
     check_target("tiny")
 
 
-@pytest.mark.parametrize("damage, match", [
-    (lambda d: (d / "config.json").unlink(), "no config.json"),
-    (lambda d: (d / "config.json").write_text("{not json"), "config.json is not valid JSON"),
-    (lambda d: (d / "config.json").write_text('{"hidden_size": 64}'), "no `model_type`"),
-    (lambda d: (d / "model.safetensors").unlink(), "no weights"),
-    (lambda d: _truncate(d / "model.safetensors", keep=0.5), "model.safetensors is truncated"),
-    (lambda d: _truncate(d / "model.safetensors", keep_bytes=4), "not a readable safetensors"),
-    (lambda d: _index_with_missing_shard(d), "missing shard"),
-    (lambda d: [(d / n).unlink() for n in ("tokenizer.json", "tokenizer_config.json")], "no tokenizer files"),
-])
+@pytest.mark.parametrize(
+    "damage, match",
+    [
+        (lambda d: (d / "config.json").unlink(), "no config.json"),
+        (lambda d: (d / "config.json").write_text("{not json"), "config.json is not valid JSON"),
+        (lambda d: (d / "config.json").write_text('{"hidden_size": 64}'), "no `model_type`"),
+        (lambda d: (d / "model.safetensors").unlink(), "no weights"),
+        (lambda d: _truncate(d / "model.safetensors", keep=0.5), "model.safetensors is truncated"),
+        (lambda d: _truncate(d / "model.safetensors", keep_bytes=4), "not a readable safetensors"),
+        (lambda d: _index_with_missing_shard(d), "missing shard"),
+        (lambda d: [(d / n).unlink() for n in ("tokenizer.json", "tokenizer_config.json")], "no tokenizer files"),
+    ],
+)
 def test_a_broken_model_directory_is_refused_before_loading(damage, match, tiny_dir, tmp_path):
     model = _copy(tiny_dir, tmp_path)
     damage(model)
@@ -73,8 +77,10 @@ def _truncate(path: Path, *, keep: float | None = None, keep_bytes: int | None =
 
 def _index_with_missing_shard(model: Path) -> None:
     (model / "model.safetensors").rename(model / "model-00001-of-00002.safetensors")
-    index = {"metadata": {}, "weight_map": {"a": "model-00001-of-00002.safetensors",
-                                            "b": "model-00002-of-00002.safetensors"}}
+    index = {
+        "metadata": {},
+        "weight_map": {"a": "model-00001-of-00002.safetensors", "b": "model-00002-of-00002.safetensors"},
+    }
     (model / "model.safetensors.index.json").write_text(json.dumps(index))
 
 
@@ -146,6 +152,7 @@ def test_an_uncached_hub_id_is_refused_when_the_hub_is_off(monkeypatch, tmp_path
 
 # ---- prompt files ----
 
+
 def _jsonl(path: Path, text: str) -> Path:
     path.write_text(text, encoding="utf-8")
     return path
@@ -157,13 +164,16 @@ def test_blank_lines_are_accepted_as_datasets_does(tmp_path):
     assert check_prompt_file(_jsonl(tmp_path / "b.jsonl", '{"prompt": "x\u2028y"}\n')) == 1
 
 
-@pytest.mark.parametrize("text, match", [
-    ('{"prompt": "a"}\n{"prompt": "b",}\n', r"line 2: not valid JSON"),
-    ('{"prompt": "a"}\n["a list"]\n', r"line 2: a JSON list, not an object"),
-    ('{"id": 1, "text": "no prompt"}\n', r"line 1: no `prompt` string"),
-    ('\n\n', r"is empty"),
-    ('', r"is empty"),
-])
+@pytest.mark.parametrize(
+    "text, match",
+    [
+        ('{"prompt": "a"}\n{"prompt": "b",}\n', r"line 2: not valid JSON"),
+        ('{"prompt": "a"}\n["a list"]\n', r"line 2: a JSON list, not an object"),
+        ('{"id": 1, "text": "no prompt"}\n', r"line 1: no `prompt` string"),
+        ("\n\n", r"is empty"),
+        ("", r"is empty"),
+    ],
+)
 def test_malformed_jsonl_names_the_line(text, match, tmp_path):
     with pytest.raises(ValueError, match=match) as err:
         check_prompt_file(_jsonl(tmp_path / "bad.jsonl", text))
@@ -192,12 +202,16 @@ def test_every_vendored_prompt_file_passes():
 
 # ---- policies that read confidences ----
 
-@pytest.mark.parametrize("argv, needle", [
-    (["drafter=dflash", "decode.policy=scheduler"], "decode.policy=scheduler"),
-    (["drafter=dflash", "decode.policy=threshold", "stage=eval"], "decode.policy=threshold"),
-    (["drafter=eagle3", "decode.policy=threshold"], "drafter=eagle3 has no confidence head"),
-    (["drafter=dflash", "stage=serve", "serve.policy=async"], "serve.policy=async"),
-])
+
+@pytest.mark.parametrize(
+    "argv, needle",
+    [
+        (["drafter=dflash", "decode.policy=scheduler"], "decode.policy=scheduler"),
+        (["drafter=dflash", "decode.policy=threshold", "stage=eval"], "decode.policy=threshold"),
+        (["drafter=eagle3", "decode.policy=threshold"], "drafter=eagle3 has no confidence head"),
+        (["drafter=dflash", "stage=serve", "serve.policy=async"], "serve.policy=async"),
+    ],
+)
 def test_confidence_policies_need_a_confidence_head(argv, needle):
     with pytest.raises(ConfigError, match=needle):
         resolve_config(argv)
@@ -225,6 +239,7 @@ def test_config_lists_of_confidence_policies_match_the_policy_classes():
 
 # ---- the same inputs through the command line: exit 2 in preflight, nothing ran ----
 
+
 def _cli_refuses(argv: list[str], root: Path, needle: str, capsys) -> str:
     from dspark.cli import main
 
@@ -245,14 +260,19 @@ def test_cli_refuses_a_directory_that_is_not_a_model(tmp_path, capsys):
 def test_cli_refuses_a_truncated_gguf_naming_the_file(tmp_path, capsys):
     data = _write_gguf(tmp_path / "full.gguf").read_bytes()
     (tmp_path / "cut.gguf").write_bytes(data[:32])
-    err = _cli_refuses(["budget=smoke", f"target={tmp_path / 'cut.gguf'}"], tmp_path / "root", "download it again",
-                       capsys)
+    err = _cli_refuses(
+        ["budget=smoke", f"target={tmp_path / 'cut.gguf'}"], tmp_path / "root", "download it again", capsys
+    )
     assert str(tmp_path / "cut.gguf") in err and "unpack_from" not in err.split("(")[0]
 
 
 def test_cli_refuses_a_scheduler_on_dflash_before_prepare(tmp_path, capsys):
-    _cli_refuses(["budget=smoke", "drafter=dflash", "decode.policy=scheduler"], tmp_path / "root",
-                 "decode.policy=scheduler reads the confidence head", capsys)
+    _cli_refuses(
+        ["budget=smoke", "drafter=dflash", "decode.policy=scheduler"],
+        tmp_path / "root",
+        "decode.policy=scheduler reads the confidence head",
+        capsys,
+    )
 
 
 def test_cli_refuses_a_read_only_output_directory(tmp_path, capsys):

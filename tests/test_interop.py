@@ -1,5 +1,6 @@
 """Checkpoint interop: export -> import round trips on tiny Llama- and Qwen3-shaped targets, the exported names and
 config fields pinned against the reference code, and the errors for a drafter that does not fit its target."""
+
 from __future__ import annotations
 
 import json
@@ -38,8 +39,13 @@ def targets(tmp_path_factory):
     cache = tmp_path_factory.mktemp("interop-cache")
     tokenizer = build_tiny_tokenizer()
     qwen_dir = tmp_path_factory.mktemp("tiny-qwen3")
-    config = Qwen3Config(vocab_size=len(tokenizer), eos_token_id=tokenizer.eos_token_id,
-                         pad_token_id=tokenizer.pad_token_id, tie_word_embeddings=False, **TINY_SHAPE)
+    config = Qwen3Config(
+        vocab_size=len(tokenizer),
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        tie_word_embeddings=False,
+        **TINY_SHAPE,
+    )
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(3)
         Qwen3ForCausalLM(config).save_pretrained(qwen_dir)
@@ -47,15 +53,32 @@ def targets(tmp_path_factory):
     return {"llama": load_target("tiny", cache_dir=cache), "qwen3": load_target(str(qwen_dir), cache_dir=cache)}
 
 
-def make_drafter(target, *, kind: str, head: str = "markov", rank: int = 8, depth: int = 2, block_size: int = 4,
-                 seed: int = 0, draft_vocab: int = 0, confidence_with_markov: bool = True):
+def make_drafter(
+    target,
+    *,
+    kind: str,
+    head: str = "markov",
+    rank: int = 8,
+    depth: int = 2,
+    block_size: int = 4,
+    seed: int = 0,
+    draft_vocab: int = 0,
+    confidence_with_markov: bool = True,
+):
     """A drafter with every weight random (norms and biases too, so a swapped or dropped tensor shows);
     `draft_vocab` > 0: a draft vocabulary of that many (every third, spread out) target ids."""
-    spec = DrafterSpec(kind=kind, head=head if kind == "dspark" else "none", depth=depth, block_size=block_size,
-                       markov_rank=rank if kind == "dspark" and head != "none" else 0,
-                       feature_layers=tuple(target.feature_layer_ids), mask_token_id=target.mask_token_id,
-                       target_fingerprint=target.fingerprint, draft_vocab_size=draft_vocab,
-                       confidence_with_markov=confidence_with_markov)
+    spec = DrafterSpec(
+        kind=kind,
+        head=head if kind == "dspark" else "none",
+        depth=depth,
+        block_size=block_size,
+        markov_rank=rank if kind == "dspark" and head != "none" else 0,
+        feature_layers=tuple(target.feature_layer_ids),
+        mask_token_id=target.mask_token_id,
+        target_fingerprint=target.fingerprint,
+        draft_vocab_size=draft_vocab,
+        confidence_with_markov=confidence_with_markov,
+    )
     ids = torch.arange(0, target.vocab_size, 3)[:draft_vocab] if draft_vocab else None
     drafter = build_drafter(spec, target, draft_vocab_ids=ids)
     generator = torch.Generator().manual_seed(seed)
@@ -66,8 +89,13 @@ def make_drafter(target, *, kind: str, head: str = "markov", rank: int = 8, dept
 
 
 def decode(target, drafter, *, prompt: list[int], seed: int = 7, temperature: float = 1.0) -> list[int]:
-    engine = SpeculativeEngine(target=target, proposer=build_proposer(drafter), policy=build_policy("fixed"),
-                               temperature=temperature, max_new_tokens=24)
+    engine = SpeculativeEngine(
+        target=target,
+        proposer=build_proposer(drafter),
+        policy=build_policy("fixed"),
+        temperature=temperature,
+        max_new_tokens=24,
+    )
     return engine.generate(prompt, generator=torch.Generator().manual_seed(seed)).new_tokens
 
 
@@ -78,9 +106,13 @@ def dspark_outputs(drafter, target, *, seed: int = 1):
     ids = torch.randint(0, target.vocab_size, (2, 3, gamma), generator=g)
     ids[..., 1:] = drafter.mask_token_id
     with torch.no_grad():
-        return drafter(context_features=torch.randn(2, 20, m * d, generator=g), context_valid=torch.ones(2, 20).bool(),
-                       block_input_ids=ids, anchor_positions=torch.tensor([[3, 9, 15], [5, 11, 19]]),
-                       prev_tokens=torch.randint(0, target.vocab_size, (2, 3, gamma), generator=g))
+        return drafter(
+            context_features=torch.randn(2, 20, m * d, generator=g),
+            context_valid=torch.ones(2, 20).bool(),
+            block_input_ids=ids,
+            anchor_positions=torch.tensor([[3, 9, 15], [5, 11, 19]]),
+            prev_tokens=torch.randint(0, target.vocab_size, (2, 3, gamma), generator=g),
+        )
 
 
 # Drafter kinds whose round trip another test covers (a different forward signature).
@@ -94,8 +126,11 @@ def exported_variants() -> list[tuple[str, str]]:
     out = []
     for kind in (k for k in DRAFTER_BUILDERS.ordered() if k not in ROUND_TRIP_ELSEWHERE):
         fixed = FIXED_HEAD.get(kind)
-        heads = [fixed] if fixed is not None else [h for h in SEQUENTIAL_HEADS.ordered()
-                                                    if h != NO_HEAD and h not in HEAD_REFUSALS]
+        heads = (
+            [fixed]
+            if fixed is not None
+            else [h for h in SEQUENTIAL_HEADS.ordered() if h != NO_HEAD and h not in HEAD_REFUSALS]
+        )
         out += [(kind, head) for head in heads]
     return out
 
@@ -104,9 +139,11 @@ def round_trip_cases() -> list[tuple[str, str, str, str]]:
     """(target family, layout, kind, head): every exported variant on a Llama- and a Qwen3-shaped target in the
     deepspec layout and on Qwen3 in the speculators one (whose DSpark layers are Qwen3's), plus a confidence head
     that reads h_k only."""
-    cases = [(family, layout, kind, head) for family, layout in (("llama", "deepspec"), ("qwen3", "deepspec"),
-                                                                 ("qwen3", "speculators"))
-             for kind, head in exported_variants()]
+    cases = [
+        (family, layout, kind, head)
+        for family, layout in (("llama", "deepspec"), ("qwen3", "deepspec"), ("qwen3", "speculators"))
+        for kind, head in exported_variants()
+    ]
     return cases + [("qwen3", "deepspec", "dspark", "markov-conf-no-markov")]
 
 
@@ -187,47 +224,107 @@ def test_bfloat16_export_loads_and_decodes(targets, tmp_path, one_thread):
 # The same names are read by vLLM vllm/model_executor/models/qwen3_dspark.py (markov_head.markov_w1/w2,
 # confidence_head.proj) and written by vllm-project/speculators src/speculators/models/dspark/model_definitions.py.
 DEEPSPEC_LAYER_NAMES = [
-    "layers.{i}.input_layernorm.weight", "layers.{i}.self_attn.q_proj.weight", "layers.{i}.self_attn.k_proj.weight",
-    "layers.{i}.self_attn.v_proj.weight", "layers.{i}.self_attn.o_proj.weight", "layers.{i}.self_attn.q_norm.weight",
-    "layers.{i}.self_attn.k_norm.weight", "layers.{i}.post_attention_layernorm.weight",
-    "layers.{i}.mlp.gate_proj.weight", "layers.{i}.mlp.up_proj.weight", "layers.{i}.mlp.down_proj.weight",
+    "layers.{i}.input_layernorm.weight",
+    "layers.{i}.self_attn.q_proj.weight",
+    "layers.{i}.self_attn.k_proj.weight",
+    "layers.{i}.self_attn.v_proj.weight",
+    "layers.{i}.self_attn.o_proj.weight",
+    "layers.{i}.self_attn.q_norm.weight",
+    "layers.{i}.self_attn.k_norm.weight",
+    "layers.{i}.post_attention_layernorm.weight",
+    "layers.{i}.mlp.gate_proj.weight",
+    "layers.{i}.mlp.up_proj.weight",
+    "layers.{i}.mlp.down_proj.weight",
 ]
 DEEPSPEC_TOP_NAMES = ["embed_tokens.weight", "norm.weight", "fc.weight", "hidden_norm.weight", "lm_head.weight"]
 DEEPSPEC_HEAD_NAMES = {
     "markov": ["markov_head.markov_w1.weight", "markov_head.markov_w2.weight"],
-    "gated": ["markov_head.markov_w1.weight", "markov_head.markov_w2.weight", "markov_head.gate_proj.weight",
-              "markov_head.gate_proj.bias"],
-    "rnn": ["markov_head.markov_w1.weight", "markov_head.markov_w2.weight", "markov_head.joint_proj.weight",
-            "markov_head.joint_proj.bias"],
+    "gated": [
+        "markov_head.markov_w1.weight",
+        "markov_head.markov_w2.weight",
+        "markov_head.gate_proj.weight",
+        "markov_head.gate_proj.bias",
+    ],
+    "rnn": [
+        "markov_head.markov_w1.weight",
+        "markov_head.markov_w2.weight",
+        "markov_head.joint_proj.weight",
+        "markov_head.joint_proj.bias",
+    ],
 }
 CONFIDENCE_NAMES = ["confidence_head.proj.weight", "confidence_head.proj.bias"]
 # deepseek-ai/DeepSpec deepspec/modeling/dspark/qwen3/config.py build_draft_config (and the asserts of
 # Qwen3DSparkModel.__init__): the fields a DeepSpec DSpark config adds to the target's config.
-DEEPSPEC_CONFIG_FIELDS = ["architectures", "num_target_layers", "num_hidden_layers", "block_size",
-                          "tie_word_embeddings", "layer_types", "mask_token_id", "target_layer_ids", "num_anchors",
-                          "enable_confidence_head", "markov_rank"]
+DEEPSPEC_CONFIG_FIELDS = [
+    "architectures",
+    "num_target_layers",
+    "num_hidden_layers",
+    "block_size",
+    "tie_word_embeddings",
+    "layer_types",
+    "mask_token_id",
+    "target_layer_ids",
+    "num_anchors",
+    "enable_confidence_head",
+    "markov_rank",
+]
 # vllm-project/speculators @ c05b95b: src/speculators/models/dflash/config.py (DFlashSpeculatorConfig),
 # src/speculators/models/dspark/config.py (DSparkSpeculatorConfig), src/speculators/config.py (SpeculatorModelConfig,
 # SpeculatorsConfig, VerifierConfig), src/speculators/proposals/greedy.py (GreedyTokenProposalConfig).
 SPECULATORS_DSPARK_FIELDS = [
-    "speculators_model_type", "speculators_version", "speculators_config", "architectures",
-    "transformer_layer_config", "draft_vocab_size", "block_size", "target_hidden_size", "aux_hidden_state_layer_ids",
-    "mask_token_id", "sliding_window_non_causal", "sample_from_anchor", "markov_rank", "markov_head_type",
-    "enable_confidence_head", "confidence_head_with_markov",
+    "speculators_model_type",
+    "speculators_version",
+    "speculators_config",
+    "architectures",
+    "transformer_layer_config",
+    "draft_vocab_size",
+    "block_size",
+    "target_hidden_size",
+    "aux_hidden_state_layer_ids",
+    "mask_token_id",
+    "sliding_window_non_causal",
+    "sample_from_anchor",
+    "markov_rank",
+    "markov_head_type",
+    "enable_confidence_head",
+    "confidence_head_with_markov",
 ]
 SPECULATORS_CONFIG_FIELDS = ["algorithm", "proposal_methods", "default_proposal_method", "verifier"]
 # src/speculators/models/eagle3/{config,core,model_definitions}.py: Eagle3SpeculatorConfig fields and the
 # Eagle3DraftModel tensors (embed_tokens, fc, layers.0 = the first-layer variant with hidden_norm, norm, lm_head).
-SPECULATORS_EAGLE3_FIELDS = ["speculators_model_type", "speculators_version", "speculators_config", "architectures",
-                             "transformer_layer_config", "draft_vocab_size", "norm_before_residual",
-                             "target_hidden_size", "eagle_aux_hidden_state_layer_ids", "norm_before_fc", "fc_norm",
-                             "norm_output", "embed_requires_grad"]
-EAGLE3_NAMES = ["embed_tokens.weight", "fc.weight", "layers.0.input_layernorm.weight", "layers.0.hidden_norm.weight",
-                "layers.0.self_attn.q_proj.weight", "layers.0.self_attn.k_proj.weight",
-                "layers.0.self_attn.v_proj.weight", "layers.0.self_attn.o_proj.weight",
-                "layers.0.self_attn.q_norm.weight", "layers.0.self_attn.k_norm.weight",
-                "layers.0.post_attention_layernorm.weight", "layers.0.mlp.gate_proj.weight",
-                "layers.0.mlp.up_proj.weight", "layers.0.mlp.down_proj.weight", "norm.weight", "lm_head.weight"]
+SPECULATORS_EAGLE3_FIELDS = [
+    "speculators_model_type",
+    "speculators_version",
+    "speculators_config",
+    "architectures",
+    "transformer_layer_config",
+    "draft_vocab_size",
+    "norm_before_residual",
+    "target_hidden_size",
+    "eagle_aux_hidden_state_layer_ids",
+    "norm_before_fc",
+    "fc_norm",
+    "norm_output",
+    "embed_requires_grad",
+]
+EAGLE3_NAMES = [
+    "embed_tokens.weight",
+    "fc.weight",
+    "layers.0.input_layernorm.weight",
+    "layers.0.hidden_norm.weight",
+    "layers.0.self_attn.q_proj.weight",
+    "layers.0.self_attn.k_proj.weight",
+    "layers.0.self_attn.v_proj.weight",
+    "layers.0.self_attn.o_proj.weight",
+    "layers.0.self_attn.q_norm.weight",
+    "layers.0.self_attn.k_norm.weight",
+    "layers.0.post_attention_layernorm.weight",
+    "layers.0.mlp.gate_proj.weight",
+    "layers.0.mlp.up_proj.weight",
+    "layers.0.mlp.down_proj.weight",
+    "norm.weight",
+    "lm_head.weight",
+]
 
 
 def _expected_dspark_names(head: str, depth: int, *, confidence: bool) -> set[str]:
@@ -243,12 +340,14 @@ REFERENCE_MARKOV_TYPES = {"markov": "vanilla", "gated": "gated", "rnn": "rnn"}
 def test_deepspec_names_and_fields_match_the_reference(targets, tmp_path, kind, head):
     assert head == NO_HEAD or head in DEEPSPEC_HEAD_NAMES and head in REFERENCE_MARKOV_TYPES, (
         f"model.head={head!r}: add its reference tensor names to DEEPSPEC_HEAD_NAMES and its markov_head_type to "
-        "REFERENCE_MARKOV_TYPES (tests/test_interop.py), from the reference code")
+        "REFERENCE_MARKOV_TYPES (tests/test_interop.py), from the reference code"
+    )
     target = targets["qwen3"]
     drafter, spec = make_drafter(target, kind=kind, head=head, depth=3)
     export_drafter(drafter, spec, target, tmp_path, layout="deepspec")
     assert set(load_file(str(tmp_path / "model.safetensors"))) == _expected_dspark_names(
-        head, 3, confidence=kind == "dspark")
+        head, 3, confidence=kind == "dspark"
+    )
     config = json.loads((tmp_path / "config.json").read_text())
     assert set(DEEPSPEC_CONFIG_FIELDS) <= set(config)
     assert config["architectures"] == ["Qwen3DSparkModel"] and config["model_type"] == "qwen3"
@@ -270,7 +369,8 @@ def test_speculators_names_and_fields_match_the_reference(targets, tmp_path):
     drafter, spec = make_drafter(target, kind="dspark", depth=2)
     export_drafter(drafter, spec, target, tmp_path / "dspark", layout="speculators")
     assert set(load_file(str(tmp_path / "dspark" / "model.safetensors"))) == _expected_dspark_names(
-        "markov", 2, confidence=True)
+        "markov", 2, confidence=True
+    )
     config = json.loads((tmp_path / "dspark" / "config.json").read_text())
     assert set(SPECULATORS_DSPARK_FIELDS) <= set(config)
     assert set(SPECULATORS_CONFIG_FIELDS) <= set(config["speculators_config"])
@@ -279,8 +379,11 @@ def test_speculators_names_and_fields_match_the_reference(targets, tmp_path):
     assert config["aux_hidden_state_layer_ids"] == [i + 1 for i in target.feature_layer_ids]
     assert config["sample_from_anchor"] is True and config["transformer_layer_config"]["num_hidden_layers"] == 2
     assert config["speculators_config"]["proposal_methods"][0] == {
-        "proposal_type": "greedy", "speculative_tokens": spec.block_size, "verifier_accept_k": 1,
-        "accept_tolerance": 0.0}
+        "proposal_type": "greedy",
+        "speculative_tokens": spec.block_size,
+        "verifier_accept_k": 1,
+        "accept_tolerance": 0.0,
+    }
     eagle, eagle_spec = make_drafter(target, kind="eagle3")
     export_drafter(eagle, eagle_spec, target, tmp_path / "eagle3", layout="speculators")
     assert set(load_file(str(tmp_path / "eagle3" / "model.safetensors"))) == set(EAGLE3_NAMES)
@@ -292,9 +395,18 @@ def test_speculators_names_and_fields_match_the_reference(targets, tmp_path):
 # deepseek-ai/DeepSpec deepspec/modeling/eagle3/qwen3/config.py build_draft_config and modeling.py Qwen3Eagle3Model
 # (embed_tokens, fc, layers.{i}.{hidden_norm, input_layernorm, self_attn.*, post_attention_layernorm, mlp.*}, norm,
 # lm_head): the same tensor names as speculators' EAGLE-3, full vocabulary, DeepSpec's target_layer_ids convention.
-DEEPSPEC_EAGLE3_FIELDS = ["architectures", "num_target_layers", "num_hidden_layers", "layer_types",
-                          "target_model_name_or_path", "target_layer_ids", "ttt_length", "step_loss_decay",
-                          "draft_num_hidden_layers", "tie_word_embeddings"]
+DEEPSPEC_EAGLE3_FIELDS = [
+    "architectures",
+    "num_target_layers",
+    "num_hidden_layers",
+    "layer_types",
+    "target_model_name_or_path",
+    "target_layer_ids",
+    "ttt_length",
+    "step_loss_decay",
+    "draft_num_hidden_layers",
+    "tie_word_embeddings",
+]
 
 
 def test_deepspec_eagle3_names_and_fields_match_the_reference(targets, tmp_path):
@@ -321,15 +433,23 @@ def test_mask_embedding_is_the_mask_row_of_embed_tokens(targets, tmp_path):
 
 # ---- every registered head and drafter has an exported form or a named refusal ----
 
+
 def export_gaps(heads: list[str], kinds: list[str]) -> list[str]:
     """What `heads` / drafter `kinds` lack in dspark.interop.layouts, one message per missing piece."""
-    gaps = [f"model.head={head!r} has no markov_head_type in interop.layouts.HEAD_TO_MARKOV_TYPE for the {layout} "
-            "layout and no refusal in HEAD_REFUSALS" for head in heads for layout in LAYOUTS
-            if head != NO_HEAD and head not in HEAD_TO_MARKOV_TYPE and head not in HEAD_REFUSALS]
-    return gaps + [f"drafter={kind!r} has no tensor-name map (interop.layouts.NAME_MAPS) or {layout} architecture "
-                   f"(interop.layouts.ARCHITECTURES[{layout!r}]) and no refusal in DRAFTER_REFUSALS"
-                   for kind in kinds for layout in LAYOUTS if (kind, layout) not in DRAFTER_REFUSALS
-                   and (kind not in NAME_MAPS or kind not in ARCHITECTURES[layout])]
+    gaps = [
+        f"model.head={head!r} has no markov_head_type in interop.layouts.HEAD_TO_MARKOV_TYPE for the {layout} "
+        "layout and no refusal in HEAD_REFUSALS"
+        for head in heads
+        for layout in LAYOUTS
+        if head != NO_HEAD and head not in HEAD_TO_MARKOV_TYPE and head not in HEAD_REFUSALS
+    ]
+    return gaps + [
+        f"drafter={kind!r} has no tensor-name map (interop.layouts.NAME_MAPS) or {layout} architecture "
+        f"(interop.layouts.ARCHITECTURES[{layout!r}]) and no refusal in DRAFTER_REFUSALS"
+        for kind in kinds
+        for layout in LAYOUTS
+        if (kind, layout) not in DRAFTER_REFUSALS and (kind not in NAME_MAPS or kind not in ARCHITECTURES[layout])
+    ]
 
 
 @pytest.mark.parametrize("head", SEQUENTIAL_HEADS.ordered())
@@ -349,6 +469,7 @@ def test_every_registered_drafter_has_an_exported_form_or_a_refusal(kind):
 
 
 # ---- what cannot be represented, and target/drafter disagreements ----
+
 
 def test_unrepresentable_exports_are_refused(targets, tmp_path):
     llama = targets["llama"]

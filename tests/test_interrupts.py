@@ -1,6 +1,7 @@
 """Ctrl-C inside Lightning's fit (a KeyboardInterrupt raised from the loss): a plain run and a sweep cell end KILLED,
 not FAILED; the command exits 130 with one line saying what was kept and that rerunning resumes, no traceback; the
 report counts the cell as killed; the rerun resumes."""
+
 from __future__ import annotations
 
 import signal
@@ -70,8 +71,14 @@ def test_ctrl_c_during_training_kills_the_run_and_the_rerun_resumes(tmp_path, mo
 
 def test_ctrl_c_during_a_sweep_cell_kills_the_cell_not_fails_it(tmp_path, monkeypatch, capsys, one_thread):
     experiment = "interrupted"
-    argv = ["sweep=depth", "stage=train", *FAST, "optim.epochs=1", f"paths.root={tmp_path}",
-            f"tracking.experiment={experiment}"]
+    argv = [
+        "sweep=depth",
+        "stage=train",
+        *FAST,
+        "optim.epochs=1",
+        f"paths.root={tmp_path}",
+        f"tracking.experiment={experiment}",
+    ]
     real_train, training = train_stage.run_train, {"depth": None}
 
     def tracked(ctx, data):
@@ -100,11 +107,16 @@ def test_ctrl_c_during_a_sweep_cell_kills_the_cell_not_fails_it(tmp_path, monkey
     monkeypatch.setattr(train_stage, "run_train", real_train)
     monkeypatch.setattr(steps, "compute_dspark_loss", calls["real"])
     assert main(argv) == 0  # resumes: the finished cell is skipped, the killed one runs again
-    cells = [(r.data.tags["cell"], r.info.status) for r in _runs(tmp_path, experiment)
-             if r.data.tags.get("sweep.role") == "cell"]
-    assert sorted(cells) == [("drafter=dspark model.depth=1 seed=0", "FINISHED"),
-                             ("drafter=dspark model.depth=2 seed=0", "FINISHED"),
-                             ("drafter=dspark model.depth=2 seed=0", "KILLED")]
+    cells = [
+        (r.data.tags["cell"], r.info.status)
+        for r in _runs(tmp_path, experiment)
+        if r.data.tags.get("sweep.role") == "cell"
+    ]
+    assert sorted(cells) == [
+        ("drafter=dspark model.depth=1 seed=0", "FINISHED"),
+        ("drafter=dspark model.depth=2 seed=0", "FINISHED"),
+        ("drafter=dspark model.depth=2 seed=0", "KILLED"),
+    ]
 
 
 @pytest.fixture(autouse=True)

@@ -7,6 +7,7 @@ The real training path runs in each process: `DrafterModule._run` (the step func
 normaliser) inside torch's DistributedDataParallel, which averages gradients over ranks exactly as Lightning's
 DDP strategy does.
 """
+
 from __future__ import annotations
 
 from datetime import timedelta
@@ -49,8 +50,13 @@ def _batch(target) -> dict[str, torch.Tensor]:
     picked = torch.stack([sample_anchors(loss_mask[b], max_anchors=anchors, generator=gen) for b in range(batch)])
     valid = torch.ones_like(picked, dtype=torch.bool)
     valid[0, 2:] = False
-    return {"input_ids": ids, "attention_mask": torch.ones_like(loss_mask), "loss_mask": loss_mask,
-            "anchors": picked, "anchor_valid": valid}
+    return {
+        "input_ids": ids,
+        "attention_mask": torch.ones_like(loss_mask),
+        "loss_mask": loss_mask,
+        "anchors": picked,
+        "anchor_valid": valid,
+    }
 
 
 def _module(target) -> DrafterModule:
@@ -58,9 +64,15 @@ def _module(target) -> DrafterModule:
     cfg = RunConfig()
     cfg.model.head, cfg.model.depth, cfg.model.markov_rank = "markov", 1, 16
     spec = drafter_spec_for(kind="dspark", model_cfg=cfg.model, target=target)
-    return DrafterModule(drafter=build_drafter(spec, target), target=target, drafter_kind="dspark",
-                         block_size=spec.block_size, loss=LossConfig(alpha_ce=0.1, alpha_tv=0.9, alpha_conf=1.0),
-                         optim=OptimConfig(lr=1e-3), drafter_config=spec.to_dict())
+    return DrafterModule(
+        drafter=build_drafter(spec, target),
+        target=target,
+        drafter_kind="dspark",
+        block_size=spec.block_size,
+        loss=LossConfig(alpha_ce=0.1, alpha_tv=0.9, alpha_conf=1.0),
+        optim=OptimConfig(lr=1e-3),
+        drafter_config=spec.to_dict(),
+    )
 
 
 class _TrainStep(nn.Module):
@@ -88,8 +100,9 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
     inputs = torch.load(Path(out_dir) / "inputs.pt", weights_only=True)
     module, batch = _module(_target(Path(out_dir))), inputs["batch"]
     module.drafter.load_state_dict(inputs["initial"])
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD,
-                            timeout=timedelta(seconds=120))
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD, timeout=timedelta(seconds=120)
+    )
     try:
         # One DDP wrapper for both steps: a second wrapper around the same parameters would leave two reducers'
         # hooks on them. The normaliser is looked up at call time, so swapping the module attribute switches it.
@@ -106,7 +119,6 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
         dist.barrier()  # nobody tears down (rank 0 hosts the rendezvous store) while another rank still talks
     finally:
         dist.destroy_process_group()
-
 
 
 def test_pooled_weight_sum_is_the_identity_on_one_process():

@@ -16,6 +16,7 @@ propose) under every policy of the one family, with an STS calibration so `calib
 all-zero logits at slots chosen by x_{k-1}, NaN confidences), whose unusable slots are never proposed; the int8
 parallel stage (`decode.drafter_precision=int8`).
 """
+
 from __future__ import annotations
 
 import copy
@@ -35,8 +36,8 @@ from dspark.scheduling import SPSTable
 from lossless_checks import pit_values, residual_ignoring_verifier, uniformity_p_values
 
 GAMMA = 3
-NEW_TOKENS = 4          # token 1 comes from the prefill; 2..4 from rounds
-NUM_GENERATIONS = 300   # ≈ 4 s per drafter/policy pair on one core
+NEW_TOKENS = 4  # token 1 comes from the prefill; 2..4 from rounds
+NUM_GENERATIONS = 300  # ≈ 4 s per drafter/policy pair on one core
 P_MIN = 1e-3
 # Slot j is admitted while Θ improves; for slot 1 that is a_1 > 0.5 (see tests/test_policies.py).
 SPS = SPSTable(batch_tokens=list(range(1, 10)), steps_per_second=[1 / (1 + (b - 1) / 2) for b in range(1, 10)])
@@ -56,22 +57,33 @@ def lossless_drafters() -> dict[str, tuple[str, str]]:
 
 # name → (kind, head); a "-vd" suffix drafts over DRAFT_VOCAB, "-bf16" runs the parallel stage in bf16.
 DRAFTERS = lossless_drafters() | {
-    "dspark-markov-vd": ("dspark", "markov"), "dflash-vd": ("dflash", "none"), "eagle3-vd": ("eagle3", "none"),
-    "dspark-rnn-vd-bf16": ("dspark", "rnn"), "dspark-markov-vd-int8": ("dspark", "markov")}
+    "dspark-markov-vd": ("dspark", "markov"),
+    "dflash-vd": ("dflash", "none"),
+    "eagle3-vd": ("eagle3", "none"),
+    "dspark-rnn-vd-bf16": ("dspark", "rnn"),
+    "dspark-markov-vd-int8": ("dspark", "markov"),
+}
 POLICIES = ("fixed", "threshold", "scheduler")
 ALL_POLICIES = tuple(POLICY_REGISTRY.ordered())
-CASES = ([(d, p) for d in lossless_drafters() for p in POLICIES]
-         + [("dspark-markov-vd", p) for p in ALL_POLICIES]
-         + [("dflash-vd", "fixed"), ("eagle3-vd", "fixed"), ("dspark-rnn-vd-bf16", "scheduler"),
-            ("dspark-markov-vd-int8", "scheduler")])
+CASES = (
+    [(d, p) for d in lossless_drafters() for p in POLICIES]
+    + [("dspark-markov-vd", p) for p in ALL_POLICIES]
+    + [
+        ("dflash-vd", "fixed"),
+        ("eagle3-vd", "fixed"),
+        ("dspark-rnn-vd-bf16", "scheduler"),
+        ("dspark-markov-vd-int8", "scheduler"),
+    ]
+)
 
 
 def needs_confidence_head(drafter_name: str, policy: str) -> bool:
     """A policy that reads c_k with a drafter that has no confidence head (DFlash, EAGLE-3): refused."""
     return not CONFIDENCE_HEAD[DRAFTERS[drafter_name][0]] and policy in CONFIDENCE_POLICIES
+
+
 # Uneven per-slot temperatures: calibrated confidences differ from the raw ones in both directions.
-CALIBRATION = STSCalibration(temperatures=[2.0, 0.5, 1.0], grid=[0.5, 1.0, 2.0], n_bins=20, ece_before=[],
-                             ece_after=[])
+CALIBRATION = STSCalibration(temperatures=[2.0, 0.5, 1.0], grid=[0.5, 1.0, 2.0], n_bins=20, ece_before=[], ece_after=[])
 EXPECTED_LENGTHS = {"fixed": {GAMMA}, "mtp1": {1}, "static": {2}}  # others: every ℓ in 0..2 at least
 # Policies whose proposers stop drafting early (`max_drafts`, `stop_drafting`) → the most slots a proposal may have.
 LEAN_POLICIES = {"mtp1": 1, "static": 2, "threshold": GAMMA, "calibrated_threshold": GAMMA, "scheduler": GAMMA}
@@ -108,9 +120,17 @@ def make_drafter(target, name):
     threshold and scheduler choose every ℓ in 0..γ."""
     kind, head = DRAFTERS[name]
     ids = draft_vocab(target) if "-vd" in name else None
-    spec = DrafterSpec(kind=kind, head=head, depth=1, block_size=GAMMA, markov_rank=8 if head != "none" else 0,
-                       feature_layers=tuple(target.feature_layer_ids), mask_token_id=target.mask_token_id,
-                       target_fingerprint=target.fingerprint, draft_vocab_size=0 if ids is None else len(ids))
+    spec = DrafterSpec(
+        kind=kind,
+        head=head,
+        depth=1,
+        block_size=GAMMA,
+        markov_rank=8 if head != "none" else 0,
+        feature_layers=tuple(target.feature_layer_ids),
+        mask_token_id=target.mask_token_id,
+        target_fingerprint=target.fingerprint,
+        draft_vocab_size=0 if ids is None else len(ids),
+    )
     torch.manual_seed(0)
     drafter = build_drafter(spec, target, draft_vocab_ids=ids)
     with torch.no_grad():
@@ -121,21 +141,27 @@ def make_drafter(target, name):
         if getattr(drafter, "confidence_head", None) is not None:
             proj, w1 = drafter.confidence_head.proj, drafter.head.w1.weight
             proj.weight.zero_()
-            proj.weight[0, drafter.spec.hidden_size:] = torch.randn(w1.shape[1]) * 2.0 / w1.norm(dim=1).mean()
+            proj.weight[0, drafter.spec.hidden_size :] = torch.randn(w1.shape[1]) * 2.0 / w1.norm(dim=1).mean()
             proj.bias.fill_(0.5)
     return drafter.eval()
 
 
-def make_engine(target, drafter_name, policy, *, temperature=1.0, max_new_tokens=NEW_TOKENS, drafter=None,
-                step_costs="profile"):
+def make_engine(
+    target, drafter_name, policy, *, temperature=1.0, max_new_tokens=NEW_TOKENS, drafter=None, step_costs="profile"
+):
     drafter = make_drafter(target, drafter_name) if drafter is None else drafter
     precision = drafter_name.rsplit("-", 1)[-1] if drafter_name.endswith(("-bf16", "-int8")) else "fp32"
     proposer = build_proposer(drafter, precision=precision)
     calibration = CALIBRATION if "-vd" in drafter_name and proposer.has_confidence else None
-    return SpeculativeEngine(target=target, proposer=proposer,
-                             policy=build_policy(policy, threshold=0.5, static_k=2, sps=SPS),
-                             temperature=temperature, max_new_tokens=max_new_tokens, calibration=calibration,
-                             step_costs=step_costs)
+    return SpeculativeEngine(
+        target=target,
+        proposer=proposer,
+        policy=build_policy(policy, threshold=0.5, static_k=2, sps=SPS),
+        temperature=temperature,
+        max_new_tokens=max_new_tokens,
+        calibration=calibration,
+        step_costs=step_costs,
+    )
 
 
 def sample_generations(engine, prompt, num, seed=0):
@@ -192,8 +218,9 @@ def faulty(drafter):
     step = drafter.sequential_step
 
     def broken(*, hidden_k, parallel_logits_k, prev_token, state):
-        logits, confidence, state = step(hidden_k=hidden_k, parallel_logits_k=parallel_logits_k,
-                                         prev_token=prev_token, state=state)
+        logits, confidence, state = step(
+            hidden_k=hidden_k, parallel_logits_k=parallel_logits_k, prev_token=prev_token, state=state
+        )
         mod = (prev_token % 4).unsqueeze(-1)
         logits = torch.where(mod == 0, float("nan"), logits)
         logits = torch.where(mod == 2, float("-inf"), logits)
@@ -208,12 +235,13 @@ def faulty(drafter):
 
 def usable_prefix(anchor, drafts) -> bool:
     """Every proposed slot k had an odd x_{k-1}: no slot with unusable logits was ever sampled or verified."""
-    return all(token % 2 == 1 for token in [anchor, *drafts][:len(drafts)])
+    return all(token % 2 == 1 for token in [anchor, *drafts][: len(drafts)])
 
 
 @pytest.mark.parametrize(("drafter_name", "policy"), [("dspark-markov-vd", "fixed"), ("dspark-rnn", "scheduler")])
-def test_faulty_drafter_slots_are_never_proposed_and_the_output_is_still_the_targets(target, prompt, drafter_name,
-                                                                                     policy):
+def test_faulty_drafter_slots_are_never_proposed_and_the_output_is_still_the_targets(
+    target, prompt, drafter_name, policy
+):
     engine = make_engine(target, drafter_name, policy, drafter=faulty(make_drafter(target, drafter_name)))
     results = sample_generations(engine, prompt, NUM_GENERATIONS)
     rounds = [(result, r) for result in results for r in result.rounds]
@@ -233,9 +261,14 @@ def test_the_test_can_fail(target, prompt, monkeypatch):
 
 
 def hf_greedy(target, prompt, *, max_new_tokens, stop_ids):
-    out = target.model.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=max_new_tokens,
-                                eos_token_id=list(stop_ids), pad_token_id=target.tokenizer.pad_token_id)
-    return out[0, len(prompt):].tolist()
+    out = target.model.generate(
+        torch.tensor([prompt]),
+        do_sample=False,
+        max_new_tokens=max_new_tokens,
+        eos_token_id=list(stop_ids),
+        pad_token_id=target.tokenizer.pad_token_id,
+    )
+    return out[0, len(prompt) :].tolist()
 
 
 @pytest.fixture(scope="module")
@@ -257,5 +290,6 @@ def test_greedy_equals_hf_generate(target, prompt, greedy_cases, drafter_name, p
         stopped = copy.copy(target)
         stopped.stop_token_ids = stop_ids
         result = make_engine(stopped, drafter_name, policy, temperature=0.0, max_new_tokens=20).generate(
-            prompt, generator=torch.Generator().manual_seed(0))
+            prompt, generator=torch.Generator().manual_seed(0)
+        )
         assert result.new_tokens == expected and result.stop_reason == reason

@@ -1,6 +1,7 @@
 """Round costs re-measured while decoding (`dspark.scheduling.measured`, `decode.step_costs=measured`): measured
 sizes replace the profile, untried sizes keep its shape at today's level, the overhead is an EMA added to every size,
 and a misprofiled staircase stops steering the scheduler to the dearest ℓ once the rounds have paid for it."""
+
 from __future__ import annotations
 
 import math
@@ -34,7 +35,7 @@ def test_a_size_measured_min_samples_times_is_priced_by_its_median_and_others_fo
     for verify in (0.250, 0.230, 0.240):  # B = 2 at twice the profile: the machine is twice as slow now
         costs.observe(2, verify, 0.0)
     table = seconds(costs.table())
-    assert table[1] == pytest.approx(0.240)               # measured: the median of the three
+    assert table[1] == pytest.approx(0.240)  # measured: the median of the three
     assert costs.level() == pytest.approx(2.0)
     assert table[0] == pytest.approx(0.240) and table[3] == pytest.approx(0.254)  # the profile's shape × 2
     costs2 = MeasuredRoundCosts(PROFILE, min_samples=3)
@@ -112,17 +113,30 @@ def test_a_misprofiled_staircase_stops_steering_the_scheduler_to_the_dearest_len
 
 
 def test_the_engine_reprices_an_sps_policy_after_every_round_only_when_asked(tiny):
-    spec = DrafterSpec(kind="dspark", head="markov", depth=1, block_size=3, markov_rank=8,
-                       feature_layers=tuple(tiny.feature_layer_ids), mask_token_id=tiny.mask_token_id,
-                       target_fingerprint=tiny.fingerprint)
+    spec = DrafterSpec(
+        kind="dspark",
+        head="markov",
+        depth=1,
+        block_size=3,
+        markov_rank=8,
+        feature_layers=tuple(tiny.feature_layer_ids),
+        mask_token_id=tiny.mask_token_id,
+        target_fingerprint=tiny.fingerprint,
+    )
     torch.manual_seed(0)
     drafter = build_drafter(spec, tiny).eval()
     prompt = tiny.chat_prompt_ids("Hi")
     table = SPSTable(batch_tokens=[1, 2, 3, 4], steps_per_second=[10.0, 9.0, 8.0, 7.0])
     for step_costs, repriced in (("profile", False), ("measured", True)):
         policy = build_policy("scheduler", sps=table)
-        engine = SpeculativeEngine(target=tiny, proposer=build_proposer(drafter), policy=policy, temperature=1.0,
-                                   max_new_tokens=8, step_costs=step_costs)
+        engine = SpeculativeEngine(
+            target=tiny,
+            proposer=build_proposer(drafter),
+            policy=policy,
+            temperature=1.0,
+            max_new_tokens=8,
+            step_costs=step_costs,
+        )
         result = engine.generate(prompt, generator=torch.Generator().manual_seed(0))
         assert (policy.sps is not table) == repriced
         if repriced:
@@ -130,9 +144,16 @@ def test_the_engine_reprices_an_sps_policy_after_every_round_only_when_asked(tin
             assert engine.round_costs.overhead > 0
         else:
             assert engine.round_costs is None
-    static = SpeculativeEngine(target=tiny, proposer=build_proposer(drafter), policy=build_policy("static"),
-                               temperature=1.0, max_new_tokens=8, step_costs="measured")
+    static = SpeculativeEngine(
+        target=tiny,
+        proposer=build_proposer(drafter),
+        policy=build_policy("static"),
+        temperature=1.0,
+        max_new_tokens=8,
+        step_costs="measured",
+    )
     assert static.round_costs is None  # no SPS table to re-price: the option does nothing
     with pytest.raises(ValueError, match="decode.step_costs"):
-        SpeculativeEngine(target=tiny, proposer=None, policy=None, temperature=1.0, max_new_tokens=8,
-                          step_costs="online")
+        SpeculativeEngine(
+            target=tiny, proposer=None, policy=None, temperature=1.0, max_new_tokens=8, step_costs="online"
+        )

@@ -3,6 +3,7 @@ headings, and nothing the repository ships points at files outside it (`../share
 
 The checkers are plain functions of text, so the controls at the bottom can show them failing on made-up input.
 """
+
 from __future__ import annotations
 
 import re
@@ -44,15 +45,23 @@ def citations(text: str) -> list[tuple[int, str]]:
 
 
 def unresolved_citations(texts: dict[str, str], sections: set[str]) -> list[str]:
-    """"file:line cites METHOD §N, which docs/METHOD.md has no heading for" for every citation not in `sections`."""
-    return [f"{name}:{line} cites METHOD §{number}, which docs/METHOD.md has no heading for"
-            for name, text in sorted(texts.items()) for line, number in citations(text) if number not in sections]
+    """ "file:line cites METHOD §N, which docs/METHOD.md has no heading for" for every citation not in `sections`."""
+    return [
+        f"{name}:{line} cites METHOD §{number}, which docs/METHOD.md has no heading for"
+        for name, text in sorted(texts.items())
+        for line, number in citations(text)
+        if number not in sections
+    ]
 
 
 def outside_references(texts: dict[str, str]) -> list[str]:
-    """"file:line: the line" for every line that refers to files outside the repository."""
-    return [f"{name}:{number}: {line.strip()}" for name, text in sorted(texts.items())
-            for number, line in enumerate(text.splitlines(), start=1) if OUTSIDE_REFERENCE.search(line)]
+    """ "file:line: the line" for every line that refers to files outside the repository."""
+    return [
+        f"{name}:{number}: {line.strip()}"
+        for name, text in sorted(texts.items())
+        for number, line in enumerate(text.splitlines(), start=1)
+        if OUTSIDE_REFERENCE.search(line)
+    ]
 
 
 def repository_texts(places, *, exclude=()) -> dict[str, str]:
@@ -64,9 +73,15 @@ def repository_texts(places, *, exclude=()) -> dict[str, str]:
         if path.is_file():
             files.append(path)
         elif path.is_dir():
-            files += [p for p in path.rglob("*") if p.is_file() and p.suffix in TEXT_SUFFIXES
-                      and not any(part in SKIPPED_DIRS or part.endswith(".egg-info")
-                                  for part in p.relative_to(ROOT).parts[:-1])]
+            files += [
+                p
+                for p in path.rglob("*")
+                if p.is_file()
+                and p.suffix in TEXT_SUFFIXES
+                and not any(
+                    part in SKIPPED_DIRS or part.endswith(".egg-info") for part in p.relative_to(ROOT).parts[:-1]
+                )
+            ]
     texts = {}
     for path in sorted(set(files)):
         if path.resolve() in excluded:
@@ -96,8 +111,10 @@ def test_every_method_citation_resolves():
 
 def test_nothing_refers_to_files_outside_the_repository():
     problems = outside_references(repository_texts(SELF_CONTAINED_PLACES))
-    assert not problems, ("references to files outside the repository (cite docs/METHOD.md, or say what the file "
-                          "said):\n" + "\n".join(problems))
+    assert not problems, (
+        "references to files outside the repository (cite docs/METHOD.md, or say what the file "
+        "said):\n" + "\n".join(problems)
+    )
 
 
 # ----------------------------------------------------------------------------------------------------- controls
@@ -112,8 +129,10 @@ def test_control_a_missing_section_is_reported_with_file_and_line():
     text = "x = 1  # METHOD §1\n\n# see METHOD §1.1, §7 and METHOD.md §2.3\n"
     assert citations(text) == [(1, "1"), (3, "1.1"), (3, "7"), (3, "2.3")]
     problems = unresolved_citations({"src/fake.py": text}, headings(MADE_UP_DOC))
-    assert problems == ["src/fake.py:3 cites METHOD §7, which docs/METHOD.md has no heading for",
-                        "src/fake.py:3 cites METHOD §2.3, which docs/METHOD.md has no heading for"]
+    assert problems == [
+        "src/fake.py:3 cites METHOD §7, which docs/METHOD.md has no heading for",
+        "src/fake.py:3 cites METHOD §2.3, which docs/METHOD.md has no heading for",
+    ]
 
 
 def test_control_ranges_and_trailing_punctuation():
@@ -124,8 +143,10 @@ def test_control_ranges_and_trailing_punctuation():
 
 def test_control_outside_references_are_reported():
     text = "ok\nread `../shared/docs/METHOD.md`\nalso shared/docs/CPU_RECIPE.md\nshared.py is fine\n"
-    assert outside_references({"README.md": text}) == ["README.md:2: read `../shared/docs/METHOD.md`",
-                                                       "README.md:3: also shared/docs/CPU_RECIPE.md"]
+    assert outside_references({"README.md": text}) == [
+        "README.md:2: read `../shared/docs/METHOD.md`",
+        "README.md:3: also shared/docs/CPU_RECIPE.md",
+    ]
 
 
 @pytest.mark.parametrize("line", ["docs/METHOD.md §3", "src/dspark/decoding/shared.py", "/shared/path/study.journal"])

@@ -1,4 +1,5 @@
 """dspark.metrics against brute-force python references, analytic values and torchmetrics (METHOD §8)."""
+
 from __future__ import annotations
 
 import math
@@ -47,9 +48,14 @@ def valid_length(row_valid) -> int:
 def assert_dicts_close(actual: dict, expected: dict, *, atol: float = 1e-12) -> None:
     assert actual.keys() == expected.keys()
     for key in expected:
-        torch.testing.assert_close(torch.as_tensor(actual[key], dtype=torch.float64),
-                                   torch.as_tensor(expected[key], dtype=torch.float64),
-                                   atol=atol, rtol=0, equal_nan=True, msg=key)
+        torch.testing.assert_close(
+            torch.as_tensor(actual[key], dtype=torch.float64),
+            torch.as_tensor(expected[key], dtype=torch.float64),
+            atol=atol,
+            rtol=0,
+            equal_nan=True,
+            msg=key,
+        )
 
 
 # ---------------------------------------------------------------- teacher-forced acceptance, cross-entropy
@@ -129,8 +135,9 @@ def reference_calibration(conf: torch.Tensor, event: torch.Tensor, valid: torch.
     """Per-slot ECE (equal-width bins), exact pairwise AUROC with weighted soft labels, Brier, count-weighted means."""
     gamma = conf.shape[-1]
     scores, events = [[] for _ in range(gamma)], [[] for _ in range(gamma)]
-    for row, ev, row_valid in zip(conf.reshape(-1, gamma).tolist(), event.reshape(-1, gamma).double().tolist(),
-                                  valid.reshape(-1, gamma).tolist()):
+    for row, ev, row_valid in zip(
+        conf.reshape(-1, gamma).tolist(), event.reshape(-1, gamma).double().tolist(), valid.reshape(-1, gamma).tolist()
+    ):
         prod = 1.0
         for k in range(valid_length(row_valid)):
             prod *= row[k]
@@ -156,10 +163,11 @@ def calibration_data(seed: int, *, rows: int = 600, gamma: int = GAMMA):
     """Confidences and per-slot accept draws correlated with them; hard prefix events from a rollout-like draw."""
     gen = torch.Generator().manual_seed(seed)
     conf = torch.rand(rows, gamma, generator=gen) * 0.6 + 0.4
-    accepted = torch.rand(rows, gamma, generator=gen) < conf ** 1.5  # miscalibrated on purpose
+    accepted = torch.rand(rows, gamma, generator=gen) < conf**1.5  # miscalibrated on purpose
     num_accepted = accepted.long().cumprod(dim=-1).sum(dim=-1)
-    num_verified = torch.where(torch.rand(rows, generator=gen) < 0.8, gamma, torch.randint(0, gamma + 1, (rows,),
-                                                                                          generator=gen))
+    num_verified = torch.where(
+        torch.rand(rows, generator=gen) < 0.8, gamma, torch.randint(0, gamma + 1, (rows,), generator=gen)
+    )
     num_accepted = torch.minimum(num_accepted, num_verified)
     event, valid = rollout_prefix_events(num_accepted=num_accepted, num_verified=num_verified, block_size=gamma)
     return conf, event, valid
@@ -217,7 +225,7 @@ def test_binned_auroc_resolves_tiny_cumulative_products():
     """Deep slots of a weak drafter have a_k ≪ 0.01: 1000 equal-width bins in a would tie them (error ≈ 5e-3)."""
     gen = torch.Generator().manual_seed(16)
     scores = torch.rand(2000, 1, generator=gen).double() ** 6  # most mass below 0.01
-    event = torch.rand(2000, 1, generator=gen) < scores ** 0.3
+    event = torch.rand(2000, 1, generator=gen) < scores**0.3
     metric = CumulativeCalibration(1)
     metric.update(scores, event, torch.ones(2000, 1, dtype=torch.bool))
     expected = BinaryAUROC()(scores.squeeze(1), event.squeeze(1).long()).item()
@@ -275,9 +283,16 @@ def test_rollout_hand_table():
     ell, acc, tau = (torch.tensor(col) for col in zip(*ROUNDS))
     metric.update(num_verified=ell, num_accepted=acc, committed=tau)
     expected = {
-        "survival/pos1": 4 / 5, "survival/pos2": 2 / 4, "survival/pos3": 1 / 2,
-        "cond/pos1": 4 / 5, "cond/pos2": 2 / 3, "cond/pos3": 1 / 1,
-        "verify_rate": 12 / 17, "draft_accept_rate": 7 / 11, "tau": 12 / 6, "rounds": 6.0,
+        "survival/pos1": 4 / 5,
+        "survival/pos2": 2 / 4,
+        "survival/pos3": 1 / 2,
+        "cond/pos1": 4 / 5,
+        "cond/pos2": 2 / 3,
+        "cond/pos3": 1 / 1,
+        "verify_rate": 12 / 17,
+        "draft_accept_rate": 7 / 11,
+        "tau": 12 / 6,
+        "rounds": 6.0,
     }
     assert_dicts_close(metric.compute(), expected)
 
@@ -292,8 +307,7 @@ def reference_rollout(ell, acc, tau, *, gamma: int) -> dict:
     for k in range(1, gamma + 1):
         out[f"survival/pos{k}"] = frac(sum(a >= k for _, a, _ in rounds), sum(e >= k for e, _, _ in rounds))
     for k in range(1, gamma + 1):
-        out[f"cond/pos{k}"] = frac(sum(a >= k for _, a, _ in rounds),
-                                   sum(a >= k - 1 and e >= k for e, a, _ in rounds))
+        out[f"cond/pos{k}"] = frac(sum(a >= k for _, a, _ in rounds), sum(a >= k - 1 and e >= k for e, a, _ in rounds))
     out["verify_rate"] = frac(sum(t for *_, t in rounds), sum(e + 1 for e, _, _ in rounds))
     out["draft_accept_rate"] = frac(sum(a for _, a, _ in rounds), sum(e for e, _, _ in rounds))
     out["tau"] = frac(sum(t for *_, t in rounds), len(rounds))
@@ -338,8 +352,12 @@ def build_and_feed(parts: list) -> list:
     """One instance of each metric per data part, updated on it."""
     made = []
     for c_star, valid, conf, event, cal_valid, ell, acc, tau in parts:
-        metrics = [TeacherForcedAcceptance(GAMMA), PositionCrossEntropy(GAMMA), CumulativeCalibration(GAMMA),
-                   RolloutAcceptance(GAMMA)]
+        metrics = [
+            TeacherForcedAcceptance(GAMMA),
+            PositionCrossEntropy(GAMMA),
+            CumulativeCalibration(GAMMA),
+            RolloutAcceptance(GAMMA),
+        ]
         metrics[0].update(c_star, valid)
         metrics[1].update(c_star * 3, valid)
         metrics[2].update(conf, event, cal_valid)
@@ -354,10 +372,28 @@ def test_merged_states_equal_one_instance_on_all_data():
     conf, event, cal_valid = calibration_data(10, rows=300)
     ell, acc, tau = random_rounds(11, rounds=200)
     cut, cal_cut, r_cut = 10, 220, 37  # uneven parts, so averaging ratios would be wrong
-    parts = [(c_star[:cut], valid[:cut], conf[:cal_cut], event[:cal_cut], cal_valid[:cal_cut], ell[:r_cut],
-              acc[:r_cut], tau[:r_cut]),
-             (c_star[cut:], valid[cut:], conf[cal_cut:], event[cal_cut:], cal_valid[cal_cut:], ell[r_cut:],
-              acc[r_cut:], tau[r_cut:])]
+    parts = [
+        (
+            c_star[:cut],
+            valid[:cut],
+            conf[:cal_cut],
+            event[:cal_cut],
+            cal_valid[:cal_cut],
+            ell[:r_cut],
+            acc[:r_cut],
+            tau[:r_cut],
+        ),
+        (
+            c_star[cut:],
+            valid[cut:],
+            conf[cal_cut:],
+            event[cal_cut:],
+            cal_valid[cal_cut:],
+            ell[r_cut:],
+            acc[r_cut:],
+            tau[r_cut:],
+        ),
+    ]
     first, second = build_and_feed(parts)
     (whole,) = build_and_feed([(c_star, valid, conf, event, cal_valid, ell, acc, tau)])
     for left, right, full in zip(first, second, whole):

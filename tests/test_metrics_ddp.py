@@ -1,5 +1,6 @@
 """dspark.metrics under real DDP: 2 CPU processes on gloo, each on its own uneven shard, must compute exactly the
 single-process value on all data (METHOD §8: sums are all-reduced before any ratio is taken)."""
+
 from __future__ import annotations
 
 from datetime import timedelta
@@ -32,8 +33,11 @@ def make_data() -> dict:
     acc = (torch.rand(250, generator=gen) * (ell + 1)).long().clamp(max=ell)
     return {
         "blocks": (c_star, valid),
-        "cal": (conf, torch.arange(1, GAMMA + 1) <= num_accepted.unsqueeze(-1),
-                torch.ones(200, GAMMA, dtype=torch.bool)),
+        "cal": (
+            conf,
+            torch.arange(1, GAMMA + 1) <= num_accepted.unsqueeze(-1),
+            torch.ones(200, GAMMA, dtype=torch.bool),
+        ),
         "rounds": (ell, acc, acc + 1),
     }
 
@@ -75,8 +79,9 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
     torch.set_num_threads(1)
     data = make_data()
     single = compute_all(data, sync_on_compute=False)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD,
-                            timeout=timedelta(seconds=60))
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD, timeout=timedelta(seconds=60)
+    )
     try:
         synced = compute_all(shard(data, rank))
         dist.barrier()  # nobody tears down (rank 0 hosts the rendezvous store) while another rank still talks
@@ -86,7 +91,6 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
     single.pop("local:rounds")
     assert_same(synced, single)  # raises in the worker → mp.spawn re-raises in the parent
     torch.save({"values": synced, "local_rounds": local_rounds}, Path(out_dir) / f"rank{rank}.pt")
-
 
 
 def test_metrics_are_exact_under_two_process_gloo(tmp_path):

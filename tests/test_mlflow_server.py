@@ -1,4 +1,5 @@
 """A real `mlflow server` on loopback: a 2-cell sweep logs to it over HTTP and the runs are read back over REST."""
+
 from __future__ import annotations
 
 import json
@@ -49,8 +50,12 @@ def _stop(proc: subprocess.Popen) -> None:
 
 def _rest(url: str, path: str, payload: dict | None = None) -> dict:
     data = json.dumps(payload).encode() if payload is not None else None
-    request = urllib.request.Request(url + path, data=data, headers={"Content-Type": "application/json"},
-                                     method="POST" if data is not None else "GET")
+    request = urllib.request.Request(
+        url + path,
+        data=data,
+        headers={"Content-Type": "application/json"},
+        method="POST" if data is not None else "GET",
+    )
     with urllib.request.urlopen(request, timeout=30) as resp:
         return json.loads(resp.read())
 
@@ -62,18 +67,44 @@ def test_two_cell_sweep_against_a_real_server(tmp_path, shared_root, monkeypatch
     url = f"http://127.0.0.1:{port}"
     log = open(tmp_path / "server.log", "w")
     proc = subprocess.Popen(
-        [str(MLFLOW), "server", "--backend-store-uri", f"sqlite:///{tmp_path / 'server.db'}", "--host", "127.0.0.1",
-         "--port", str(port), "--workers", "1", "--artifacts-destination", str(tmp_path / "artifacts")],
-        cwd=tmp_path, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-        env=os.environ | {"MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"})  # no job-runner processes: starts faster
+        [
+            str(MLFLOW),
+            "server",
+            "--backend-store-uri",
+            f"sqlite:///{tmp_path / 'server.db'}",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--workers",
+            "1",
+            "--artifacts-destination",
+            str(tmp_path / "artifacts"),
+        ],
+        cwd=tmp_path,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+        env=os.environ | {"MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"},
+    )  # no job-runner processes: starts faster
     try:
         _wait_healthy(url, proc)
-        argv = ["sweep=depth", "stage=train", "budget=smoke", "optim.epochs=1", f"paths.root={shared_root}",
-                f"tracking.uri={url}", "tracking.experiment=server-test"]
+        argv = [
+            "sweep=depth",
+            "stage=train",
+            "budget=smoke",
+            "optim.epochs=1",
+            f"paths.root={shared_root}",
+            f"tracking.uri={url}",
+            "tracking.experiment=server-test",
+        ]
         assert run_sweep(resolve_config(argv), max_cells=2) == 0
         exp = _rest(url, "/api/2.0/mlflow/experiments/get-by-name?experiment_name=server-test")["experiment"]
-        found = _rest(url, "/api/2.0/mlflow/runs/search", {
-            "experiment_ids": [exp["experiment_id"]], "filter": "tags.`sweep.name` = 'depth'", "max_results": 100})
+        found = _rest(
+            url,
+            "/api/2.0/mlflow/runs/search",
+            {"experiment_ids": [exp["experiment_id"]], "filter": "tags.`sweep.name` = 'depth'", "max_results": 100},
+        )
         runs = found["runs"]
         tags = [{t["key"]: t["value"] for t in r["data"].get("tags", [])} for r in runs]
         parents = [r for r, t in zip(runs, tags) if t.get("sweep.role") == "parent"]

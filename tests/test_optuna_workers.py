@@ -1,6 +1,7 @@
 """Optuna study set-up shared by workers: two processes optimise one journal-file study with a cheap objective and
 neither duplicate nor lose trials; the paper's defaults are enqueued exactly once; bad storages fail before
 training; the pruning callback fails loudly on a missing metric."""
+
 from __future__ import annotations
 
 import json
@@ -45,15 +46,30 @@ WORKER = textwrap.dedent("""
 
 
 def _setup(storage: str, root, n: int = 0):
-    return setup_study(storage=storage, name="race", direction="maximize", seed=0, startup_trials=2, prune=False,
-                       defaults=DEFAULTS, root=root)
+    return setup_study(
+        storage=storage,
+        name="race",
+        direction="maximize",
+        seed=0,
+        startup_trials=2,
+        prune=False,
+        defaults=DEFAULTS,
+        root=root,
+    )
 
 
 def test_two_processes_share_one_journal_study(tmp_path):
     storage, n_trials = str(tmp_path / "study.journal"), 12
     _setup(storage, tmp_path)  # the study exists before the workers start
-    workers = [subprocess.Popen([sys.executable, "-c", WORKER, storage, str(tmp_path), str(n_trials)],
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(2)]
+    workers = [
+        subprocess.Popen(
+            [sys.executable, "-c", WORKER, storage, str(tmp_path), str(n_trials)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for _ in range(2)
+    ]
     outputs = [w.communicate(timeout=120) for w in workers]
     assert all(w.returncode == 0 for w in workers), [err[-2000:] for _, err in outputs]
     ran = [json.loads(out.strip().splitlines()[-1]) for out, _ in outputs]

@@ -5,6 +5,7 @@ The full disk is a monkeypatched `open` in `dspark.files` whose writes raise ENO
 read-only directory is real (chmod for ordinary users; root ignores modes, so for root a read-only tmpfs is
 mounted when the container allows it, else the test is skipped).
 """
+
 from __future__ import annotations
 
 import errno
@@ -46,9 +47,11 @@ class _FillingDisk:
 @pytest.fixture
 def full_disk(monkeypatch):
     """After this many bytes of any output file, the disk is full."""
+
     def install(budget: int):
         real_open = open
         monkeypatch.setattr(files, "open", lambda *a, **k: _FillingDisk(real_open(*a, **k), budget), raising=False)
+
     return install
 
 
@@ -130,8 +133,12 @@ def read_only_dir(tmp_path):
         yield folder
         folder.chmod(0o755)
         return
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "dspark-test", str(folder)],
-                             capture_output=True).returncode == 0
+    mounted = (
+        subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", "size=1m", "dspark-test", str(folder)], capture_output=True
+        ).returncode
+        == 0
+    )
     if not mounted:
         pytest.skip("running as root, which ignores directory modes, and no tmpfs can be mounted here")
     try:
@@ -159,6 +166,7 @@ def test_a_writable_directory_passes_and_is_created(tmp_path):
 
 
 # ---- Lightning's last.ckpt before resuming ----
+
 
 def _checkpoint(folder: Path) -> Path:
     folder.mkdir(parents=True, exist_ok=True)
@@ -200,8 +208,9 @@ def test_a_damaged_checkpoint_is_set_aside_and_training_starts_over(damage, tmp_
         assert "missing checkpoint" in caplog.text
 
 
-def test_disk_full_when_exporting_the_drafter_fails_cleanly_and_the_rerun_exports(tmp_path, monkeypatch, capsys,
-                                                                                 caplog, one_thread):
+def test_disk_full_when_exporting_the_drafter_fails_cleanly_and_the_rerun_exports(
+    tmp_path, monkeypatch, capsys, caplog, one_thread
+):
     """The run fails naming drafter.pt and the fix, leaves no drafter.pt or temp file, keeps last.ckpt; the rerun
     resumes from it and exports."""
     from dspark.cli import main

@@ -1,5 +1,6 @@
 """Verification policies (dspark.decoding.policies, METHOD §6) on hand-made confidence vectors, one request at a time
 (R = 1, as the single-request engine calls them; tests/test_serving_policies.py covers R > 1)."""
+
 from __future__ import annotations
 
 import pytest
@@ -42,15 +43,18 @@ def test_fixed_verifies_everything_and_ignores_confidences():
     assert choose1(policy, None, 0) == 0
 
 
-@pytest.mark.parametrize(("values", "threshold", "expected"), [
-    ((0.9, 0.8, 0.7, 0.95), 0.5, 4),   # all above: verify all
-    ((0.9, 0.4, 0.99, 0.99), 0.5, 1),  # per-step, not cumulative: stops at the first dip even if later recover
-    ((0.3, 0.9, 0.9), 0.5, 0),         # ℓ = 0 allowed: only the anchor is verified
-    ((0.6, 0.6, 0.6), 0.5, 3),         # 0.6³ < 0.5 would stop a cumulative rule at slot 2; this rule does not
-    ((0.5, 0.49), 0.5, 1),             # c_k = θ is kept (strictly below stops)
-    ((0.0, 0.0), 0.0, 2),              # θ = 0 never stops
-    ((0.99, 1.0), 1.0, 0),             # θ = 1 stops unless c = 1 exactly
-])
+@pytest.mark.parametrize(
+    ("values", "threshold", "expected"),
+    [
+        ((0.9, 0.8, 0.7, 0.95), 0.5, 4),  # all above: verify all
+        ((0.9, 0.4, 0.99, 0.99), 0.5, 1),  # per-step, not cumulative: stops at the first dip even if later recover
+        ((0.3, 0.9, 0.9), 0.5, 0),  # ℓ = 0 allowed: only the anchor is verified
+        ((0.6, 0.6, 0.6), 0.5, 3),  # 0.6³ < 0.5 would stop a cumulative rule at slot 2; this rule does not
+        ((0.5, 0.49), 0.5, 1),  # c_k = θ is kept (strictly below stops)
+        ((0.0, 0.0), 0.0, 2),  # θ = 0 never stops
+        ((0.99, 1.0), 1.0, 0),  # θ = 1 stops unless c = 1 exactly
+    ],
+)
 def test_threshold_prefix_before_first_low_confidence(values, threshold, expected):
     policy = ThresholdPolicy(threshold)
     assert choose1(policy, conf(*values), len(values)) == expected
@@ -72,13 +76,16 @@ def test_confidence_policies_refuse_missing_confidences(name):
         choose1(policy, conf(0.5, 0.5), 3)
 
 
-@pytest.mark.parametrize(("values", "expected"), [
-    ((0.9, 0.9, 0.9), 3),   # Θ: 1, 1.27, 1.36, 1.37 — keeps improving
-    ((0.4, 0.99), 0),       # Θ_1 = 1.4/1.5 < Θ_0 = 1: early stop, even though a_2 would pay off in a full search
-    ((0.8, 0.3, 0.9), 1),   # Θ_2 = (1.8 + 0.24)/2 = 1.02 < Θ_1 = 1.2
-    ((0.0, 1.0), 0),        # a = 0 is never a candidate
-    ((), 0),
-])
+@pytest.mark.parametrize(
+    ("values", "expected"),
+    [
+        ((0.9, 0.9, 0.9), 3),  # Θ: 1, 1.27, 1.36, 1.37 — keeps improving
+        ((0.4, 0.99), 0),  # Θ_1 = 1.4/1.5 < Θ_0 = 1: early stop, even though a_2 would pay off in a full search
+        ((0.8, 0.3, 0.9), 1),  # Θ_2 = (1.8 + 0.24)/2 = 1.02 < Θ_1 = 1.2
+        ((0.0, 1.0), 0),  # a = 0 is never a candidate
+        ((), 0),
+    ],
+)
 def test_scheduler_is_algorithm_1_with_early_stop(values, expected):
     policy = build_policy("scheduler", sps=SPS)
     assert choose1(policy, conf(*values), len(values)) == expected
@@ -100,8 +107,9 @@ def test_scheduler_reads_calibrated_confidences_and_threshold_raw_ones():
     scheduler = build_policy("scheduler", sps=SPS)
 
     def read(policy, values, sts):
-        return policy_confidences(policy, raw=values, calibrated=None if sts is None else
-                                  calibrate_confidences(sts, values))
+        return policy_confidences(
+            policy, raw=values, calibrated=None if sts is None else calibrate_confidences(sts, values)
+        )
 
     # raw a = 0.9, 0.54, 0.32: Θ = 1, 1.27, 1.22 → ℓ = 1; c̃ ≈ 0.9998, 0.835, 0.835 → Θ = 1, 1.33, 1.42, 1.41 → 2
     values = conf(0.9, 0.6, 0.6)
@@ -114,7 +122,7 @@ def test_scheduler_reads_calibrated_confidences_and_threshold_raw_ones():
     raw_threshold = build_policy("threshold", threshold=0.7)
     calibrated_threshold = build_policy("calibrated_threshold", threshold=0.7)
     assert raw_threshold.reads == "raw" and calibrated_threshold.reads == "calibrated"
-    assert choose1(raw_threshold, read(raw_threshold, values, dampen), 3) == 3      # raw 0.9 ≥ 0.7
+    assert choose1(raw_threshold, read(raw_threshold, values, dampen), 3) == 3  # raw 0.9 ≥ 0.7
     assert choose1(calibrated_threshold, read(calibrated_threshold, values, dampen), 3) == 0  # c̃ ≈ 0.57 < 0.7
     assert choose1(calibrated_threshold, read(calibrated_threshold, values, None), 3) == 3  # no calibration: raw
 
@@ -170,7 +178,8 @@ def test_batched_drafting_stop_never_changes_the_plan_and_does_fire(policy_name)
         rows = int(torch.randint(1, 6, (1,), generator=generator))
         block = int(torch.randint(1, 8, (1,), generator=generator))
         values = torch.rand(rows, block, generator=generator, dtype=torch.float64) ** float(
-            torch.rand((), generator=generator) * 2)
+            torch.rand((), generator=generator) * 2
+        )
         drafted = torch.randint(0, block + 1, (rows,), generator=generator)  # a drafted stop id ends a row early
         values[torch.arange(block).unsqueeze(0) >= drafted.unsqueeze(1)] = 0.0
         full = policy.choose(confidences=values, num_drafts=drafted)
@@ -180,7 +189,7 @@ def test_batched_drafting_stop_never_changes_the_plan_and_does_fire(policy_name)
         fired += 1
         assert bool((full < stop_at).all()), (trial, full, stop_at)
         shorter = values.clone()
-        shorter[:, stop_at - 1:] = 0.0
+        shorter[:, stop_at - 1 :] = 0.0
         assert torch.equal(policy.choose(confidences=shorter, num_drafts=drafted.clamp(max=stop_at - 1)), full)
     assert fired > 50
 
@@ -194,7 +203,7 @@ def test_scheduler_single_request_drafting_stop_equals_the_full_choice():
         full = choose1(policy, values, 7)
         stop_at = next((k for k in range(1, 8) if policy.stop_drafting(values[:k])), None)
         assert (stop_at - 1 if stop_at else 7) == full
-        assert policy.stop_drafting(values[:full + 1].reshape(1, -1)) == (full < 7)  # the [1, k] form agrees
+        assert policy.stop_drafting(values[: full + 1].reshape(1, -1)) == (full < 7)  # the [1, k] form agrees
 
 
 def test_static_policies_draft_no_more_than_they_verify():

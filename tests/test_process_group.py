@@ -1,5 +1,6 @@
 """The gloo-test launcher (tests/process_group.py) fails a hung worker on its deadline and re-raises a worker's error:
 a hang must cost one failed test, not the whole CI run."""
+
 from __future__ import annotations
 
 import time

@@ -3,6 +3,7 @@ the offline generator.
 
 Hub loads are faked by monkeypatching `datasets.load_dataset`; nothing here touches the network.
 """
+
 from __future__ import annotations
 
 import json
@@ -18,8 +19,17 @@ from dspark.data.prompts import PROMPT_SETS, PromptRecord, load_prompts
 
 VENDORED = P.VENDORED_DIR
 SUFFIX = "\nPlease reason step by step, and put your final answer within \\boxed{}."
-PAPER_COUNTS = {"gsm8k": 500, "math500": 500, "aime25": 30, "humaneval": 164, "mbpp": 256, "livecodebench": 500,
-                "mt-bench": 80, "alpaca": 500, "arena-hard": 500}
+PAPER_COUNTS = {
+    "gsm8k": 500,
+    "math500": 500,
+    "aime25": 30,
+    "humaneval": 164,
+    "mbpp": 256,
+    "livecodebench": 500,
+    "mt-bench": 80,
+    "alpaca": 500,
+    "arena-hard": 500,
+}
 LOCAL_ONLY = {"gsm8k-train", "math-train", "mbpp-train", "alpaca-seed", "alpaca-5k"}
 
 
@@ -60,11 +70,16 @@ def write_jsonl(path: Path, rows: list[dict]) -> Path:
 
 # ---- registry ----
 
+
 def test_registry_holds_every_set_with_domain_and_source():
     assert set(PROMPT_SETS) == set(PAPER_COUNTS) | LOCAL_ONLY | {"open-perfectblend", "synthetic"}
     for name in PROMPT_SETS:
         spec = PROMPT_SETS.resolve(name)
-        assert spec.name == name and spec.domain in ("math", "code", "chat", "instruction", "mixed") and spec.role in ("eval", "train")
+        assert (
+            spec.name == name
+            and spec.domain in ("math", "code", "chat", "instruction", "mixed")
+            and spec.role in ("eval", "train")
+        )
         if name in PAPER_COUNTS:
             assert spec.role == "eval" and spec.hub_id and spec.format_hub_row and spec.local_files
             assert spec.paper_max == PAPER_COUNTS[name]
@@ -119,6 +134,7 @@ def test_bad_arguments_are_rejected(tmp_path):
 
 # ---- the staged paper sets ----
 
+
 def _ranked_ids(path: Path) -> list[str]:
     """Ids of a staged file ordered by paper_eval_rank, read with plain json (independent of the loader)."""
     rows = [json.loads(line) for line in path.read_text(encoding="utf-8").split("\n") if line]
@@ -167,11 +183,14 @@ def test_alpaca_stand_in_uses_the_paper_shuffle(cache_dir, monkeypatch):
     assert load_prompts("alpaca", cache_dir=cache_dir) == P.paper_subset(every, cap=500)
 
 
-@pytest.mark.parametrize("name, formatter, fields", [
-    ("gsm8k_test", P.format_gsm8k, {"raw_prompt": "question"}),
-    ("math500", P.format_math_problem, {"raw_prompt": "problem", "id": "unique_id"}),
-    ("humaneval", P.format_humaneval, {"raw_prompt": "prompt", "id": "task_id"}),
-])
+@pytest.mark.parametrize(
+    "name, formatter, fields",
+    [
+        ("gsm8k_test", P.format_gsm8k, {"raw_prompt": "question"}),
+        ("math500", P.format_math_problem, {"raw_prompt": "problem", "id": "unique_id"}),
+        ("humaneval", P.format_humaneval, {"raw_prompt": "prompt", "id": "task_id"}),
+    ],
+)
 def test_hub_formats_match_staged_paper_prompts(name, formatter, fields):
     """Formatting each staged row's original question must give DeepSpec's exact prompt, row by row."""
     for line in (VENDORED / f"{name}.jsonl").read_text(encoding="utf-8").strip().split("\n"):
@@ -194,11 +213,14 @@ def test_training_sets_load_whole_files_with_reference_responses(cache_dir, monk
     assert len(alpaca) == 5000 and len({r.id for r in alpaca}) == 5000
     assert all(r.domain == "instruction" for r in alpaca)
     assert sum(r.reference is None for r in alpaca) == 2  # two source rows have an empty output
-    assert alpaca[0].prompt.endswith("\n\nInput:\nSentence 1: I am going to the store.\nSentence 2: I goes to the store.")
+    assert alpaca[0].prompt.endswith(
+        "\n\nInput:\nSentence 1: I am going to the store.\nSentence 2: I goes to the store."
+    )
     gsm = load_prompts("gsm8k-train", cache_dir=cache_dir)
     assert len(gsm) == 7473 and all("<<" not in r.reference and "\n#### " in r.reference for r in gsm)
-    assert gsm[0].reference == ("Natalia sold 48/2 = 24 clips in May.\nNatalia sold 48+24 = 72 clips altogether "
-                                "in April and May.\n#### 72")
+    assert gsm[0].reference == (
+        "Natalia sold 48/2 = 24 clips in May.\nNatalia sold 48+24 = 72 clips altogether in April and May.\n#### 72"
+    )
     math = load_prompts("math-train", limit=50, cache_dir=cache_dir)  # final answers only: no reference response
     assert len(math) == 50 and all(r.reference is None for r in math)
 
@@ -210,47 +232,116 @@ def test_strip_calculator_notes():
 
 # ---- format_hub_row on hand-made hub rows ----
 
-LCB_HEAD = ("You are an expert Python programmer. You will be given a question (problem specification) and will "
-            "generate a correct Python program that matches the specification and passes all tests. You will NOT "
-            "return anything except for the program\n\n### Question:\n")
+LCB_HEAD = (
+    "You are an expert Python programmer. You will be given a question (problem specification) and will "
+    "generate a correct Python program that matches the specification and passes all tests. You will NOT "
+    "return anything except for the program\n\n### Question:\n"
+)
 
 
-@pytest.mark.parametrize("name, row, prompt, extra", [
-    ("gsm8k", {"question": "Tom has 3 cats. How many?", "answer": "3 cats\n#### 3"},
-     "Tom has 3 cats. How many?\nPlease reason step by step, and put your final answer within \\boxed{}.",
-     {"reference": "3 cats\n#### 3"}),
-    ("math500", {"problem": "Find $x$.", "solution": "It is $2$.", "answer": "2", "unique_id": "test/a/1.json"},
-     "Find $x$.\nPlease reason step by step, and put your final answer within \\boxed{}.",
-     {"id": "test/a/1.json", "reference": "It is $2$."}),
-    ("aime25", {"problem": "Compute $n$.", "answer": 70, "problem_idx": 1},
-     "Compute $n$.\nPlease reason step by step, and put your final answer within \\boxed{}.", {"reference": "70"}),
-    ("humaneval", {"task_id": "HumanEval/7", "prompt": "def f(x):\n    \"\"\"Double x.\"\"\"\n",
-                   "canonical_solution": "    return 2 * x\n"},
-     "Write a solution to the following problem and make sure that it passes the tests:\n```python\n"
-     "def f(x):\n    \"\"\"Double x.\"\"\"\n\n```", {"id": "HumanEval/7"}),
-    ("mbpp", {"task_id": 11, "prompt": "Write a python function to add.", "code": "def add(a, b): return a + b",
-              "test_list": ["assert add(1, 2) == 3"]},
-     "Write a python function to add.", {"id": "mbpp-11"}),
-    ("livecodebench", {"question_content": "Print 1.", "starter_code": ""},
-     LCB_HEAD + "Print 1.\n\n### Format: Write your code in the following format:\n```python\n# YOUR CODE HERE\n"
-     "```\n\n### Answer: (use the provided format with backticks)", {}),
-    ("livecodebench", {"question_content": "Sum.", "starter_code": "class Solution:\n    def s(self):\n        "},
-     LCB_HEAD + "Sum.\n\n### Format: Use the following code structure:\n```python\nclass Solution:\n    def "
-     "s(self):\n        \n```\n\n### Answer: (use the provided format with backticks)", {}),
-    ("mt-bench", {"prompt": ["Write a haiku.", "Now make it rhyme."], "prompt_id": 81, "category": "writing",
-                  "reference": []},
-     "Write a haiku.", {"id": "mtbench-81", "turns": ["Now make it rhyme."], "reference": None}),
-    ("alpaca", {"instruction": "Give three tips.", "input": "", "output": "1. 2. 3."},
-     "Give three tips.", {"reference": "1. 2. 3."}),
-    ("alpaca", {"instruction": "Classify the sentiment.", "input": "I love it!", "output": "positive"},
-     "Classify the sentiment.\n\nInput:\nI love it!", {}),
-    ("arena-hard", {"uid": "ab12", "category": "hard_prompt", "subcategory": "coding", "prompt": "Write zig."},
-     "Write zig.", {"id": "arena_hard_v2-ab12", "domain": "chat"}),
-    ("open-perfectblend", {"source": "meta-math/MetaMathQA", "conversations": [
-        {"from": "system", "value": "Be brief."}, {"from": "human", "value": "What is 2+2?"},
-        {"from": "gpt", "value": "4"}, {"from": "human", "value": "And 3+3?"}, {"from": "gpt", "value": "6"}]},
-     "What is 2+2?", {"turns": ["And 3+3?"], "domain": "math"}),
-])
+@pytest.mark.parametrize(
+    "name, row, prompt, extra",
+    [
+        (
+            "gsm8k",
+            {"question": "Tom has 3 cats. How many?", "answer": "3 cats\n#### 3"},
+            "Tom has 3 cats. How many?\nPlease reason step by step, and put your final answer within \\boxed{}.",
+            {"reference": "3 cats\n#### 3"},
+        ),
+        (
+            "math500",
+            {"problem": "Find $x$.", "solution": "It is $2$.", "answer": "2", "unique_id": "test/a/1.json"},
+            "Find $x$.\nPlease reason step by step, and put your final answer within \\boxed{}.",
+            {"id": "test/a/1.json", "reference": "It is $2$."},
+        ),
+        (
+            "aime25",
+            {"problem": "Compute $n$.", "answer": 70, "problem_idx": 1},
+            "Compute $n$.\nPlease reason step by step, and put your final answer within \\boxed{}.",
+            {"reference": "70"},
+        ),
+        (
+            "humaneval",
+            {
+                "task_id": "HumanEval/7",
+                "prompt": 'def f(x):\n    """Double x."""\n',
+                "canonical_solution": "    return 2 * x\n",
+            },
+            "Write a solution to the following problem and make sure that it passes the tests:\n```python\n"
+            'def f(x):\n    """Double x."""\n\n```',
+            {"id": "HumanEval/7"},
+        ),
+        (
+            "mbpp",
+            {
+                "task_id": 11,
+                "prompt": "Write a python function to add.",
+                "code": "def add(a, b): return a + b",
+                "test_list": ["assert add(1, 2) == 3"],
+            },
+            "Write a python function to add.",
+            {"id": "mbpp-11"},
+        ),
+        (
+            "livecodebench",
+            {"question_content": "Print 1.", "starter_code": ""},
+            LCB_HEAD + "Print 1.\n\n### Format: Write your code in the following format:\n```python\n# YOUR CODE HERE\n"
+            "```\n\n### Answer: (use the provided format with backticks)",
+            {},
+        ),
+        (
+            "livecodebench",
+            {"question_content": "Sum.", "starter_code": "class Solution:\n    def s(self):\n        "},
+            LCB_HEAD + "Sum.\n\n### Format: Use the following code structure:\n```python\nclass Solution:\n    def "
+            "s(self):\n        \n```\n\n### Answer: (use the provided format with backticks)",
+            {},
+        ),
+        (
+            "mt-bench",
+            {
+                "prompt": ["Write a haiku.", "Now make it rhyme."],
+                "prompt_id": 81,
+                "category": "writing",
+                "reference": [],
+            },
+            "Write a haiku.",
+            {"id": "mtbench-81", "turns": ["Now make it rhyme."], "reference": None},
+        ),
+        (
+            "alpaca",
+            {"instruction": "Give three tips.", "input": "", "output": "1. 2. 3."},
+            "Give three tips.",
+            {"reference": "1. 2. 3."},
+        ),
+        (
+            "alpaca",
+            {"instruction": "Classify the sentiment.", "input": "I love it!", "output": "positive"},
+            "Classify the sentiment.\n\nInput:\nI love it!",
+            {},
+        ),
+        (
+            "arena-hard",
+            {"uid": "ab12", "category": "hard_prompt", "subcategory": "coding", "prompt": "Write zig."},
+            "Write zig.",
+            {"id": "arena_hard_v2-ab12", "domain": "chat"},
+        ),
+        (
+            "open-perfectblend",
+            {
+                "source": "meta-math/MetaMathQA",
+                "conversations": [
+                    {"from": "system", "value": "Be brief."},
+                    {"from": "human", "value": "What is 2+2?"},
+                    {"from": "gpt", "value": "4"},
+                    {"from": "human", "value": "And 3+3?"},
+                    {"from": "gpt", "value": "6"},
+                ],
+            },
+            "What is 2+2?",
+            {"turns": ["And 3+3?"], "domain": "math"},
+        ),
+    ],
+)
 def test_format_hub_row_gives_the_paper_text(name, row, prompt, extra):
     record = PROMPT_SETS.resolve(name).format_hub_row(row)
     assert record.prompt == prompt
@@ -259,6 +350,7 @@ def test_format_hub_row_gives_the_paper_text(name, row, prompt, extra):
 
 
 # ---- resolution: local_dir > $DSPARK_DATA_DIR > vendored > hub ----
+
 
 def test_lookup_order_local_env_vendored(tmp_path, monkeypatch):
     monkeypatch.delenv("DSPARK_DATA_DIR", raising=False)
@@ -283,8 +375,13 @@ def test_local_dir_wins_over_default_dir(tmp_path, monkeypatch, cache_dir):
     assert P.default_data_dir() == default
     local = tmp_path / "local"
     local.mkdir()
-    write_jsonl(local / "gsm8k_test.jsonl", [{"id": f"l{i}", "domain": "math", "prompt": f"local {i}",
-                                              "turns": ["more"], "reference": 7} for i in range(3)])
+    write_jsonl(
+        local / "gsm8k_test.jsonl",
+        [
+            {"id": f"l{i}", "domain": "math", "prompt": f"local {i}", "turns": ["more"], "reference": 7}
+            for i in range(3)
+        ],
+    )
     records = load_prompts("gsm8k", local_dir=local, cache_dir=cache_dir)
     assert records == [PromptRecord(f"l{i}", "math", f"local {i}", ["more"], "7") for i in range(3)]
     # a local_dir without the set's file falls through to the default dir
@@ -335,8 +432,15 @@ def test_offline_hub_failure_names_set_places_and_fix(monkeypatch, no_default_da
     with pytest.raises(ValueError) as info:
         load_prompts("humaneval", local_dir=tmp_path)
     message = str(info.value)
-    for part in ("'humaneval'", "humaneval.jsonl", str(tmp_path), str(no_default_data), "data.local_dir=DIR",
-                 "network", "ConnectionError"):
+    for part in (
+        "'humaneval'",
+        "humaneval.jsonl",
+        str(tmp_path),
+        str(no_default_data),
+        "data.local_dir=DIR",
+        "network",
+        "ConnectionError",
+    ):
         assert part in message
     calls = fake_hub(monkeypatch, [])
     with pytest.raises(ValueError, match="'math-train'.*no hub copy.*data.local_dir=DIR"):
@@ -352,16 +456,23 @@ def test_default_data_dir_skips_missing_env_dir(tmp_path, monkeypatch):
 
 # ---- preflight: resolve every set without reading it ----
 
+
 def test_prompt_set_errors_name_the_key_and_the_fix(tmp_path, monkeypatch, no_default_data):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setattr(P, "hub_unreachable_reason", lambda hub_id, **_: f"{hub_id} unreachable")
-    errors = P.prompt_set_errors({"data.train_sets": ["math-train", "synthetic", "gsm8kk"],
-                                  "decode.eval_sets": ["humaneval"]}, local_dir=None, cache_dir=tmp_path)
+    errors = P.prompt_set_errors(
+        {"data.train_sets": ["math-train", "synthetic", "gsm8kk"], "decode.eval_sets": ["humaneval"]},
+        local_dir=None,
+        cache_dir=tmp_path,
+    )
     assert len(errors) == 3
     assert errors[0].startswith("data.train_sets: Prompt set 'math-train': no math_train.jsonl") and "Fix" in errors[0]
     assert errors[1].startswith("data.train_sets: Unknown prompt set 'gsm8kk'") and "gsm8k" in errors[1]
-    assert errors[2].startswith("decode.eval_sets: prompt set 'humaneval'") and "openai/openai_humaneval unreachable" \
-        in errors[2] and "data.local_dir=DIR" in errors[2]
+    assert (
+        errors[2].startswith("decode.eval_sets: prompt set 'humaneval'")
+        and "openai/openai_humaneval unreachable" in errors[2]
+        and "data.local_dir=DIR" in errors[2]
+    )
     write_jsonl(tmp_path / "humaneval.jsonl", [{"prompt": "p"}])
     assert P.prompt_set_errors({"decode.eval_sets": ["humaneval"]}, local_dir=tmp_path, cache_dir=None) == []
 
@@ -376,6 +487,7 @@ def test_hub_reason_uses_the_cache_and_the_offline_switch(tmp_path, monkeypatch)
 
 
 # ---- synthetic generator ----
+
 
 def _template_regex(text: str) -> re.Pattern:
     """A regex that parses a rendered template back into its values (numbers for one-letter placeholders)."""
@@ -393,15 +505,24 @@ def _template_regex(text: str) -> re.Pattern:
 
 # answers written independently of synthetic.py, keyed by template name
 EXPECTED = {
-    "restock": lambda a, b, c, **_: a + b * c, "share": lambda a, b, **_: a / b,
-    "change": lambda a, b, c, **_: c - a * b, "reading": lambda a, b, c, d, **_: a * b + c * d,
-    "train": lambda a, b, c, d, **_: a * b + c * d, "savings": lambda a, b, **_: b / a,
-    "fence": lambda a, b, **_: 2 * a + 2 * b, "bus": lambda a, p, **_: a * (100 - p) / 100,
-    "ages": lambda a, b, c, **_: a * b + c, "boxes": lambda a, b, c, **_: a * b + c,
-    "shopping": lambda a, b, c, d, **_: a * b + c * d, "recipe": lambda a, b, c, **_: a * c / b,
-    "laps": lambda a, b, c, **_: a * b * c, "tank": lambda a, b, c, d, **_: a - b * c + d,
-    "ratio": lambda a, b, c, **_: a * c / (b + c), "sale": lambda a, p, **_: a * (100 - p) / 100,
-    "average": lambda a, b, c, d, **_: 4 * d - (a + b + c), "farm": lambda a, b, **_: 2 * a + 4 * b,
+    "restock": lambda a, b, c, **_: a + b * c,
+    "share": lambda a, b, **_: a / b,
+    "change": lambda a, b, c, **_: c - a * b,
+    "reading": lambda a, b, c, d, **_: a * b + c * d,
+    "train": lambda a, b, c, d, **_: a * b + c * d,
+    "savings": lambda a, b, **_: b / a,
+    "fence": lambda a, b, **_: 2 * a + 2 * b,
+    "bus": lambda a, p, **_: a * (100 - p) / 100,
+    "ages": lambda a, b, c, **_: a * b + c,
+    "boxes": lambda a, b, c, **_: a * b + c,
+    "shopping": lambda a, b, c, d, **_: a * b + c * d,
+    "recipe": lambda a, b, c, **_: a * c / b,
+    "laps": lambda a, b, c, **_: a * b * c,
+    "tank": lambda a, b, c, d, **_: a - b * c + d,
+    "ratio": lambda a, b, c, **_: a * c / (b + c),
+    "sale": lambda a, p, **_: a * (100 - p) / 100,
+    "average": lambda a, b, c, d, **_: 4 * d - (a + b + c),
+    "farm": lambda a, b, **_: 2 * a + 4 * b,
 }
 
 

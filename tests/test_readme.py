@@ -1,4 +1,5 @@
 """The README stays the front door: short, every relative link resolves, nothing outside the repository, every sweep."""
+
 from __future__ import annotations
 
 import re

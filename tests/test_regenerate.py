@@ -1,4 +1,5 @@
 """Response regeneration (METHOD §3) on the random-weight `tiny` target: masks, caching, resume, cache keys."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -149,10 +150,16 @@ def test_bf16_regeneration_is_recorded_and_refuses_unresolved_precision(tiny, tm
 
 def test_different_seed_gives_different_responses(tiny, tmp_path) -> None:
     prompts = [PROMPTS[0], PROMPTS[2]]
-    a = load_regenerated(regenerate_responses(tiny, prompts, sampling=SAMPLING, cache_dir=tmp_path, seed=0,
-                                              min_loss_tokens=1, show_progress=False))
-    b = load_regenerated(regenerate_responses(tiny, prompts, sampling=SAMPLING, cache_dir=tmp_path, seed=1,
-                                              min_loss_tokens=1, show_progress=False))
+    a = load_regenerated(
+        regenerate_responses(
+            tiny, prompts, sampling=SAMPLING, cache_dir=tmp_path, seed=0, min_loss_tokens=1, show_progress=False
+        )
+    )
+    b = load_regenerated(
+        regenerate_responses(
+            tiny, prompts, sampling=SAMPLING, cache_dir=tmp_path, seed=1, min_loss_tokens=1, show_progress=False
+        )
+    )
     assert a["input_ids"] != b["input_ids"]
 
 
@@ -210,14 +217,24 @@ def _warped_probabilities(logits: torch.Tensor, sampling: SamplingConfig, suppre
     )
 
     scores = SuppressTokensLogitsProcessor(suppress)(torch.zeros(1, 1, dtype=torch.long), logits.clone())
-    for warper in (TemperatureLogitsWarper(sampling.temperature), TopKLogitsWarper(sampling.top_k or logits.shape[-1]),
-                   TopPLogitsWarper(sampling.top_p)):
+    for warper in (
+        TemperatureLogitsWarper(sampling.temperature),
+        TopKLogitsWarper(sampling.top_k or logits.shape[-1]),
+        TopPLogitsWarper(sampling.top_p),
+    ):
         scores = warper(torch.zeros(1, 1, dtype=torch.long), scores)
     return scores.softmax(dim=-1)[0].double()
 
 
-@pytest.mark.parametrize("settings", [dict(temperature=1.0, top_p=1.0, top_k=0), dict(temperature=0.7, top_p=0.8, top_k=20),
-                                      dict(temperature=1.3, top_p=0.6, top_k=0), dict(temperature=0.5, top_p=1.0, top_k=4)])
+@pytest.mark.parametrize(
+    "settings",
+    [
+        dict(temperature=1.0, top_p=1.0, top_k=0),
+        dict(temperature=0.7, top_p=0.8, top_k=20),
+        dict(temperature=1.3, top_p=0.6, top_k=0),
+        dict(temperature=0.5, top_p=1.0, top_k=4),
+    ],
+)
 def test_draw_tokens_samples_generates_distribution(settings) -> None:
     """draw_tokens (inverse CDF) against transformers' processors: chi-square over 60,000 draws, and no draw ever
     falls on a token the processors give probability 0."""
@@ -259,8 +276,12 @@ def test_lean_sampler_greedy_equals_generate_with_rows_leaving_the_batch(tiny, t
     eot = tiny.tokenizer.eos_token_id
     free = [response for response, _ in sample_responses(tiny, prompts, sampling=greedy, eot=eot)]
     # a token that first appears mid-response in one row and never in another: that row ends there, the other not
-    row, index = next((r, j) for r, resp in enumerate(free) for j in range(1, 8)
-                      if resp[j] not in resp[:j] and any(resp[j] not in other for other in free))
+    row, index = next(
+        (r, j)
+        for r, resp in enumerate(free)
+        for j in range(1, 8)
+        if resp[j] not in resp[:j] and any(resp[j] not in other for other in free)
+    )
     stop = free[row][index]
     monkeypatch.setattr(tiny, "stop_token_ids", [*tiny.stop_token_ids, stop])
     reference = sample_responses(tiny, prompts, sampling=greedy, eot=eot)

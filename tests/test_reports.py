@@ -3,6 +3,7 @@
 The store is built here with fixed metric values (two seeds per configuration, so the 95% intervals are real);
 provenance fields are injected, so the rendered markdown is byte-stable. Set DSPARK_UPDATE_GOLDEN=1 to rewrite the
 golden files after an intended change (and review the diff)."""
+
 from __future__ import annotations
 
 import os
@@ -19,10 +20,18 @@ from dspark.tracking.runs import COMPLETE_TAG
 from dspark.tracking import open_store
 
 GOLDEN = Path(__file__).parent / "golden"
-PROVENANCE = Provenance(git_commit="0123456789abcdef (dirty)", date="2026-01-02 03:04", machine="test-machine 2 cpus",
-                        target="tiny", budget="smoke", command="python experiments/run.py sweep=NAME budget=smoke",
-                        tracking_uri="sqlite:///<store>", experiment="dspark-lab (id 1)", parent_run_id="<parent>",
-                        sweep_hash="abcdef123456")
+PROVENANCE = Provenance(
+    git_commit="0123456789abcdef (dirty)",
+    date="2026-01-02 03:04",
+    machine="test-machine 2 cpus",
+    target="tiny",
+    budget="smoke",
+    command="python experiments/run.py sweep=NAME budget=smoke",
+    tracking_uri="sqlite:///<store>",
+    experiment="dspark-lab (id 1)",
+    parent_run_id="<parent>",
+    sweep_hash="abcdef123456",
+)
 
 
 @pytest.fixture(scope="module")
@@ -35,18 +44,34 @@ def _store(root: Path, experiment: str):
     return open_store(resolve_config(["budget=smoke", f"paths.root={root}", f"tracking.experiment={experiment}"]).cfg)
 
 
-def _seed_sweep(store, *, sweep: str, cells: list[tuple[dict, dict[str, float]]],
-                machines: list[str] | None = None, commits: list[str] | None = None,
-                parent_tags: dict[str, str] | None = None) -> str:
+def _seed_sweep(
+    store,
+    *,
+    sweep: str,
+    cells: list[tuple[dict, dict[str, float]]],
+    machines: list[str] | None = None,
+    commits: list[str] | None = None,
+    parent_tags: dict[str, str] | None = None,
+) -> str:
     """A parent run (with `parent_tags` added) and one FINISHED, complete child per (axes, metrics), tagged with
     `machines[i]` and `commits[i]` when given; returns the parent id."""
-    parent = store.create_run(run_name=f"sweep-{sweep}", tags={"sweep.name": sweep, "sweep.role": "parent",
-                                                               "sweep.hash": "abcdef123456", **(parent_tags or {})})
+    parent = store.create_run(
+        run_name=f"sweep-{sweep}",
+        tags={"sweep.name": sweep, "sweep.role": "parent", "sweep.hash": "abcdef123456", **(parent_tags or {})},
+    )
     for index, (axes, metrics) in enumerate(cells):
         key = " ".join(f"{k}={v}" for k, v in axes.items())
-        tags = {"sweep.name": sweep, "sweep.role": "cell", "cell": key, "cell.index": str(index),
-                "seed": str(axes["seed"]), "drafter": str(axes.get("drafter", "dspark")), "model.head": "markov",
-                COMPLETE_TAG: "true", **{f"axis.{k}": str(v) for k, v in axes.items()}}
+        tags = {
+            "sweep.name": sweep,
+            "sweep.role": "cell",
+            "cell": key,
+            "cell.index": str(index),
+            "seed": str(axes["seed"]),
+            "drafter": str(axes.get("drafter", "dspark")),
+            "model.head": "markov",
+            COMPLETE_TAG: "true",
+            **{f"axis.{k}": str(v) for k, v in axes.items()},
+        }
         if machines:
             tags["machine"] = machines[index]
         if commits:
@@ -54,8 +79,9 @@ def _seed_sweep(store, *, sweep: str, cells: list[tuple[dict, dict[str, float]]]
         run = store.create_run(run_name=key, tags=tags, parent_run_id=parent)
         store.log_metrics(run, metrics)
         store.finish(run)
-    store.create_run(run_name="killed", tags={"sweep.name": sweep, "sweep.role": "cell", "cell": "x"},
-                     parent_run_id=parent)  # an interrupted attempt: left out of the tables
+    store.create_run(
+        run_name="killed", tags={"sweep.name": sweep, "sweep.role": "cell", "cell": "x"}, parent_run_id=parent
+    )  # an interrupted attempt: left out of the tables
     store.finish(parent)
     return parent
 
@@ -63,8 +89,12 @@ def _seed_sweep(store, *, sweep: str, cells: list[tuple[dict, dict[str, float]]]
 def _depth_metrics(depth: int, drafter: str, seed: int) -> dict[str, float]:
     base = 2.0 + 0.25 * depth + (0.4 if drafter == "dspark" else 0.0) + 0.05 * seed
     out = {f"eval/domain/{d}/tau": base + shift for d, shift in (("math", 0.3), ("code", 0.1), ("chat", -0.4))}
-    out |= {"eval/all/tau": base, "summary/tau": base, "summary/speedup": 1.0 + base / 10,
-            "val/tau_prob": 1.5 + 0.1 * depth + 0.01 * seed}
+    out |= {
+        "eval/all/tau": base,
+        "summary/tau": base,
+        "summary/speedup": 1.0 + base / 10,
+        "val/tau_prob": 1.5 + 0.1 * depth + 0.01 * seed,
+    }
     return out
 
 
@@ -74,16 +104,24 @@ def _main_metrics(drafter: str, seed: int) -> dict[str, float]:
     for domain, sets in DOMAINS.items():
         out[f"eval/domain/{domain}/tau"] = sum(out[f"eval/{d}/tau"] for d in sets) / 3
         out |= {f"eval/domain/{domain}/cond/pos{k}": scale - 0.02 * k for k in range(1, 8)}
-    out |= {"eval/all/tau": sum(out[f"eval/{d}/tau"] for d in DATASETS) / 9, "summary/speedup": 1 + scale,
-            "val/tau_prob": 2 * scale}
+    out |= {
+        "eval/all/tau": sum(out[f"eval/{d}/tau"] for d in DATASETS) / 9,
+        "summary/speedup": 1 + scale,
+        "val/tau_prob": 2 * scale,
+    }
     return out | {"summary/tau": out["eval/all/tau"]}
 
 
 SEEDED = {
-    "depth": [({"drafter": dr, "model.depth": d, "seed": s}, _depth_metrics(d, dr, s))
-              for s in (0, 1) for dr, depths in (("dspark", (1, 2, 3, 4, 5)), ("dflash", (5,))) for d in depths],
-    "main": [({"drafter": dr, "seed": s}, _main_metrics(dr, s))
-             for s in (0, 1) for dr in ("dspark", "dflash", "eagle3")],
+    "depth": [
+        ({"drafter": dr, "model.depth": d, "seed": s}, _depth_metrics(d, dr, s))
+        for s in (0, 1)
+        for dr, depths in (("dspark", (1, 2, 3, 4, 5)), ("dflash", (5,)))
+        for d in depths
+    ],
+    "main": [
+        ({"drafter": dr, "seed": s}, _main_metrics(dr, s)) for s in (0, 1) for dr in ("dspark", "dflash", "eagle3")
+    ],
 }
 
 
@@ -92,8 +130,10 @@ def test_report_matches_golden(sweep, tmp_path, store_root):
     store = _store(store_root, f"golden-{sweep}")
     _seed_sweep(store, sweep=sweep, cells=SEEDED[sweep])
     runs = collect_sweep_runs(store, sweep=sweep)
-    assert runs.frame.height == len(SEEDED[sweep]) and runs.status_counts == {"FINISHED": len(SEEDED[sweep]),
-                                                                             "RUNNING": 1}
+    assert runs.frame.height == len(SEEDED[sweep]) and runs.status_counts == {
+        "FINISHED": len(SEEDED[sweep]),
+        "RUNNING": 1,
+    }
     text, figures, _ = build_report(runs, spec=load_sweep(sweep), out_dir=tmp_path / "reports", provenance=PROVENANCE)
     assert figures and all(f.exists() and f.stat().st_size > 1000 for f in figures)
     golden = GOLDEN / f"{sweep}.md"
@@ -122,8 +162,12 @@ def test_write_report_attaches_it_to_the_parent(tmp_path, store_root):
 def test_the_header_names_the_machines_the_cells_ran_on(tmp_path, store_root):
     """A sweep resumed on another machine (sessions here change machines) lists both, most runs first."""
     store = _store(store_root, "machines")
-    parent = _seed_sweep(store, sweep="depth", cells=SEEDED["depth"][:4],
-                         machines=["vm x86_64: AMD EPYC (family 25 model 17)"] * 3 + ["vm x86_64: Intel Xeon"])
+    parent = _seed_sweep(
+        store,
+        sweep="depth",
+        cells=SEEDED["depth"][:4],
+        machines=["vm x86_64: AMD EPYC (family 25 model 17)"] * 3 + ["vm x86_64: Intel Xeon"],
+    )
     rc = resolve_config(["budget=smoke", f"paths.root={tmp_path}", "sweep=depth", "tracking.experiment=machines"])
     text = write_sweep_report(rc, load_sweep("depth"), store=store, parent_id=parent).read_text()
     assert "- machine: vm x86_64: AMD EPYC (family 25 model 17) (3 runs); vm x86_64: Intel Xeon (1 run)\n" in text
@@ -134,21 +178,30 @@ def test_the_header_shows_the_sweeps_command_and_the_commits_its_cells_ran_at(tm
     its regenerate line are the whole sweep's. A sweep resumed over sessions lists the commits its cells ran at."""
     store = _store(store_root, "commits")
     first, later = "a" * 40, "b" * 40
-    parent = _seed_sweep(store, sweep="depth", cells=SEEDED["depth"][:4], commits=[later] * 3 + [first],
-                         parent_tags={"git.commit": first, "command": "python experiments/run.py sweep=depth "
-                                      "budget=smoke model.depth=1 seed=0 trainer.checkpoint_every_min=5"})
+    parent = _seed_sweep(
+        store,
+        sweep="depth",
+        cells=SEEDED["depth"][:4],
+        commits=[later] * 3 + [first],
+        parent_tags={
+            "git.commit": first,
+            "command": "python experiments/run.py sweep=depth "
+            "budget=smoke model.depth=1 seed=0 trainer.checkpoint_every_min=5",
+        },
+    )
     rc = resolve_config(["budget=smoke", f"paths.root={tmp_path}", "sweep=depth", "tracking.experiment=commits"])
     text = write_sweep_report(rc, load_sweep("depth"), store=store, parent_id=parent).read_text()
-    assert ("- command: `python experiments/run.py sweep=depth budget=smoke trainer.checkpoint_every_min=5`\n"
-            in text)
-    assert ("- regenerate: `python experiments/run.py sweep=depth budget=smoke trainer.checkpoint_every_min=5 "
-            "stage=report`") in text
+    assert "- command: `python experiments/run.py sweep=depth budget=smoke trainer.checkpoint_every_min=5`\n" in text
+    assert (
+        "- regenerate: `python experiments/run.py sweep=depth budget=smoke trainer.checkpoint_every_min=5 stage=report`"
+    ) in text
     assert f"- git commit: {first} (the parent run)\n" in text
     assert f"- cells ran at: {later[:12]} (3 runs); {first[:12]} (1 run)\n" in text
 
     same = _store(store_root, "one-commit")
-    parent = _seed_sweep(same, sweep="depth", cells=SEEDED["depth"][:2], commits=[first] * 2,
-                         parent_tags={"git.commit": first})
+    parent = _seed_sweep(
+        same, sweep="depth", cells=SEEDED["depth"][:2], commits=[first] * 2, parent_tags={"git.commit": first}
+    )
     rc = resolve_config(["budget=smoke", f"paths.root={tmp_path}", "sweep=depth", "tracking.experiment=one-commit"])
     text = write_sweep_report(rc, load_sweep("depth"), store=same, parent_id=parent).read_text()
     assert f"- git commit: {first}\n" in text and "cells ran at" not in text
@@ -157,7 +210,7 @@ def test_the_header_shows_the_sweeps_command_and_the_commits_its_cells_ran_at(tm
 def test_estimate_is_the_student_t_interval():
     e = estimate([1.0, 2.0, 3.0, None, float("nan")])
     assert e.n == 3 and e.mean == pytest.approx(2.0)
-    assert e.half_width == pytest.approx(4.302652729911275 / 3 ** 0.5)
+    assert e.half_width == pytest.approx(4.302652729911275 / 3**0.5)
     assert e.text() == "2.00 ± 2.48 (n=3)" and estimate([4.0]).text() == "4.00 (n=1)" and estimate([]).text() == "–"
 
 
@@ -183,11 +236,20 @@ def test_cells_missing_an_axis_of_another_grid_block_are_reported(tmp_path, stor
     """block_size: the DFlash block has no model.head axis, so that column is null for its cells; they must still
     fill their rows (a `== None` filter used to drop them and print '–')."""
     store = _store(store_root, "null-axis")
-    cells = [({"drafter": "dspark", "model.head": "markov", "model.block_size": g, "seed": 0},
-              {"summary/tau": 1.5 + 0.1 * g, "eval/all/tau": 1.5 + 0.1 * g, "val/tau_prob": 1.2})
-             for g in (3, 7)]
-    cells += [({"drafter": "dflash", "model.block_size": g, "seed": 0},
-               {"summary/tau": 1.25 + 0.1 * g, "eval/all/tau": 1.25 + 0.1 * g, "val/tau_prob": 1.1}) for g in (3, 7)]
+    cells = [
+        (
+            {"drafter": "dspark", "model.head": "markov", "model.block_size": g, "seed": 0},
+            {"summary/tau": 1.5 + 0.1 * g, "eval/all/tau": 1.5 + 0.1 * g, "val/tau_prob": 1.2},
+        )
+        for g in (3, 7)
+    ]
+    cells += [
+        (
+            {"drafter": "dflash", "model.block_size": g, "seed": 0},
+            {"summary/tau": 1.25 + 0.1 * g, "eval/all/tau": 1.25 + 0.1 * g, "val/tau_prob": 1.1},
+        )
+        for g in (3, 7)
+    ]
     _seed_sweep(store, sweep="block_size", cells=cells)
     runs = collect_sweep_runs(store, sweep="block_size")
     text, _, _ = build_report(runs, spec=load_sweep("block_size"), out_dir=tmp_path / "reports", provenance=PROVENANCE)
@@ -207,10 +269,20 @@ def test_block_size_claim_reads_rollouts_and_the_teacher_forced_proxy(tmp_path, 
     for drafter in ("dspark", "dflash"):
         for g in (3, 7, 15):
             axes = {"drafter": drafter, "model.block_size": g, "seed": 0} | (
-                {"model.head": "markov"} if drafter == "dspark" else {})
+                {"model.head": "markov"} if drafter == "dspark" else {}
+            )
             tau = rollout[drafter][g]
-            cells.append((axes, {"eval/domain/math/tau": tau, "eval/all/tau": tau, "summary/tau": tau,
-                                 "val/tau_prob": proxy[drafter][g]}))
+            cells.append(
+                (
+                    axes,
+                    {
+                        "eval/domain/math/tau": tau,
+                        "eval/all/tau": tau,
+                        "summary/tau": tau,
+                        "val/tau_prob": proxy[drafter][g],
+                    },
+                )
+            )
     _seed_sweep(store, sweep="block_size", cells=cells)
     runs = collect_sweep_runs(store, sweep="block_size")
     text, _, _ = build_report(runs, spec=load_sweep("block_size"), out_dir=tmp_path / "reports", provenance=PROVENANCE)
@@ -226,25 +298,42 @@ def test_block_size_judges_the_gain_change_per_domain_with_intervals(tmp_path, s
     """The block-size claim's domain table: per γ DSpark's per-prompt τ gain over DFlash with its CI, and the
     change from the smallest to the largest γ judged per domain — here math grows, chat does not move."""
     store = _store(store_root, "block-domains")
-    per_prompt = {("dspark", 3): {"math": 1.50, "chat": 1.30}, ("dspark", 15): {"math": 1.80, "chat": 1.31},
-                  ("dflash", 3): {"math": 1.40, "chat": 1.20}, ("dflash", 15): {"math": 1.40, "chat": 1.21}}
+    per_prompt = {
+        ("dspark", 3): {"math": 1.50, "chat": 1.30},
+        ("dspark", 15): {"math": 1.80, "chat": 1.31},
+        ("dflash", 3): {"math": 1.40, "chat": 1.20},
+        ("dflash", 15): {"math": 1.40, "chat": 1.21},
+    }
     cells = []
     for (drafter, g), taus in per_prompt.items():
         axes = {"drafter": drafter, "model.block_size": g, "seed": 0} | (
-            {"model.head": "markov"} if drafter == "dspark" else {})
-        metrics = {"eval/all/tau": sum(taus.values()) / 2, "summary/tau": sum(taus.values()) / 2,
-                   "eval/all/tau_prompt_mean": sum(taus.values()) / 2, "eval/all/tau_prompt_ci95": 0.03,
-                   "eval/all/prompts": 40, "val/tau_prob": 1.4}
+            {"model.head": "markov"} if drafter == "dspark" else {}
+        )
+        metrics = {
+            "eval/all/tau": sum(taus.values()) / 2,
+            "summary/tau": sum(taus.values()) / 2,
+            "eval/all/tau_prompt_mean": sum(taus.values()) / 2,
+            "eval/all/tau_prompt_ci95": 0.03,
+            "eval/all/prompts": 40,
+            "val/tau_prob": 1.4,
+        }
         for domain, tau in taus.items():
-            metrics |= {f"eval/domain/{domain}/tau": tau, f"eval/domain/{domain}/tau_prompt_mean": tau,
-                        f"eval/domain/{domain}/tau_prompt_ci95": 0.04, f"eval/domain/{domain}/prompts": 20}
+            metrics |= {
+                f"eval/domain/{domain}/tau": tau,
+                f"eval/domain/{domain}/tau_prompt_mean": tau,
+                f"eval/domain/{domain}/tau_prompt_ci95": 0.04,
+                f"eval/domain/{domain}/prompts": 20,
+            }
         cells.append((axes, metrics))
     _seed_sweep(store, sweep="block_size", cells=cells)
     runs = collect_sweep_runs(store, sweep="block_size")
     text, _, _ = build_report(runs, spec=load_sweep("block_size"), out_dir=tmp_path / "reports", provenance=PROVENANCE)
     assert "DSpark (markov) vs DFlash by domain, per-prompt τ gain, 95% CIs:" in text
-    rows = {line.split("|")[1].strip(): [c.strip() for c in line.split("|")[2:-1]]
-            for line in text.splitlines() if line.startswith("| γ=")}
+    rows = {
+        line.split("|")[1].strip(): [c.strip() for c in line.split("|")[2:-1]]
+        for line in text.splitlines()
+        if line.startswith("| γ=")
+    }
     assert rows["γ=3"][0].startswith("+7.1% [") and rows["γ=15"][0].startswith("+28.6% [")
     math_change, chat_change = rows["γ=15 − γ=3"]
     assert math_change.startswith("+21.4% [") and math_change.endswith("→ grows"), math_change
@@ -258,8 +347,14 @@ def test_block_size_judges_the_rnn_head_against_markov_at_each_gamma(tmp_path, s
     per_prompt = {("markov", 3): 1.40, ("rnn", 3): 1.41, ("markov", 15): 1.40, ("rnn", 15): 1.50, ("markov", 7): 1.4}
     cells = []
     for (head, g), tau in per_prompt.items():
-        metrics = {"eval/all/tau": tau, "summary/tau": tau, "eval/all/tau_prompt_mean": tau,
-                   "eval/all/tau_prompt_ci95": 0.03, "eval/all/prompts": 60, "val/tau_prob": 1.5 + (tau - 1.4) / 10}
+        metrics = {
+            "eval/all/tau": tau,
+            "summary/tau": tau,
+            "eval/all/tau_prompt_mean": tau,
+            "eval/all/tau_prompt_ci95": 0.03,
+            "eval/all/prompts": 60,
+            "val/tau_prob": 1.5 + (tau - 1.4) / 10,
+        }
         cells.append(({"drafter": "dspark", "model.head": head, "model.block_size": g, "seed": 0}, metrics))
     _seed_sweep(store, sweep="block_size", cells=cells)
     runs = collect_sweep_runs(store, sweep="block_size")
@@ -281,7 +376,7 @@ def test_claim_intervals_pool_prompts_and_seeds():
     one = pool([2.0], [0.1])
     assert one == Pooled(2.0, 0.1, 1)
     two = pool([2.0, 2.2], [0.1, 0.3])
-    within = (0.1 ** 2 + 0.3 ** 2) / 4
+    within = (0.1**2 + 0.3**2) / 4
     between = ((2.0 - 2.1) ** 2 + (2.2 - 2.1) ** 2) / 1 / 2
     assert math.isclose(two.mean, 2.1) and math.isclose(two.se, math.sqrt(within + between))
     assert pool([None, float("nan")], [0.1, 0.1]).runs == 0
@@ -317,18 +412,32 @@ def test_head_and_main_reports_judge_the_claims_with_intervals(store_root, tmp_p
     def metrics(shift: float, cond2: float, seed: int) -> dict[str, float]:
         out = {}
         for scope in ("eval/all", "eval/domain/math", "eval/domain/code", "eval/domain/chat"):
-            out |= {f"{scope}/tau": 1.3 + shift, f"{scope}/tau_prompt_mean": 1.3 + shift + 0.001 * seed,
-                    f"{scope}/tau_prompt_ci95": 0.02, f"{scope}/prompts": 30.0}
-        out |= {"eval/all/rounds": 2000.0, "eval/all/survival/pos1": 0.3, "eval/all/cond/pos1": 0.3,
-                "eval/all/cond/pos2": cond2 + 0.001 * seed, "val/accept/pos1": 0.3, "val/accept/pos2": cond2,
-                "summary/tau": 1.3 + shift}
+            out |= {
+                f"{scope}/tau": 1.3 + shift,
+                f"{scope}/tau_prompt_mean": 1.3 + shift + 0.001 * seed,
+                f"{scope}/tau_prompt_ci95": 0.02,
+                f"{scope}/prompts": 30.0,
+            }
+        out |= {
+            "eval/all/rounds": 2000.0,
+            "eval/all/survival/pos1": 0.3,
+            "eval/all/cond/pos1": 0.3,
+            "eval/all/cond/pos2": cond2 + 0.001 * seed,
+            "val/accept/pos1": 0.3,
+            "val/accept/pos2": cond2,
+            "summary/tau": 1.3 + shift,
+        }
         return out
 
-    cells = [({"model.head": head, "seed": s}, metrics(shift, cond2, s)) for s in (0, 1)
-             for head, shift, cond2 in (("none", 0.0, 0.10), ("markov", 0.2, 0.30), ("rnn", 0.001, 0.10))]
+    cells = [
+        ({"model.head": head, "seed": s}, metrics(shift, cond2, s))
+        for s in (0, 1)
+        for head, shift, cond2 in (("none", 0.0, 0.10), ("markov", 0.2, 0.30), ("rnn", 0.001, 0.10))
+    ]
     _seed_sweep(store, sweep="head", cells=cells)
-    text, _, _ = build_report(collect_sweep_runs(store, sweep="head"), spec=load_sweep("head"), out_dir=tmp_path,
-                           provenance=PROVENANCE)
+    text, _, _ = build_report(
+        collect_sweep_runs(store, sweep="head"), spec=load_sweep("head"), out_dir=tmp_path, provenance=PROVENANCE
+    )
     assert "markov vs none, 95% CIs:" in text
     markov = text.split("markov vs none, 95% CIs:")[1].split("rnn vs none")[0]
     assert "τ (all, per prompt)" in markov and "**holds**" in markov
@@ -348,17 +457,25 @@ def test_depth_report_judges_the_trend_against_the_shallowest(store_root, tmp_pa
         out = {}
         for scope in ("eval/all", "eval/domain/math", "eval/domain/code", "eval/domain/chat"):
             t = tau + (math if scope.endswith("math") else 0.0)
-            out |= {f"{scope}/tau": t, f"{scope}/tau_prompt_mean": t + 0.001 * seed,
-                    f"{scope}/tau_prompt_ci95": 0.02, f"{scope}/prompts": 30.0}
+            out |= {
+                f"{scope}/tau": t,
+                f"{scope}/tau_prompt_mean": t + 0.001 * seed,
+                f"{scope}/tau_prompt_ci95": 0.02,
+                f"{scope}/prompts": 30.0,
+            }
         return out | {"val/tau_prob": tau + 0.1 + 0.001 * seed, "summary/tau": tau}
 
     taus = {1: 1.30, 3: 1.40, 5: 1.31}  # depth 5: level with depth 1 overall, but well below it on math
-    cells = [({"drafter": "dspark", "model.depth": d, "seed": s}, metrics(t, s, math=-0.15 if d == 5 else 0.0))
-             for s in (0, 1) for d, t in taus.items()]
+    cells = [
+        ({"drafter": "dspark", "model.depth": d, "seed": s}, metrics(t, s, math=-0.15 if d == 5 else 0.0))
+        for s in (0, 1)
+        for d, t in taus.items()
+    ]
     cells.append(({"drafter": "dflash", "model.depth": 5, "seed": 0}, metrics(1.2, 0)))
     _seed_sweep(store, sweep="depth", cells=cells)
-    text, _, _ = build_report(collect_sweep_runs(store, sweep="depth"), spec=load_sweep("depth"), out_dir=tmp_path,
-                           provenance=PROVENANCE)
+    text, _, _ = build_report(
+        collect_sweep_runs(store, sweep="depth"), spec=load_sweep("depth"), out_dir=tmp_path, provenance=PROVENANCE
+    )
     trend = text.split("Deeper DSpark vs depth 1")[1].split("## ")[0]
     depth3 = next(line for line in trend.splitlines() if line.startswith("- depth 3:"))
     depth5 = next(line for line in trend.splitlines() if line.startswith("- depth 5:"))
@@ -374,8 +491,9 @@ def test_depth_report_judges_the_trend_against_the_shallowest(store_root, tmp_pa
 
     store = _store(store_root, "depth-trend-one-seed")
     _seed_sweep(store, sweep="depth", cells=[c for c in cells if c[0]["seed"] == 0])
-    text, _, _ = build_report(collect_sweep_runs(store, sweep="depth"), spec=load_sweep("depth"), out_dir=tmp_path,
-                           provenance=PROVENANCE)
+    text, _, _ = build_report(
+        collect_sweep_runs(store, sweep="depth"), spec=load_sweep("depth"), out_dir=tmp_path, provenance=PROVENANCE
+    )
     assert "held-out τ_prob 1.410 vs 1.400 (a single seed: no interval)" in text
     assert "held-out τ_prob **not measured**" in text
 

@@ -2,6 +2,7 @@
 files. What must hold of the committed tree — links resolve, every sweep has a folder, no absolute path, no dirty
 commit, verdicts agree with their intervals, the index and every sweep report regenerate identically — and, for
 each check, a made-up tree that shows it can fail."""
+
 from __future__ import annotations
 
 import datetime
@@ -39,12 +40,20 @@ def write(path: Path, text: str) -> Path:
 
 
 def report(path: Path, **meta: str) -> Path:
-    fields = {"question": "q?", "headline": "+1% [+0.5%, +1.5%]", "machine": "m", "commit": "abc1234",
-              "date": "2026-12-07", "command": "python x.py", "kind": "measurement"} | meta
+    fields = {
+        "question": "q?",
+        "headline": "+1% [+0.5%, +1.5%]",
+        "machine": "m",
+        "commit": "abc1234",
+        "date": "2026-12-07",
+        "command": "python x.py",
+        "kind": "measurement",
+    } | meta
     return write(path, with_front_matter(fields, "# A report\n"))
 
 
 # --- the committed tree ---------------------------------------------------------------------------------------
+
 
 def test_every_link_under_results_resolves():
     assert checks.broken_links(RESULTS) == []
@@ -100,7 +109,9 @@ def test_a_folder_without_a_report_or_a_field_is_caught(tmp_path):
     report(tmp_path / "half" / "half.md", headline="")
     write(tmp_path / "bare" / "notes.md", "---\nquestion: notes are not reports\n---\n")
     assert checks.incomplete_front_matter(tmp_path) == [
-        "bare: no current report (a top-level .md with front matter)", "half/half.md: no headline"]
+        "bare: no current report (a top-level .md with front matter)",
+        "half/half.md: no headline",
+    ]
 
 
 def test_every_verdict_of_the_index_agrees_with_its_interval():
@@ -112,10 +123,16 @@ def test_every_verdict_of_the_index_agrees_with_its_interval():
 
 
 def test_a_verdict_against_its_interval_is_caught():
-    rows = [("a", "+1.2% [−0.5%, +2.9%]", "holds"), ("b", "+3% [+1%, +5%]", "reversed"),
-            ("c", "+0.1 [+0.05, +0.2]", "not resolved (the 95% CI spans 0)"), ("d", "no interval", "holds"),
-            ("e", "−9.4% [−13.2%, −5.7%]", "reversed"), ("f", "+0.8% [−3.1%, +4.6%]", "not resolved"),
-            ("g", "tests", "holds (test)"), ("h", "1.02× median", "not reproduced")]
+    rows = [
+        ("a", "+1.2% [−0.5%, +2.9%]", "holds"),
+        ("b", "+3% [+1%, +5%]", "reversed"),
+        ("c", "+0.1 [+0.05, +0.2]", "not resolved (the 95% CI spans 0)"),
+        ("d", "no interval", "holds"),
+        ("e", "−9.4% [−13.2%, −5.7%]", "reversed"),
+        ("f", "+0.8% [−3.1%, +4.6%]", "not resolved"),
+        ("g", "tests", "holds (test)"),
+        ("h", "1.02× median", "not reproduced"),
+    ]
     table = "\n".join(f"| {c} | paper | {o} | {v} | link |" for c, o, v in rows)
     text = f"## The paper's claims\n\n| claim | paper | ours | verdict | link |\n|---|---|---|---|---|\n{table}\n"
     assert [m.split(":")[0] for m in checks.verdict_mismatches(text)] == ["a", "b", "c", "d"]
@@ -133,14 +150,19 @@ def test_interval_parsing_and_agreement():
 def test_the_index_is_regenerated_identically_from_the_files():
     committed = (RESULTS / "INDEX.md").read_text(encoding="utf-8")
     assert without_generated(render_index(RESULTS, now=T1)) == without_generated(committed), (
-        "results/INDEX.md is stale: run `make results`")
+        "results/INDEX.md is stale: run `make results`"
+    )
 
 
 # --- the build on made-up trees ----------------------------------------------------------------------------------
 
+
 def toy_repo(root: Path) -> Path:
-    write(root / "sweeps" / "toy.yaml", "# Sweep `toy` — a toy.\n# Run:       python experiments/run.py sweep=toy\n"
-          "paper_ref: \"Fig. 9\"\ndescription: \"a toy sweep\"\n")
+    write(
+        root / "sweeps" / "toy.yaml",
+        "# Sweep `toy` — a toy.\n# Run:       python experiments/run.py sweep=toy\n"
+        'paper_ref: "Fig. 9"\ndescription: "a toy sweep"\n',
+    )
     report(root / "results" / "bench" / "bench.md", question="how fast?")
     return root
 
@@ -173,37 +195,70 @@ def test_not_run_readme_names_the_sweep_file_and_its_command():
 
 
 def test_a_folder_with_a_claims_file_replaces_its_curated_claims(tmp_path):
-    write(tmp_path / "toy" / "toy.claims.json", json.dumps([{"id": "toy/a", "statement": "ledger's", "paper": "+1%",
-                                                             "verdict": "holds", "low": 0.1, "high": 0.2}]))
+    write(
+        tmp_path / "toy" / "toy.claims.json",
+        json.dumps(
+            [{"id": "toy/a", "statement": "ledger's", "paper": "+1%", "verdict": "holds", "low": 0.1, "high": 0.2}]
+        ),
+    )
     report(tmp_path / "toy" / "toy.md", kind="sweep")
-    curated = [Claim(id="toy/old", statement="curated", paper="", verdict="not run yet", folder="toy"),
-               Claim(id="other/x", statement="kept", paper="", verdict="not run yet", folder="other")]
+    curated = [
+        Claim(id="toy/old", statement="curated", paper="", verdict="not run yet", folder="toy"),
+        Claim(id="other/x", statement="kept", paper="", verdict="not run yet", folder="other"),
+    ]
     claims = merged_claims(discover(tmp_path), curated, results_dir=tmp_path)
     assert [(c.statement, c.link) for c in claims] == [("ledger's", "toy/toy.md"), ("kept", "")]
 
 
 # --- regeneration from a ledger ----------------------------------------------------------------------------------
 
+
 def toy_ledger(path: Path, *, dirty: bool = False) -> Path:
-    cells = [{"cell": f"model.depth={d} seed=0", "end_time": str(1796551431611 + d * 60_000),
-              "tags": {"git.commit": f"{d}" * 40, "git.dirty": str(dirty and d == 2), "machine": "vm: toy CPU",
-                       "command": f"python experiments/run.py sweep=toy budget=cpu-ref model.depth={d}",
-                       "axis.model.depth": str(d), "axis.seed": "0"}} for d in (1, 2)]
+    cells = [
+        {
+            "cell": f"model.depth={d} seed=0",
+            "end_time": str(1796551431611 + d * 60_000),
+            "tags": {
+                "git.commit": f"{d}" * 40,
+                "git.dirty": str(dirty and d == 2),
+                "machine": "vm: toy CPU",
+                "command": f"python experiments/run.py sweep=toy budget=cpu-ref model.depth={d}",
+                "axis.model.depth": str(d),
+                "axis.seed": "0",
+            },
+        }
+        for d in (1, 2)
+    ]
     return write(path, json.dumps({"format": "dspark-sweep-ledger", "version": 1, "sweep": "toy", "cells": cells}))
 
 
-def fake_regenerate(ledger: Path, *, out_dir: Path, work_dir: Path, now: datetime.datetime | None = None,
-                    extra: str = "") -> Path:
+def fake_regenerate(
+    ledger: Path, *, out_dir: Path, work_dir: Path, now: datetime.datetime | None = None, extra: str = ""
+) -> Path:
     """What regenerate_from_ledger writes, in miniature: a report naming the throwaway store, a figure, claims."""
     cells = json.loads(ledger.read_text())["cells"]
     (out_dir / "toy-tau.png").write_bytes(b"\x89PNG toy")
-    claims = [{"id": "toy/gain", "statement": "toy gain", "paper": "+1%", "ours": "+2.0% [+1.0%, +3.0%]",
-               "mean": 0.02, "low": 0.01, "high": 0.03, "runs": "1 vs 1", "seeds": [0], "verdict": "holds",
-               "scope": "all"}]
+    claims = [
+        {
+            "id": "toy/gain",
+            "statement": "toy gain",
+            "paper": "+1%",
+            "ours": "+2.0% [+1.0%, +3.0%]",
+            "mean": 0.02,
+            "low": 0.01,
+            "high": 0.03,
+            "runs": "1 vs 1",
+            "seeds": [0],
+            "verdict": "holds",
+            "scope": "all",
+        }
+    ]
     (out_dir / "toy.claims.json").write_text(json.dumps(claims, indent=1))
-    text = (f"# Sweep `toy`\n\n- generated: {(now or datetime.datetime.now()):%Y-%m-%d %H:%M}\n"
-            f"- MLflow: sqlite:///{work_dir}/mlflow.db\n- ledger: {ledger}\n- cells: {len(cells)}\n{extra}\n"
-            "![tau](toy-tau.png)\n")
+    text = (
+        f"# Sweep `toy`\n\n- generated: {(now or datetime.datetime.now()):%Y-%m-%d %H:%M}\n"
+        f"- MLflow: sqlite:///{work_dir}/mlflow.db\n- ledger: {ledger}\n- cells: {len(cells)}\n{extra}\n"
+        "![tau](toy-tau.png)\n"
+    )
     return write(out_dir / "toy.md", text)
 
 
@@ -218,8 +273,9 @@ def test_a_sweep_regenerates_identically_apart_from_its_date_line(tmp_path):
     first = {p.name: p.read_bytes() for p in sorted(folder.iterdir())}
     assert "toy-stale.png" not in first and "toy-simulated.png" in first
     assert {"toy.md", "toy-tau.png", "toy.claims.json"} <= set(first)
-    files = regenerated_files(folder / "ledger.json", regenerate=fake_regenerate, question="toy?", repo=tmp_path,
-                              now=T1)
+    files = regenerated_files(
+        folder / "ledger.json", regenerate=fake_regenerate, question="toy?", repo=tmp_path, now=T1
+    )
     assert without_generated(files["toy.md"].decode()) == without_generated(first["toy.md"].decode())
     assert files["toy.claims.json"] == first["toy.claims.json"] and files["toy.md"] != first["toy.md"]
     assert checks.absolute_paths(tmp_path / "results") == []
@@ -238,8 +294,10 @@ def test_a_non_deterministic_regeneration_is_caught(tmp_path):
     def drifting(ledger, **kwargs):
         return fake_regenerate(ledger, extra=f"- took: {time.perf_counter_ns()} ns", **kwargs)
 
-    one, two = (regenerated_files(folder / "ledger.json", regenerate=drifting, question="q", repo=tmp_path, now=T0)
-                for _ in range(2))
+    one, two = (
+        regenerated_files(folder / "ledger.json", regenerate=drifting, question="q", repo=tmp_path, now=T0)
+        for _ in range(2)
+    )
     assert without_generated(one["toy.md"].decode()) != without_generated(two["toy.md"].decode())
 
 
@@ -248,8 +306,12 @@ def test_ledger_provenance_of_a_clean_one_commit_sweep(tmp_path):
     for cell in ledger["cells"]:
         cell["tags"]["git.commit"] = "a" * 40
     meta = ledger_provenance(ledger)
-    assert meta == {"machine": "vm: toy CPU (2 cells)", "commit": "aaaaaaaaaaaa", "date": "2026-12-06 10:05 UTC",
-                    "command": "python experiments/run.py sweep=toy budget=cpu-ref"}
+    assert meta == {
+        "machine": "vm: toy CPU (2 cells)",
+        "commit": "aaaaaaaaaaaa",
+        "date": "2026-12-06 10:05 UTC",
+        "command": "python experiments/run.py sweep=toy budget=cpu-ref",
+    }
 
 
 @pytest.mark.slow
@@ -259,8 +321,9 @@ def test_every_committed_sweep_report_regenerates_from_its_ledger():
     folders = [f for f in discover(RESULTS) if f.ledger is not None]
     assert folders, "no results/*/ledger.json"
     for folder in folders:
-        files = regenerated_files(folder.ledger, regenerate=regenerate, question=question_of(folder.name, SWEEPS),
-                                  repo=ROOT, now=T1)
+        files = regenerated_files(
+            folder.ledger, regenerate=regenerate, question=question_of(folder.name, SWEEPS), repo=ROOT, now=T1
+        )
         for name, content in files.items():
             committed = folder.path / name
             assert committed.is_file(), f"results/{folder.name}/{name} is not committed: run `make results`"

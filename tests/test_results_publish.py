@@ -1,6 +1,7 @@
 """Publishing a run's ledger into results/ (`dspark.results.publish`): the newest ledger of the sweep is copied in; a
 committed ledger of another identity is archived with a line, never overwritten; nothing to publish is an error
 that names the folder and the command."""
+
 from __future__ import annotations
 
 import json
@@ -14,8 +15,18 @@ from dspark.results.publish import PublishError, find_ledger, publish
 
 def _ledger(path: Path, digest: str, *, version: int = 2) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({"format": "dspark-sweep-ledger", "version": version, "sweep": "depth",
-                                "sweep_hash": digest, "identity": {"budget": digest}, "cells": []}))
+    path.write_text(
+        json.dumps(
+            {
+                "format": "dspark-sweep-ledger",
+                "version": version,
+                "sweep": "depth",
+                "sweep_hash": digest,
+                "identity": {"budget": digest},
+                "cells": [],
+            }
+        )
+    )
     return path
 
 

@@ -1,5 +1,6 @@
 """Checkpoints inside an epoch: the train loader's position travels with Lightning's checkpoint, a run killed
 mid-epoch resumes at the next batch, and the resumed run ends with the very drafter an uninterrupted one trains."""
+
 from __future__ import annotations
 
 import re
@@ -98,8 +99,14 @@ def _last(run_dir):
 def test_a_run_killed_mid_epoch_resumes_there_and_trains_the_same_drafter(tmp_path, monkeypatch, one_thread, capsys):
     # two epochs of one-sequence batches; a checkpoint after every batch (any positive interval has passed). The
     # kill falls in the second epoch, so the resumed loader must also replay that epoch's order and anchors
-    argv = ["stage=train", "budget=smoke", f"paths.root={tmp_path}", "optim.epochs=2", "data.batch_size=1",
-            "trainer.checkpoint_every_min=1e-9"]
+    argv = [
+        "stage=train",
+        "budget=smoke",
+        f"paths.root={tmp_path}",
+        "optim.epochs=2",
+        "data.batch_size=1",
+        "trainer.checkpoint_every_min=1e-9",
+    ]
     assert main(argv) == 0
     run_dir = next((tmp_path / "runs").iterdir())
     whole = read_checkpoint(run_dir / "drafter.pt")["state_dict"]
@@ -122,7 +129,9 @@ def test_a_run_killed_mid_epoch_resumes_there_and_trains_the_same_drafter(tmp_pa
     # its progress bar names the epoch and counts from the batches done to the epoch's length (Lightning skips the
     # epoch-start hook that sets both for a resumed epoch: the bar read `Training: 4/?`)
     bar = capsys.readouterr().out
-    assert re.search(rf"Epoch 1: +\d+%\|[^|]*\| 3/{per_epoch} ", bar) and f" {per_epoch}/{per_epoch} " in bar, bar[-500:]
+    assert re.search(rf"Epoch 1: +\d+%\|[^|]*\| 3/{per_epoch} ", bar) and f" {per_epoch}/{per_epoch} " in bar, bar[
+        -500:
+    ]
     assert not [n for n in re.findall(r"(\d+)/\?", bar) if int(n) > 0], bar[-500:]  # no batch count without a total
     resumed = read_checkpoint(run_dir / "drafter.pt")["state_dict"]
     assert _last(run_dir)["global_step"] == total

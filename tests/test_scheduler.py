@@ -1,4 +1,5 @@
 """The prefix scheduler (Algorithm 1), its unsafe full search (paper Appendix A) and the SPS(B) table."""
+
 from __future__ import annotations
 
 import json
@@ -42,8 +43,11 @@ def _p_first_is_a(x1: str, length: int) -> float:
 
 
 def _output_p_a(**kwargs) -> float:
-    return sum(P_DRAFT[x1] * _p_first_is_a(x1, int(schedule_verification(
-        _appendix_confidences(x1), sps=APPENDIX_SPS, **kwargs)[0])) for x1 in "AB")
+    return sum(
+        P_DRAFT[x1]
+        * _p_first_is_a(x1, int(schedule_verification(_appendix_confidences(x1), sps=APPENDIX_SPS, **kwargs)[0]))
+        for x1 in "AB"
+    )
 
 
 def test_appendix_a_early_stop_is_exact():
@@ -53,8 +57,7 @@ def test_appendix_a_early_stop_is_exact():
 
 
 def test_appendix_a_full_search_is_biased():
-    lengths = {x1: int(schedule_verification(_appendix_confidences(x1), sps=APPENDIX_SPS, **UNSAFE)[0])
-               for x1 in "AB"}
+    lengths = {x1: int(schedule_verification(_appendix_confidences(x1), sps=APPENDIX_SPS, **UNSAFE)[0]) for x1 in "AB"}
     assert lengths == {"A": 2, "B": 0}
     assert _output_p_a(**UNSAFE) == pytest.approx(0.85, abs=1e-12)
 
@@ -100,8 +103,10 @@ def _reference_schedule(conf: list[list[float]], sps: SPSTable, early_stop: bool
 
 def _random_case(rng: random.Random) -> tuple[torch.Tensor, SPSTable]:
     num_requests, block = rng.randint(1, 6), rng.randint(1, 5)
-    conf = [[rng.choice([0.0, 1.0, rng.random(), rng.random(), rng.random()]) for _ in range(block)]
-            for _ in range(num_requests)]
+    conf = [
+        [rng.choice([0.0, 1.0, rng.random(), rng.random(), rng.random()]) for _ in range(block)]
+        for _ in range(num_requests)
+    ]
     # Sizes sometimes stop short of R·(γ+1), so extrapolation is exercised too.
     sizes = sorted(rng.sample(range(1, num_requests * (block + 1) + 3), k=rng.randint(1, 4)))
     rates = sorted((rng.uniform(0.2, 1.0) for _ in sizes), reverse=rng.random() < 0.8)
@@ -173,8 +178,10 @@ def test_decision_on_slot_k_ignores_later_slots():
         r, k = rng.randrange(4), rng.randint(1, 4)
         changed = conf.clone()
         changed[r, k:] = torch.rand(5 - k)
-        for schedule in (lambda c: schedule_verification(c, sps=sps),
-                         lambda c: async_capacity_schedule(conf, c, sps=sps)):
+        for schedule in (
+            lambda c: schedule_verification(c, sps=sps),
+            lambda c: async_capacity_schedule(conf, c, sps=sps),
+        ):
             assert (schedule(conf)[r] >= k) == (schedule(changed)[r] >= k)
 
 
@@ -305,8 +312,13 @@ def _staircase_table(rng: random.Random, size: int) -> SPSTable:
 def _random_column_case(rng: random.Random) -> tuple[torch.Tensor, SPSTable, list[int] | None]:
     num_requests, block = rng.randint(1, 8), rng.randint(1, 7)
     power = rng.choice([0.3, 1.0, 2.0])
-    conf = [[rng.choice([0.0, 1.0, rng.random() ** power, rng.random() ** power, rng.random() ** power])
-             for _ in range(block)] for _ in range(num_requests)]
+    conf = [
+        [
+            rng.choice([0.0, 1.0, rng.random() ** power, rng.random() ** power, rng.random() ** power])
+            for _ in range(block)
+        ]
+        for _ in range(num_requests)
+    ]
     if rng.random() < 0.5:
         sizes = sorted(rng.sample(range(1, num_requests * (block + 1) + 3), k=rng.randint(1, 5)))
         sps = SPSTable(sizes, sorted((rng.uniform(0.2, 1.0) for _ in sizes), reverse=rng.random() < 0.85))
@@ -331,8 +343,9 @@ def test_column_plan_matches_plain_reference():
         admitted = _reference_columns(conf.tolist(), sps, caps)
         assert plan.num_columns == admitted
         assert plan.lengths.tolist() == [min(admitted, n) for n in caps]
-        assert plan.throughput.shape == (block + 1,) and plan.throughput[0] == pytest.approx(num_requests * sps(
-            num_requests))
+        assert plan.throughput.shape == (block + 1,) and plan.throughput[0] == pytest.approx(
+            num_requests * sps(num_requests)
+        )
         sizes.add(admitted)
     assert sizes >= {0, 1, 2, 3}, sizes  # the cases exercise refusals at several columns, not only k* = 0
 
@@ -394,8 +407,12 @@ def test_columns_and_tokens_agree_with_one_request():
         assert columns.lengths.tolist() == [tokens]
         rates = sps(torch.arange(1, block + 2, dtype=torch.float64)).tolist()
         assert schedule_single(conf[:drafted], rates=rates) == tokens
-        chosen = {cost: build_policy("scheduler", sps=sps, scheduler_cost=cost).choose(
-            confidences=torch.tensor([conf]), num_drafts=drafted).tolist() for cost in ("tokens", "columns")}
+        chosen = {
+            cost: build_policy("scheduler", sps=sps, scheduler_cost=cost)
+            .choose(confidences=torch.tensor([conf]), num_drafts=drafted)
+            .tolist()
+            for cost in ("tokens", "columns")
+        }
         assert chosen == {"tokens": [tokens], "columns": [tokens]}
 
 

@@ -1,5 +1,6 @@
 """The batched serving engine's parts (dspark.serving): KV store with holes, batched proposer, one forward per step,
 bad input, and record bookkeeping. Distributional correctness is in tests/test_serving_lossless.py."""
+
 from __future__ import annotations
 
 import pytest
@@ -42,10 +43,16 @@ def prompts(target):
 
 
 def make_drafter(target, kind="dspark", head="markov"):
-    spec = DrafterSpec(kind=kind, head=head if kind == "dspark" else "none", depth=1, block_size=GAMMA,
-                       markov_rank=8 if kind == "dspark" and head != "none" else 0,
-                       feature_layers=tuple(target.feature_layer_ids), mask_token_id=target.mask_token_id,
-                       target_fingerprint=target.fingerprint)
+    spec = DrafterSpec(
+        kind=kind,
+        head=head if kind == "dspark" else "none",
+        depth=1,
+        block_size=GAMMA,
+        markov_rank=8 if kind == "dspark" and head != "none" else 0,
+        feature_layers=tuple(target.feature_layer_ids),
+        mask_token_id=target.mask_token_id,
+        target_fingerprint=target.fingerprint,
+    )
     torch.manual_seed(0)
     drafter = build_drafter(spec, target)
     with torch.no_grad():  # N(0, 0.02) weights leave p_d ≈ uniform; larger ones draft varied tokens
@@ -91,7 +98,7 @@ def test_kv_store_join_leave_compact_matches_fresh_forwards(target, prompts):
             n = int(counts[r])
             expected = fresh_logits(target, sequence + blocks[r, :n].tolist(), n)
             torch.testing.assert_close(logits[r, :n], expected, atol=1e-5, rtol=1e-4)
-            sequence += blocks[r, :int(keep[r])].tolist()
+            sequence += blocks[r, : int(keep[r])].tolist()
         kv.keep_new(keep)
         assert kv.lengths.tolist() == [len(s) for s in sequences]
         if step == 3:  # rows 1 and 3 leave, the others are reordered
@@ -140,13 +147,16 @@ def test_remove_all_rows_then_join_again(target, prompts):
     kv.add_rows(prefill(target, prompts[2:3]))
     logits, blocks, counts = step_blocks(kv, prompts[2:3], torch.Generator().manual_seed(1), target.vocab_size)
     n = int(counts[0])
-    torch.testing.assert_close(logits[0, :n], fresh_logits(target, list(prompts[2]) + blocks[0, :n].tolist(), n),
-                               atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(
+        logits[0, :n], fresh_logits(target, list(prompts[2]) + blocks[0, :n].tolist(), n), atol=1e-5, rtol=1e-4
+    )
 
 
-@pytest.mark.parametrize(("kind", "head", "temperature"),
-                         [("dspark", head, 1.0) for head in SEQUENTIAL_HEADS.ordered() if head != "none"]
-                         + [("dflash", "none", 1.0), ("dspark", "markov", 0.0)])
+@pytest.mark.parametrize(
+    ("kind", "head", "temperature"),
+    [("dspark", head, 1.0) for head in SEQUENTIAL_HEADS.ordered() if head != "none"]
+    + [("dflash", "none", 1.0), ("dspark", "markov", 0.0)],
+)
 def test_batched_proposer_equals_dspark_proposer(target, prompts, kind, head, temperature):
     """Same contexts (joined, extended by different counts, a row leaving) → the same drafts, p_d and c_k as one
     DSparkProposer per request with the same generator; many stop ids make rows stop drafting early."""
@@ -170,11 +180,21 @@ def test_batched_proposer_equals_dspark_proposer(target, prompts, kind, head, te
             rows = [1, 2, 3]
         anchors = torch.tensor([(7 * i + step) % 50 + 1 for i in rows])
         positions = batched.lengths.clone()
-        proposal = batched.propose(anchor_tokens=anchors, anchor_positions=positions, temperature=temperature,
-                                   generators=[generators[i] for i in rows], stop_ids=stop_ids)
+        proposal = batched.propose(
+            anchor_tokens=anchors,
+            anchor_positions=positions,
+            temperature=temperature,
+            generators=[generators[i] for i in rows],
+            stop_ids=stop_ids,
+        )
         for r, i in enumerate(rows):
-            single = singles[i].propose(anchor_token=int(anchors[r]), anchor_position=int(positions[r]),
-                                        temperature=temperature, generator=single_generators[i], stop_ids=stop_ids)
+            single = singles[i].propose(
+                anchor_token=int(anchors[r]),
+                anchor_position=int(positions[r]),
+                temperature=temperature,
+                generator=single_generators[i],
+                stop_ids=stop_ids,
+            )
             count = int(proposal.num_drafts[r])
             stopped_early |= count < GAMMA
             assert count == single.tokens.shape[0] and proposal.tokens[r, :count].tolist() == single.tokens.tolist()
@@ -185,20 +205,26 @@ def test_batched_proposer_equals_dspark_proposer(target, prompts, kind, head, te
         new_features = torch.randn(len(rows), 3, contexts[0].shape[-1], generator=torch.Generator().manual_seed(step))
         batched.extend(features=new_features, counts=counts)
         for r, i in enumerate(rows):
-            singles[i].extend(features=new_features[r:r + 1, :int(counts[r])])
+            singles[i].extend(features=new_features[r : r + 1, : int(counts[r])])
     assert stopped_early
 
 
 def test_eagle3_is_rejected(target):
     with pytest.raises(ValueError, match="drafter=dspark/dflash"):
-        BatchedEngine(target=target, drafter=make_drafter(target, "eagle3"), policy=None, temperature=1.0,
-                      max_new_tokens=4)
+        BatchedEngine(
+            target=target, drafter=make_drafter(target, "eagle3"), policy=None, temperature=1.0, max_new_tokens=4
+        )
 
 
 def test_confidence_policy_needs_a_confidence_head(target):
     with pytest.raises(ValueError, match="serve.policy=threshold"):
-        BatchedEngine(target=target, drafter=make_drafter(target, "dflash"), policy=build_serve_policy("threshold"),
-                      temperature=1.0, max_new_tokens=4)
+        BatchedEngine(
+            target=target,
+            drafter=make_drafter(target, "dflash"),
+            policy=build_serve_policy("threshold"),
+            temperature=1.0,
+            max_new_tokens=4,
+        )
 
 
 def count_calls(monkeypatch, obj, name):
@@ -219,8 +245,9 @@ def test_one_target_and_one_drafter_forward_per_step(target, prompts, monkeypatc
     drafter = make_drafter(target)
     target_calls = count_calls(monkeypatch, target, "forward")
     drafter_calls = count_calls(monkeypatch, drafter, "project")
-    engine = BatchedEngine(target=target, drafter=drafter, policy=build_serve_policy("fixed"), temperature=1.0,
-                           max_new_tokens=8)
+    engine = BatchedEngine(
+        target=target, drafter=drafter, policy=build_serve_policy("fixed"), temperature=1.0, max_new_tokens=8
+    )
     requests = [ServeRequest(i, prompts[i % len(prompts)]) for i in range(6)]
     result = engine.serve(requests, concurrency=concurrency, seed=0, progress=False)
     prefills = [c for c in target_calls if int(c[1]["position_ids"].min()) == 0]
@@ -235,8 +262,13 @@ def test_one_target_and_one_drafter_forward_per_step(target, prompts, monkeypatc
 
 
 def test_bad_requests_are_rejected_alone(target, prompts):
-    engine = BatchedEngine(target=target, drafter=make_drafter(target), policy=build_serve_policy("fixed"),
-                           temperature=0.0, max_new_tokens=6)
+    engine = BatchedEngine(
+        target=target,
+        drafter=make_drafter(target),
+        policy=build_serve_policy("fixed"),
+        temperature=0.0,
+        max_new_tokens=6,
+    )
     too_long = [5] * (target.hf_config.max_position_embeddings - 3)
     good = [ServeRequest(0, prompts[0]), ServeRequest(3, prompts[1])]
     mixed = [good[0], ServeRequest(1, too_long), ServeRequest(2, []), good[1]]
@@ -251,8 +283,7 @@ def test_bad_requests_are_rejected_alone(target, prompts):
 
 
 def test_concurrency_checks(target, prompts, monkeypatch):
-    engine = BatchedEngine(target=target, drafter=make_drafter(target), policy=None, temperature=1.0,
-                           max_new_tokens=20)
+    engine = BatchedEngine(target=target, drafter=make_drafter(target), policy=None, temperature=1.0, max_new_tokens=20)
     requests = [ServeRequest(i, prompts[i % 2]) for i in range(4)]
     with pytest.raises(ValueError, match="serve.concurrency=0"):
         engine.serve(requests, concurrency=0, seed=0, progress=False)
@@ -268,8 +299,13 @@ def test_concurrency_checks(target, prompts, monkeypatch):
 
 
 def test_records_are_consistent(target, prompts):
-    engine = BatchedEngine(target=target, drafter=make_drafter(target), policy=build_serve_policy("static",
-                           static_k=2), temperature=1.0, max_new_tokens=9)
+    engine = BatchedEngine(
+        target=target,
+        drafter=make_drafter(target),
+        policy=build_serve_policy("static", static_k=2),
+        temperature=1.0,
+        max_new_tokens=9,
+    )
     requests = [ServeRequest(i, prompts[i % len(prompts)], domain="chat") for i in range(7)]
     result = engine.serve(requests, concurrency=3, seed=0, progress=False)
     rounds = {r.request_id: [] for r in requests}
@@ -300,35 +336,53 @@ def test_records_are_consistent(target, prompts):
         assert positions == [len(request.prompt_ids) + sum(r.committed for r in own[:i]) for i in range(len(own))]
     summary = result.summary("static")
     assert summary.num_requests == len(requests) and summary.num_steps == len(result.steps)
-    assert summary.tau == pytest.approx(sum(s.committed for s in result.steps)
-                                        / sum(len(s.rounds) for s in result.steps))
+    assert summary.tau == pytest.approx(
+        sum(s.committed for s in result.steps) / sum(len(s.rounds) for s in result.steps)
+    )
 
 
 def test_policy_reads_calibrated_confidences(target, prompts):
     """With an STS calibration the records carry c̃ = σ(logit(c)/T_k) and `threshold` cuts on c̃, not on c."""
-    calibration = STSCalibration(temperatures=[0.5, 2.0, 4.0], grid=[0.5, 2.0, 4.0], n_bins=20,
-                                 ece_before=[0.0] * GAMMA, ece_after=[0.0] * GAMMA)
-    engine = BatchedEngine(target=target, drafter=make_drafter(target), policy=build_serve_policy("threshold",
-                           threshold=0.5), temperature=1.0, max_new_tokens=8, calibration=calibration)
-    result = engine.serve([ServeRequest(i, prompts[i % 3]) for i in range(5)], concurrency=3, seed=0,
-                          progress=False)
+    calibration = STSCalibration(
+        temperatures=[0.5, 2.0, 4.0], grid=[0.5, 2.0, 4.0], n_bins=20, ece_before=[0.0] * GAMMA, ece_after=[0.0] * GAMMA
+    )
+    engine = BatchedEngine(
+        target=target,
+        drafter=make_drafter(target),
+        policy=build_serve_policy("threshold", threshold=0.5),
+        temperature=1.0,
+        max_new_tokens=8,
+        calibration=calibration,
+    )
+    result = engine.serve([ServeRequest(i, prompts[i % 3]) for i in range(5)], concurrency=3, seed=0, progress=False)
     rounds = [r for step in result.steps for r in step.rounds]
     for r in rounds:
         raw = torch.tensor(r.confidences, dtype=torch.float64)
-        expected = scale_confidence(raw, torch.tensor([0.5, 2.0, 4.0][:len(raw)], dtype=torch.float64))
+        expected = scale_confidence(raw, torch.tensor([0.5, 2.0, 4.0][: len(raw)], dtype=torch.float64))
         torch.testing.assert_close(torch.tensor(r.calibrated, dtype=torch.float64), expected, atol=1e-6, rtol=0)
         below = [k for k, c in enumerate(r.calibrated) if c < 0.5]
         assert r.num_verified == (below[0] if below else r.num_drafted)
     with pytest.raises(ValueError, match="block_size=2"):
-        BatchedEngine(target=target, drafter=make_drafter(target), policy=None, temperature=1.0, max_new_tokens=4,
-                      calibration=STSCalibration([1.0, 1.0], [1.0], 20, [0.0, 0.0], [0.0, 0.0]))
+        BatchedEngine(
+            target=target,
+            drafter=make_drafter(target),
+            policy=None,
+            temperature=1.0,
+            max_new_tokens=4,
+            calibration=STSCalibration([1.0, 1.0], [1.0], 20, [0.0, 0.0], [0.0, 0.0]),
+        )
 
 
 def test_policies_with_history_are_reset_at_serve_start(target, prompts):
     """`async` keeps the confidences of two steps ago; a second serve must not read the first one's."""
     sps = SPSTable(batch_tokens=list(range(1, 17)), steps_per_second=[1 / (1 + (b - 1) / 6) for b in range(1, 17)])
-    engine = BatchedEngine(target=target, drafter=make_drafter(target), policy=build_serve_policy("async", sps=sps),
-                           temperature=1.0, max_new_tokens=8)
+    engine = BatchedEngine(
+        target=target,
+        drafter=make_drafter(target),
+        policy=build_serve_policy("async", sps=sps),
+        temperature=1.0,
+        max_new_tokens=8,
+    )
     requests = [ServeRequest(i, prompts[i % 3]) for i in range(5)]
     first, second = (engine.serve(requests, concurrency=3, seed=0, progress=False) for _ in range(2))
     assert [r.new_tokens for r in first.requests] == [r.new_tokens for r in second.requests]
@@ -363,12 +417,19 @@ def test_measured_step_overhead_reprices_the_policy(target, prompts, policy):
     policy, _, cost = policy.partition(":")
     cost = {"scheduler_cost": cost} if cost else {}
     plain = build_serve_policy(policy, sps=sps, **cost)
-    BatchedEngine(target=target, drafter=make_drafter(target), policy=plain, temperature=1.0,
-                  max_new_tokens=6).serve(requests, concurrency=2, seed=0, progress=False)
+    BatchedEngine(target=target, drafter=make_drafter(target), policy=plain, temperature=1.0, max_new_tokens=6).serve(
+        requests, concurrency=2, seed=0, progress=False
+    )
     assert plain.sps is sps
     measured = build_serve_policy(policy, sps=sps, **cost)
-    engine = BatchedEngine(target=target, drafter=make_drafter(target), policy=measured, temperature=1.0,
-                           max_new_tokens=6, step_overhead="measured")
+    engine = BatchedEngine(
+        target=target,
+        drafter=make_drafter(target),
+        policy=measured,
+        temperature=1.0,
+        max_new_tokens=6,
+        step_overhead="measured",
+    )
     result = engine.serve(requests, concurrency=2, seed=0, progress=False)
     expected = None
     for step in result.steps:
@@ -376,12 +437,19 @@ def test_measured_step_overhead_reprices_the_policy(target, prompts, policy):
         assert step.seconds_verify_rows > 0 and step.seconds_extend > 0
         assert step.seconds_verify_rows + step.seconds_extend <= step.seconds_other + 1e-9
         assert step.seconds_bookkeeping == pytest.approx(
-            step.seconds_other - step.seconds_verify_rows - step.seconds_extend, abs=1e-9)
+            step.seconds_other - step.seconds_verify_rows - step.seconds_extend, abs=1e-9
+        )
         seconds = step.seconds_draft + step.seconds_other
         expected = seconds if expected is None else 0.8 * expected + 0.2 * seconds
     assert measured.sps is not sps and expected > 0
     assert measured.sps.steps_per_second == pytest.approx(sps.with_step_overhead(expected).steps_per_second)
     assert getattr(measured, "cost", None) == cost.get("scheduler_cost", "tokens" if policy == "scheduler" else None)
     with pytest.raises(ValueError, match="serve.step_overhead"):
-        BatchedEngine(target=target, drafter=make_drafter(target), policy=build_serve_policy(policy, sps=sps),
-                      temperature=1.0, max_new_tokens=6, step_overhead="guess")
+        BatchedEngine(
+            target=target,
+            drafter=make_drafter(target),
+            policy=build_serve_policy(policy, sps=sps),
+            temperature=1.0,
+            max_new_tokens=6,
+            step_overhead="guess",
+        )

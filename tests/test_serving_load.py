@@ -1,4 +1,5 @@
 """Frontier analysis (dspark.serving.load) against hand-computed numbers, and the serving plots."""
+
 from __future__ import annotations
 
 import math
@@ -21,8 +22,10 @@ POLICY = [(1, 20.0, 30.0, 5.0), (2, 38.0, 28.0, 4.5), (4, 70.0, 25.0, 3.5), (8, 
 
 
 def _summaries(policy: str, points, *, simulated=False) -> list[ServeSummary]:
-    return [ServeSummary(policy, r, thr, speed, budget, 1.0 + budget / 2, 4 * r, 50, 10.0, simulated=simulated)
-            for r, thr, speed, budget in points]
+    return [
+        ServeSummary(policy, r, thr, speed, budget, 1.0 + budget / 2, 4 * r, 50, 10.0, simulated=simulated)
+        for r, thr, speed, budget in points
+    ]
 
 
 @pytest.fixture()
@@ -33,8 +36,13 @@ def summaries():
 def test_frontier_sorted_by_throughput_real_over_simulated(summaries):
     extra = _summaries("scheduler", [(4, 1.0, 1.0, 1.0), (16, 5.0, 2.0, 1.0)], simulated=True)
     points = frontier(summaries + extra, "scheduler")
-    assert [(p.concurrency, p.simulated) for p in points] == [(16, True), (1, False), (2, False), (4, False),
-                                                              (8, False)]
+    assert [(p.concurrency, p.simulated) for p in points] == [
+        (16, True),
+        (1, False),
+        (2, False),
+        (4, False),
+        (8, False),
+    ]
     assert [p.concurrency for p in frontier(summaries + extra, "scheduler", simulated=True)] == [4, 16]
     nan_point = _summaries("mtp1", [(32, float("nan"), 1.0, 1.0)])
     assert len(frontier(summaries + nan_point, "mtp1")) == 4 and frontier(summaries, "async") == []
@@ -43,13 +51,18 @@ def test_frontier_sorted_by_throughput_real_over_simulated(summaries):
 def test_speedup_at_matched_throughput_hand_computed(summaries):
     result = speedup_at_matched_throughput(summaries, "scheduler", "mtp1")
     # baseline R=1 (12 tokens/s) is below the policy's range [20, 100]; the others interpolate:
-    expected = [(2, (30 + (22 - 20) / (38 - 20) * (28 - 30)) / 22),
-                (4, (28 + (40 - 38) / (70 - 38) * (25 - 28)) / 20),
-                (8, (28 + (64 - 38) / (70 - 38) * (25 - 28)) / 16)]
+    expected = [
+        (2, (30 + (22 - 20) / (38 - 20) * (28 - 30)) / 22),
+        (4, (28 + (40 - 38) / (70 - 38) * (25 - 28)) / 20),
+        (8, (28 + (64 - 38) / (70 - 38) * (25 - 28)) / 16),
+    ]
     assert [(p.concurrency, p.ratio) for p in result.points] == [(r, pytest.approx(v)) for r, v in expected]
     ratios = sorted(v for _, v in expected)
-    assert (result.min, result.median, result.max) == (pytest.approx(ratios[0]), pytest.approx(ratios[1]),
-                                                       pytest.approx(ratios[2]))
+    assert (result.min, result.median, result.max) == (
+        pytest.approx(ratios[0]),
+        pytest.approx(ratios[1]),
+        pytest.approx(ratios[2]),
+    )
     assert result.reason is None
 
 

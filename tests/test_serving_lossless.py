@@ -16,6 +16,7 @@ calibrated and raw policies read different numbers), requests that join and leav
 max_new_tokens 2 and 4: a 2-token request leaves after its first step), and a faulty drafter whose NaN / all −inf
 slots are never proposed (tests/test_lossless.py `faulty`).
 """
+
 from __future__ import annotations
 
 import copy
@@ -34,8 +35,8 @@ from lossless_checks import pit_values, residual_ignoring_verifier, uniformity_p
 from test_lossless import draft_vocab, faulty, usable_prefix
 
 GAMMA = 3
-NEW_TOKENS = 4           # token 1 comes from the prefill; 2..4 from rounds
-NUM_REQUESTS = 240       # 80 per prompt; ≈ 3 s per policy on one core
+NEW_TOKENS = 4  # token 1 comes from the prefill; 2..4 from rounds
+NUM_REQUESTS = 240  # 80 per prompt; ≈ 3 s per policy on one core
 CONCURRENCY = 3
 P_MIN = 1e-3
 TEXTS = ("What is 2+2?", "Hi", "Write a short poem about the sea and the wind, please.")
@@ -44,8 +45,7 @@ TEXTS = ("What is 2+2?", "Hi", "Write a short poem about the sea and the wind, p
 SPS = SPSTable(batch_tokens=list(range(1, 17)), steps_per_second=[1 / (1 + (b - 1) / 6) for b in range(1, 17)])
 # "scheduler:columns" is the scheduler with serve.scheduler_cost=columns (whole columns, `plan_columns`).
 POLICIES = ("mtp1", "static", "fixed", "threshold", "calibrated_threshold", "scheduler", "scheduler:columns", "async")
-CALIBRATION = STSCalibration(temperatures=[2.0, 0.5, 1.0], grid=[0.5, 1.0, 2.0], n_bins=20, ece_before=[],
-                             ece_after=[])
+CALIBRATION = STSCalibration(temperatures=[2.0, 0.5, 1.0], grid=[0.5, 1.0, 2.0], n_bins=20, ece_before=[], ece_after=[])
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tiny tensors: one thread (tests/conftest.py)
@@ -73,9 +73,17 @@ def build_test_drafter(target, ids=None):
     """Weights ×5 and a ×6 LM-head input (peaked p_d); the confidence head reads only W_1[x_{k-1}] (logit std ≈ 2,
     bias 0.5), so c_k varies with the previous token and the confidence policies pick every ℓ in 0..γ.
     ids: a draft vocabulary (None = the full one)."""
-    spec = DrafterSpec(kind="dspark", head="markov", depth=1, block_size=GAMMA, markov_rank=8,
-                       feature_layers=tuple(target.feature_layer_ids), mask_token_id=target.mask_token_id,
-                       target_fingerprint=target.fingerprint, draft_vocab_size=0 if ids is None else len(ids))
+    spec = DrafterSpec(
+        kind="dspark",
+        head="markov",
+        depth=1,
+        block_size=GAMMA,
+        markov_rank=8,
+        feature_layers=tuple(target.feature_layer_ids),
+        mask_token_id=target.mask_token_id,
+        target_fingerprint=target.fingerprint,
+        draft_vocab_size=0 if ids is None else len(ids),
+    )
     torch.manual_seed(0)
     drafter = build_drafter(spec, target, draft_vocab_ids=ids)
     with torch.no_grad():
@@ -85,7 +93,7 @@ def build_test_drafter(target, ids=None):
         drafter.backbone.norm.weight.mul_(6.0)
         proj, w1 = drafter.confidence_head.proj, drafter.head.w1.weight
         proj.weight.zero_()
-        proj.weight[0, drafter.spec.hidden_size:] = torch.randn(w1.shape[1]) * 2.0 / w1.norm(dim=1).mean()
+        proj.weight[0, drafter.spec.hidden_size :] = torch.randn(w1.shape[1]) * 2.0 / w1.norm(dim=1).mean()
         proj.bias.fill_(0.5)
     return drafter.eval()
 
@@ -103,16 +111,31 @@ def vocab_drafter(target):
 def make_engine(target, drafter, policy, *, temperature=1.0, max_new_tokens=NEW_TOKENS, calibration=None):
     """policy: a serve.policy name, or "scheduler:<serve.scheduler_cost>"."""
     name, _, cost = policy.partition(":")
-    serve_policy = None if drafter is None else build_serve_policy(name, static_k=2, threshold=0.5, sps=SPS,
-                                                                   scheduler_cost=cost or "tokens")
-    return BatchedEngine(target=target, drafter=drafter, policy=serve_policy, temperature=temperature,
-                         max_new_tokens=max_new_tokens, calibration=calibration)
+    serve_policy = (
+        None
+        if drafter is None
+        else build_serve_policy(name, static_k=2, threshold=0.5, sps=SPS, scheduler_cost=cost or "tokens")
+    )
+    return BatchedEngine(
+        target=target,
+        drafter=drafter,
+        policy=serve_policy,
+        temperature=temperature,
+        max_new_tokens=max_new_tokens,
+        calibration=calibration,
+    )
 
 
 def interleaved_requests(prompts, num, limits=None):
     """Request i uses prompt i mod 3 and, when `limits` is given, max_new_tokens limits[i mod len(limits)]."""
-    return [ServeRequest(request_id=i, prompt_ids=prompts[i % len(prompts)],
-                         max_new_tokens=None if limits is None else limits[i % len(limits)]) for i in range(num)]
+    return [
+        ServeRequest(
+            request_id=i,
+            prompt_ids=prompts[i % len(prompts)],
+            max_new_tokens=None if limits is None else limits[i % len(limits)],
+        )
+        for i in range(num)
+    ]
 
 
 def chi_square_p_values(target, prompts, requests, results) -> dict[str, float]:
@@ -145,9 +168,14 @@ def test_sampling_matches_the_target_distribution(target, prompts, drafter, poli
     assert expected <= lengths, lengths  # the policy really chooses per request (drafted stop ids aside)
     if policy == "scheduler:columns":  # whole columns: one k per step, ℓ_r = min(k, γ'_r), and k varies
         widths = {max(r.num_verified for r in step.rounds) for step in result.steps}
-        assert len(widths) > 1 and all(r.num_verified == min(max(o.num_verified for o in step.rounds), r.num_drafted)
-                                       for step in result.steps for r in step.rounds)
-    if policy not in ("fixed", "async"):  # the lean step (async: its capacity is not known while drafting): drafts nobody verifies are not drawn, and the records say so
+        assert len(widths) > 1 and all(
+            r.num_verified == min(max(o.num_verified for o in step.rounds), r.num_drafted)
+            for step in result.steps
+            for r in step.rounds
+        )
+    if (
+        policy not in ("fixed", "async")
+    ):  # the lean step (async: its capacity is not known while drafting): drafts nobody verifies are not drawn, and the records say so
         assert any(r.num_drafted == r.num_verified < GAMMA and r.accept_if_all is None for r in rounds)
     p_values = chi_square_p_values(target, prompts, requests, result.requests)
     assert len(p_values) == NEW_TOKENS and min(p_values.values()) > P_MIN, p_values
@@ -193,7 +221,7 @@ def test_faulty_drafter_rows_are_never_proposed_and_stay_lossless(target, prompt
 def accepted_drafts(sequence, round_):
     """x_1..x_A of a round: the accepted drafts are the committed tokens right after its anchor."""
     start = round_.anchor_position + 1
-    return sequence[start:start + round_.num_accepted]
+    return sequence[start : start + round_.num_accepted]
 
 
 def test_the_test_can_fail(target, prompts, drafter, monkeypatch):
@@ -208,8 +236,13 @@ def test_sampling_equals_the_single_request_engine(target, prompts, drafter):
     must reproduce the single-request engine token for token: no randomness or state shared across rows."""
     requests = interleaved_requests(prompts, 9)
     result = serve(make_engine(target, drafter, "fixed", max_new_tokens=10), requests, seed=5)
-    solo = SpeculativeEngine(target=target, proposer=DSparkProposer(drafter), policy=build_policy("fixed"),
-                             temperature=1.0, max_new_tokens=10)
+    solo = SpeculativeEngine(
+        target=target,
+        proposer=DSparkProposer(drafter),
+        policy=build_policy("fixed"),
+        temperature=1.0,
+        max_new_tokens=10,
+    )
     for request, served in zip(requests, result.requests):
         reference = solo.generate(request.prompt_ids, generator=request_generator(5, request.request_id))
         assert served.new_tokens == reference.new_tokens
@@ -228,8 +261,11 @@ def greedy_references(target, prompts):
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # module fixtures run before the one_thread fixture
     paths = [solo_greedy(target).generate(p, generator=None).new_tokens for p in prompts]
-    stop = next(t for k, t in enumerate(paths[0]) if k >= 2 and t not in paths[0][:k]
-                and not any(t in other for other in paths[1:]))
+    stop = next(
+        t
+        for k, t in enumerate(paths[0])
+        if k >= 2 and t not in paths[0][:k] and not any(t in other for other in paths[1:])
+    )
     stopped = copy.copy(target)
     stopped.stop_token_ids = [*target.stop_token_ids, stop]
     references = [solo_greedy(stopped).generate(p, generator=None) for p in prompts]
@@ -242,8 +278,9 @@ def test_greedy_equals_solo_greedy(prompts, drafter, greedy_references, policy):
     stopped, references = greedy_references
     assert references[0].stop_reason == "eos" and references[1].stop_reason == "max_new_tokens"
     requests = interleaved_requests(prompts, 7)
-    engine = make_engine(stopped, None if policy == "target-only" else drafter, policy, temperature=0.0,
-                         max_new_tokens=10)
+    engine = make_engine(
+        stopped, None if policy == "target-only" else drafter, policy, temperature=0.0, max_new_tokens=10
+    )
     result = serve(engine, requests)
     for request, served in zip(requests, result.requests):
         reference = references[request.request_id % len(prompts)]
@@ -264,5 +301,7 @@ def test_a_row_mixup_is_caught(prompts, drafter, greedy_references, monkeypatch)
     stopped, references = greedy_references
     requests = interleaved_requests(prompts, 7)
     result = serve(make_engine(stopped, drafter, "fixed", temperature=0.0, max_new_tokens=10), requests)
-    assert any(served.new_tokens != references[request.request_id % len(prompts)].new_tokens
-               for request, served in zip(requests, result.requests))
+    assert any(
+        served.new_tokens != references[request.request_id % len(prompts)].new_tokens
+        for request, served in zip(requests, result.requests)
+    )

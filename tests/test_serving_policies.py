@@ -1,4 +1,5 @@
 """Serving policies (METHOD §6, paper §5.2): ℓ_r per request from [R, γ] confidences, prefix rules only."""
+
 from __future__ import annotations
 
 import pytest
@@ -42,9 +43,11 @@ def test_async_uses_the_capacity_of_two_steps_ago():
     policy = build_serve_policy("async", sps=SPS)
     low = torch.full((3, 4), 0.2)
     high = torch.full((3, 4), 0.95)
-    first = policy.choose(confidences=low, num_drafts=DRAFTS)   # no history: the synchronous scheduler
-    assert first.tolist() == schedule_verification(torch.tensor([[0.2] * 4, [0.2] * 4, [0.2, 0.2, 0, 0]]).double(),
-                                                   sps=SPS).tolist()
+    first = policy.choose(confidences=low, num_drafts=DRAFTS)  # no history: the synchronous scheduler
+    assert (
+        first.tolist()
+        == schedule_verification(torch.tensor([[0.2] * 4, [0.2] * 4, [0.2, 0.2, 0, 0]]).double(), sps=SPS).tolist()
+    )
     policy.choose(confidences=high, num_drafts=DRAFTS)
     third = policy.choose(confidences=high, num_drafts=DRAFTS)  # capacity from `low`, two steps old
     masked_high = torch.tensor([[0.95] * 4, [0.95] * 4, [0.95, 0.95, 0, 0]]).double()
@@ -52,8 +55,10 @@ def test_async_uses_the_capacity_of_two_steps_ago():
     assert third.tolist() == async_capacity_schedule(masked_low, masked_high, sps=SPS).tolist()
     assert third.sum() < schedule_verification(masked_high, sps=SPS).sum()  # the stale budget binds
     policy.reset()
-    assert policy.choose(confidences=high, num_drafts=DRAFTS).tolist() == \
-        schedule_verification(masked_high, sps=SPS).tolist()
+    assert (
+        policy.choose(confidences=high, num_drafts=DRAFTS).tolist()
+        == schedule_verification(masked_high, sps=SPS).tolist()
+    )
 
 
 @pytest.mark.parametrize("name", ["threshold", "calibrated_threshold", "scheduler", "async"])
@@ -75,15 +80,17 @@ def test_bad_settings_name_the_key():
         build_serve_policy("scheduler", sps=SPS, scheduler_cost="bogus")
     with pytest.raises(ValueError, match="serve.scheduler_cost"):
         SchedulerPolicy(SPS, key="serve", cost="packed")
-    assert SERVE_POLICIES.names() == sorted(["mtp1", "static", "fixed", "threshold", "calibrated_threshold",
-                                             "scheduler", "async"])
+    assert SERVE_POLICIES.names() == sorted(
+        ["mtp1", "static", "fixed", "threshold", "calibrated_threshold", "scheduler", "async"]
+    )
 
 
 # The measured R = 8 case (reports/serving.notes-2026-12-03-bf16.md): the bf16 verify forward of 8 rows takes 99.6 ms at 1 token per
 # row and 142 ms at 2 (a staircase: 9–16 tokens cost the same), ~185 ms at 3; the engine's drafting and per-row work
 # add ~110 ms per step (serve.step_overhead=measured). c̃_1 ≈ 0.35 on every row.
-MEASURED_VERIFY = SPSTable(batch_tokens=[8, 9, 16, 17, 24], steps_per_second=[1 / 0.0996, 1 / 0.142, 1 / 0.142,
-                                                                               1 / 0.185, 1 / 0.185])
+MEASURED_VERIFY = SPSTable(
+    batch_tokens=[8, 9, 16, 17, 24], steps_per_second=[1 / 0.0996, 1 / 0.142, 1 / 0.142, 1 / 0.185, 1 / 0.185]
+)
 MEASURED_STEP = MEASURED_VERIFY.with_step_overhead(0.110)
 MEASURED_CONF = torch.tensor([[0.35, 0.35, 0.3]] * 8)
 
@@ -126,10 +133,13 @@ def test_columns_policy_is_the_column_plan_over_the_drafted_slots():
     generator = torch.Generator().manual_seed(11)
     fired = 0
     for _ in range(200):
-        rows, block = int(torch.randint(2, 7, (1,), generator=generator)), int(torch.randint(1, 6, (1,),
-                                                                                                generator=generator))
+        rows, block = (
+            int(torch.randint(2, 7, (1,), generator=generator)),
+            int(torch.randint(1, 6, (1,), generator=generator)),
+        )
         values = torch.rand(rows, block, generator=generator, dtype=torch.float64) ** float(
-            torch.rand((), generator=generator) * 2)
+            torch.rand((), generator=generator) * 2
+        )
         drafted = torch.randint(0, block + 1, (rows,), generator=generator)
         masked = torch.where(torch.arange(block).unsqueeze(0) < drafted.unsqueeze(1), values, 0.0)
         policy = build_serve_policy("scheduler", sps=SPS, scheduler_cost="columns")
@@ -143,6 +153,6 @@ def test_columns_policy_is_the_column_plan_over_the_drafted_slots():
         fired += 1
         assert stop_at == expected.num_columns + 1
         shorter = masked.clone()
-        shorter[:, stop_at - 1:] = 0.0
+        shorter[:, stop_at - 1 :] = 0.0
         assert torch.equal(policy.choose(confidences=shorter, num_drafts=drafted.clamp(max=stop_at - 1)), full)
     assert fired > 30

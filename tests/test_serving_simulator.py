@@ -1,4 +1,5 @@
 """Trace-replay serving simulator (dspark.serving.simulator) and the batched SPS(B) profile (serving.profile)."""
+
 from __future__ import annotations
 
 import json
@@ -49,18 +50,39 @@ def _recorded_steps(*, num_requests=5, seed=0, stop_request=None, confidences=Tr
                 continue
             drafted = rng.randint(1, GAMMA)
             accepted = rng.randint(0, drafted)
-            conf = [round(rng.uniform(0.7, 0.95) if k < accepted else rng.uniform(0.05, 0.5), 3)
-                    for k in range(drafted)]
+            conf = [
+                round(rng.uniform(0.7, 0.95) if k < accepted else rng.uniform(0.05, 0.5), 3) for k in range(drafted)
+            ]
             stop = rid == stop_request and index == lengths[rid] - 1
             accepted = drafted if stop else accepted
             committed = accepted if stop else accepted + 1
-            rounds.append(ServeRound(rid, index, 100 + 3 * index, drafted, conf if confidences else None,
-                                     [min(1.0, c + 0.02) for c in conf] if confidences else None,
-                                     drafted, accepted, committed, accept_if_all=accepted))
-        steps.append(ServeStep(index, len(rounds), sum(1 + r.num_verified for r in rounds),
-                               sum(r.committed for r in rounds), seconds_draft=0.01 + 0.002 * len(rounds),
-                               seconds_verify=0.05, seconds_other=0.003 + 0.001 * len(rounds),
-                               seconds_prefill=0.02 if index == 0 else 0.0, rounds=rounds))
+            rounds.append(
+                ServeRound(
+                    rid,
+                    index,
+                    100 + 3 * index,
+                    drafted,
+                    conf if confidences else None,
+                    [min(1.0, c + 0.02) for c in conf] if confidences else None,
+                    drafted,
+                    accepted,
+                    committed,
+                    accept_if_all=accepted,
+                )
+            )
+        steps.append(
+            ServeStep(
+                index,
+                len(rounds),
+                sum(1 + r.num_verified for r in rounds),
+                sum(r.committed for r in rounds),
+                seconds_draft=0.01 + 0.002 * len(rounds),
+                seconds_verify=0.05,
+                seconds_other=0.003 + 0.001 * len(rounds),
+                seconds_prefill=0.02 if index == 0 else 0.0,
+                rounds=rounds,
+            )
+        )
     return steps
 
 
@@ -118,8 +140,11 @@ def _mtp1_run(trace):
 
 def _breaks_min_rule(result) -> bool:
     """Whether some round accepted more than the one verified draft or committed other than accepted + 1."""
-    return any(r.num_accepted > min(1, r.num_verified) or r.committed != r.num_accepted + 1
-               for s in result.steps for r in s.rounds)
+    return any(
+        r.num_accepted > min(1, r.num_verified) or r.committed != r.num_accepted + 1
+        for s in result.steps
+        for r in s.rounds
+    )
 
 
 def test_mtp1_verifies_one_draft(trace):
@@ -178,22 +203,35 @@ def _reference_replay(trace, *, concurrency, threshold, sps, costs, max_new_toke
             taus.append(tau)
             budgets.append(ell)
         n = len(live)
-        clock += (1 / sps(n + verified_total) + costs.draft_intercept + costs.draft_per_request * n
-                  + costs.other_intercept + costs.other_per_request * n + joins * costs.prefill_per_request)
+        clock += (
+            1 / sps(n + verified_total)
+            + costs.draft_intercept
+            + costs.draft_per_request * n
+            + costs.other_intercept
+            + costs.other_per_request * n
+            + joins * costs.prefill_per_request
+        )
         for i, s in enumerate(slots):
             if s and s["tokens"] >= max_new_tokens:
                 finished.append(max_new_tokens / (clock - s["t0"]))
                 slots[i] = None
-    return {"throughput": len(finished) * max_new_tokens / clock, "user_speed": sum(finished) / len(finished),
-            "tau": sum(taus) / len(taus), "budget": sum(budgets) / len(budgets), "wall": clock}
+    return {
+        "throughput": len(finished) * max_new_tokens / clock,
+        "user_speed": sum(finished) / len(finished),
+        "tau": sum(taus) / len(taus),
+        "budget": sum(budgets) / len(budgets),
+        "wall": clock,
+    }
 
 
 def test_replay_matches_a_hand_built_engine_loop(trace):
     costs = StepCosts(0.004, 0.001, 0.002, 0.0005, 0.03)
-    reference = _reference_replay(trace, concurrency=3, threshold=0.6, sps=STEEP, costs=costs, max_new_tokens=17,
-                                  seed=2)
-    result = simulate_serving(trace, policy="threshold", threshold=0.6, concurrency=3, sps=STEEP, costs=costs,
-                              max_new_tokens=17, seed=2)
+    reference = _reference_replay(
+        trace, concurrency=3, threshold=0.6, sps=STEEP, costs=costs, max_new_tokens=17, seed=2
+    )
+    result = simulate_serving(
+        trace, policy="threshold", threshold=0.6, concurrency=3, sps=STEEP, costs=costs, max_new_tokens=17, seed=2
+    )
     summary = result.summary()
     assert result.wall_seconds == pytest.approx(reference["wall"], rel=1e-9)
     for key in ("throughput", "user_speed", "tau", "budget"):
@@ -203,8 +241,9 @@ def test_replay_matches_a_hand_built_engine_loop(trace):
 def test_pad_to_longest_times_the_right_padded_forward(trace):
     linear = SPSTable([1], [1.0])  # one entry: time ∝ B, 1 s per token
     packed = simulate_serving(trace, policy="threshold", concurrency=3, sps=linear, max_new_tokens=12)
-    padded = simulate_serving(trace, policy="threshold", concurrency=3, sps=linear, max_new_tokens=12,
-                              pad_to_longest=True)
+    padded = simulate_serving(
+        trace, policy="threshold", concurrency=3, sps=linear, max_new_tokens=12, pad_to_longest=True
+    )
     assert packed.wall_seconds == pytest.approx(sum(s.batch_tokens for s in packed.steps))
     widths = [s.num_active * (1 + max(r.num_verified for r in s.rounds)) for s in padded.steps]
     assert padded.wall_seconds == pytest.approx(sum(widths)) and padded.wall_seconds > packed.wall_seconds
@@ -214,7 +253,8 @@ def test_pad_to_longest_times_the_right_padded_forward(trace):
 def test_confidence_source_and_missing_confidences():
     raw_only = trace_from_steps(_recorded_steps(confidences=False))
     assert simulate_serving(raw_only, policy="fixed", concurrency=2, sps=FLAT).summary().tau == pytest.approx(
-        raw_only.tau)
+        raw_only.tau
+    )
     with pytest.raises(ValueError, match="serve.policy=scheduler needs confidences"):
         simulate_serving(raw_only, policy="scheduler", concurrency=2, sps=FLAT)
     with pytest.raises(ValueError, match="max_new_tokens"):
@@ -242,10 +282,15 @@ def test_validate_relative_errors():
 
 def test_simulate_frontier_uses_the_table_of_each_concurrency(trace):
     tables = {2: FLAT, 32: STEEP}
-    summaries = simulate_frontier(trace, policies=["mtp1", "scheduler"], concurrency_levels=[2, 24],
-                                  sps=tables, max_new_tokens=20)
-    assert [(s.policy, s.concurrency) for s in summaries] == [("mtp1", 2), ("scheduler", 2), ("mtp1", 24),
-                                                              ("scheduler", 24)]
+    summaries = simulate_frontier(
+        trace, policies=["mtp1", "scheduler"], concurrency_levels=[2, 24], sps=tables, max_new_tokens=20
+    )
+    assert [(s.policy, s.concurrency) for s in summaries] == [
+        ("mtp1", 2),
+        ("scheduler", 2),
+        ("mtp1", 24),
+        ("scheduler", 24),
+    ]
     by_key = {(s.policy, s.concurrency): s for s in summaries}
     assert by_key[("scheduler", 24)].budget < by_key[("scheduler", 2)].budget  # 24 → the steep R=32 table
 
@@ -341,8 +386,9 @@ def test_engine_profile_times_the_batched_engines_own_forward(tiny, tmp_path, mo
         return forward(self, input_ids, position_ids=position_ids, input_valid=input_valid)
 
     monkeypatch.setattr(BatchedKVCache, "forward", spy)
-    table = profile_serving_sps(tiny, max_batch_tokens=7, num_rows=3, context_length=10, repeats=2, warmup=1,
-                                forward=engine_forward)
+    table = profile_serving_sps(
+        tiny, max_batch_tokens=7, num_rows=3, context_length=10, repeats=2, warmup=1, forward=engine_forward
+    )
     assert table.batch_tokens == [3, 4, 5, 6, 7] and all(s > 0 for s in table.steps_per_second)
     assert [shape for shape, _, _ in seen[:5]] == [(3, 1), (3, 2), (3, 2), (3, 2), (3, 3)]  # q = ⌈B/R⌉
     assert all(lengths == [10, 10, 10] and first == [10, 10, 10] for _, lengths, first in seen)
@@ -392,8 +438,9 @@ def test_lean_steps_draw_only_what_the_policy_can_verify_and_keep_its_plan(trace
     from dspark.serving.policies import build_serve_policy
 
     name, _, cost = policy.partition(":")
-    costs = StepCosts(0.010, 0.002, 0.003, 0.001, 0.0, slot_intercept=0.001, slot_per_request=0.0005,
-                      trace_slots=trace.block_size)
+    costs = StepCosts(
+        0.010, 0.002, 0.003, 0.001, 0.0, slot_intercept=0.001, slot_per_request=0.0005, trace_slots=trace.block_size
+    )
     sps = SPSTable([1], [1.0])  # time ∝ B: the scheduler admits only confident slots, so it stops drafting early
     common = dict(concurrency=3, sps=sps, costs=costs, max_new_tokens=14, seed=1)
     options = dict(threshold=0.6, sps=sps, scheduler_cost=cost or "tokens")
@@ -419,8 +466,19 @@ def test_fit_step_costs_recovers_the_cost_per_drawn_slot():
     for index, (active, slots) in enumerate([(1, 5), (2, 1), (3, 3), (4, 2), (2, 4), (3, 5)]):
         rounds = [ServeRound(r, index, 0, slots, None, None, 0, 0, 1) for r in range(active)]
         sequential = slots * (0.001 + 0.0005 * active)
-        steps.append(ServeStep(index, active, active, active, seconds_draft=0.01 + sequential, seconds_verify=0.1,
-                               seconds_other=0.0, seconds_draft_sequential=sequential, rounds=rounds))
+        steps.append(
+            ServeStep(
+                index,
+                active,
+                active,
+                active,
+                seconds_draft=0.01 + sequential,
+                seconds_verify=0.1,
+                seconds_other=0.0,
+                seconds_draft_sequential=sequential,
+                rounds=rounds,
+            )
+        )
     costs = fit_step_costs(steps)
     assert costs.slot_intercept == pytest.approx(0.001) and costs.slot_per_request == pytest.approx(0.0005)
     assert costs.trace_slots == pytest.approx(20 / 6)
@@ -442,25 +500,44 @@ def test_scheduler_cost_columns_plans_whole_columns(trace):
         drafted = torch.tensor([r.num_drafted for r in step.rounds])
         conf = torch.zeros(len(step.rounds), trace.block_size, dtype=torch.float64)
         for row, r in enumerate(step.rounds):
-            conf[row, :r.num_drafted] = torch.tensor(r.calibrated, dtype=torch.float64)
+            conf[row, : r.num_drafted] = torch.tensor(r.calibrated, dtype=torch.float64)
         plan = plan_columns(conf, sps=sps, num_drafts=drafted)
         assert [r.num_verified for r in step.rounds] == plan.lengths.tolist()
         widths.add(plan.num_columns)
     assert len(widths) > 1, widths
     tokens = simulate_serving(trace, **common)
-    assert [[r.num_verified for r in s.rounds] for s in tokens.steps] != \
-        [[r.num_verified for r in s.rounds] for s in columns.steps]
-    assert simulate_frontier(trace, policies=["scheduler"], concurrency_levels=[3], sps=sps, max_new_tokens=14,
-                             seed=1, pad_to_longest=True, scheduler_cost="columns")[0] == columns.summary()
+    assert [[r.num_verified for r in s.rounds] for s in tokens.steps] != [
+        [r.num_verified for r in s.rounds] for s in columns.steps
+    ]
+    assert (
+        simulate_frontier(
+            trace,
+            policies=["scheduler"],
+            concurrency_levels=[3],
+            sps=sps,
+            max_new_tokens=14,
+            seed=1,
+            pad_to_longest=True,
+            scheduler_cost="columns",
+        )[0]
+        == columns.summary()
+    )
     with pytest.raises(ValueError, match="serve.scheduler_cost"):
         simulate_serving(trace, scheduler_cost="bogus", **common)
 
 
 # ---- the hindsight bound (simulate_hindsight) ----
 
-HINDSIGHT_COSTS = StepCosts(draft_intercept=0.004, draft_per_request=0.002, other_intercept=0.002,
-                            other_per_request=0.001, prefill_per_request=0.02, slot_intercept=0.0005,
-                            slot_per_request=0.0002, trace_slots=2.5)
+HINDSIGHT_COSTS = StepCosts(
+    draft_intercept=0.004,
+    draft_per_request=0.002,
+    other_intercept=0.002,
+    other_per_request=0.001,
+    prefill_per_request=0.02,
+    slot_intercept=0.0005,
+    slot_per_request=0.0002,
+    trace_slots=2.5,
+)
 # A staircase: 1–2 tokens per row cost alike, the 3rd and 5th a step each (the fp32 CPU shape).
 STAIRS = SPSTable([1, 2, 3, 4, 5, 8, 16, 32], [20.0, 20.0, 16.0, 16.0, 12.0, 10.0, 6.0, 3.0])
 
@@ -475,12 +552,28 @@ def _chooser(k, *, sps=STAIRS, pad=True):
 @pytest.mark.parametrize("concurrency", [1, 3])
 def test_hindsight_with_fixed_columns_replays_the_static_policy_step_for_step(trace, k, name, concurrency):
     """The chooser's replay is the simulator's: k fixed columns is mtp1 / static k / fixed, step for step."""
-    ours = simulate_serving(trace, policy=_chooser(k), concurrency=concurrency, sps=STAIRS, costs=HINDSIGHT_COSTS,
-                            pad_to_longest=True, seed=3)
-    theirs = simulate_serving(trace, policy=name, static_k=k, concurrency=concurrency, sps=STAIRS,
-                              costs=HINDSIGHT_COSTS, pad_to_longest=True, seed=3)
-    assert [(s.num_active, s.batch_tokens, s.committed) for s in ours.steps] == \
-        [(s.num_active, s.batch_tokens, s.committed) for s in theirs.steps]
+    ours = simulate_serving(
+        trace,
+        policy=_chooser(k),
+        concurrency=concurrency,
+        sps=STAIRS,
+        costs=HINDSIGHT_COSTS,
+        pad_to_longest=True,
+        seed=3,
+    )
+    theirs = simulate_serving(
+        trace,
+        policy=name,
+        static_k=k,
+        concurrency=concurrency,
+        sps=STAIRS,
+        costs=HINDSIGHT_COSTS,
+        pad_to_longest=True,
+        seed=3,
+    )
+    assert [(s.num_active, s.batch_tokens, s.committed) for s in ours.steps] == [
+        (s.num_active, s.batch_tokens, s.committed) for s in theirs.steps
+    ]
     assert [s.seconds for s in ours.steps] == pytest.approx([s.seconds for s in theirs.steps], rel=1e-12)
 
 
@@ -507,12 +600,21 @@ def test_hindsight_is_at_least_as_fast_as_every_policy(concurrency):
     from dspark.serving.simulator import simulate_hindsight
 
     long_trace = _long_trace()
-    bound = simulate_hindsight(long_trace, concurrency=concurrency, sps=STAIRS, costs=HINDSIGHT_COSTS,
-                               max_new_tokens=32)
+    bound = simulate_hindsight(
+        long_trace, concurrency=concurrency, sps=STAIRS, costs=HINDSIGHT_COSTS, max_new_tokens=32
+    )
     assert bound.policy == "hindsight"
     for name in ("mtp1", "static", "fixed", "scheduler", "threshold", "calibrated_threshold"):
-        other = simulate_serving(long_trace, policy=name, concurrency=concurrency, sps=STAIRS, costs=HINDSIGHT_COSTS,
-                                 pad_to_longest=True, max_new_tokens=32, scheduler_cost="columns")
+        other = simulate_serving(
+            long_trace,
+            policy=name,
+            concurrency=concurrency,
+            sps=STAIRS,
+            costs=HINDSIGHT_COSTS,
+            pad_to_longest=True,
+            max_new_tokens=32,
+            scheduler_cost="columns",
+        )
         assert bound.summary().throughput >= other.summary().throughput * (1 - 1e-9), name
 
 
@@ -551,7 +653,8 @@ def test_hindsight_reaches_the_exact_optimum_of_one_request(seed):
         rounds.append(TraceRound(drafted, accepted, accepted + 1, None, None))
     single = ServeTrace([TraceRequest(0, rounds)])
     length = rng.randint(8, 20)
-    bound = simulate_hindsight(single, concurrency=1, sps=STAIRS, costs=HINDSIGHT_COSTS, max_new_tokens=length,
-                               num_requests=1)
+    bound = simulate_hindsight(
+        single, concurrency=1, sps=STAIRS, costs=HINDSIGHT_COSTS, max_new_tokens=length, num_requests=1
+    )
     optimum = _fastest_single_request(rounds, length=length, prefill=HINDSIGHT_COSTS.prefill_per_request)
     assert bound.summary().throughput == pytest.approx(optimum, rel=1e-9)

@@ -1,5 +1,6 @@
 """`sweep=serving` end to end on the tiny target: every policy served for real (stage=serve), simulated levels and
 validation logged, and `serving.md` generated from the tracking store with the frontier and budget figures."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -22,8 +23,13 @@ FAST = ["budget=smoke", "optim.epochs=1", "serve.num_requests=3", "serve.max_new
 @pytest.fixture(scope="module")
 def serving_sweep(shared_root):
     """All six policies at R = 2 (an axis value on the command line selects those cells)."""
-    argv = ["sweep=serving", *FAST, "serve.concurrency=2", f"paths.root={shared_root}",
-            "tracking.experiment=serving-sweep"]
+    argv = [
+        "sweep=serving",
+        *FAST,
+        "serve.concurrency=2",
+        f"paths.root={shared_root}",
+        "tracking.experiment=serving-sweep",
+    ]
     rc = resolve_config(argv)
     assert run_sweep(rc) == 0
     return rc
@@ -35,8 +41,14 @@ def test_every_policy_is_served_and_reported(serving_sweep):
     runs = collect_sweep_runs(store, sweep="serving")
     frame = runs.frame
     assert frame.height == len(SERVE_POLICIES.names())
-    for column in ("serve/throughput", "serve/user_speed", "serve/budget", "serve/tau", "sim/R4/throughput",
-                   "sim/validation/tau_rel_err"):
+    for column in (
+        "serve/throughput",
+        "serve/user_speed",
+        "serve/budget",
+        "serve/tau",
+        "sim/R4/throughput",
+        "sim/validation/tau_rel_err",
+    ):
         assert column in frame.columns and frame[column].null_count() == 0, column
     real = {s.policy: s for s in real_summaries(frame)}
     assert set(real) == set(SERVE_POLICIES.names())
@@ -55,8 +67,19 @@ def test_report_regenerates_from_the_store_alone(serving_sweep, capsys):
     rc = serving_sweep
     path = Path(rc.cfg.paths.reports) / "serving.md"
     path.unlink()
-    assert main(["sweep=serving", *FAST, "serve.concurrency=2", f"paths.root={rc.cfg.paths.root}",
-                 "tracking.experiment=serving-sweep", "stage=report"]) == 0
+    assert (
+        main(
+            [
+                "sweep=serving",
+                *FAST,
+                "serve.concurrency=2",
+                f"paths.root={rc.cfg.paths.root}",
+                "tracking.experiment=serving-sweep",
+                "stage=report",
+            ]
+        )
+        == 0
+    )
     assert "| scheduler | 2 |" in path.read_text()
 
 
@@ -70,14 +93,18 @@ def test_serve_steps_are_attached(serving_sweep):
 
 
 def test_bad_serving_config_fails_before_work(capsys, tmp_path):
-    assert main(["stage=serve", "budget=smoke", "serve.policy=bogus", "serve.concurrency=0",
-                 f"paths.root={tmp_path}"]) == 2
+    assert (
+        main(["stage=serve", "budget=smoke", "serve.policy=bogus", "serve.concurrency=0", f"paths.root={tmp_path}"])
+        == 2
+    )
     err = capsys.readouterr().err
     assert "serve.policy" in err and "serve.concurrency" in err
     assert main(["stage=serve", "budget=smoke", "drafter=eagle3", f"paths.root={tmp_path}"]) == 2
     assert "drafter=dspark or dflash" in capsys.readouterr().err
-    assert main(["stage=serve", "budget=smoke", f"serve.sps_table={tmp_path / 'missing.json'}",
-                 f"paths.root={tmp_path}"]) == 2
+    assert (
+        main(["stage=serve", "budget=smoke", f"serve.sps_table={tmp_path / 'missing.json'}", f"paths.root={tmp_path}"])
+        == 2
+    )
     assert "serve.sps_table" in capsys.readouterr().err
 
 
@@ -108,8 +135,13 @@ def test_serve_target_dtype_serves_a_bf16_load_with_the_same_drafter(serving_swe
     from dspark.stages.context import StageContext, training_key
     from dspark.stages.serve import serving_target, trace_key
 
-    base = ["stage=serve", *FAST, "serve.concurrency=2", f"paths.root={serving_sweep.cfg.paths.root}",
-            "tracking.experiment=serving-sweep"]
+    base = [
+        "stage=serve",
+        *FAST,
+        "serve.concurrency=2",
+        f"paths.root={serving_sweep.cfg.paths.root}",
+        "tracking.experiment=serving-sweep",
+    ]
     fp32, bf16 = resolve_config(base), resolve_config([*base, "serve.target_dtype=bfloat16"])
     assert training_key(fp32.cfg) == training_key(bf16.cfg)
     assert trace_key(StageContext(fp32, paths=None)) != trace_key(StageContext(bf16, paths=None))

@@ -1,4 +1,5 @@
 """Sequential Temperature Scaling (dspark.calibration.sts): fit on synthetic rounds, metrics against torchmetrics."""
+
 from __future__ import annotations
 
 import json
@@ -136,8 +137,7 @@ def test_apply_row_on_floats_equals_apply():
     """The single-request drafting stop calibrates c_1..c_k as Python floats (`apply_row`): the same values as
     the tensor `apply` up to float rounding, for every k ≤ γ, with 0, 1 and NaN mapped as `scale_confidence` maps
     them, and more than γ slots refused."""
-    calibration = STSCalibration(temperatures=[0.05, 0.5, 1.0, 3.0], grid=[], n_bins=20, ece_before=[],
-                                 ece_after=[])
+    calibration = STSCalibration(temperatures=[0.05, 0.5, 1.0, 3.0], grid=[], n_bins=20, ece_before=[], ece_after=[])
     generator = torch.Generator().manual_seed(0)
     rows = torch.rand(200, 4, generator=generator, dtype=torch.float64)
     rows[0] = torch.tensor([0.0, 1.0, 1e-30, 1.0 - 1e-12])
@@ -149,7 +149,8 @@ def test_apply_row_on_floats_equals_apply():
             for a, b in zip(got, expected[:k]):
                 assert math.isclose(a, b, rel_tol=1e-12, abs_tol=1e-300), (row.tolist(), k, a, b)
     nan = calibration.apply_row([float("nan"), 0.3])
-    assert nan[0] != nan[0] and nan[1] == pytest.approx(float(calibration.apply(torch.tensor([0.0, 0.3, 0, 0],
-                                                                                     dtype=torch.float64))[1]))
+    assert nan[0] != nan[0] and nan[1] == pytest.approx(
+        float(calibration.apply(torch.tensor([0.0, 0.3, 0, 0], dtype=torch.float64))[1])
+    )
     with pytest.raises(ValueError, match="fitted for"):
         calibration.apply_row([0.5] * 5)

@@ -1,6 +1,7 @@
 """The sweep ledger (`dspark.tracking.ledger`) and the sweep's identity (`dspark.sweeps.identity`): finished cells
 recorded under paths.root, imported into a store that lacks them — a sweep resumes, grows and regenerates its report
 from another checkout or machine; a changed default keeps the sweep and lists the drifted cells."""
+
 from __future__ import annotations
 
 import json
@@ -31,10 +32,18 @@ def _parent(store, sweep: str = "depth", digest: str = "abc123") -> str:
 
 
 def _cell(store, parent: str, index: int, *, done: bool = True, tau: float = 1.25) -> str:
-    tags = cell_tags(sweep="depth", sweep_hash="abc123", paper_ref="Fig. 3", index=index,
-                     key=f"model.depth={index + 1} seed=0", axes={"model.depth": index + 1}, attempt=f"a{index}")
-    run = store.create_run(run_name=f"dspark-markov-d{index + 1}", tags=tags | {"machine": f"box {index}"},
-                           parent_run_id=parent)
+    tags = cell_tags(
+        sweep="depth",
+        sweep_hash="abc123",
+        paper_ref="Fig. 3",
+        index=index,
+        key=f"model.depth={index + 1} seed=0",
+        axes={"model.depth": index + 1},
+        attempt=f"a{index}",
+    )
+    run = store.create_run(
+        run_name=f"dspark-markov-d{index + 1}", tags=tags | {"machine": f"box {index}"}, parent_run_id=parent
+    )
     store.client.log_param(run, "model.depth", str(index + 1))
     store.client.log_param(run, "paths.root", "/somewhere/on/one/machine")
     store.log_metrics(run, {"summary/tau": tau + index, "val/tau_prob": 1.5})
@@ -46,8 +55,13 @@ def _cell(store, parent: str, index: int, *, done: bool = True, tau: float = 1.2
 
 def _record(store, parent: str, path: Path) -> int:
     done = set(done_cells(children(store, parent)).values())
-    return cell_ledger.record_cells([r for r in children(store, parent) if r.info.run_id in done], path, sweep="depth",
-                                    sweep_hash="abc123", identity=IDENTITY)
+    return cell_ledger.record_cells(
+        [r for r in children(store, parent) if r.info.run_id in done],
+        path,
+        sweep="depth",
+        sweep_hash="abc123",
+        identity=IDENTITY,
+    )
 
 
 def test_record_then_import_into_an_empty_store_carries_tags_params_and_metrics(tmp_path):
@@ -66,7 +80,8 @@ def test_record_then_import_into_an_empty_store_carries_tags_params_and_metrics(
     target = _store(tmp_path / "b")
     new_parent = _parent(target)
     assert cell_ledger.import_cells(target, new_parent, path, sweep="depth", sweep_hash="abc123") == [
-        "model.depth=1 seed=0"]
+        "model.depth=1 seed=0"
+    ]
     (run,) = children(target, new_parent)
     assert run.info.status == "FINISHED" and run.data.tags[COMPLETE_TAG] == "true"
     assert run.data.tags["machine"] == "box 0" and run.data.tags["axis.model.depth"] == "1"
@@ -101,14 +116,17 @@ def test_record_merges_with_the_file_and_import_skips_cells_the_store_finished(t
 V2 = '"format": "dspark-sweep-ledger", "version": 2, "identity": {}'
 
 
-@pytest.mark.parametrize("text, needle", [
-    ("{not json", "unreadable"),
-    ('{"format": "other"}', "not a sweep ledger"),
-    ('{"format": "dspark-sweep-ledger", "version": 99}', "version 99"),
-    ('{"format": "dspark-sweep-ledger", "version": 1, "cells": []}', "python -m dspark.sweeps.migrate"),
-    ('{' + V2 + ', "sweep": "head", "sweep_hash": "abc123", "cells": []}', "records sweep 'head'"),
-    ('{' + V2 + ', "sweep": "depth", "sweep_hash": "abc123", "cells": [1]}', "must be a list"),
-])
+@pytest.mark.parametrize(
+    "text, needle",
+    [
+        ("{not json", "unreadable"),
+        ('{"format": "other"}', "not a sweep ledger"),
+        ('{"format": "dspark-sweep-ledger", "version": 99}', "version 99"),
+        ('{"format": "dspark-sweep-ledger", "version": 1, "cells": []}', "python -m dspark.sweeps.migrate"),
+        ("{" + V2 + ', "sweep": "head", "sweep_hash": "abc123", "cells": []}', "records sweep 'head'"),
+        ("{" + V2 + ', "sweep": "depth", "sweep_hash": "abc123", "cells": [1]}', "must be a list"),
+    ],
+)
 def test_a_file_that_is_not_this_sweeps_ledger_is_refused_with_the_fix(tmp_path, text, needle):
     path = tmp_path / "depth-abc123.json"
     path.write_text(text)
@@ -157,8 +175,16 @@ def test_a_sweep_goes_on_from_another_checkout_and_its_report_regenerates(tmp_pa
     reports.mkdir()
     (reports / "depth.md").write_text("a report we must not lose\n")
     committed.unlink()
-    code = main(["sweep=depth", *FAST, "stage=report", "tracking.experiment=empty", f"paths.root={tmp_path / 'c'}",
-                 f"paths.reports={reports}"])
+    code = main(
+        [
+            "sweep=depth",
+            *FAST,
+            "stage=report",
+            "tracking.experiment=empty",
+            f"paths.root={tmp_path / 'c'}",
+            f"paths.reports={reports}",
+        ]
+    )
     assert code == 2 and (reports / "depth.md").read_text() == "a report we must not lose\n"
 
 
@@ -169,11 +195,19 @@ def test_a_changed_default_keeps_the_sweep_and_reruns_only_the_drifted_cells(tmp
 
     import dspark.config.resolve as resolve
 
-    argv = ["sweep=head", "stage=train", *FAST, "sweep.seeds=[0]", "sweep.axes.model.head=[none,markov]",
-            f"paths.root={tmp_path}", "tracking.experiment=drift"]
+    argv = [
+        "sweep=head",
+        "stage=train",
+        *FAST,
+        "sweep.seeds=[0]",
+        "sweep.axes.model.head=[none,markov]",
+        f"paths.root={tmp_path}",
+        "tracking.experiment=drift",
+    ]
     real_train, trained = train_stage.run_train, []
-    monkeypatch.setattr(train_stage, "run_train", lambda ctx, data: trained.append(ctx.cfg.model.head)
-                        or real_train(ctx, data))
+    monkeypatch.setattr(
+        train_stage, "run_train", lambda ctx, data: trained.append(ctx.cfg.model.head) or real_train(ctx, data)
+    )
     assert run_sweep(resolve_config(argv)) == 0 and trained == ["none", "markov"]
     before = plan_grid(resolve_config(argv), load_sweep("head")).sweep_hash
 
@@ -199,11 +233,11 @@ def test_a_changed_default_keeps_the_sweep_and_reruns_only_the_drifted_cells(tmp
 def test_a_grown_axis_reuses_finished_cells_in_the_same_parent(tmp_path, monkeypatch, one_thread):
     from dspark.tracking.runs import search_all, tag_filter
 
-    base = ["sweep=head", "stage=train", *FAST, "sweep.seeds=[0]", f"paths.root={tmp_path}",
-            "tracking.experiment=grow"]
+    base = ["sweep=head", "stage=train", *FAST, "sweep.seeds=[0]", f"paths.root={tmp_path}", "tracking.experiment=grow"]
     real_train, trained = train_stage.run_train, []
-    monkeypatch.setattr(train_stage, "run_train", lambda ctx, data: trained.append(ctx.cfg.model.head)
-                        or real_train(ctx, data))
+    monkeypatch.setattr(
+        train_stage, "run_train", lambda ctx, data: trained.append(ctx.cfg.model.head) or real_train(ctx, data)
+    )
     assert run_sweep(resolve_config([*base, "sweep.axes.model.head=[none]"])) == 0
     assert run_sweep(resolve_config([*base, "sweep.axes.model.head=[none,rnn]"])) == 0
     assert trained == ["none", "rnn"]  # the finished cell was reused; only the new one ran
@@ -213,12 +247,15 @@ def test_a_grown_axis_reuses_finished_cells_in_the_same_parent(tmp_path, monkeyp
     assert "rnn" in (tmp_path / "reports" / "head.md").read_text()
 
 
-@pytest.mark.parametrize("arg, needle", [
-    ("sweep.axes.model.depth=[1]", "sweep=head has no axis 'model.depth'"),
-    ("sweep.axes.model.head=[]", "at least one value"),
-    ("sweep.axes.model.head=[nonsense]", "nonsense"),
-    ("sweep.seeds=[]", "at least one seed"),
-])
+@pytest.mark.parametrize(
+    "arg, needle",
+    [
+        ("sweep.axes.model.depth=[1]", "sweep=head has no axis 'model.depth'"),
+        ("sweep.axes.model.head=[]", "at least one value"),
+        ("sweep.axes.model.head=[nonsense]", "nonsense"),
+        ("sweep.seeds=[]", "at least one seed"),
+    ],
+)
 def test_a_bad_growth_argument_names_itself_and_the_fix(arg, needle):
     from dspark.config import ConfigError
 
@@ -232,8 +269,14 @@ def test_growth_arguments_need_a_sweep(capsys):
 
 
 def test_the_ledger_can_be_switched_off(tmp_path, monkeypatch, one_thread):
-    argv = ["sweep=depth", "stage=train", *FAST, "tracking.experiment=ledger-off", "tracking.sweep_ledger=false",
-            f"paths.root={tmp_path / 'a'}"]
+    argv = [
+        "sweep=depth",
+        "stage=train",
+        *FAST,
+        "tracking.experiment=ledger-off",
+        "tracking.sweep_ledger=false",
+        f"paths.root={tmp_path / 'a'}",
+    ]
     assert run_sweep(resolve_config(argv), max_cells=1) == 0
     assert not (tmp_path / "a" / "ledgers").exists()
 
@@ -300,10 +343,18 @@ def test_a_run_from_a_committed_tree_redoes_the_cells_recorded_from_a_dirty_one(
     parent, _ = open_parent(store, sweep="depth", sweep_hash=plan.sweep_hash, tags={"budget": "smoke"})
     for index, dirty in ((0, "True"), (1, "False")):
         cell = plan.cells[index].cell
-        tags = cell_tags(sweep="depth", sweep_hash=plan.sweep_hash, paper_ref="Fig. 3", index=index, key=cell.key,
-                         axes=cell.axes, attempt=f"old{index}")
-        run = store.create_run(run_name="old", tags=tags | {COMPLETE_TAG: "true", "git.dirty": dirty},
-                               parent_run_id=parent)
+        tags = cell_tags(
+            sweep="depth",
+            sweep_hash=plan.sweep_hash,
+            paper_ref="Fig. 3",
+            index=index,
+            key=cell.key,
+            axes=cell.axes,
+            attempt=f"old{index}",
+        )
+        run = store.create_run(
+            run_name="old", tags=tags | {COMPLETE_TAG: "true", "git.dirty": dirty}, parent_run_id=parent
+        )
         store.finish(run)
     ran = []
 

@@ -1,5 +1,6 @@
 """Sweep files and the sweep driver: validation before anything runs, a smoke run of every sweep file's first cell
 (tiny target, MLflow on), resume after a rerun and after an interruption, failed cells, command-line selection."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -14,8 +15,19 @@ from dspark.config.resolve import available_sweeps
 from dspark.sweeps import load_sweep, parse_sweep
 from dspark.sweeps.driver import plan_grid, run_sweep
 
-ALL_SWEEPS = ["main", "depth", "block_size", "head", "threshold", "calibration", "latency", "loss_weights", "rank",
-              "serving", "objective"]
+ALL_SWEEPS = [
+    "main",
+    "depth",
+    "block_size",
+    "head",
+    "threshold",
+    "calibration",
+    "latency",
+    "loss_weights",
+    "rank",
+    "serving",
+    "objective",
+]
 # optim.epochs=1: faster, and a training key of its own (drafters of other test files are never reused here)
 FAST = ["budget=smoke", "optim.epochs=1", "decode.prompts_per_set=1", "decode.max_new_tokens=8"]
 
@@ -34,8 +46,11 @@ def _sweep_runs(root: str, experiment: str, sweep: str):
 
 
 def _finished(cells) -> list[str]:
-    return sorted(r.data.tags["cell"] for r in cells
-                  if r.info.status == "FINISHED" and r.data.tags.get("sweep.complete") == "true")
+    return sorted(
+        r.data.tags["cell"]
+        for r in cells
+        if r.info.status == "FINISHED" and r.data.tags.get("sweep.complete") == "true"
+    )
 
 
 def test_every_sweep_file_is_listed():
@@ -57,16 +72,19 @@ def test_sweep_file_validates_and_explains_itself(name):
         assert spec.optuna.defaults, "the paper's defaults must be enqueued"
 
 
-@pytest.mark.parametrize("text, needle", [
-    ("grid: [{model.depthh: [1, 2]}]", "model.depthh"),
-    ("grid: [{model.depth: [1, two]}]", "model.depth"),
-    ("grid: [{decode.threshold: [0.5, yes]}]", "decode.threshold"),
-    ("fixed: {loss.alpha_cee: 1.0}\ngrid: [{model.depth: [1]}]", "loss.alpha_cee"),
-    ("grid: [{paths.root: [/tmp]}]", "paths.root"),
-    ("grid: [{model.depth: [1]}]\noptuna: {params: {}}", "exactly one"),
-    ("optuna: {params: {loss.alpha_ce: {low: 0, high: 1}}, defaults: {loss.alpha_ce: 2.0}}", "outside"),
-    ("grids: [{model.depth: [1]}]", "grids"),
-])
+@pytest.mark.parametrize(
+    "text, needle",
+    [
+        ("grid: [{model.depthh: [1, 2]}]", "model.depthh"),
+        ("grid: [{model.depth: [1, two]}]", "model.depth"),
+        ("grid: [{decode.threshold: [0.5, yes]}]", "decode.threshold"),
+        ("fixed: {loss.alpha_cee: 1.0}\ngrid: [{model.depth: [1]}]", "loss.alpha_cee"),
+        ("grid: [{paths.root: [/tmp]}]", "paths.root"),
+        ("grid: [{model.depth: [1]}]\noptuna: {params: {}}", "exactly one"),
+        ("optuna: {params: {loss.alpha_ce: {low: 0, high: 1}}, defaults: {loss.alpha_ce: 2.0}}", "outside"),
+        ("grids: [{model.depth: [1]}]", "grids"),
+    ],
+)
 def test_bad_sweep_files_name_the_problem(text, needle):
     with pytest.raises(ConfigError, match=needle.replace(".", r"\.")):
         parse_sweep("bad", text)
@@ -141,8 +159,9 @@ def test_smoke_first_cell_of_every_sweep(name, shared_root, one_thread):
     assert any(k.startswith("axis.") for k in child.data.tags)
     client = _client(shared_root)
     assert "config.yaml" in [a.path for a in client.list_artifacts(child.info.run_id)]
-    assert {"sweep/cells.yaml", "sweep/sweep.yaml"} <= {a.path for a in client.list_artifacts(parents[0].info.run_id,
-                                                                                            "sweep")}
+    assert {"sweep/cells.yaml", "sweep/sweep.yaml"} <= {
+        a.path for a in client.list_artifacts(parents[0].info.run_id, "sweep")
+    }
     report = Path(rc.cfg.paths.reports) / f"{name}.md"
     assert report.exists() and "parent run" in report.read_text()
     assert f"report/{name}.md" in [a.path for a in client.list_artifacts(parents[0].info.run_id, "report")]
@@ -152,8 +171,7 @@ def test_smoke_first_cell_of_every_sweep(name, shared_root, one_thread):
 
 
 @pytest.mark.parametrize("interrupt", [KeyboardInterrupt, SystemExit], ids=["ctrl-c", "lightning-exit"])
-def test_rerun_and_interrupted_sweep_resume_without_duplicates(interrupt, shared_root, monkeypatch, one_thread,
-                                                              capsys):
+def test_rerun_and_interrupted_sweep_resume_without_duplicates(interrupt, shared_root, monkeypatch, one_thread, capsys):
     experiment = f"resume-{interrupt.__name__}"
     argv = ["sweep=depth", "stage=train", *FAST, f"paths.root={shared_root}", f"tracking.experiment={experiment}"]
     real_train, calls = train_stage.run_train, []
@@ -182,7 +200,8 @@ def test_rerun_and_interrupted_sweep_resume_without_duplicates(interrupt, shared
 
 
 def test_a_supervision_fix_starts_a_new_sweep_instead_of_resuming_cells_trained_before_it(
-        shared_root, monkeypatch, one_thread, tmp_path):
+    shared_root, monkeypatch, one_thread, tmp_path
+):
     """Bumping SUPERVISION_VERSION moves every training key; the sweep must retrain under a new parent (and the
     report read it), not count the old parent's cells as done."""
     import dspark.stages.context as context
@@ -209,11 +228,18 @@ def test_a_supervision_fix_starts_a_new_sweep_instead_of_resuming_cells_trained_
     parents, cells = _sweep_runs(shared_root, experiment, "depth")
     assert sorted(p.data.tags["sweep.hash"] for p in parents) == sorted([old_hash, new_hash])
     new_parent = next(p for p in parents if p.data.tags["sweep.hash"] == new_hash).info.run_id
-    assert [c.data.tags["training.key"] for c in cells
-            if c.data.tags["mlflow.parentRunId"] == new_parent] == [trained[1]]
+    assert [c.data.tags["training.key"] for c in cells if c.data.tags["mlflow.parentRunId"] == new_parent] == [
+        trained[1]
+    ]
 
-    report = ["sweep=depth", "stage=report", *FAST, f"paths.root={shared_root}", f"paths.reports={tmp_path}",
-              f"tracking.experiment={experiment}"]
+    report = [
+        "sweep=depth",
+        "stage=report",
+        *FAST,
+        f"paths.root={shared_root}",
+        f"paths.reports={tmp_path}",
+        f"tracking.experiment={experiment}",
+    ]
     assert main(report) == 0
     assert f"sweep.hash = {new_hash}" in (tmp_path / "depth.md").read_text()
 
@@ -244,8 +270,12 @@ def test_failed_cell_is_marked_and_the_sweep_goes_on(shared_root, monkeypatch, o
     assert "boom in the markov cell" in capsys.readouterr().err
     _, cells = _sweep_runs(shared_root, experiment, "head")
     status = {r.data.tags["cell"]: r.info.status for r in cells}
-    assert status == {"model.head=none seed=0": "FINISHED", "model.head=markov seed=0": "FAILED",
-                      "model.head=gated seed=0": "FINISHED", "model.head=rnn seed=0": "FINISHED"}
+    assert status == {
+        "model.head=none seed=0": "FINISHED",
+        "model.head=markov seed=0": "FAILED",
+        "model.head=gated seed=0": "FINISHED",
+        "model.head=rnn seed=0": "FINISHED",
+    }
     monkeypatch.setattr(train_stage, "run_train", real_train)
     assert run_sweep(resolve_config(argv), max_cells=4) == 0  # only the failed cell runs again
     _, cells = _sweep_runs(shared_root, experiment, "head")
@@ -253,8 +283,14 @@ def test_failed_cell_is_marked_and_the_sweep_goes_on(shared_root, monkeypatch, o
 
 
 def test_report_of_a_sweep_without_finished_runs_refuses_and_writes_nothing(shared_root, tmp_path, capsys):
-    argv = ["sweep=threshold", "stage=report", "budget=smoke", f"paths.root={shared_root}",
-            f"paths.reports={tmp_path}", "tracking.experiment=empty"]
+    argv = [
+        "sweep=threshold",
+        "stage=report",
+        "budget=smoke",
+        f"paths.root={shared_root}",
+        f"paths.reports={tmp_path}",
+        "tracking.experiment=empty",
+    ]
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert "sweep `threshold` has no finished cell" in err and "python experiments/run.py sweep=threshold" in err
@@ -299,8 +335,15 @@ def test_processes_of_one_sweep_split_the_cells_by_claims(other_finishes, tmp_pa
             if other_finishes:
                 parent = find_parent(store, sweep="depth", sweep_hash=plan.sweep_hash).info.run_id
                 cell = plan.cells[0].cell
-                tags = cell_tags(sweep="depth", sweep_hash=plan.sweep_hash, paper_ref="Fig. 3", index=0, key=cell.key,
-                                 axes=cell.axes, attempt="other")
+                tags = cell_tags(
+                    sweep="depth",
+                    sweep_hash=plan.sweep_hash,
+                    paper_ref="Fig. 3",
+                    index=0,
+                    key=cell.key,
+                    axes=cell.axes,
+                    attempt="other",
+                )
                 run = store.create_run(run_name="other", tags=tags | {COMPLETE_TAG: "true"}, parent_run_id=parent)
                 store.finish(run)
             other.release()
@@ -320,12 +363,23 @@ def test_two_processes_of_one_sweep_command_run_each_cell_once(tmp_path):
     import subprocess
     import sys
 
-    argv = ["sweep=head", "stage=train", *FAST, "sweep.seeds=[0]", "sweep.axes.model.head=[none,markov,rnn]",
-            f"paths.root={tmp_path}", "tracking.experiment=spread"]
+    argv = [
+        "sweep=head",
+        "stage=train",
+        *FAST,
+        "sweep.seeds=[0]",
+        "sweep.axes.model.head=[none,markov,rnn]",
+        f"paths.root={tmp_path}",
+        "tracking.experiment=spread",
+    ]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     script = "import sys; from dspark.cli import main; sys.exit(main(sys.argv[1:]))"
-    procs = [subprocess.Popen([sys.executable, "-c", script, *argv], env=env, stdout=subprocess.DEVNULL,
-                              stderr=subprocess.PIPE, text=True) for _ in range(2)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", script, *argv], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
+        )
+        for _ in range(2)
+    ]
     errors = [p.communicate(timeout=600)[1] for p in procs]
     assert [p.returncode for p in procs] == [0, 0], errors
     parents, cells = _sweep_runs(str(tmp_path), "spread", "head")
@@ -342,17 +396,33 @@ def test_workers_on_two_machines_sharing_one_store_run_each_cell_once(tmp_path):
     import sys
 
     shared = f"sqlite:///{tmp_path / 'server.db'}"
-    argv = ["sweep=head", "stage=train", *FAST, "sweep.seeds=[0]", "sweep.axes.model.head=[none,markov,rnn]",
-            f"tracking.uri={shared}", "tracking.experiment=machines"]
+    argv = [
+        "sweep=head",
+        "stage=train",
+        *FAST,
+        "sweep.seeds=[0]",
+        "sweep.axes.model.head=[none,markov,rnn]",
+        f"tracking.uri={shared}",
+        "tracking.experiment=machines",
+    ]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     script = "import sys; from dspark.cli import main; sys.exit(main(sys.argv[1:]))"
-    procs = [subprocess.Popen([sys.executable, "-c", script, *argv, f"paths.root={tmp_path / f'machine{i}'}"],
-                              env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True) for i in range(2)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", script, *argv, f"paths.root={tmp_path / f'machine{i}'}"],
+            env=env,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for i in range(2)
+    ]
     errors = [p.communicate(timeout=600)[1] for p in procs]
     assert [p.returncode for p in procs] == [0, 0], errors
     client = MlflowClient(shared)
-    runs = client.search_runs([client.get_experiment_by_name("machines").experiment_id],
-                              "tags.`sweep.name` = 'head'", max_results=100)
+    runs = client.search_runs(
+        [client.get_experiment_by_name("machines").experiment_id], "tags.`sweep.name` = 'head'", max_results=100
+    )
     assert len([r for r in runs if r.data.tags.get("sweep.role") == "parent"]) == 1
     cells = [r for r in runs if r.data.tags.get("sweep.role") == "cell"]
     assert _finished(cells) == ["model.head=markov seed=0", "model.head=none seed=0", "model.head=rnn seed=0"]

@@ -1,5 +1,6 @@
 """Grouped-query SDPA for the target's multi-token forwards (`dspark.targets.attention`): the same numbers as
 transformers' `sdpa`, with the grouped path actually taken, and the switch's rules."""
+
 from __future__ import annotations
 
 import copy

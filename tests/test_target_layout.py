@@ -1,5 +1,6 @@
 """`dspark.targets.layout`: the (W xᵀ)ᵀ few-row product, its row padding, and the per-machine choice a target
 makes at load (measured, kept, overridable)."""
+
 from __future__ import annotations
 
 import pytest
@@ -53,8 +54,12 @@ def test_padded_products_reuse_their_buffer_without_leaking_rows_and_keep_autogr
     with torch.no_grad():
         for rows in (3, 1, 3, 1):
             x = torch.randn(rows, 24, generator=gen)
-            torch.testing.assert_close(layout.few_row_product(x, weight, row_padding=table),
-                                       torch.nn.functional.linear(x, weight), rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(
+                layout.few_row_product(x, weight, row_padding=table),
+                torch.nn.functional.linear(x, weight),
+                rtol=1e-5,
+                atol=1e-5,
+            )
     x = torch.randn(1, 24, generator=gen, requires_grad=True)
     layout.few_row_product(x, weight, row_padding=table).sum().backward()
     torch.testing.assert_close(x.grad, weight.sum(0, keepdim=True), rtol=1e-5, atol=1e-5)
@@ -86,9 +91,11 @@ def test_row_padding_is_measured_only_where_it_can_matter_and_follows_the_timing
     for forced, chosen in (("off", {}), ("1:2,3:4", {1: 2, 3: 4})):
         monkeypatch.setenv(layout.ROW_PAD_ENV, forced)
         assert layout.row_padding(big) == (chosen, {})
-    for bad, message in (("yes", "expected auto, off or n:m pairs"),
-                         ("3:2", "each n:m needs 1 <= n < m <= 16 \\(got 3:2\\)"),
-                         ("1:17", "each n:m needs .* \\(got 1:17\\)")):
+    for bad, message in (
+        ("yes", "expected auto, off or n:m pairs"),
+        ("3:2", "each n:m needs 1 <= n < m <= 16 \\(got 3:2\\)"),
+        ("1:17", "each n:m needs .* \\(got 1:17\\)"),
+    ):
         monkeypatch.setenv(layout.ROW_PAD_ENV, bad)
         with pytest.raises(ValueError, match=f"DSPARK_ROW_PADDING='{bad}': {message}"):
             layout.row_padding(big)
@@ -208,8 +215,9 @@ def test_a_measured_few_row_choice_is_kept_per_machine_and_read_instead_of_measu
     monkeypatch.delenv(layout.ROW_PAD_ENV, raising=False)
     probes = []
     monkeypatch.setattr(layout, "few_row_layout", lambda w: probes.append("layout") or ("transposed", 2.5))
-    monkeypatch.setattr(layout, "row_padding", lambda w: probes.append("padding") or ({1: 2, 3: 4}, {1: 9.0, 2: 6.0,
-                                                                                                   3: 7.0, 4: 5.8}))
+    monkeypatch.setattr(
+        layout, "row_padding", lambda w: probes.append("padding") or ({1: 2, 3: 4}, {1: 9.0, 2: 6.0, 3: 7.0, 4: 5.8})
+    )
     head = torch.zeros(layout.FEW_ROW_PROBE_MIN_ELEMENTS // 256, 256)  # big enough to be probed
     path = layout.few_row_decision_path(tmp_path, "f" * 64)
     assert path.parent == tmp_path / "hardware" and path.name.startswith("few-row-" + "f" * 16)

@@ -2,6 +2,7 @@
 
 All but the last test use the offline `tiny` target (random 8-layer Llama, d=64) under a temp cache.
 """
+
 from __future__ import annotations
 
 import importlib.util
@@ -154,8 +155,15 @@ def test_missing_local_path_raises(path, tmp_path):
 
 def _small_llama(tokenizer, *, vocab_size: int) -> LlamaForCausalLM:
     config = LlamaConfig(
-        vocab_size=vocab_size, hidden_size=16, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
-        head_dim=8, intermediate_size=32, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+        vocab_size=vocab_size,
+        hidden_size=16,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=8,
+        intermediate_size=32,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
     )
     torch.manual_seed(0)
     return LlamaForCausalLM(config)
@@ -231,8 +239,10 @@ def test_a_bf16_load_keeps_the_checkpoint_identity_and_serves_fp32_drafters(tiny
     assert bf16.checkpoint_fingerprint == tiny.checkpoint_fingerprint == tiny.fingerprint
     spec = drafter_spec_for(kind="dspark", model_cfg=ModelConfig(depth=1), target=tiny)
     check_spec_matches(spec, bf16)  # accepted
-    assert drafter_spec_for(kind="dspark", model_cfg=ModelConfig(depth=1), target=bf16).target_fingerprint == \
-        spec.target_fingerprint
+    assert (
+        drafter_spec_for(kind="dspark", model_cfg=ModelConfig(depth=1), target=bf16).target_fingerprint
+        == spec.target_fingerprint
+    )
     other = load_target("tiny", cache_dir=cache_dir, seed=1, feature_layers=[0, 3, 6, 7], dtype="bfloat16")
     with pytest.raises(ValueError, match="trained for another target"):
         check_spec_matches(spec, other)

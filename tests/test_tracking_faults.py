@@ -9,6 +9,7 @@ the slow ones run the real command line (`experiments/run.py`) in subprocesses o
 - a sweep killed with SIGKILL while a cell trains: `stage=report` reads the store that is left, and the rerun
   resumes the cell from its last checkpoint and finishes it once.
 """
+
 from __future__ import annotations
 
 import os
@@ -39,16 +40,27 @@ store.finish(store.create_run(run_name=f"opener-{sys.argv[3]}", tags={}))
 
 
 def _env(**extra: str) -> dict[str, str]:
-    env = dict(os.environ, PYTHONPATH=str(REPO / "src"), OMP_NUM_THREADS="1", MLFLOW_ENABLE_ASYNC_LOGGING="false",
-               TOKENIZERS_PARALLELISM="false")
+    env = dict(
+        os.environ,
+        PYTHONPATH=str(REPO / "src"),
+        OMP_NUM_THREADS="1",
+        MLFLOW_ENABLE_ASYNC_LOGGING="false",
+        TOKENIZERS_PARALLELISM="false",
+    )
     env.pop("DSPARK_MLFLOW_RUN_ID", None)
     return env | extra
 
 
 def _start(argv: list[str], *, log: Path, **env: str) -> subprocess.Popen:
     handle = open(log, "w")
-    return subprocess.Popen([sys.executable, str(REPO / "experiments" / "run.py"), *argv], cwd=REPO,
-                            env=_env(**env), stdout=handle, stderr=subprocess.STDOUT, start_new_session=True)
+    return subprocess.Popen(
+        [sys.executable, str(REPO / "experiments" / "run.py"), *argv],
+        cwd=REPO,
+        env=_env(**env),
+        stdout=handle,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
 
 
 def _wait(procs: list[subprocess.Popen], logs: list[Path], *, timeout: float = 900) -> None:
@@ -100,8 +112,16 @@ def test_processes_opening_a_new_sqlite_store_at_once_all_succeed(tmp_path):
     row when updating ... in 'alembic_version'; 0 found", or a duplicate create_experiment."""
     root, barrier, n = tmp_path / "root", tmp_path / "barrier", 3
     barrier.mkdir()
-    procs = [subprocess.Popen([sys.executable, "-c", OPENER, str(root), str(barrier), str(i), str(n)], env=_env(),
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for i in range(n)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", OPENER, str(root), str(barrier), str(i), str(n)],
+            env=_env(),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for i in range(n)
+    ]
     outputs = [p.communicate(timeout=300)[0] for p in procs]
     assert [p.returncode for p in procs] == [0] * n, [o[-1500:] for o in outputs]
     _, runs = _store(root)
@@ -113,19 +133,23 @@ def test_processes_opening_a_new_sqlite_store_at_once_all_succeed(tmp_path):
 def test_two_sweeps_write_one_sqlite_store_at_once(tmp_path):
     root = tmp_path / "root"
     logs = [tmp_path / "depth.log", tmp_path / "head.log"]
-    procs = [_start(["sweep=depth", *FAST, f"paths.root={root}"], log=logs[0], DSPARK_SWEEP_MAX_CELLS="2"),
-             _start(["sweep=head", *FAST, f"paths.root={root}"], log=logs[1], DSPARK_SWEEP_MAX_CELLS="2")]
+    procs = [
+        _start(["sweep=depth", *FAST, f"paths.root={root}"], log=logs[0], DSPARK_SWEEP_MAX_CELLS="2"),
+        _start(["sweep=head", *FAST, f"paths.root={root}"], log=logs[1], DSPARK_SWEEP_MAX_CELLS="2"),
+    ]
     _wait(procs, logs)
     client, runs = _store(root)
     steps = _train_steps(root)
     for sweep in ("depth", "head"):
-        parents = [r for r in runs if r.data.tags.get("sweep.name") == sweep and r.data.tags.get("sweep.role") ==
-                   "parent"]
+        parents = [
+            r for r in runs if r.data.tags.get("sweep.name") == sweep and r.data.tags.get("sweep.role") == "parent"
+        ]
         assert len(parents) == 1 and parents[0].info.status == "FINISHED"
         cells = _cells(runs, sweep)
         keys = [r.data.tags["cell"] for r in cells if _complete(r)]
-        assert len(keys) == len(set(keys)) == 2 and len(cells) == 2, [(r.data.tags["cell"], r.info.status)
-                                                                      for r in cells]
+        assert len(keys) == len(set(keys)) == 2 and len(cells) == 2, [
+            (r.data.tags["cell"], r.info.status) for r in cells
+        ]
         for run in cells:
             _assert_no_lost_metric(client, run, steps=steps, trained=_trained_here(client, run))
     # depth's 2-layer cell and head's markov cell share a training key and reach it at about the same time: one
@@ -144,13 +168,21 @@ def test_two_optuna_workers_share_one_journal_and_one_store(tmp_path):
     import optuna
 
     root, journal = tmp_path / "root", tmp_path / "study.journal"
-    argv = ["sweep=rank", *FAST, f"paths.root={root}", f"optuna.storage={journal}", "optuna.n_trials=4",
-            "optuna.prune=false"]  # a pruned trial is a legitimate outcome, not what this test is about
+    argv = [
+        "sweep=rank",
+        *FAST,
+        f"paths.root={root}",
+        f"optuna.storage={journal}",
+        "optuna.n_trials=4",
+        "optuna.prune=false",
+    ]  # a pruned trial is a legitimate outcome, not what this test is about
     logs = [tmp_path / "w0.log", tmp_path / "w1.log"]
     procs = [_start(argv, log=log) for log in logs]
     _wait(procs, logs)
-    study = optuna.load_study(study_name=None, storage=optuna.storages.JournalStorage(
-        optuna.storages.journal.JournalFileBackend(str(journal))))
+    study = optuna.load_study(
+        study_name=None,
+        storage=optuna.storages.JournalStorage(optuna.storages.journal.JournalFileBackend(str(journal))),
+    )
     trials = study.get_trials()
     assert len(trials) == 4 and all(t.state == optuna.trial.TrialState.COMPLETE for t in trials)
     client, runs = _store(root)

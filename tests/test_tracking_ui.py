@@ -1,6 +1,7 @@
 """The MLflow front door: runs-table URLs in the model-training view (no credentials printed), run names that lead with
 what tells runs apart, one name per logged param, reports that render with their figures in the artifact view, and
 the headline that a run prints last."""
+
 from __future__ import annotations
 
 import json
@@ -69,8 +70,10 @@ def test_server_url_is_printed_without_credentials():
     assert "alice" not in url and "s3cret" not in url
     assert ui_base("http://bob@127.0.0.1:5000") == "http://127.0.0.1:5000"
     assert ui_lines(s, url=url) == [f"MLflow runs table: {url}"]  # a server: nothing to start
-    assert run_url(s, "abc") == "https://mlflow.example.org:8443/prefix/#/experiments/7/runs/abc?" \
-                                "workflowType=machine_learning"
+    assert (
+        run_url(s, "abc") == "https://mlflow.example.org:8443/prefix/#/experiments/7/runs/abc?"
+        "workflowType=machine_learning"
+    )
 
 
 def test_local_store_prints_the_command_that_serves_it_and_masks_a_database_password():
@@ -96,7 +99,9 @@ def test_columns_are_saved_as_a_shared_view_the_url_opens():
     assert again == url and len(s.client.tags) == 1  # the same view is saved once
     refused = store("sqlite:///m.db", refuse_tags=True)
     assert query(runs_table_url(refused, filter_string="f", columns=columns)) == {
-        "workflowType": "machine_learning", "searchFilter": "f"}  # no tag: the filter alone
+        "workflowType": "machine_learning",
+        "searchFilter": "f",
+    }  # no tag: the filter alone
     with pytest.raises(ValueError, match="KIND.KEY"):
         ui_column("depth")
 
@@ -106,8 +111,10 @@ def test_parent_and_cell_run_names_lead_with_what_tells_them_apart():
 
     assert parent_name(sweep="depth", sweep_hash="1a2b3c4d5e6f", budget="cpu-ref") == "sweep-depth cpu-ref 1a2b3c4d5e6f"
     assert parent_name(sweep="depth", sweep_hash="1a2b3c4d5e6f", budget=None) == "sweep-depth 1a2b3c4d5e6f"
-    assert cell_run_name("model.depth=3 seed=1", "dspark-markov-d3-g7-s1") == \
-        "model.depth=3 seed=1 · dspark-markov-d3-g7-s1"
+    assert (
+        cell_run_name("model.depth=3 seed=1", "dspark-markov-d3-g7-s1")
+        == "model.depth=3 seed=1 · dspark-markov-d3-g7-s1"
+    )
 
 
 def test_open_parent_and_settle_attempt_name_runs_in_a_real_store(tmp_path):
@@ -154,8 +161,10 @@ def test_markdown_subset_renders_to_html():
     assert "<h1>Evaluation — dspark-x</h1>" in page
     assert "<p><strong>τ 1.41 [1.37, 1.45] per prompt</strong></p>" in page
     assert "<li>command: <code>python experiments/run.py budget=smoke</code></li>" in page
-    assert ("<li>a wrapped item that goes on on the next line, with <em>emphasis</em> and a "
-            '<a href="other.md">link</a><ul><li>a nested item</li></ul></li>') in page
+    assert (
+        "<li>a wrapped item that goes on on the next line, with <em>emphasis</em> and a "
+        '<a href="other.md">link</a><ul><li>a nested item</li></ul></li>'
+    ) in page
     assert "<ol><li>first</li><li>second</li></ol>" in page
     assert "<thead><tr><th>group</th><th>τ</th><th>note</th></tr></thead>" in page
     assert "<tr><td>gsm8k</td><td>1.43</td><td>a | b</td></tr>" in page
@@ -165,8 +174,9 @@ def test_markdown_subset_renders_to_html():
 
 def test_inline_markup_keeps_arithmetic_and_code_literal():
     assert inline_html("2 * 3 * 4 and `a*b*c` and x_1") == "2 * 3 * 4 and <code>a*b*c</code> and x_1"
-    assert inline_html("*Why it is small*: **all** (3 sets)") == \
-        "<em>Why it is small</em>: <strong>all</strong> (3 sets)"
+    assert (
+        inline_html("*Why it is small*: **all** (3 sets)") == "<em>Why it is small</em>: <strong>all</strong> (3 sets)"
+    )
 
 
 def test_log_report_logs_markdown_html_with_inlined_figures_and_the_figures(tmp_path):
@@ -187,25 +197,48 @@ def test_headline_states_tau_in_its_setting_and_the_speed_policy_speed_up():
     from dspark.stages.evaluate import headline
 
     def summary(**overall):
-        base = {"tau": 1.43, "tau_prompt_mean": 1.41, "tau_prompt_ci95": 0.04, "prompts": 9.0,
-                "speedup": 0.7, "speedup_prompt_mean": 0.69, "speedup_prompt_ci95": 0.05}
+        base = {
+            "tau": 1.43,
+            "tau_prompt_mean": 1.41,
+            "tau_prompt_ci95": 0.04,
+            "prompts": 9.0,
+            "speedup": 0.7,
+            "speedup_prompt_mean": 0.69,
+            "speedup_prompt_ci95": 0.05,
+        }
         return SimpleNamespace(overall=base | overall)
 
     speed = summary(prompts=6.0, speedup_prompt_mean=1.21, speedup_prompt_ci95=0.06)
     line = headline(DecodeConfig(policy="fixed"), summary(), speed, note="", block_size=7)
-    assert line == ("τ 1.41 [1.37, 1.45] per prompt, 1.43 pooled (fixed ℓ=γ=7, T=1, 9 prompts) · speed-up "
-                    "1.21× [1.15, 1.27] per prompt with decode.policy=scheduler vs target-only on this machine "
-                    "(6 prompts)")
-    no_baseline = headline(DecodeConfig(policy="fixed", baseline=False), summary(speedup_prompt_mean=math.nan),
-                           None, note="not measured (decode.baseline=false)", block_size=7)
+    assert line == (
+        "τ 1.41 [1.37, 1.45] per prompt, 1.43 pooled (fixed ℓ=γ=7, T=1, 9 prompts) · speed-up "
+        "1.21× [1.15, 1.27] per prompt with decode.policy=scheduler vs target-only on this machine "
+        "(6 prompts)"
+    )
+    no_baseline = headline(
+        DecodeConfig(policy="fixed", baseline=False),
+        summary(speedup_prompt_mean=math.nan),
+        None,
+        note="not measured (decode.baseline=false)",
+        block_size=7,
+    )
     assert no_baseline.endswith("· speed-up not measured (decode.baseline=false)")
     own = headline(DecodeConfig(policy="scheduler"), summary(speedup_prompt_mean=1.3), None, note="", block_size=7)
-    assert "(decode.policy=scheduler, T=1, 9 prompts)" in own and "1.30× [1.25, 1.35] per prompt with " \
-        "decode.policy=scheduler" in own
-    no_head = headline(DecodeConfig(policy="fixed"), summary(), None, block_size=7,
-                       note="dflash has no confidence head for decode.policy=scheduler")
-    assert no_head.endswith("with decode.policy=fixed vs target-only on this machine; dflash has no confidence head "
-                            "for decode.policy=scheduler (9 prompts)")
+    assert (
+        "(decode.policy=scheduler, T=1, 9 prompts)" in own
+        and "1.30× [1.25, 1.35] per prompt with decode.policy=scheduler" in own
+    )
+    no_head = headline(
+        DecodeConfig(policy="fixed"),
+        summary(),
+        None,
+        block_size=7,
+        note="dflash has no confidence head for decode.policy=scheduler",
+    )
+    assert no_head.endswith(
+        "with decode.policy=fixed vs target-only on this machine; dflash has no confidence head "
+        "for decode.policy=scheduler (9 prompts)"
+    )
 
 
 def test_speed_prompts_are_spread_over_the_sets():
@@ -223,10 +256,19 @@ def test_portable_paths_never_write_this_machines_directories(tmp_path):
     assert portable_path(tmp_path / "runs" / "x" / "drafter.pt", ctx=ctx) == "runs/x/drafter.pt"
     assert portable_path("/elsewhere/models/qwen", ctx=ctx) == "…/qwen"
     assert portable_path("tiny", ctx=ctx) == "tiny" and portable_path(None, ctx=ctx) is None
-    command = portable_command(["budget=smoke", f"paths.root={tmp_path}", f"paths.reports={tmp_path}/r",
-                                f"data.local_dir={tmp_path}/prompts", "tracking.uri=http://u:pw@host:5000"], ctx=ctx)
-    assert command == ("python experiments/run.py budget=smoke data.local_dir=prompts "
-                       "tracking.uri=http://u:***@host:5000")
+    command = portable_command(
+        [
+            "budget=smoke",
+            f"paths.root={tmp_path}",
+            f"paths.reports={tmp_path}/r",
+            f"data.local_dir={tmp_path}/prompts",
+            "tracking.uri=http://u:pw@host:5000",
+        ],
+        ctx=ctx,
+    )
+    assert command == (
+        "python experiments/run.py budget=smoke data.local_dir=prompts tracking.uri=http://u:***@host:5000"
+    )
 
 
 def test_smoke_run_logs_each_param_once_and_ends_with_the_headline(tmp_path, capsys, monkeypatch):
@@ -259,8 +301,11 @@ def test_smoke_run_logs_each_param_once_and_ends_with_the_headline(tmp_path, cap
     [run] = client.search_runs([client.get_experiment_by_name("dspark-lab").experiment_id])
     params = run.data.params
     config_keys = set(_flat_params(resolve_config(argv).cfg))
-    assert set(params) - config_keys == {"resolved/feature_layers", "resolved/mask_token_id",
-                                         "resolved/target_fingerprint"}
+    assert set(params) - config_keys == {
+        "resolved/feature_layers",
+        "resolved/mask_token_id",
+        "resolved/target_fingerprint",
+    }
     for extra in set(params) - config_keys:  # carries what the config lacks, not a copy under another name
         leaf = re.split(r"[./]", extra)[-1]
         copies = [k for k in config_keys if re.split(r"[./]", k)[-1] == leaf and params[k] == params[extra]]
@@ -278,10 +323,15 @@ def test_the_sqlite_lock_sits_beside_the_database_whatever_paths_root(tmp_path):
     from dspark.tracking.store import sqlite_lock_path
 
     shared = f"sqlite:///{tmp_path / 'server.db'}"
-    assert sqlite_lock_path(shared, root=tmp_path / "m0") == sqlite_lock_path(shared, root=tmp_path / "m1") == \
-        tmp_path / ".server.db.lock"
-    assert sqlite_lock_path(f"sqlite:///{tmp_path}/root/mlflow.db", root=tmp_path / "root") == \
-        tmp_path / "root" / ".mlflow.db.lock"  # the default store: the lock of before
+    assert (
+        sqlite_lock_path(shared, root=tmp_path / "m0")
+        == sqlite_lock_path(shared, root=tmp_path / "m1")
+        == tmp_path / ".server.db.lock"
+    )
+    assert (
+        sqlite_lock_path(f"sqlite:///{tmp_path}/root/mlflow.db", root=tmp_path / "root")
+        == tmp_path / "root" / ".mlflow.db.lock"
+    )  # the default store: the lock of before
     assert sqlite_lock_path("sqlite://", root=tmp_path) == tmp_path / ".mlflow.db.lock"
 
 

@@ -1,5 +1,6 @@
 """Lightning DDP on two CPU processes (gloo): the training path runs, logs one MLflow run, and its loss curve has the
 shape of the single-process one (the same data split over two ranks: half the steps per epoch, falling loss)."""
+
 from __future__ import annotations
 
 import os
@@ -14,8 +15,16 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def _train(root: Path, *extra: str) -> list[float]:
-    cmd = [sys.executable, str(REPO / "experiments" / "run.py"), "stage=train", "budget=smoke", f"paths.root={root}",
-           "optim.epochs=3", "data.num_train_prompts=16", *extra]
+    cmd = [
+        sys.executable,
+        str(REPO / "experiments" / "run.py"),
+        "stage=train",
+        "budget=smoke",
+        f"paths.root={root}",
+        "optim.epochs=3",
+        "data.num_train_prompts=16",
+        *extra,
+    ]
     env = {k: v for k, v in os.environ.items() if k not in ("LOCAL_RANK", "DSPARK_MLFLOW_RUN_ID")}
     done = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]

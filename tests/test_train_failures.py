@@ -1,4 +1,5 @@
 """A NaN loss stops the run, marks it FAILED in MLflow and keeps the last good checkpoint; rerunning resumes from it."""
+
 from __future__ import annotations
 
 from pathlib import Path

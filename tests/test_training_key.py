@@ -20,6 +20,7 @@ Decided 2026-12-05: budget=cpu-ref's key moved to e286ab2f01ac (`data.num_regen_
 1.412 / 1.442 against 1.379 / 1.372 for seeds 0 / 1, +3.7% [+1.0%, +6.5%] per prompt; experiments/budgets/cpu-ref.yaml).
 The committed reference reports were trained at 811d0f03f80a's recipe and resume with `data.num_regen_prompts=1200`.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -30,13 +31,24 @@ from dspark.config import RunConfig, resolve_config
 from dspark.stages.context import HASH_NEUTRAL_DEFAULTS, training_key
 
 
-OFF_DEFAULT = {("data", "regen_precision"): "fp32", ("model", "import_from"): "/some/checkpoint", ("data", "seed"): 3,
-               ("data", "sampling.sampler"): "lean", ("model", "init_layers"): [0, 1]}
+OFF_DEFAULT = {
+    ("data", "regen_precision"): "fp32",
+    ("model", "import_from"): "/some/checkpoint",
+    ("data", "seed"): 3,
+    ("data", "sampling.sampler"): "lean",
+    ("model", "init_layers"): [0, 1],
+}
 
 
-@pytest.mark.parametrize("argv, key", [(["budget=smoke"], "6bf338590823"), (["budget=cpu-ref"], "e286ab2f01ac"),
-                                       (["budget=cpu-ref", "data.num_regen_prompts=1200"], "811d0f03f80a"),
-                                       (["budget=cpu-long"], "6ccfa833477f")])
+@pytest.mark.parametrize(
+    "argv, key",
+    [
+        (["budget=smoke"], "6bf338590823"),
+        (["budget=cpu-ref"], "e286ab2f01ac"),
+        (["budget=cpu-ref", "data.num_regen_prompts=1200"], "811d0f03f80a"),
+        (["budget=cpu-long"], "6ccfa833477f"),
+    ],
+)
 def test_default_budget_keys_are_stable(argv, key):
     assert training_key(resolve_config(argv).cfg) == key
 
@@ -57,7 +69,9 @@ def test_neutral_fields_default_to_what_the_hash_leaves_out_and_count_off_it(gro
     assert getattr(owner, leaf) == default  # neutral exactly at the schema default
     assert leaf in fields
     base = resolve_config(["budget=smoke"])
-    other = OFF_DEFAULT.get((group, name)) or {bool: lambda: not default, str: lambda: default + "x",
-                                                float: lambda: default + 0.25}[type(default)]()
+    other = (
+        OFF_DEFAULT.get((group, name))
+        or {bool: lambda: not default, str: lambda: default + "x", float: lambda: default + 0.25}[type(default)]()
+    )
     changed = dataclasses.replace(base.cfg, **{group: _replace_nested(getattr(base.cfg, group), name, other)})
     assert training_key(changed) != training_key(base.cfg)

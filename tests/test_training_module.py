@@ -1,5 +1,6 @@
 """The real training path on `target=tiny`: every drafter's loss goes down over a few optimiser steps on a fixed batch,
 and the frozen target (embeddings and LM head included) is bit-identical afterwards."""
+
 from __future__ import annotations
 
 import pytest
@@ -22,22 +23,36 @@ def _batch(target, *, batch=2, length=96, anchors=8) -> dict[str, torch.Tensor]:
     ids = torch.randint(10, target.vocab_size - 10, (batch, length), generator=gen)
     ids[ids == target.mask_token_id] = 11
     loss_mask = torch.zeros(batch, length, dtype=torch.bool)
-    loss_mask[:, length // 3:] = True
+    loss_mask[:, length // 3 :] = True
     picked = torch.stack([sample_anchors(loss_mask[b], max_anchors=anchors, generator=gen) for b in range(batch)])
-    return {"input_ids": ids, "attention_mask": torch.ones_like(loss_mask), "loss_mask": loss_mask,
-            "anchors": picked, "anchor_valid": torch.ones_like(picked, dtype=torch.bool)}
+    return {
+        "input_ids": ids,
+        "attention_mask": torch.ones_like(loss_mask),
+        "loss_mask": loss_mask,
+        "anchors": picked,
+        "anchor_valid": torch.ones_like(picked, dtype=torch.bool),
+    }
 
 
 # Every registered drafter with the paper's loss (each registered head where model.head chooses it), then D-PARD and
 # a confidence head without W_1 on a few of them.
-PAPER_CASES = [(kind, head, "paper") for kind in DRAFTER_BUILDERS.ordered()
-               for head in ([FIXED_HEAD[kind]] if FIXED_HEAD.get(kind) else SEQUENTIAL_HEADS.ordered())]
+PAPER_CASES = [
+    (kind, head, "paper")
+    for kind in DRAFTER_BUILDERS.ordered()
+    for head in ([FIXED_HEAD[kind]] if FIXED_HEAD.get(kind) else SEQUENTIAL_HEADS.ordered())
+]
 
 
-@pytest.mark.parametrize("kind, head, objective", PAPER_CASES + [
-    ("dspark", "markov", "dpard"), ("dspark", "gated", "dpard"), ("dflash", "none", "dpard"),
-    ("dspark", "markov", "paper-conf-no-markov"),
-])
+@pytest.mark.parametrize(
+    "kind, head, objective",
+    PAPER_CASES
+    + [
+        ("dspark", "markov", "dpard"),
+        ("dspark", "gated", "dpard"),
+        ("dflash", "none", "dpard"),
+        ("dspark", "markov", "paper-conf-no-markov"),
+    ],
+)
 def test_loss_goes_down_and_target_stays_frozen(tiny, kind, head, objective, one_thread):
     torch.manual_seed(0)
     cfg = RunConfig()
@@ -49,10 +64,15 @@ def test_loss_goes_down_and_target_stays_frozen(tiny, kind, head, objective, one
         weights.update(alpha_ce=1.0, alpha_tv=0.0)
     if objective == "dpard":
         weights.update(kind="dpard", dpard_alpha=0.5)
-    module = DrafterModule(drafter=build_drafter(spec, tiny), target=tiny, drafter_kind=kind,
-                           block_size=spec.block_size, loss=LossConfig(**weights),
-                           optim=OptimConfig(lr=3e-3, beta1=0.9, beta2=0.999, weight_decay=0.0, warmup_fraction=0.0),
-                           drafter_config=spec.to_dict())
+    module = DrafterModule(
+        drafter=build_drafter(spec, tiny),
+        target=tiny,
+        drafter_kind=kind,
+        block_size=spec.block_size,
+        loss=LossConfig(**weights),
+        optim=OptimConfig(lr=3e-3, beta1=0.9, beta2=0.999, weight_decay=0.0, warmup_fraction=0.0),
+        drafter_config=spec.to_dict(),
+    )
     frozen_before = {k: v.clone() for k, v in tiny.model.state_dict().items()}
     assert not any(p is q for p in module.parameters() for q in tiny.model.parameters())
     optimizer = torch.optim.AdamW(module.drafter.parameters(), lr=3e-3)
@@ -103,9 +123,15 @@ def test_fused_cpu_optimizer_is_clipped_under_bf16_autocast(tiny, one_thread, mo
     cfg = RunConfig()
     cfg.model.depth, cfg.model.markov_rank = 1, 16
     spec = drafter_spec_for(kind="dspark", model_cfg=cfg.model, target=tiny)
-    module = DrafterModule(drafter=build_drafter(spec, tiny), target=tiny, drafter_kind="dspark",
-                           block_size=spec.block_size, loss=LossConfig(), optim=OptimConfig(lr=1e-3),
-                           drafter_config=spec.to_dict())
+    module = DrafterModule(
+        drafter=build_drafter(spec, tiny),
+        target=tiny,
+        drafter_kind="dspark",
+        block_size=spec.block_size,
+        loss=LossConfig(),
+        optim=OptimConfig(lr=1e-3),
+        drafter_config=spec.to_dict(),
+    )
     clipped: list[float] = []
     real_clip = torch.nn.utils.clip_grad_norm_
 
@@ -115,9 +141,18 @@ def test_fused_cpu_optimizer_is_clipped_under_bf16_autocast(tiny, one_thread, mo
         return total
 
     monkeypatch.setattr(torch.nn.utils, "clip_grad_norm_", spy)
-    trainer = L.Trainer(accelerator="cpu", precision="bf16-mixed", max_steps=2, gradient_clip_val=1e-3,
-                        logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                        enable_model_summary=False, limit_val_batches=0, default_root_dir=tmp_path)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        precision="bf16-mixed",
+        max_steps=2,
+        gradient_clip_val=1e-3,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        limit_val_batches=0,
+        default_root_dir=tmp_path,
+    )
     trainer.fit(module, train_dataloaders=torch.utils.data.DataLoader([_batch(tiny)] * 2, batch_size=None))
     assert trainer.optimizers[0].defaults["fused"]
     assert len(clipped) == 2 and max(clipped) <= 1e-3 * 1.01, clipped

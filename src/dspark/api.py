@@ -9,6 +9,7 @@
 `schedule_verification` (Algorithm 1) is the pure scheduling function; its biased no-early-stop search is only
 reachable with the explicit `allow_unsafe_full_search=True` flag (METHOD §6).
 """
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -35,11 +36,23 @@ def load_trained_drafter(run_dir_or_path: str | Path, target) -> nn.Module:
     return drafter.to(target.device).eval()
 
 
-def speculative_generate(target, drafter: nn.Module | None, prompt: str | list[int], *, policy: str = "fixed",
-                         threshold: float = 0.5, static_k: int = 2, temperature: float = 1.0,
-                         max_new_tokens: int = 128, seed: int = 0, sps: SPSTable | None = None,
-                         calibration: STSCalibration | None = None, drafter_precision: str = "fp32",
-                         step_costs: str = "profile", chat_template: bool = True) -> GenerationResult:
+def speculative_generate(
+    target,
+    drafter: nn.Module | None,
+    prompt: str | list[int],
+    *,
+    policy: str = "fixed",
+    threshold: float = 0.5,
+    static_k: int = 2,
+    temperature: float = 1.0,
+    max_new_tokens: int = 128,
+    seed: int = 0,
+    sps: SPSTable | None = None,
+    calibration: STSCalibration | None = None,
+    drafter_precision: str = "fp32",
+    step_costs: str = "profile",
+    chat_template: bool = True,
+) -> GenerationResult:
     """Decode one prompt (text, chat-templated unless `chat_template=False`, or token ids) with `drafter`
     (None: target-only). The result holds per-round drafts, confidences, ℓ_eff, A and τ (`GenerationResult`).
 
@@ -49,13 +62,21 @@ def speculative_generate(target, drafter: nn.Module | None, prompt: str | list[i
     drafter's parallel stage: auto | fp32 | bf16 | int8; fp32 here unless asked), `temperature`, `max_new_tokens`;
     `calibration` is the STS fit the engine applies before the policy (`dspark.calibration.STSCalibration`)."""
     if isinstance(prompt, str):
-        prompt_ids = (target.chat_prompt_ids(prompt) if chat_template
-                      else list(target.tokenizer(prompt, add_special_tokens=False)["input_ids"]))
+        prompt_ids = (
+            target.chat_prompt_ids(prompt)
+            if chat_template
+            else list(target.tokenizer(prompt, add_special_tokens=False)["input_ids"])
+        )
     else:
         prompt_ids = [int(t) for t in prompt]
-    engine = SpeculativeEngine(target=target, proposer=build_proposer(drafter, precision=drafter_precision),
-                               policy=build_policy(policy, threshold=threshold, static_k=static_k, sps=sps),
-                               temperature=temperature, max_new_tokens=max_new_tokens, calibration=calibration,
-                               step_costs=step_costs)
+    engine = SpeculativeEngine(
+        target=target,
+        proposer=build_proposer(drafter, precision=drafter_precision),
+        policy=build_policy(policy, threshold=threshold, static_k=static_k, sps=sps),
+        temperature=temperature,
+        max_new_tokens=max_new_tokens,
+        calibration=calibration,
+        step_costs=step_costs,
+    )
     generator = torch.Generator(device=target.device).manual_seed(seed)
     return engine.generate(prompt_ids, generator=generator)

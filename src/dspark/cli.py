@@ -4,6 +4,7 @@ It parses and dispatches: one experiment (`dspark.stages.experiment`) or a whole
 Exit codes: 0 success, 1 the run failed (the MLflow run is marked FAILED), 2 bad configuration (nothing ran),
 130 interrupted (Ctrl-C: the run is marked KILLED; the same command resumes).
 """
+
 from __future__ import annotations
 
 import logging
@@ -32,8 +33,10 @@ def main(argv: list[str] | None = None) -> int:
             return run_sweep(rc)  # it reports its own interruptions (finished cells are kept)
         return run_experiment(rc)
     except RunInterrupted as err:
-        print(f"interrupted: the run is marked KILLED (kept: {err.kept}). Rerun the same command to resume.",
-              file=sys.stderr)
+        print(
+            f"interrupted: the run is marked KILLED (kept: {err.kept}). Rerun the same command to resume.",
+            file=sys.stderr,
+        )
         return 130
     except KeyboardInterrupt:
         print("interrupted before any run started; nothing to resume.", file=sys.stderr)
@@ -42,8 +45,9 @@ def main(argv: list[str] | None = None) -> int:
 
 def _setup_logging() -> None:
     if not logging.getLogger().handlers:
-        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-                            datefmt="%H:%M:%S")
+        logging.basicConfig(
+            level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S"
+        )
     logging.getLogger("lightning.pytorch").propagate = False  # Lightning prints its own lines
     for noisy in ("mlflow", "alembic", "urllib3", "httpx", "filelock"):
         logging.getLogger(noisy).setLevel(logging.WARNING)

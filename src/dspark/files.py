@@ -5,6 +5,7 @@ and `os.replace`d over the destination, so a crash, a full disk or a kill mid-wr
 good file or none, never a half-written one that a later run would load. A failed write raises `OutputError`
 naming the path and the fix, and removes its temporary file.
 """
+
 from __future__ import annotations
 
 import errno
@@ -105,8 +106,10 @@ def check_writable_dir(path: str | Path, *, key: str) -> str | None:
             os.fsync(handle.fileno())
     except OSError as err:
         where = path if path.is_dir() else next((p for p in path.parents if p.is_dir()), path)
-        return (f"{key}={path} is not writable ({err.strerror or err}, at {where}); make it writable, free space "
-                f"there, or set {key} to a writable directory.")
+        return (
+            f"{key}={path} is not writable ({err.strerror or err}, at {where}); make it writable, free space "
+            f"there, or set {key} to a writable directory."
+        )
     finally:
         _remove(probe)
     return None

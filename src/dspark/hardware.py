@@ -5,6 +5,7 @@ bf16 matrix products beat fp32 wherever the CPU has bf16 dot-product instruction
 docs/METHOD.md); without either bf16 is emulated, *slower* than fp32, and fp32 stays the default. The
 target's few-token matrix-product layout, also chosen per machine, lives beside the target (`dspark.targets.layout`).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -135,8 +136,7 @@ def machine_fingerprint() -> str:
     """One line naming what measured costs depend on: platform, CPU count, torch version, CUDA device if any (SPS
     tables record it; the kept few-row choice adds `cpu_model`)."""
     device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
-    return (f"{platform.platform()}|{platform.machine()}|cpus={os.cpu_count()}|torch={torch.__version__}"
-            f"|device={device}")
+    return f"{platform.platform()}|{platform.machine()}|cpus={os.cpu_count()}|torch={torch.__version__}|device={device}"
 
 
 def machine_summary() -> str:
@@ -154,8 +154,10 @@ def machine_summary() -> str:
     except OSError:
         pass
     numbers = f" (family {family} model {model})" if family and model else ""
-    return (f"{cpu_model()}{numbers}, {os.cpu_count()} CPUs, bf16 unit {cpu_bf16_unit() or 'none'}, "
-            f"{torch.get_num_threads()} torch threads")
+    return (
+        f"{cpu_model()}{numbers}, {os.cpu_count()} CPUs, bf16 unit {cpu_bf16_unit() or 'none'}, "
+        f"{torch.get_num_threads()} torch threads"
+    )
 
 
 def cpu_model() -> str:

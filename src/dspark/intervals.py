@@ -1,5 +1,6 @@
 """Student-t confidence intervals of a mean, shared by evaluation summaries (over prompts) and sweep reports (over
 replicate runs). Torch-free and scipy.special-only, so reports import it cheaply."""
+
 from __future__ import annotations
 
 import math

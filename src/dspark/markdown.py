@@ -1,4 +1,5 @@
 """Markdown for reports: number cells and tables, one format everywhere (evaluation reports, sweep reports)."""
+
 from __future__ import annotations
 
 import math

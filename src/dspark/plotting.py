@@ -1,4 +1,5 @@
 """Figure output shared by evaluation and report plots (matplotlib only, so reports stay free of torch imports)."""
+
 from __future__ import annotations
 
 from pathlib import Path

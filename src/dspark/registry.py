@@ -4,6 +4,7 @@ Configs name components (`model.head=markov`); code never imports from config st
 registry (`ordered()`: the order the module registers its entries) instead of repeating its names, so that a new
 entry reaches every comparison and every parametrized test; an entry may carry a display `label`.
 """
+
 from __future__ import annotations
 
 import difflib

@@ -1,4 +1,5 @@
 """Host-side timing of device work: CUDA kernels are queued, so a clock read sees them finish only after a sync."""
+
 from __future__ import annotations
 
 import torch

@@ -1,4 +1,5 @@
 """Calibration of the drafter's confidence head: Sequential Temperature Scaling (METHOD §6)."""
+
 from dspark.calibration.sts import (
     CalibrationMetrics,
     ReliabilityCurves,

@@ -13,6 +13,7 @@ an 81-point log-spaced grid in [0.25, 4], ECE with 20 equal-width bins (METHOD �
 Data: rounds decoded with fixed ℓ = γ at the serving temperature (so no prefix event is censored), shapes
 `conf [n, γ]` raw per-slot c_k, `accepted_prefix [n]` A per round, `valid [n, γ]` False for slots after an EOS.
 """
+
 from __future__ import annotations
 
 import math
@@ -58,8 +59,10 @@ def _check_rounds(conf: Tensor, accepted_prefix: Tensor, valid: Tensor) -> tuple
     if conf.dim() != 2:
         raise ValueError(f"STS: conf must be [n, γ] per-slot confidences, got shape {tuple(conf.shape)}")
     if tuple(accepted_prefix.shape) != (conf.shape[0],) or tuple(valid.shape) != tuple(conf.shape):
-        raise ValueError(f"STS: accepted_prefix must be [n] and valid [n, γ] for conf {tuple(conf.shape)}, got "
-                         f"{tuple(accepted_prefix.shape)} and {tuple(valid.shape)}")
+        raise ValueError(
+            f"STS: accepted_prefix must be [n] and valid [n, γ] for conf {tuple(conf.shape)}, got "
+            f"{tuple(accepted_prefix.shape)} and {tuple(valid.shape)}"
+        )
     if bool((accepted_prefix < 0).any()) or bool((accepted_prefix > conf.shape[1]).any()):
         raise ValueError(f"STS: accepted_prefix must be in [0, γ={conf.shape[1]}] (rounds decoded with ℓ = γ)")
     return conf.detach().cpu().to(torch.float64), accepted_prefix.detach().cpu().long(), valid.detach().cpu().bool()
@@ -101,8 +104,9 @@ def ece_cumulative(conf: Tensor, accepted_prefix: Tensor, valid: Tensor, *, n_bi
     """[γ] float64 ECE of a_k = Π_{i≤k} c_i against 1[A ≥ k] over valid rounds, per position k (NaN if none)."""
     conf, accepted_prefix, valid = _check_rounds(conf, accepted_prefix, valid)
     survival, events = conf.cumprod(dim=1), _events(accepted_prefix, conf.shape[1])
-    return torch.stack([_binned_ece(survival[valid[:, k], k], events[valid[:, k], k], n_bins)
-                        for k in range(conf.shape[1])])
+    return torch.stack(
+        [_binned_ece(survival[valid[:, k], k], events[valid[:, k], k], n_bins) for k in range(conf.shape[1])]
+    )
 
 
 @dataclass
@@ -115,8 +119,9 @@ class CalibrationMetrics:
     count: list[int]  # valid rounds at position k
 
 
-def calibration_metrics(conf: Tensor, accepted_prefix: Tensor, valid: Tensor, *,
-                        n_bins: int = 20) -> CalibrationMetrics:
+def calibration_metrics(
+    conf: Tensor, accepted_prefix: Tensor, valid: Tensor, *, n_bins: int = 20
+) -> CalibrationMetrics:
     """ECE, AUROC and Brier of a_k against 1[A ≥ k] per position k."""
     conf, accepted_prefix, valid = _check_rounds(conf, accepted_prefix, valid)
     survival, events = conf.cumprod(dim=1), _events(accepted_prefix, conf.shape[1])
@@ -134,16 +139,18 @@ class STSCalibration:
     """Fitted per-slot temperatures T_1..T_γ with the fit's record (stored with the drafter)."""
 
     temperatures: list[float]  # [γ]
-    grid: list[float]          # temperatures searched
-    n_bins: int                # ECE bins used by the fit
-    ece_before: list[float]    # [γ] ECE of a_k with raw confidences
-    ece_after: list[float]     # [γ] ECE of a_k with calibrated confidences
+    grid: list[float]  # temperatures searched
+    n_bins: int  # ECE bins used by the fit
+    ece_before: list[float]  # [γ] ECE of a_k with raw confidences
+    ece_after: list[float]  # [γ] ECE of a_k with calibrated confidences
 
     def apply(self, conf: Tensor) -> Tensor:
         """Calibrated per-slot confidences c̃ [..., γ] (same dtype and device as `conf` [..., γ])."""
         if conf.shape[-1] != len(self.temperatures):
-            raise ValueError(f"STSCalibration.apply: last dimension must be γ = {len(self.temperatures)} "
-                             f"(the block_size it was fitted for), got {tuple(conf.shape)}")
+            raise ValueError(
+                f"STSCalibration.apply: last dimension must be γ = {len(self.temperatures)} "
+                f"(the block_size it was fitted for), got {tuple(conf.shape)}"
+            )
         temperatures = torch.tensor(self.temperatures, dtype=torch.float64, device=conf.device)
         return scale_confidence(conf, temperatures).to(conf.dtype)
 
@@ -154,21 +161,33 @@ class STSCalibration:
         tensor round trip cost ~50 µs a slot there. Equal to `apply` up to float rounding (Python's libm against
         torch's kernels, ≤ a few ulps); c ≤ 0 and c ≥ 1 map to 0 and 1 as in `scale_confidence`, NaN stays NaN."""
         if len(conf) > len(self.temperatures):
-            raise ValueError(f"STSCalibration.apply_row: {len(conf)} confidences for a calibration fitted for "
-                             f"γ = {len(self.temperatures)} slots")
+            raise ValueError(
+                f"STSCalibration.apply_row: {len(conf)} confidences for a calibration fitted for "
+                f"γ = {len(self.temperatures)} slots"
+            )
         return [_scale_float(c, t) for c, t in zip(conf, self.temperatures)]
 
     def to_dict(self) -> dict:
-        return {"method": "sts", "temperatures": list(self.temperatures), "grid": list(self.grid),
-                "n_bins": self.n_bins, "ece_before": list(self.ece_before), "ece_after": list(self.ece_after)}
+        return {
+            "method": "sts",
+            "temperatures": list(self.temperatures),
+            "grid": list(self.grid),
+            "n_bins": self.n_bins,
+            "ece_before": list(self.ece_before),
+            "ece_after": list(self.ece_after),
+        }
 
     @classmethod
     def from_dict(cls, data: dict) -> "STSCalibration":
         if data.get("method") != "sts":
             raise ValueError(f"STSCalibration.from_dict: expected method 'sts', got {data.get('method')!r}")
-        return cls(temperatures=[float(t) for t in data["temperatures"]], grid=[float(t) for t in data["grid"]],
-                   n_bins=int(data["n_bins"]), ece_before=[float(e) for e in data["ece_before"]],
-                   ece_after=[float(e) for e in data["ece_after"]])
+        return cls(
+            temperatures=[float(t) for t in data["temperatures"]],
+            grid=[float(t) for t in data["grid"]],
+            n_bins=int(data["n_bins"]),
+            ece_before=[float(e) for e in data["ece_before"]],
+            ece_after=[float(e) for e in data["ece_after"]],
+        )
 
 
 def _best_temperature(prefix: Tensor, conf_k: Tensor, event_k: Tensor, *, grid: Tensor, n_bins: int) -> float:
@@ -182,8 +201,9 @@ def _best_temperature(prefix: Tensor, conf_k: Tensor, event_k: Tensor, *, grid: 
     return float(grid[distance.argmin()])
 
 
-def fit_sts(conf: Tensor, accepted_prefix: Tensor, valid: Tensor, *, grid: Tensor | None = None,
-            n_bins: int = 20) -> STSCalibration:
+def fit_sts(
+    conf: Tensor, accepted_prefix: Tensor, valid: Tensor, *, grid: Tensor | None = None, n_bins: int = 20
+) -> STSCalibration:
     """Fit T_1..T_γ sequentially on held-out rounds (shapes in the module docstring)."""
     conf, accepted_prefix, valid = _check_rounds(conf, accepted_prefix, valid)
     grid = default_grid() if grid is None else torch.as_tensor(grid, dtype=torch.float64).reshape(-1)
@@ -213,8 +233,7 @@ class ReliabilityCurves:
     ece: list[float]
 
 
-def reliability_curves(conf: Tensor, accepted_prefix: Tensor, valid: Tensor, *,
-                       n_bins: int = 20) -> ReliabilityCurves:
+def reliability_curves(conf: Tensor, accepted_prefix: Tensor, valid: Tensor, *, n_bins: int = 20) -> ReliabilityCurves:
     """Bin a_k by equal-width confidence bins: mean confidence vs empirical 1[A ≥ k] rate per bin."""
     conf, accepted_prefix, valid = _check_rounds(conf, accepted_prefix, valid)
     survival, events = conf.cumprod(dim=1), _events(accepted_prefix, conf.shape[1])
@@ -228,8 +247,9 @@ def reliability_curves(conf: Tensor, accepted_prefix: Tensor, valid: Tensor, *,
     return ReliabilityCurves(conf_sum / count, event_sum / count, count.long(), ece)
 
 
-def plot_reliability(before: ReliabilityCurves, after: ReliabilityCurves, path: str | Path, *,
-                     positions: list[int] | None = None) -> Path:
+def plot_reliability(
+    before: ReliabilityCurves, after: ReliabilityCurves, path: str | Path, *, positions: list[int] | None = None
+) -> Path:
     """Write a reliability-diagram PNG like paper Fig. 6: one panel per position (1-based), before vs after."""
     from matplotlib.figure import Figure  # no pyplot: no global backend or figure registry touched
 
@@ -241,8 +261,13 @@ def plot_reliability(before: ReliabilityCurves, after: ReliabilityCurves, path: 
         axis.plot([0, 1], [0, 1], color="grey", linestyle="--", linewidth=1)
         for curves, label, marker in ((before, "before", "o"), (after, "after STS", "s")):
             keep = curves.count[k - 1] > 0
-            axis.plot(curves.mean_confidence[k - 1][keep], curves.accept_rate[k - 1][keep], marker=marker,
-                      markersize=3, label=f"{label} (ECE {100 * curves.ece[k - 1]:.1f}%)")
+            axis.plot(
+                curves.mean_confidence[k - 1][keep],
+                curves.accept_rate[k - 1][keep],
+                marker=marker,
+                markersize=3,
+                label=f"{label} (ECE {100 * curves.ece[k - 1]:.1f}%)",
+            )
         axis.set(title=f"position {k}", xlabel="mean cumulative confidence", xlim=(0, 1), ylim=(0, 1))
         axis.legend(fontsize=7, loc="upper left")
     axes[0][0].set_ylabel("empirical prefix-accept rate")

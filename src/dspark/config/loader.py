@@ -7,6 +7,7 @@ Numbers follow Python, not YAML 1.1: PyYAML's resolver reads `1e-4` (no dot) as 
 `safe_load` here resolves ints and floats with Python's literal grammar (`1e-4`, `3E-3`, `1_000`, `.5`, `5.`), and
 a float key also accepts any string `float()` accepts (`inf`, `nan`, ` 1e-4 `); NaN is then refused by validation.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -28,10 +29,14 @@ class ConfigError(ValueError):
 
 _INT_TAG, _FLOAT_TAG = "tag:yaml.org,2002:int", "tag:yaml.org,2002:float"
 _DIGITS = r"[0-9](?:_?[0-9])*"  # Python's digitpart: underscores only between digits
-_INT_RE = re.compile(rf"^[-+]?(?:{_DIGITS}|0[xX][0-9a-fA-F](?:_?[0-9a-fA-F])*|0[oO][0-7](?:_?[0-7])*"
-                     r"|0[bB][01](?:_?[01])*)$")
-_FLOAT_RE = re.compile(rf"^[-+]?(?:(?:{_DIGITS}\.(?:{_DIGITS})?|\.{_DIGITS})(?:[eE][-+]?{_DIGITS})?"
-                       rf"|{_DIGITS}[eE][-+]?{_DIGITS})$|^[-+]?\.(?:inf|Inf|INF)$|^\.(?:nan|NaN|NAN)$")
+_INT_RE = re.compile(
+    rf"^[-+]?(?:{_DIGITS}|0[xX][0-9a-fA-F](?:_?[0-9a-fA-F])*|0[oO][0-7](?:_?[0-7])*"
+    r"|0[bB][01](?:_?[01])*)$"
+)
+_FLOAT_RE = re.compile(
+    rf"^[-+]?(?:(?:{_DIGITS}\.(?:{_DIGITS})?|\.{_DIGITS})(?:[eE][-+]?{_DIGITS})?"
+    rf"|{_DIGITS}[eE][-+]?{_DIGITS})$|^[-+]?\.(?:inf|Inf|INF)$|^\.(?:nan|NaN|NAN)$"
+)
 
 
 class _Loader(yaml.SafeLoader):
@@ -40,7 +45,8 @@ class _Loader(yaml.SafeLoader):
 
 _Loader.yaml_implicit_resolvers = {
     first: [(tag, regexp) for tag, regexp in resolvers if tag not in (_INT_TAG, _FLOAT_TAG)]
-    for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()}
+    for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
+}
 _Loader.add_implicit_resolver(_INT_TAG, _INT_RE, list("-+0123456789"))
 _Loader.add_implicit_resolver(_FLOAT_TAG, _FLOAT_RE, list("-+0123456789."))
 
@@ -142,14 +148,20 @@ def _set(cfg: Any, key: str, value: Any, keys: list[str]) -> None:
     parts = key.split(".")
     node = cfg
     for part in parts[:-1]:
-        if not dataclasses.is_dataclass(node) or not hasattr(node, part) or not dataclasses.is_dataclass(getattr(node, part)):
+        if (
+            not dataclasses.is_dataclass(node)
+            or not hasattr(node, part)
+            or not dataclasses.is_dataclass(getattr(node, part))
+        ):
             raise ConfigError(_unknown_key(key, keys))
         node = getattr(node, part)
     leaf = parts[-1]
     if not dataclasses.is_dataclass(node) or leaf not in {f.name for f in dataclasses.fields(node)}:
         raise ConfigError(_unknown_key(key, keys))
     if dataclasses.is_dataclass(getattr(node, leaf)):
-        raise ConfigError(f"'{key}' is a group; set one of its keys, e.g. {key}.{dataclasses.fields(getattr(node, leaf))[0].name}=...")
+        raise ConfigError(
+            f"'{key}' is a group; set one of its keys, e.g. {key}.{dataclasses.fields(getattr(node, leaf))[0].name}=..."
+        )
     hint = typing.get_type_hints(type(node))[leaf]
     setattr(node, leaf, coerce(value, hint, key=key))
 

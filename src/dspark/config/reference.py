@@ -5,6 +5,7 @@ The meaning of a key is its `#:` comment in `dspark/config/schema.py`: the `#:` 
 `key=value` takes). `python -m dspark.config.reference` rewrites docs/CONFIG.md; `--check` exits 1 when it is stale
 (tests/test_config_doc.py runs the same comparison).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -99,8 +100,9 @@ def _groups(cls: type, comments: dict[tuple[str, str], str]) -> Iterator[tuple[s
     yield from _walk(cls, cls(), prefix="", title="Top-level keys", comments=comments)
 
 
-def _walk(cls: type, instance: Any, *, prefix: str, title: str,
-          comments: dict[tuple[str, str], str]) -> Iterator[tuple[str, str, list[FieldDoc]]]:
+def _walk(
+    cls: type, instance: Any, *, prefix: str, title: str, comments: dict[tuple[str, str], str]
+) -> Iterator[tuple[str, str, list[FieldDoc]]]:
     rows: list[FieldDoc] = []
     nested: list[tuple[type, Any, str]] = []
     for f in dataclasses.fields(cls):
@@ -108,8 +110,14 @@ def _walk(cls: type, instance: Any, *, prefix: str, title: str,
         if dataclasses.is_dataclass(value):
             nested.append((type(value), value, f"{prefix}{f.name}"))
             continue
-        rows.append(FieldDoc(key=f"{prefix}{f.name}", type=str(f.type), default=_yaml_value(value),
-                             meaning=comments.get((cls.__name__, f.name), "")))
+        rows.append(
+            FieldDoc(
+                key=f"{prefix}{f.name}",
+                type=str(f.type),
+                default=_yaml_value(value),
+                meaning=comments.get((cls.__name__, f.name), ""),
+            )
+        )
     yield title, _intro(cls), rows
     for sub_cls, sub_value, name in nested:
         yield from _walk(sub_cls, sub_value, prefix=f"{name}.", title=f"`{name}`", comments=comments)

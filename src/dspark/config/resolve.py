@@ -3,6 +3,7 @@
 Semantic validation (ranges, names, drafter/head compatibility) runs after the final merge and reports every
 problem at once, before any work starts.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -13,10 +14,29 @@ from pathlib import Path
 from typing import Any
 
 from dspark.config.loader import ConfigError, apply_overrides, load_yaml, parse_overrides
-from dspark.config.schema import (BUDGETS, CONFIDENCE_HEAD, CONFIDENCE_POLICIES, DRAFTERS, EXPORT_DTYPES,
-                                  EXPORT_LAYOUTS, FIXED_HEAD, HEADS, LOSS_KINDS, POLICIES, PRECISIONS, RESPONSE_MODES,
-                                  SCHEDULER_COSTS, SERVE_CONFIDENCE_POLICIES, SERVE_POLICIES, SPS_FORWARDS, STAGES,
-                                  STEP_COSTS, STEP_OVERHEADS, TARGET_DTYPES, RunConfig)
+from dspark.config.schema import (
+    BUDGETS,
+    CONFIDENCE_HEAD,
+    CONFIDENCE_POLICIES,
+    DRAFTERS,
+    EXPORT_DTYPES,
+    EXPORT_LAYOUTS,
+    FIXED_HEAD,
+    HEADS,
+    LOSS_KINDS,
+    POLICIES,
+    PRECISIONS,
+    RESPONSE_MODES,
+    SCHEDULER_COSTS,
+    SERVE_CONFIDENCE_POLICIES,
+    SERVE_POLICIES,
+    SPS_FORWARDS,
+    STAGES,
+    STEP_COSTS,
+    STEP_OVERHEADS,
+    TARGET_DTYPES,
+    RunConfig,
+)
 from dspark.registry import unknown_name_message
 
 
@@ -114,8 +134,15 @@ def resolve_paths(cfg: RunConfig) -> None:
 
 def validate_config(cfg: RunConfig, *, explicit_keys: set[str] = frozenset()) -> None:
     """Range and name checks on the merged config; all problems reported together."""
-    errors = [e for e in _nan_errors(cfg) + _name_errors(cfg) + _range_errors(cfg) + _drafter_errors(cfg, explicit_keys)
-              + _policy_errors(cfg) if e]
+    errors = [
+        e
+        for e in _nan_errors(cfg)
+        + _name_errors(cfg)
+        + _range_errors(cfg)
+        + _drafter_errors(cfg, explicit_keys)
+        + _policy_errors(cfg)
+        if e
+    ]
     if errors:
         raise ConfigError("Invalid configuration:\n  - " + "\n  - ".join(errors))
 
@@ -128,27 +155,34 @@ def _nan_errors(node: object, prefix: str = "") -> list[str]:
         if dataclasses.is_dataclass(value):
             errors += _nan_errors(value, f"{prefix}{f.name}.")
         elif any(isinstance(v, float) and math.isnan(v) for v in (value if isinstance(value, list) else [value])):
-            errors.append(f"{prefix}{f.name} is NaN; give a number (e.g. {prefix}{f.name}=1e-4), or drop the key "
-                          "for its default.")
+            errors.append(
+                f"{prefix}{f.name} is NaN; give a number (e.g. {prefix}{f.name}=1e-4), or drop the key for its default."
+            )
     return errors
 
 
 def _name_errors(cfg: RunConfig) -> list[str]:
-    checks = [("drafter", cfg.drafter, DRAFTERS), ("model.head", cfg.model.head, HEADS),
-              ("stage", cfg.stage, STAGES), ("budget", cfg.budget, BUDGETS),
-              ("decode.policy", cfg.decode.policy, POLICIES), ("serve.policy", cfg.serve.policy, SERVE_POLICIES),
-              ("data.responses", cfg.data.responses, RESPONSE_MODES),
-              ("data.feature_precision", cfg.data.feature_precision, ("auto", "bf16", "fp32")),
-              ("data.regen_precision", cfg.data.regen_precision, ("auto", "bf16", "fp32")),
-              ("loss.kind", cfg.loss.kind, LOSS_KINDS), ("export.layout", cfg.export.layout, EXPORT_LAYOUTS),
-              ("export.dtype", cfg.export.dtype, EXPORT_DTYPES),
-              ("target_options.dtype", cfg.target_options.dtype, TARGET_DTYPES),
-              ("serve.target_dtype", cfg.serve.target_dtype or cfg.target_options.dtype, TARGET_DTYPES),
-              ("serve.step_overhead", cfg.serve.step_overhead, STEP_OVERHEADS),
-              ("decode.step_costs", cfg.decode.step_costs, STEP_COSTS),
-              ("serve.scheduler_cost", cfg.serve.scheduler_cost, SCHEDULER_COSTS),
-              ("serve.sps_forward", cfg.serve.sps_forward, SPS_FORWARDS),
-              ("decode.drafter_precision", cfg.decode.drafter_precision, PRECISIONS)]
+    checks = [
+        ("drafter", cfg.drafter, DRAFTERS),
+        ("model.head", cfg.model.head, HEADS),
+        ("stage", cfg.stage, STAGES),
+        ("budget", cfg.budget, BUDGETS),
+        ("decode.policy", cfg.decode.policy, POLICIES),
+        ("serve.policy", cfg.serve.policy, SERVE_POLICIES),
+        ("data.responses", cfg.data.responses, RESPONSE_MODES),
+        ("data.feature_precision", cfg.data.feature_precision, ("auto", "bf16", "fp32")),
+        ("data.regen_precision", cfg.data.regen_precision, ("auto", "bf16", "fp32")),
+        ("loss.kind", cfg.loss.kind, LOSS_KINDS),
+        ("export.layout", cfg.export.layout, EXPORT_LAYOUTS),
+        ("export.dtype", cfg.export.dtype, EXPORT_DTYPES),
+        ("target_options.dtype", cfg.target_options.dtype, TARGET_DTYPES),
+        ("serve.target_dtype", cfg.serve.target_dtype or cfg.target_options.dtype, TARGET_DTYPES),
+        ("serve.step_overhead", cfg.serve.step_overhead, STEP_OVERHEADS),
+        ("decode.step_costs", cfg.decode.step_costs, STEP_COSTS),
+        ("serve.scheduler_cost", cfg.serve.scheduler_cost, SCHEDULER_COSTS),
+        ("serve.sps_forward", cfg.serve.sps_forward, SPS_FORWARDS),
+        ("decode.drafter_precision", cfg.decode.drafter_precision, PRECISIONS),
+    ]
     errors = [unknown_name_message(key, value, list(valid)) for key, value, valid in checks if value not in valid]
     if cfg.sweep and cfg.sweep not in available_sweeps():
         errors.append(unknown_name_message("sweep", cfg.sweep, available_sweeps()))
@@ -167,31 +201,48 @@ def _range_errors(cfg: RunConfig) -> list[str]:
         (loss.decay > 0, f"loss.decay must be > 0 (got {loss.decay}); the paper uses 4."),
         (0 < loss.dpard_alpha <= 1, f"loss.dpard_alpha must lie in (0, 1] (got {loss.dpard_alpha}); D-PARD uses 0.5."),
         (min(loss.alpha_ce, loss.alpha_tv, loss.alpha_conf) >= 0, "loss.alpha_* must be ≥ 0."),
-        (loss.kind != "paper" or loss.alpha_ce + loss.alpha_tv + loss.alpha_conf > 0,
-         "at least one of loss.alpha_ce/alpha_tv/alpha_conf must be > 0."),
+        (
+            loss.kind != "paper" or loss.alpha_ce + loss.alpha_tv + loss.alpha_conf > 0,
+            "at least one of loss.alpha_ce/alpha_tv/alpha_conf must be > 0.",
+        ),
         (0 < cfg.data.val_fraction < 1, f"data.val_fraction must lie in (0, 1) (got {cfg.data.val_fraction})."),
         (cfg.data.max_anchors >= 1, f"data.max_anchors must be ≥ 1 (got {cfg.data.max_anchors})."),
         (cfg.data.num_train_prompts >= 2, "data.num_train_prompts must be ≥ 2 (one for validation)."),
         (cfg.optim.lr > 0, f"optim.lr must be > 0 (got {cfg.optim.lr})."),
-        (cfg.trainer.checkpoint_every_min >= 0,
-         f"trainer.checkpoint_every_min must be ≥ 0 (got {cfg.trainer.checkpoint_every_min}); 0 = checkpoints at "
-         "epoch ends only, e.g. trainer.checkpoint_every_min=10."),
-        (not m.init_layers or len(m.init_layers) == m.depth,
-         f"model.init_layers names {len(m.init_layers)} target layers for model.depth={m.depth} draft layers; give one "
-         "target layer id per draft layer (e.g. model.init_layers=[0,1] for depth 2) or [] for random weights."),
-        (not m.init_layers or cfg.drafter != "eagle3",
-         "model.init_layers copies target decoder layers into DSpark/DFlash draft layers; EAGLE-3's layer reads "
-         "[embedding; hidden] (2d inputs) and cannot take them: leave model.init_layers=[] with drafter=eagle3."),
-        (m.draft_vocab_size >= 0, f"model.draft_vocab_size must be ≥ 0 (got {m.draft_vocab_size}); 0 = full vocabulary."),
-        (not cfg.data.train_weights or len(cfg.data.train_weights) == len(cfg.data.train_sets),
-         f"data.train_weights has {len(cfg.data.train_weights)} weights for {len(cfg.data.train_sets)} "
-         "data.train_sets; give one weight per set (in order) or [] for equal shares."),
-        (all(float(w) >= 0 for w in cfg.data.train_weights) and (not cfg.data.train_weights
-                                                                  or sum(cfg.data.train_weights) > 0),
-         f"data.train_weights must be ≥ 0 with a positive sum (got {cfg.data.train_weights})."),
+        (
+            cfg.trainer.checkpoint_every_min >= 0,
+            f"trainer.checkpoint_every_min must be ≥ 0 (got {cfg.trainer.checkpoint_every_min}); 0 = checkpoints at "
+            "epoch ends only, e.g. trainer.checkpoint_every_min=10.",
+        ),
+        (
+            not m.init_layers or len(m.init_layers) == m.depth,
+            f"model.init_layers names {len(m.init_layers)} target layers for model.depth={m.depth} draft layers; give one "
+            "target layer id per draft layer (e.g. model.init_layers=[0,1] for depth 2) or [] for random weights.",
+        ),
+        (
+            not m.init_layers or cfg.drafter != "eagle3",
+            "model.init_layers copies target decoder layers into DSpark/DFlash draft layers; EAGLE-3's layer reads "
+            "[embedding; hidden] (2d inputs) and cannot take them: leave model.init_layers=[] with drafter=eagle3.",
+        ),
+        (
+            m.draft_vocab_size >= 0,
+            f"model.draft_vocab_size must be ≥ 0 (got {m.draft_vocab_size}); 0 = full vocabulary.",
+        ),
+        (
+            not cfg.data.train_weights or len(cfg.data.train_weights) == len(cfg.data.train_sets),
+            f"data.train_weights has {len(cfg.data.train_weights)} weights for {len(cfg.data.train_sets)} "
+            "data.train_sets; give one weight per set (in order) or [] for equal shares.",
+        ),
+        (
+            all(float(w) >= 0 for w in cfg.data.train_weights)
+            and (not cfg.data.train_weights or sum(cfg.data.train_weights) > 0),
+            f"data.train_weights must be ≥ 0 with a positive sum (got {cfg.data.train_weights}).",
+        ),
         (cfg.data.num_regen_prompts >= 0, f"data.num_regen_prompts must be ≥ 0 (got {cfg.data.num_regen_prompts})."),
-        (cfg.data.responses != "mix" or cfg.data.num_regen_prompts >= 1,
-         "data.responses=mix needs data.num_regen_prompts ≥ 1 (how many prompts the target regenerates)."),
+        (
+            cfg.data.responses != "mix" or cfg.data.num_regen_prompts >= 1,
+            "data.responses=mix needs data.num_regen_prompts ≥ 1 (how many prompts the target regenerates).",
+        ),
         *_serve_rules(cfg),
     ]
     return [msg for ok, msg in rules if not ok]
@@ -205,16 +256,26 @@ def _serve_rules(cfg: RunConfig) -> list[tuple[bool, str]]:
         (s.max_new_tokens >= 1, f"serve.max_new_tokens must be ≥ 1 (got {s.max_new_tokens})."),
         (s.static_k >= 0, f"serve.static_k must be ≥ 0 (got {s.static_k})."),
         (cfg.decode.static_k >= 0, f"decode.static_k must be ≥ 0 (got {cfg.decode.static_k})."),
-        (cfg.decode.speed_prompts >= 0, f"decode.speed_prompts must be ≥ 0 (got {cfg.decode.speed_prompts}): "
-                                        "the prompts the speed-up line times; 0 skips it."),
+        (
+            cfg.decode.speed_prompts >= 0,
+            f"decode.speed_prompts must be ≥ 0 (got {cfg.decode.speed_prompts}): "
+            "the prompts the speed-up line times; 0 skips it.",
+        ),
         (0.0 <= s.threshold <= 1.0, f"serve.threshold must lie in [0, 1] (got {s.threshold})."),
         (s.trace_concurrency >= 1, f"serve.trace_concurrency must be ≥ 1 (got {s.trace_concurrency})."),
-        (all(int(r) >= 1 for r in s.simulate_concurrency),
-         f"serve.simulate_concurrency must list levels ≥ 1 (got {s.simulate_concurrency}); [] simulates nothing."),
-        (bool(s.prompt_sets), "serve.prompt_sets must name at least one prompt set, e.g. [gsm8k, humaneval, mt-bench]."),
-        (cfg.stage != "serve" or cfg.drafter != "eagle3",
-         "stage=serve batches DSpark-style drafters (drafter=dspark or dflash); EAGLE-3 drafts autoregressively and "
-         "is evaluated offline with stage=all."),
+        (
+            all(int(r) >= 1 for r in s.simulate_concurrency),
+            f"serve.simulate_concurrency must list levels ≥ 1 (got {s.simulate_concurrency}); [] simulates nothing.",
+        ),
+        (
+            bool(s.prompt_sets),
+            "serve.prompt_sets must name at least one prompt set, e.g. [gsm8k, humaneval, mt-bench].",
+        ),
+        (
+            cfg.stage != "serve" or cfg.drafter != "eagle3",
+            "stage=serve batches DSpark-style drafters (drafter=dspark or dflash); EAGLE-3 drafts autoregressively and "
+            "is evaluated offline with stage=all.",
+        ),
     ]
 
 
@@ -223,13 +284,17 @@ def _drafter_errors(cfg: RunConfig, explicit: set[str]) -> list[str]:
     if fixed is not None and head != fixed and cfg.drafter == "eagle3":
         return [f"drafter=eagle3 is autoregressive and takes no sequential head (model.head={head}); drop model.head."]
     if fixed is not None and head != fixed:
-        return [f"drafter={cfg.drafter} has no sequential head (model.head={head}); use drafter=dspark "
-                f"model.head={head}, or drop model.head."]
+        return [
+            f"drafter={cfg.drafter} has no sequential head (model.head={head}); use drafter=dspark "
+            f"model.head={head}, or drop model.head."
+        ]
     if cfg.drafter == "dflash" and cfg.loss.alpha_conf > 0:  # EAGLE-3's loss has no confidence term to weigh
         return ["drafter=dflash has no confidence head: loss.alpha_conf must be 0."]
     if cfg.drafter == "eagle3" and cfg.loss.kind != "paper":
-        return [f"loss.kind={cfg.loss.kind} is a block-drafter objective (drafter=dspark or dflash); EAGLE-3 trains "
-                "with its TTT loss: drop loss.kind."]
+        return [
+            f"loss.kind={cfg.loss.kind} is a block-drafter objective (drafter=dspark or dflash); EAGLE-3 trains "
+            "with its TTT loss: drop loss.kind."
+        ]
     return []
 
 
@@ -240,9 +305,13 @@ def _policy_errors(cfg: RunConfig) -> list[str]:
         return []
     errors = []
     if cfg.stage in ("eval", "all") and cfg.decode.policy in CONFIDENCE_POLICIES:
-        errors.append(f"decode.policy={cfg.decode.policy} reads the confidence head's c_k, but drafter={cfg.drafter} "
-                      "has no confidence head; use decode.policy=fixed, or drafter=dspark.")
+        errors.append(
+            f"decode.policy={cfg.decode.policy} reads the confidence head's c_k, but drafter={cfg.drafter} "
+            "has no confidence head; use decode.policy=fixed, or drafter=dspark."
+        )
     if cfg.stage == "serve" and cfg.serve.policy in SERVE_CONFIDENCE_POLICIES:
-        errors.append(f"serve.policy={cfg.serve.policy} reads the confidence head's c_k, but drafter={cfg.drafter} "
-                      "has no confidence head; use serve.policy=mtp1, static or fixed, or drafter=dspark.")
+        errors.append(
+            f"serve.policy={cfg.serve.policy} reads the confidence head's c_k, but drafter={cfg.drafter} "
+            "has no confidence head; use serve.policy=mtp1, static or fixed, or drafter=dspark."
+        )
     return errors

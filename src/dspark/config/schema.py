@@ -3,6 +3,7 @@
 Precedence (lowest → highest): these defaults < `experiments/default.yaml` < `experiments/budgets/<budget>.yaml`
 < sweep cell overrides < command-line `key=value`. `validate_config` re-runs after all merges.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -137,8 +138,12 @@ class DataConfig:
     #: a sweep's seed replicates differ in initialisation, anchors and order only, and share one data cache and one
     #: held-out split (budget=cpu-ref)
     seed: Optional[int] = None
-    feature_precision: str = "auto"  #: target prefill for the feature cache: auto (bf16 on AMX/AVX512-BF16 CPUs) | bf16 | fp32
-    regen_precision: str = "auto"  #: the target while it regenerates responses: auto (as feature_precision) | bf16 | fp32
+    feature_precision: str = (
+        "auto"  #: target prefill for the feature cache: auto (bf16 on AMX/AVX512-BF16 CPUs) | bf16 | fp32
+    )
+    regen_precision: str = (
+        "auto"  #: the target while it regenerates responses: auto (as feature_precision) | bf16 | fp32
+    )
     local_dir: Optional[str] = None  #: directory of JSONL prompt files (schema of shared/data); wins over the hub
     max_length: int = 1024  #: truncate regenerated sequences (tokens)
     val_fraction: float = 0.05  #: sequences held out for validation (val/* metrics)
@@ -168,7 +173,9 @@ class TrainerConfig:
     devices: int = 1  #: devices per node (data-parallel ranks with strategy=ddp)
     strategy: str = "auto"  #: ddp | fsdp | auto ...; see README "Scaling out"
     num_nodes: int = 1  #: machines (multi-node under torchrun / SLURM)
-    precision: str = "auto"  #: auto = bf16-mixed on AMX/AVX512-BF16 CPUs / bf16 GPUs, else 32-true; or any Lightning value
+    precision: str = (
+        "auto"  #: auto = bf16-mixed on AMX/AVX512-BF16 CPUs / bf16 GPUs, else 32-true; or any Lightning value
+    )
     log_every_n_steps: int = 10  #: train/* logging and progress-bar period
     val_check_interval: float = 1.0  #: validate every this fraction of an epoch
     #: a checkpoint every this many minutes of training inside an epoch (besides every epoch end; 0 = epoch ends
@@ -255,7 +262,9 @@ class OptunaConfig:
     storage: str = ""  #: "" = sqlite under paths.root; a journal file path or postgresql:// URL to share a study
     n_trials: int = 8  #: total trials of the study, counted across every worker sharing it
     study: str = ""  #: "" = <sweep name>-<hash of the fixed config>
-    startup_trials: int = 4  #: random trials before TPE models the history (TPE's own default, 10, exceeds small budgets)
+    startup_trials: int = (
+        4  #: random trials before TPE models the history (TPE's own default, 10, exceeds small budgets)
+    )
     prune: bool = True  #: stop unpromising trials early on the sweep's validation metric (median rule)
 
 

@@ -8,6 +8,7 @@ DSpark convention, slot k = 1..γ (tensor index k-1), anchor `x_0 = seq[a]`:
 
 Supervised slots are the contiguous prefix with `a + k < T`, `loss_mask[a + k] = 1` and a valid anchor.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -25,11 +26,11 @@ class Blocks:
     never supervised (label_valid is False there); positions keep the true RoPE value a+k-1.
     """
 
-    block_input_ids: Tensor   # [B, N, γ] long  seq[a], then MASK
-    positions: Tensor         # [B, N, γ] long  a + k - 1 (RoPE)
-    labels: Tensor            # [B, N, γ] long  seq[a + k]
-    prev_tokens: Tensor       # [B, N, γ] long  seq[a + k - 1]
-    label_valid: Tensor       # [B, N, γ] bool  contiguous prefix of supervised slots
+    block_input_ids: Tensor  # [B, N, γ] long  seq[a], then MASK
+    positions: Tensor  # [B, N, γ] long  a + k - 1 (RoPE)
+    labels: Tensor  # [B, N, γ] long  seq[a + k]
+    prev_tokens: Tensor  # [B, N, γ] long  seq[a + k - 1]
+    label_valid: Tensor  # [B, N, γ] bool  contiguous prefix of supervised slots
     target_positions: Tensor  # [B, N, γ] long  a + k - 1, clamped to [0, T-1]
 
 

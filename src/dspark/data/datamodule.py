@@ -15,6 +15,7 @@ loss_mask [B,T] bool, anchors [B,N] long (padded with 0), anchor_valid [B,N] boo
 plus features [B,T,m·d] and final_hidden [B,T,d] (zero-padded) when a feature cache is given, and
 log_normalizer [B,T] fp32 (log Σ_V exp z of the target's logits) when the cache has it.
 """
+
 from __future__ import annotations
 
 from functools import partial
@@ -101,8 +102,10 @@ class ResumableLoader(DataLoader):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         batches = int(state_dict.get("batches", 0))
         if batches < 0 or batches > len(self):
-            raise ValueError(f"train loader state: {batches} batches taken, but an epoch has {len(self)}; the "
-                             "checkpoint belongs to other data (delete the run's checkpoints/ to train afresh)")
+            raise ValueError(
+                f"train loader state: {batches} batches taken, but an epoch has {len(self)}; the "
+                "checkpoint belongs to other data (delete the run's checkpoints/ to train afresh)"
+            )
         self._resume_skip = batches
 
     def __iter__(self) -> Iterator[Any]:
@@ -129,8 +132,17 @@ class AnchoredSequences(Dataset):
     bool, anchors [n ≤ K] long, index (global sequence index), and features / final_hidden when cached.
     """
 
-    def __init__(self, data: Any, indices: list[int], *, max_anchors: int, seed: int, stream: str,
-                 fixed_anchors: bool, features: FeatureCache | None = None) -> None:
+    def __init__(
+        self,
+        data: Any,
+        indices: list[int],
+        *,
+        max_anchors: int,
+        seed: int,
+        stream: str,
+        fixed_anchors: bool,
+        features: FeatureCache | None = None,
+    ) -> None:
         self.data, self.indices, self.max_anchors = data, indices, max_anchors
         self.seed, self.stream, self.fixed_anchors, self.features = seed, stream, fixed_anchors, features
 
@@ -144,8 +156,12 @@ class AnchoredSequences(Dataset):
         loss_mask = row["loss_mask"].bool()
         epoch_part = "fixed" if self.fixed_anchors else epoch
         gen = torch.Generator().manual_seed(derive_seed(self.seed, self.stream, epoch_part, index))
-        out = {"input_ids": row["input_ids"].long(), "loss_mask": loss_mask, "index": index,
-               "anchors": sample_anchors(loss_mask, max_anchors=self.max_anchors, generator=gen)}
+        out = {
+            "input_ids": row["input_ids"].long(),
+            "loss_mask": loss_mask,
+            "index": index,
+            "anchors": sample_anchors(loss_mask, max_anchors=self.max_anchors, generator=gen),
+        }
         if self.features is not None:
             out["features"], out["final_hidden"] = self.features[index]
             log_z = self.features.log_normalizer(index)
@@ -154,8 +170,9 @@ class AnchoredSequences(Dataset):
         return out
 
 
-def collate_sequences(items: list[dict[str, Any]], *, pad_token_id: int,
-                      feature_dtype: torch.dtype = torch.float32) -> dict[str, Tensor]:
+def collate_sequences(
+    items: list[dict[str, Any]], *, pad_token_id: int, feature_dtype: torch.dtype = torch.float32
+) -> dict[str, Tensor]:
     """Right-pad a list of `AnchoredSequences` items into the batch dict of the module docstring."""
     length = max(len(it["input_ids"]) for it in items)
     num_anchors = max(1, max(len(it["anchors"]) for it in items))
@@ -202,10 +219,22 @@ class DrafterDataModule(L.LightningDataModule):
         pad_token_id: padding id; None takes the regeneration manifest's.
     """
 
-    def __init__(self, regen_dir: Path, *, batch_size: int, max_anchors: int, block_size: int,
-                 val_fraction: float = 0.05, calibration_fraction: float = 0.0, num_workers: int = 0,
-                 seed: int = 0, feature_dir: Path | None = None, pad_token_id: int | None = None,
-                 feature_dtype: torch.dtype = torch.float32, split_seed: int | None = None) -> None:
+    def __init__(
+        self,
+        regen_dir: Path,
+        *,
+        batch_size: int,
+        max_anchors: int,
+        block_size: int,
+        val_fraction: float = 0.05,
+        calibration_fraction: float = 0.0,
+        num_workers: int = 0,
+        seed: int = 0,
+        feature_dir: Path | None = None,
+        pad_token_id: int | None = None,
+        feature_dtype: torch.dtype = torch.float32,
+        split_seed: int | None = None,
+    ) -> None:
         super().__init__()
         for key, value in (("batch_size", batch_size), ("max_anchors", max_anchors), ("block_size", block_size)):
             if value < 1:
@@ -229,16 +258,27 @@ class DrafterDataModule(L.LightningDataModule):
         data = load_regenerated(self.regen_dir)
         features = FeatureCache(self.feature_dir) if self.feature_dir is not None else None
         if features is not None and len(features) != len(data):
-            raise ValueError(f"data.feature_dir: {len(features)} cached sequences but {len(data)} regenerated; "
-                             "rebuild the feature cache for this regenerated dataset")
-        self.split_index = split_indices(data["prompt_id"], val_fraction=self.val_fraction,
-                                         calibration_fraction=self.calibration_fraction, seed=self.split_seed)
+            raise ValueError(
+                f"data.feature_dir: {len(features)} cached sequences but {len(data)} regenerated; "
+                "rebuild the feature cache for this regenerated dataset"
+            )
+        self.split_index = split_indices(
+            data["prompt_id"],
+            val_fraction=self.val_fraction,
+            calibration_fraction=self.calibration_fraction,
+            seed=self.split_seed,
+        )
         data = data.with_format("torch", columns=["input_ids", "loss_mask"])
         for name in SPLITS:
-            self.splits[name] = AnchoredSequences(data, self.split_index[name], max_anchors=self.max_anchors,
-                                                  seed=self.seed if name == "train" else self.split_seed, stream=name,
-                                                  fixed_anchors=name != "train",
-                                                  features=features)
+            self.splits[name] = AnchoredSequences(
+                data,
+                self.split_index[name],
+                max_anchors=self.max_anchors,
+                seed=self.seed if name == "train" else self.split_seed,
+                stream=name,
+                fixed_anchors=name != "train",
+                features=features,
+            )
         self.train_sampler = EpochSampler(len(self.split_index["train"]), seed=self.seed, shuffle=True)
 
     def set_epoch(self, epoch: int) -> None:
@@ -269,8 +309,15 @@ class DrafterDataModule(L.LightningDataModule):
         # a partial, not a lambda, so that spawned DataLoader workers can pickle it
         collate = partial(collate_sequences, pad_token_id=self.pad_token_id, feature_dtype=self.feature_dtype)
         loader = ResumableLoader if resumable else DataLoader
-        return loader(dataset, batch_size=self.batch_size, sampler=sampler, shuffle=False,
-                          num_workers=self.num_workers, persistent_workers=self.num_workers > 0, collate_fn=collate)
+        return loader(
+            dataset,
+            batch_size=self.batch_size,
+            sampler=sampler,
+            shuffle=False,
+            num_workers=self.num_workers,
+            persistent_workers=self.num_workers > 0,
+            collate_fn=collate,
+        )
 
     def _require_setup(self) -> EpochSampler:
         if self.train_sampler is None:

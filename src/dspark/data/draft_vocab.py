@@ -5,6 +5,7 @@ prepared dataset: the target's expected token mass Σ p_t over the supervised po
 it (acceptance at a position is bounded by Σ_{x ∈ Vd} p_t(x), so that mass is what a draft vocabulary must cover),
 else the counts of the supervised tokens of the training split.
 """
+
 from __future__ import annotations
 
 import logging
@@ -23,8 +24,9 @@ if TYPE_CHECKING:
 log = logging.getLogger("dspark")
 
 
-def draft_vocab_from_data(regen_dir: Path, indices: list[int], *, target: Target, size: int,
-                          feature_dir: Path | None = None) -> torch.Tensor:
+def draft_vocab_from_data(
+    regen_dir: Path, indices: list[int], *, target: Target, size: int, feature_dir: Path | None = None
+) -> torch.Tensor:
     """The `size` target ids the drafter predicts over (+ the stop ids), sorted: [Vd] long.
 
     With a feature cache that holds the target's expected token mass, the ids of largest mass: what the target itself

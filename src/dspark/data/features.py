@@ -25,6 +25,7 @@ is small) and, on CPUs with bf16 matrix instructions (AMX-BF16 or AVX512-BF16: `
 autocast (~2.5× faster on AMX, ~1.8× on an EPYC Zen 4 with AVX512-BF16; features are stored in fp16 anyway;
 measured mean TV of p_t against fp32 0.006, CPU_RECIPE.md). `precision="fp32"` forces the target's own dtype.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -61,13 +62,19 @@ PREFILL_PRECISIONS = ("auto", "bf16", "fp32")
 def feature_cache_key(regen_key: str, *, target: Any, precision: str = "fp32") -> str:
     """sha256 of what determines the cached tensors: the data, the target weights, the feature layers and the
     prefill precision."""
-    payload = [FEATURE_FORMAT_VERSION, regen_key, target.fingerprint, list(target.feature_layer_ids), str(STORE_DTYPE),
-               precision] + ([BF16_LOG_Z_VERSION] if precision == "bf16" else [])
+    payload = [
+        FEATURE_FORMAT_VERSION,
+        regen_key,
+        target.fingerprint,
+        list(target.feature_layer_ids),
+        str(STORE_DTYPE),
+        precision,
+    ] + ([BF16_LOG_Z_VERSION] if precision == "bf16" else [])
     return hashlib.sha256(json.dumps(payload).encode()).hexdigest()
 
 
 def resolve_prefill_precision(precision: str, target: Any, *, key: str = "data.feature_precision") -> str:
-    """"auto" → "bf16" on CPUs with bf16 matrix instructions (and bf16-capable GPUs) when the target is fp32, else
+    """ "auto" → "bf16" on CPUs with bf16 matrix instructions (and bf16-capable GPUs) when the target is fp32, else
     "fp32". `key` names the config key in the error (feature prefill or regeneration)."""
     if precision not in PREFILL_PRECISIONS:
         raise ValueError(f"{key}={precision!r}: choose one of {', '.join(PREFILL_PRECISIONS)}")
@@ -105,8 +112,10 @@ def cache_features(
     A batch holds at most `batch_size` sequences and `token_budget` padded tokens (length-sorted within a shard).
     """
     if batch_size < 1 or shard_size < 1 or token_budget < 1:
-        raise ValueError(f"data.feature_cache: batch_size={batch_size}, shard_size={shard_size} and "
-                         f"token_budget={token_budget} must be >= 1")
+        raise ValueError(
+            f"data.feature_cache: batch_size={batch_size}, shard_size={shard_size} and "
+            f"token_budget={token_budget} must be >= 1"
+        )
     precision = resolve_prefill_precision(precision, target)
     manifest = read_manifest(regen_dir)
     key = feature_cache_key(manifest["key"], target=target, precision=precision)
@@ -117,16 +126,24 @@ def cache_features(
         dataset = load_regenerated(regen_dir).with_format("torch", columns=["input_ids", "loss_mask"])
         num_shards = -(-len(dataset) // shard_size)
         out_dir.mkdir(parents=True, exist_ok=True)
-        info = {"key": key, "regen_key": manifest["key"], "target_fingerprint": target.fingerprint,
-                "feature_layer_ids": list(target.feature_layer_ids), "hidden_size": target.hidden_size,
-                "dtype": str(STORE_DTYPE), "num_sequences": len(dataset), "shard_size": shard_size,
-                "num_shards": num_shards, "precision": precision, "format": FEATURE_FORMAT_VERSION}
+        info = {
+            "key": key,
+            "regen_key": manifest["key"],
+            "target_fingerprint": target.fingerprint,
+            "feature_layer_ids": list(target.feature_layer_ids),
+            "hidden_size": target.hidden_size,
+            "dtype": str(STORE_DTYPE),
+            "num_sequences": len(dataset),
+            "shard_size": shard_size,
+            "num_shards": num_shards,
+            "precision": precision,
+            "format": FEATURE_FORMAT_VERSION,
+        }
         _atomic_write(out_dir / MANIFEST, lambda tmp: tmp.write_text(json.dumps(info, indent=2)))
         todo = [s for s in range(num_shards) if not _shard_path(out_dir, s).exists()]
         lengths = [len(ids) for ids in dataset["input_ids"]]
-        total = sum(sum(lengths[s * shard_size:(s + 1) * shard_size]) for s in todo)
-        bar = tqdm(total=total, desc=f"features ({precision})", unit="tok", unit_scale=True,
-                   disable=not show_progress)
+        total = sum(sum(lengths[s * shard_size : (s + 1) * shard_size]) for s in todo)
+        bar = tqdm(total=total, desc=f"features ({precision})", unit="tok", unit_scale=True, disable=not show_progress)
         started, done = time.perf_counter(), 0
         # bf16: the linear weights cast once for every shard, not by autocast at every layer of every batch
         with autocast_linear_weights(target.model, torch.bfloat16 if precision == "bf16" else None):
@@ -134,9 +151,15 @@ def cache_features(
                 start = shard * shard_size
                 items = [dataset[i] for i in range(start, min(start + shard_size, len(dataset)))]
                 rows = [item["input_ids"] for item in items]
-                tensors = _shard_tensors(target, rows, first_index=start, batch_size=batch_size,
-                                         token_budget=token_budget, precision=precision,
-                                         loss_masks=[item["loss_mask"].bool() for item in items])
+                tensors = _shard_tensors(
+                    target,
+                    rows,
+                    first_index=start,
+                    batch_size=batch_size,
+                    token_budget=token_budget,
+                    precision=precision,
+                    loss_masks=[item["loss_mask"].bool() for item in items],
+                )
                 _atomic_write(_shard_path(out_dir, shard), lambda tmp: save_file(tensors, str(tmp)))
                 tokens = sum(len(r) for r in rows)
                 done += tokens
@@ -165,8 +188,16 @@ def length_batches(lengths: list[int], *, batch_size: int, token_budget: int) ->
     return batches
 
 
-def _shard_tensors(target: Any, rows: list[Tensor], *, first_index: int, batch_size: int, token_budget: int,
-                   precision: str, loss_masks: list[Tensor] | None = None) -> dict[str, Tensor]:
+def _shard_tensors(
+    target: Any,
+    rows: list[Tensor],
+    *,
+    first_index: int,
+    batch_size: int,
+    token_budget: int,
+    precision: str,
+    loss_masks: list[Tensor] | None = None,
+) -> dict[str, Tensor]:
     tensors: dict[str, Tensor] = {}
     mass = torch.zeros(target.vocab_size, dtype=torch.float32)
     device = target.device
@@ -192,8 +223,9 @@ def _shard_tensors(target: Any, rows: list[Tensor], *, first_index: int, batch_s
                 predicts_label[:-1] = loss_masks[j][1:]
             predicts.append(predicts_label)
         # one product for the whole batch: its rows are the real positions of every sequence, concatenated
-        log_z, batch_mass = log_normalizer_and_mass(target, torch.cat(stored), mass_rows=torch.cat(predicts),
-                                                    weight=head_weight)
+        log_z, batch_mass = log_normalizer_and_mass(
+            target, torch.cat(stored), mass_rows=torch.cat(predicts), weight=head_weight
+        )
         for j, part in zip(chunk_index, log_z.split([len(r) for r in chunk])):
             tensors[f"log_normalizer.{first_index + j}"] = part.clone()
         mass += batch_mass
@@ -208,8 +240,14 @@ def log_normalizer(target: Any, final_hidden: Tensor, *, chunk: int = 1024) -> T
 
 
 @torch.no_grad()
-def log_normalizer_and_mass(target: Any, final_hidden: Tensor, *, mass_rows: Tensor | None = None,
-                            chunk: int = 1024, weight: Tensor | None = None) -> tuple[Tensor, Tensor]:
+def log_normalizer_and_mass(
+    target: Any,
+    final_hidden: Tensor,
+    *,
+    mass_rows: Tensor | None = None,
+    chunk: int = 1024,
+    weight: Tensor | None = None,
+) -> tuple[Tensor, Tensor]:
     """(log Σ_V exp z per row [T] fp32, Σ_{rows in mass_rows} softmax(z) [V] fp32) from final_hidden [T, d].
 
     mass_rows [T] bool selects the rows whose p_t is summed (None: none, a zero vector). `weight` [V, d] is the
@@ -222,10 +260,12 @@ def log_normalizer_and_mass(target: Any, final_hidden: Tensor, *, mass_rows: Ten
     bias = getattr(target.lm_head, "bias", None)
     out, mass = [], torch.zeros(weight.shape[0], dtype=torch.float32)
     for start in range(0, final_hidden.shape[0], chunk):
-        h = final_hidden[start:start + chunk].to(weight.device, weight.dtype)
+        h = final_hidden[start : start + chunk].to(weight.device, weight.dtype)
         logits = torch.nn.functional.linear(h, weight).float()
         if weight.dtype != torch.float32:
-            refine_top_logits(logits, final_hidden[start:start + chunk].to(weight.device, torch.float32), exact_weight)
+            refine_top_logits(
+                logits, final_hidden[start : start + chunk].to(weight.device, torch.float32), exact_weight
+            )
         if bias is not None:
             logits = logits + bias.float()
         # log Z and the mass from one exp pass, in place: exp(z - max) is both log Z's sum and (divided by it) p_t;
@@ -235,7 +275,7 @@ def log_normalizer_and_mass(target: Any, final_hidden: Tensor, *, mass_rows: Ten
         total = exp_shifted.sum(dim=-1)
         out.append((top.squeeze(-1) + total.log()).cpu())
         if mass_rows is not None:
-            keep = mass_rows[start:start + chunk].to(exp_shifted.device)
+            keep = mass_rows[start : start + chunk].to(exp_shifted.device)
             if bool(keep.any()):
                 mass += ((keep.float() / total) @ exp_shifted).cpu()  # Σ_kept rows exp(z - max) / Σ_V exp(z - max)
     return (torch.cat(out) if out else torch.zeros(0)), mass
@@ -256,7 +296,7 @@ def refine_top_logits(logits: Tensor, hidden: Tensor, weight: Tensor, *, nats: f
     # one [n, d] @ [d] per row: ~7× faster on a CPU than one [P, d] gather of every pair (measured, SmolLM2)
     for row, count in enumerate(torch.bincount(rows, minlength=logits.shape[0]).tolist()):
         if count:
-            exact[start:start + count] = weight.index_select(0, cols[start:start + count]) @ hidden[row]
+            exact[start : start + count] = weight.index_select(0, cols[start : start + count]) @ hidden[row]
             start += count
     logits[rows, cols] = exact
     return logits

@@ -12,6 +12,7 @@ trained on. Caches sealed before checksums existed are reused unverified.
 Verification reads every file once per process (sha256, ~0.4 GB/s on 2 busy cores: ~2 s for the cpu budget's
 0.8 GB feature cache); later reuses in the same process only compare sizes and mtimes.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -61,9 +62,13 @@ def damaged_files(out_dir: Path) -> list[str] | None:
     fingerprint = _fingerprint(out_dir, list(recorded))
     if _verified.get(str(out_dir)) == fingerprint:
         return []
-    bad = [name for name, want in recorded.items()
-           if not (out_dir / name).is_file() or (out_dir / name).stat().st_size != want["bytes"]
-           or file_digest(out_dir / name)["sha256"] != want["sha256"]]
+    bad = [
+        name
+        for name, want in recorded.items()
+        if not (out_dir / name).is_file()
+        or (out_dir / name).stat().st_size != want["bytes"]
+        or file_digest(out_dir / name)["sha256"] != want["sha256"]
+    ]
     if not bad:
         _verified[str(out_dir)] = fingerprint
     return bad
@@ -96,8 +101,12 @@ def _whole_or_reset(out_dir: Path) -> bool:
     bad = damaged_files(out_dir)
     if not bad:  # whole, or an older cache without checksums (None)
         return True
-    log.warning("cache %s: %d file(s) do not match the checksums in its manifest (%s): rebuilding them",
-                out_dir, len(bad), ", ".join(bad[:5]) + (" ..." if len(bad) > 5 else ""))
+    log.warning(
+        "cache %s: %d file(s) do not match the checksums in its manifest (%s): rebuilding them",
+        out_dir,
+        len(bad),
+        ", ".join(bad[:5]) + (" ..." if len(bad) > 5 else ""),
+    )
     for name in [*bad, COMPLETE]:
         (out_dir / name).unlink(missing_ok=True)
     _verified.pop(str(out_dir), None)

@@ -13,6 +13,7 @@ The paper's selection (DeepSpec `eval.py`): only the first turn is fed; a set wi
 is shuffled with `random.Random(980406)` and the first `cap` rows kept. `Random.shuffle` depends only on the list
 length, so a staged file's `paper_eval_rank` column and a fresh shuffle of the hub rows agree.
 """
+
 from __future__ import annotations
 
 import json
@@ -75,6 +76,7 @@ PROMPT_SETS: Registry[PromptSetSpec] = Registry("prompt set")
 
 # ---- the paper's prompt formats for hub rows (DeepSpec eval_datasets/convert_eval_datasets_to_jsonl.py) ----
 
+
 def format_gsm8k(row: Mapping[str, Any]) -> PromptRecord:
     return PromptRecord("", "math", row["question"] + REASONING_SUFFIX, reference=row.get("answer"))
 
@@ -83,7 +85,9 @@ def format_math_problem(row: Mapping[str, Any]) -> PromptRecord:
     """MATH-500 and AIME rows: `problem` + the boxed-answer suffix; reference = worked solution or final answer."""
     reference = row.get("solution", row.get("answer"))
     return PromptRecord(
-        str(row.get("unique_id") or ""), "math", row["problem"] + REASONING_SUFFIX,
+        str(row.get("unique_id") or ""),
+        "math",
+        row["problem"] + REASONING_SUFFIX,
         reference=None if reference is None else str(reference),
     )
 
@@ -114,7 +118,10 @@ def format_mt_bench(row: Mapping[str, Any]) -> PromptRecord:
     references = row.get("reference") or []
     pid = row.get("prompt_id")
     return PromptRecord(
-        "" if pid is None else f"mtbench-{pid}", "chat", turns[0], turns=turns[1:],
+        "" if pid is None else f"mtbench-{pid}",
+        "chat",
+        turns[0],
+        turns=turns[1:],
         reference=references[0] if references else None,
     )
 
@@ -152,10 +159,12 @@ def guess_domain(source: str) -> str:
 
 # ---- registry ----
 
+
 def _eval_set(name: str, *, domain: str, local: str | tuple[str, ...], cap: int, fmt, **hub) -> None:
     files = (local,) if isinstance(local, str) else local
-    PROMPT_SETS.add(name, PromptSetSpec(
-        name, domain, "eval", local_files=files, paper_max=cap, format_hub_row=fmt, **hub))
+    PROMPT_SETS.add(
+        name, PromptSetSpec(name, domain, "eval", local_files=files, paper_max=cap, format_hub_row=fmt, **hub)
+    )
 
 
 def _generate_synthetic(n: int, seed: int) -> list[PromptRecord]:
@@ -177,56 +186,175 @@ def _not_mbpp_test_task(row: Mapping[str, Any]) -> bool:
     return not 11 <= int(row["task_id"]) <= 510
 
 
-_eval_set("gsm8k", domain="math", local="gsm8k_test.jsonl", cap=500, fmt=format_gsm8k,
-          hub_id="openai/gsm8k", hub_config="main", hub_split="test")
-_eval_set("math500", domain="math", local="math500.jsonl", cap=500, fmt=format_math_problem,
-          hub_id="HuggingFaceH4/MATH-500", hub_split="test")
+_eval_set(
+    "gsm8k",
+    domain="math",
+    local="gsm8k_test.jsonl",
+    cap=500,
+    fmt=format_gsm8k,
+    hub_id="openai/gsm8k",
+    hub_config="main",
+    hub_split="test",
+)
+_eval_set(
+    "math500",
+    domain="math",
+    local="math500.jsonl",
+    cap=500,
+    fmt=format_math_problem,
+    hub_id="HuggingFaceH4/MATH-500",
+    hub_split="test",
+)
 # DeepSpec's converter reads AIME 2025 from MathArena/aime_2025 (split train, 30 problems, `problem` column).
-_eval_set("aime25", domain="math", local="aime25.jsonl", cap=30, fmt=format_math_problem,
-          hub_id="MathArena/aime_2025", hub_split="train")
-_eval_set("humaneval", domain="code", local="humaneval.jsonl", cap=164, fmt=format_humaneval,
-          hub_id="openai/openai_humaneval", hub_split="test")
-_eval_set("mbpp", domain="code", local="mbpp.jsonl", cap=256, fmt=format_mbpp,
-          hub_id="google-research-datasets/mbpp", hub_config="sanitized", hub_split="test")
+_eval_set(
+    "aime25",
+    domain="math",
+    local="aime25.jsonl",
+    cap=30,
+    fmt=format_math_problem,
+    hub_id="MathArena/aime_2025",
+    hub_split="train",
+)
+_eval_set(
+    "humaneval",
+    domain="code",
+    local="humaneval.jsonl",
+    cap=164,
+    fmt=format_humaneval,
+    hub_id="openai/openai_humaneval",
+    hub_split="test",
+)
+_eval_set(
+    "mbpp",
+    domain="code",
+    local="mbpp.jsonl",
+    cap=256,
+    fmt=format_mbpp,
+    hub_id="google-research-datasets/mbpp",
+    hub_config="sanitized",
+    hub_split="test",
+)
 # The hub repo ships a loading script that datasets>=4 refuses, so its JSONL files are read directly (as DeepSpec).
-_eval_set("livecodebench", domain="code", local="livecodebench.jsonl", cap=500, fmt=format_livecodebench,
-          hub_id="livecodebench/code_generation_lite", hub_split="test",
-          hub_data_files=("test.jsonl", "test2.jsonl", "test3.jsonl", "test4.jsonl", "test5.jsonl", "test6.jsonl"))
-_eval_set("mt-bench", domain="chat", local="mtbench.jsonl", cap=80, fmt=format_mt_bench,
-          hub_id="HuggingFaceH4/mt_bench_prompts", hub_split="train")
+_eval_set(
+    "livecodebench",
+    domain="code",
+    local="livecodebench.jsonl",
+    cap=500,
+    fmt=format_livecodebench,
+    hub_id="livecodebench/code_generation_lite",
+    hub_split="test",
+    hub_data_files=("test.jsonl", "test2.jsonl", "test3.jsonl", "test4.jsonl", "test5.jsonl", "test6.jsonl"),
+)
+_eval_set(
+    "mt-bench",
+    domain="chat",
+    local="mtbench.jsonl",
+    cap=80,
+    fmt=format_mt_bench,
+    hub_id="HuggingFaceH4/mt_bench_prompts",
+    hub_split="train",
+)
 # `alpaca.jsonl` (the paper's set, e.g. DeepSpec's eval_datasets/alpaca.jsonl) wins over the staged stand-in.
-_eval_set("alpaca", domain="chat", local=("alpaca.jsonl", "alpaca_eval.jsonl"), cap=500, fmt=format_alpaca,
-          hub_id="tatsu-lab/alpaca", hub_split="train",
-          note="The staged alpaca_eval.jsonl (805 AlpacaEval instructions) is a stand-in: the paper draws 500 rows "
-               "of tatsu-lab/alpaca (52k), which is not staged. Hub or a local alpaca.jsonl gives the paper's set.")
+_eval_set(
+    "alpaca",
+    domain="chat",
+    local=("alpaca.jsonl", "alpaca_eval.jsonl"),
+    cap=500,
+    fmt=format_alpaca,
+    hub_id="tatsu-lab/alpaca",
+    hub_split="train",
+    note="The staged alpaca_eval.jsonl (805 AlpacaEval instructions) is a stand-in: the paper draws 500 rows "
+    "of tatsu-lab/alpaca (52k), which is not staged. Hub or a local alpaca.jsonl gives the paper's set.",
+)
 # Arena-Hard v2.0 questions (750; the paper evaluates 500): the lmarena-ai/arena-hard-auto hub dataset holds the
 # same question.jsonl as github lmarena/arena-hard-auto, which the staged file and DeepSpec's copy come from.
-_eval_set("arena-hard", domain="chat", local="arena_hard_v2.jsonl", cap=500, fmt=format_arena_hard,
-          hub_id="lmarena-ai/arena-hard-auto", hub_split="train",
-          hub_data_files=("data/arena-hard-v2.0/question.jsonl",))
+_eval_set(
+    "arena-hard",
+    domain="chat",
+    local="arena_hard_v2.jsonl",
+    cap=500,
+    fmt=format_arena_hard,
+    hub_id="lmarena-ai/arena-hard-auto",
+    hub_split="train",
+    hub_data_files=("data/arena-hard-v2.0/question.jsonl",),
+)
 
-PROMPT_SETS.add("open-perfectblend", PromptSetSpec(
-    "open-perfectblend", "mixed", "train", hub_id="mlabonne/open-perfectblend", hub_split="train",
-    format_hub_row=format_conversation, note="Domain per row is guessed from its `source` column."))
-PROMPT_SETS.add("gsm8k-train", PromptSetSpec(
-    "gsm8k-train", "math", "train", local_files=("gsm8k_train.jsonl",), reference_of=_gsm8k_reference,
-    note="Reference = the GSM8K worked solution without its <<calculator>> notes, ending in '#### answer'."))
-PROMPT_SETS.add("math-train", PromptSetSpec(
-    "math-train", "math", "train", local_files=("math_train.jsonl",), reference_of=lambda row: None,
-    note="The staged MATH train rows hold final answers only, so records carry no reference response."))
-PROMPT_SETS.add("mbpp-train", PromptSetSpec(
-    "mbpp-train", "code", "train", local_files=("mbpp_full.jsonl",), keep_local_row=_not_mbpp_test_task,
-    note="MBPP task ids 1-10 and 511-974 (reference = the task's code); the test ids 11-510 hold the eval set's tasks."))
-PROMPT_SETS.add("alpaca-seed", PromptSetSpec(
-    "alpaca-seed", "instruction", "train", local_files=("alpaca_seed_tasks.jsonl",),
-    note="175 human-written self-instruct seed tasks; reference = the first instance's output."))
-PROMPT_SETS.add("alpaca-5k", PromptSetSpec(
-    "alpaca-5k", "instruction", "train", local_files=("alpaca_5k_train.jsonl",),
-    note="5,000 Alpaca-52k rows (tatsu-lab/stanford_alpaca data/alpaca_5000.json), the paper's alpaca prompt format; "
-         "reference = the Alpaca (text-davinci-003) output. Training only; no prompt overlaps alpaca_eval.jsonl."))
-PROMPT_SETS.add("synthetic", PromptSetSpec(
-    "synthetic", "mixed", "train", generate=_generate_synthetic,
-    note=f"Offline generator (dspark.data.synthetic); limit=None gives {SYNTHETIC_DEFAULT_COUNT} prompts."))
+PROMPT_SETS.add(
+    "open-perfectblend",
+    PromptSetSpec(
+        "open-perfectblend",
+        "mixed",
+        "train",
+        hub_id="mlabonne/open-perfectblend",
+        hub_split="train",
+        format_hub_row=format_conversation,
+        note="Domain per row is guessed from its `source` column.",
+    ),
+)
+PROMPT_SETS.add(
+    "gsm8k-train",
+    PromptSetSpec(
+        "gsm8k-train",
+        "math",
+        "train",
+        local_files=("gsm8k_train.jsonl",),
+        reference_of=_gsm8k_reference,
+        note="Reference = the GSM8K worked solution without its <<calculator>> notes, ending in '#### answer'.",
+    ),
+)
+PROMPT_SETS.add(
+    "math-train",
+    PromptSetSpec(
+        "math-train",
+        "math",
+        "train",
+        local_files=("math_train.jsonl",),
+        reference_of=lambda row: None,
+        note="The staged MATH train rows hold final answers only, so records carry no reference response.",
+    ),
+)
+PROMPT_SETS.add(
+    "mbpp-train",
+    PromptSetSpec(
+        "mbpp-train",
+        "code",
+        "train",
+        local_files=("mbpp_full.jsonl",),
+        keep_local_row=_not_mbpp_test_task,
+        note="MBPP task ids 1-10 and 511-974 (reference = the task's code); the test ids 11-510 hold the eval set's tasks.",
+    ),
+)
+PROMPT_SETS.add(
+    "alpaca-seed",
+    PromptSetSpec(
+        "alpaca-seed",
+        "instruction",
+        "train",
+        local_files=("alpaca_seed_tasks.jsonl",),
+        note="175 human-written self-instruct seed tasks; reference = the first instance's output.",
+    ),
+)
+PROMPT_SETS.add(
+    "alpaca-5k",
+    PromptSetSpec(
+        "alpaca-5k",
+        "instruction",
+        "train",
+        local_files=("alpaca_5k_train.jsonl",),
+        note="5,000 Alpaca-52k rows (tatsu-lab/stanford_alpaca data/alpaca_5000.json), the paper's alpaca prompt format; "
+        "reference = the Alpaca (text-davinci-003) output. Training only; no prompt overlaps alpaca_eval.jsonl.",
+    ),
+)
+PROMPT_SETS.add(
+    "synthetic",
+    PromptSetSpec(
+        "synthetic",
+        "mixed",
+        "train",
+        generate=_generate_synthetic,
+        note=f"Offline generator (dspark.data.synthetic); limit=None gives {SYNTHETIC_DEFAULT_COUNT} prompts.",
+    ),
+)
 
 
 def prompt_set_domain(name: str) -> str:
@@ -261,7 +389,8 @@ def search_dirs(local_dir: str | Path | None) -> list[tuple[str, Path]]:
         if not local_dir.is_dir():
             raise ValueError(
                 f"data.local_dir={local_dir} does not exist; point it at a directory of JSONL prompt files "
-                f"({SCHEMA_HINT}) or leave it unset.")
+                f"({SCHEMA_HINT}) or leave it unset."
+            )
         dirs.append(("data.local_dir", local_dir))
     env = default_data_dir()
     if env is not None:
@@ -294,12 +423,16 @@ def hub_unreachable_reason(hub_id: str, *, cache_dir: str | Path | None, timeout
     within `timeout_s`), else a one-line reason. Preflight calls it so an offline run stops before any work."""
     cached_names = (hub_id.replace("/", "___"), "datasets--" + hub_id.replace("/", "--"))
     roots = [Path(cache_dir)] if cache_dir is not None else []
-    roots += [Path(os.environ.get("HF_DATASETS_CACHE") or Path.home() / ".cache" / "huggingface" / "datasets"),
-              Path(os.environ.get("HF_HUB_CACHE") or Path.home() / ".cache" / "huggingface" / "hub")]
+    roots += [
+        Path(os.environ.get("HF_DATASETS_CACHE") or Path.home() / ".cache" / "huggingface" / "datasets"),
+        Path(os.environ.get("HF_HUB_CACHE") or Path.home() / ".cache" / "huggingface" / "hub"),
+    ]
     if any((root / name).exists() for root in roots for name in cached_names):
         return None
-    offline = any(os.environ.get(key, "").lower() in ("1", "true", "yes", "on")
-                  for key in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"))
+    offline = any(
+        os.environ.get(key, "").lower() in ("1", "true", "yes", "on")
+        for key in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE")
+    )
     if offline:
         return "it is not in the datasets cache and HF_HUB_OFFLINE / HF_DATASETS_OFFLINE is set"
     try:
@@ -326,24 +459,30 @@ def check_prompt_file(path: Path, *, keep_row: Callable[[Mapping[str, Any]], boo
         try:
             row = json.loads(line)
         except json.JSONDecodeError as err:
-            raise ValueError(f"{path} line {number}: not valid JSON ({err.msg}, column {err.colno}); each non-blank "
-                             f"line must be {SCHEMA_HINT}.") from err
+            raise ValueError(
+                f"{path} line {number}: not valid JSON ({err.msg}, column {err.colno}); each non-blank "
+                f"line must be {SCHEMA_HINT}."
+            ) from err
         if not isinstance(row, dict):
-            raise ValueError(f"{path} line {number}: a JSON {type(row).__name__}, not an object; each non-blank "
-                             f"line must be {SCHEMA_HINT}.")
+            raise ValueError(
+                f"{path} line {number}: a JSON {type(row).__name__}, not an object; each non-blank "
+                f"line must be {SCHEMA_HINT}."
+            )
         rows += 1
         if keep_row is not None and not keep_row(row):
             continue
         prompt, turns = row.get("prompt"), row.get("turns")
         if not (isinstance(prompt, str) and prompt) and not (prompt is None and isinstance(turns, list) and turns):
-            raise ValueError(f"{path} line {number}: no `prompt` string (nor a `turns` list); prompt files need "
-                             f"{SCHEMA_HINT}.")
+            raise ValueError(
+                f"{path} line {number}: no `prompt` string (nor a `turns` list); prompt files need {SCHEMA_HINT}."
+            )
     if rows == 0:
         raise ValueError(f"{path} is empty (no non-blank lines); a prompt file needs {SCHEMA_HINT}.")
     return rows
 
 
 # ---- loading ----
+
 
 def load_prompts(
     name: str,
@@ -441,11 +580,13 @@ def _read_jsonl(path: Path, *, cache_dir) -> list[dict]:
     check_prompt_file(path)  # line-numbered errors; what datasets would choke on is caught here
     try:
         ds = datasets.load_dataset(
-            "json", data_files=str(path), split="train", cache_dir=None if cache_dir is None else str(cache_dir))
+            "json", data_files=str(path), split="train", cache_dir=None if cache_dir is None else str(cache_dir)
+        )
     except Exception as exc:  # pyarrow / ujson parse errors: report the file and the schema, not a stack of frames
         raise ValueError(
             f"Could not read {path} as JSONL ({type(exc).__name__}: {str(exc)[:300]}). Each non-blank line needs "
-            f"{SCHEMA_HINT}.") from exc
+            f"{SCHEMA_HINT}."
+        ) from exc
     return ds.to_list()
 
 
@@ -522,5 +663,6 @@ def prompt_set_errors(
                 errors.append(
                     f"{key}: prompt set '{name}' has no local file and loads from the hub ({source.hub_id}), but "
                     f"{probed[source.hub_id]}. Fix: allow network access, or set data.local_dir=DIR to a directory "
-                    f"holding {files} ({SCHEMA_HINT}), or drop '{name}' from {key}.")
+                    f"holding {files} ({SCHEMA_HINT}), or drop '{name}' from {key}."
+                )
     return errors

@@ -3,6 +3,7 @@
 Its own module so that the loaders (`prompts.py`) and the generator (`synthetic.py`) both import it without
 importing each other.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field

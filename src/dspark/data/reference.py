@@ -9,6 +9,7 @@ features over this text, whatever wrote the text; only the *contexts* differ fro
 
 `data.responses=mix` concatenates a reference dataset and a regenerated one (`combine_datasets`).
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -19,8 +20,16 @@ from typing import Any, Sequence
 import pyarrow.parquet as pq
 
 from dspark.data.integrity import building, seal_cache
-from dspark.data.regenerate import (FORMAT_VERSION, MANIFEST, RegeneratedSequence, _clip, _pad_id, _write_shard,
-                                    end_of_turn_id, shard_path)
+from dspark.data.regenerate import (
+    FORMAT_VERSION,
+    MANIFEST,
+    RegeneratedSequence,
+    _clip,
+    _pad_id,
+    _write_shard,
+    end_of_turn_id,
+    shard_path,
+)
 
 RESPONSE_MODES = ("regenerate", "reference", "mix")
 REFERENCE_FORMAT = 1
@@ -32,28 +41,46 @@ def has_reference(prompt: Any) -> bool:
     return bool((getattr(prompt, "reference", None) or "").strip())
 
 
-def reference_cache_key(target: Any, prompts: Sequence[Any], *, max_length: int, min_loss_tokens: int,
-                        system_prompt: str | None) -> str:
+def reference_cache_key(
+    target: Any, prompts: Sequence[Any], *, max_length: int, min_loss_tokens: int, system_prompt: str | None
+) -> str:
     """sha256 over everything that determines the reference dataset."""
-    payload = {"kind": "reference", "format": [FORMAT_VERSION, REFERENCE_FORMAT], "target": target.fingerprint,
-               "prompts": [[p.id, getattr(p, "domain", ""), p.prompt, p.reference] for p in prompts],
-               "max_length": max_length, "min_loss_tokens": min_loss_tokens, "system_prompt": system_prompt}
+    payload = {
+        "kind": "reference",
+        "format": [FORMAT_VERSION, REFERENCE_FORMAT],
+        "target": target.fingerprint,
+        "prompts": [[p.id, getattr(p, "domain", ""), p.prompt, p.reference] for p in prompts],
+        "max_length": max_length,
+        "min_loss_tokens": min_loss_tokens,
+        "system_prompt": system_prompt,
+    }
     return hashlib.sha256(json.dumps(payload, sort_keys=True, default=str).encode()).hexdigest()
 
 
-def reference_sequence(target: Any, prompt: Any, *, eot: int, max_length: int,
-                       system_prompt: str | None = None) -> RegeneratedSequence:
+def reference_sequence(
+    target: Any, prompt: Any, *, eot: int, max_length: int, system_prompt: str | None = None
+) -> RegeneratedSequence:
     """One sequence: templated prompt + the reference response's tokens + end-of-turn (loss on the response)."""
     prompt_ids = target.chat_prompt_ids(prompt.prompt, system_prompt=system_prompt)
     response = list(target.tokenizer(prompt.reference.strip(), add_special_tokens=False)["input_ids"]) + [eot]
-    seq = RegeneratedSequence(input_ids=list(prompt_ids) + response,
-                              loss_mask=[0] * len(prompt_ids) + [1] * len(response),
-                              prompt_id=prompt.id, domain=getattr(prompt, "domain", ""))
+    seq = RegeneratedSequence(
+        input_ids=list(prompt_ids) + response,
+        loss_mask=[0] * len(prompt_ids) + [1] * len(response),
+        prompt_id=prompt.id,
+        domain=getattr(prompt, "domain", ""),
+    )
     return _clip(seq, max_length)
 
 
-def build_reference_dataset(target: Any, prompts: Sequence[Any], *, cache_dir: Path, max_length: int,
-                            min_loss_tokens: int = 14, system_prompt: str | None = None) -> Path:
+def build_reference_dataset(
+    target: Any,
+    prompts: Sequence[Any],
+    *,
+    cache_dir: Path,
+    max_length: int,
+    min_loss_tokens: int = 14,
+    system_prompt: str | None = None,
+) -> Path:
     """Write (or reuse) the reference-response dataset of `prompts`; returns its directory under `cache_dir/regen/`.
 
     Every prompt must carry a reference (`has_reference`); sequences with fewer than `min_loss_tokens` loss
@@ -61,12 +88,15 @@ def build_reference_dataset(target: Any, prompts: Sequence[Any], *, cache_dir: P
     """
     missing = [p.id for p in prompts if not has_reference(p)]
     if missing:
-        raise ValueError(f"data.responses=reference: {len(missing)} prompts have no reference response (e.g. "
-                         f"{missing[0]!r}); use data.responses=regenerate or mix for such sets")
+        raise ValueError(
+            f"data.responses=reference: {len(missing)} prompts have no reference response (e.g. "
+            f"{missing[0]!r}); use data.responses=regenerate or mix for such sets"
+        )
     if max_length < 2:
         raise ValueError(f"data.max_length={max_length} must be >= 2; set the sequence length cap")
-    key = reference_cache_key(target, prompts, max_length=max_length, min_loss_tokens=min_loss_tokens,
-                              system_prompt=system_prompt)
+    key = reference_cache_key(
+        target, prompts, max_length=max_length, min_loss_tokens=min_loss_tokens, system_prompt=system_prompt
+    )
     out_dir = Path(cache_dir) / "regen" / key
     with building(out_dir) as whole:  # one builder at a time; a damaged finished cache comes back unfinished
         if whole:
@@ -76,17 +106,35 @@ def build_reference_dataset(target: Any, prompts: Sequence[Any], *, cache_dir: P
         num_shards = max(1, -(-len(prompts) // SHARD_ROWS))
         totals = {"sequences": 0, "dropped": 0, "generated_tokens": 0, "truncated": 0, "clipped": 0, "loss_tokens": 0}
         for index in range(num_shards):
-            rows = [reference_sequence(target, p, eot=eot, max_length=max_length, system_prompt=system_prompt)
-                    for p in prompts[index * SHARD_ROWS:(index + 1) * SHARD_ROWS]]
+            rows = [
+                reference_sequence(target, p, eot=eot, max_length=max_length, system_prompt=system_prompt)
+                for p in prompts[index * SHARD_ROWS : (index + 1) * SHARD_ROWS]
+            ]
             kept = [r for r in rows if sum(r.loss_mask) >= min_loss_tokens]
-            stats = {"sequences": len(kept), "dropped": len(rows) - len(kept), "generated_tokens": 0, "truncated": 0,
-                     "clipped": sum(r.clipped for r in kept), "loss_tokens": sum(sum(r.loss_mask) for r in kept)}
+            stats = {
+                "sequences": len(kept),
+                "dropped": len(rows) - len(kept),
+                "generated_tokens": 0,
+                "truncated": 0,
+                "clipped": sum(r.clipped for r in kept),
+                "loss_tokens": sum(sum(r.loss_mask) for r in kept),
+            }
             _write_shard(shard_path(out_dir, index), kept, stats)
             totals = {k: totals[k] + stats[k] for k in totals}
-        manifest = {"key": key, "format": FORMAT_VERSION, "responses": "reference", "target": target.name,
-                    "target_fingerprint": target.fingerprint, "max_length": max_length,
-                    "min_loss_tokens": min_loss_tokens, "num_prompts": len(prompts), "num_shards": num_shards,
-                    "end_of_turn_id": eot, "pad_token_id": _pad_id(target), "stats": totals}
+        manifest = {
+            "key": key,
+            "format": FORMAT_VERSION,
+            "responses": "reference",
+            "target": target.name,
+            "target_fingerprint": target.fingerprint,
+            "max_length": max_length,
+            "min_loss_tokens": min_loss_tokens,
+            "num_prompts": len(prompts),
+            "num_shards": num_shards,
+            "end_of_turn_id": eot,
+            "pad_token_id": _pad_id(target),
+            "stats": totals,
+        }
         seal_cache(out_dir, manifest, [shard_path(out_dir, i).name for i in range(num_shards)])
     return out_dir
 
@@ -121,8 +169,15 @@ def combine_datasets(parts: Sequence[Path], *, cache_dir: Path) -> Path:
         for manifest in manifests:
             for name, value in manifest.get("stats", {}).items():
                 stats[name] = stats.get(name, 0) + value
-        combined = {**manifests[0], "key": key, "responses": "mix", "parts": [m["key"] for m in manifests],
-                    "part_responses": [m.get("responses", "regenerate") for m in manifests],
-                    "num_prompts": sum(m["num_prompts"] for m in manifests), "num_shards": index, "stats": stats}
+        combined = {
+            **manifests[0],
+            "key": key,
+            "responses": "mix",
+            "parts": [m["key"] for m in manifests],
+            "part_responses": [m.get("responses", "regenerate") for m in manifests],
+            "num_prompts": sum(m["num_prompts"] for m in manifests),
+            "num_shards": index,
+            "stats": stats,
+        }
         seal_cache(out_dir, combined, [shard_path(out_dir, i).name for i in range(index)])
     return out_dir

@@ -18,6 +18,7 @@ Zen 4, one thread, 32 prompts × 64 new tokens at T = 1: 72 tok/s fp32, 99 tok/s
 target's, as the feature cache's prefill is (mean TV of p_t against fp32 0.006, CPU_RECIPE.md), and the precision
 is part of the cache key.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -100,8 +101,15 @@ def user_turns(prompt: Any, *, multi_turn: bool) -> list[str]:
 
 
 def regen_cache_key(
-    target: Target, prompts: Sequence[PromptRecord], *, sampling: SamplingConfig, seed: int, max_length: int,
-    min_loss_tokens: int, multi_turn: bool = True, precision: str = "fp32"
+    target: Target,
+    prompts: Sequence[PromptRecord],
+    *,
+    sampling: SamplingConfig,
+    seed: int,
+    max_length: int,
+    min_loss_tokens: int,
+    multi_turn: bool = True,
+    precision: str = "fp32",
 ) -> str:
     """sha256 over everything that determines the regenerated data (`precision` only when it is not fp32, so the
     keys of fp32 caches stay what they were)."""
@@ -109,8 +117,9 @@ def regen_cache_key(
         "format": FORMAT_VERSION,
         "target": target.fingerprint,
         # knobs we do not set explicitly could still come from the model's generation config
-        "generation_config": {k: v for k, v in target.model.generation_config.to_diff_dict().items()
-                              if k != "transformers_version"},
+        "generation_config": {
+            k: v for k, v in target.model.generation_config.to_diff_dict().items() if k != "transformers_version"
+        },
         "prompts": [[p.id, getattr(p, "domain", ""), p.prompt, list(getattr(p, "turns", None) or [])] for p in prompts],
         "sampling": sampling_record(sampling, multi_turn=multi_turn),
         "seed": seed,
@@ -145,13 +154,21 @@ def regenerate_responses(
     `dspark.data.features.resolve_prefill_precision` resolves `data.regen_precision`.
     """
     if precision not in ("fp32", "bf16"):
-        raise ValueError(f"data.regen_precision={precision!r}: resolve it to fp32 or bf16 first "
-                         "(dspark.data.features.resolve_prefill_precision)")
+        raise ValueError(
+            f"data.regen_precision={precision!r}: resolve it to fp32 or bf16 first "
+            "(dspark.data.features.resolve_prefill_precision)"
+        )
     if max_length < 2:
         raise ValueError(f"data.max_length={max_length} must be >= 2; set the sequence length cap")
     key = regen_cache_key(
-        target, prompts, sampling=sampling, seed=seed, max_length=max_length, min_loss_tokens=min_loss_tokens,
-        multi_turn=multi_turn, precision=precision,
+        target,
+        prompts,
+        sampling=sampling,
+        seed=seed,
+        max_length=max_length,
+        min_loss_tokens=min_loss_tokens,
+        multi_turn=multi_turn,
+        precision=precision,
     )
     out_dir = Path(cache_dir) / "regen" / key
     with building(out_dir) as whole:  # one builder at a time; a damaged finished cache comes back unfinished
@@ -159,22 +176,44 @@ def regenerate_responses(
             return out_dir
         out_dir.mkdir(parents=True, exist_ok=True)
         batches = [prompts[i : i + sampling.batch_size] for i in range(0, len(prompts), sampling.batch_size)]
-        manifest = _manifest(target, key=key, sampling=sampling, seed=seed, max_length=max_length,
-                             min_loss_tokens=min_loss_tokens, num_prompts=len(prompts), num_shards=len(batches),
-                             multi_turn=multi_turn, precision=precision)
+        manifest = _manifest(
+            target,
+            key=key,
+            sampling=sampling,
+            seed=seed,
+            max_length=max_length,
+            min_loss_tokens=min_loss_tokens,
+            num_prompts=len(prompts),
+            num_shards=len(batches),
+            multi_turn=multi_turn,
+            precision=precision,
+        )
         _atomic_write_bytes(out_dir / MANIFEST, json.dumps(manifest, indent=2).encode())
         todo = [i for i in range(len(batches)) if not shard_path(out_dir, i).exists()]
-        bar = tqdm(total=len(batches), initial=len(batches) - len(todo), unit="batch", desc="regenerate",
-                   disable=not show_progress)
+        bar = tqdm(
+            total=len(batches),
+            initial=len(batches) - len(todo),
+            unit="batch",
+            desc="regenerate",
+            disable=not show_progress,
+        )
         tokens, seconds = 0, 0.0
         bf16 = precision == "bf16"
         for index in todo:
             started = time.perf_counter()
-            with torch.autocast(device_type=target.device.type, dtype=torch.bfloat16, enabled=bf16), \
-                    autocast_linear_weights(target.model, torch.bfloat16 if bf16 else None):
-                rows, stats = regenerate_batch(target, batches[index], sampling=sampling,
-                                               seed=derive_seed(seed, index), max_length=max_length,
-                                               min_loss_tokens=min_loss_tokens, multi_turn=multi_turn)
+            with (
+                torch.autocast(device_type=target.device.type, dtype=torch.bfloat16, enabled=bf16),
+                autocast_linear_weights(target.model, torch.bfloat16 if bf16 else None),
+            ):
+                rows, stats = regenerate_batch(
+                    target,
+                    batches[index],
+                    sampling=sampling,
+                    seed=derive_seed(seed, index),
+                    max_length=max_length,
+                    min_loss_tokens=min_loss_tokens,
+                    multi_turn=multi_turn,
+                )
             stats["seconds"] = time.perf_counter() - started
             _write_shard(shard_path(out_dir, index), rows, stats)
             tokens, seconds = tokens + stats["generated_tokens"], seconds + stats["seconds"]
@@ -186,17 +225,35 @@ def regenerate_responses(
     return out_dir
 
 
-def _manifest(target: Target, *, key: str, sampling: SamplingConfig, seed: int, max_length: int,
-              min_loss_tokens: int, num_prompts: int, num_shards: int, multi_turn: bool,
-              precision: str) -> dict[str, Any]:
+def _manifest(
+    target: Target,
+    *,
+    key: str,
+    sampling: SamplingConfig,
+    seed: int,
+    max_length: int,
+    min_loss_tokens: int,
+    num_prompts: int,
+    num_shards: int,
+    multi_turn: bool,
+    precision: str,
+) -> dict[str, Any]:
     """What the directory holds and how it was made (recorded with runs)."""
     return {
-        "key": key, "format": FORMAT_VERSION, "target": target.name, "target_fingerprint": target.fingerprint,
+        "key": key,
+        "format": FORMAT_VERSION,
+        "target": target.name,
+        "target_fingerprint": target.fingerprint,
         "sampling": sampling_record(sampling, multi_turn=multi_turn),
         "template_default_system_prompt": bool(getattr(target, "default_system_prompt", False)),
-        "seed": seed, "max_length": max_length, "min_loss_tokens": min_loss_tokens, "precision": precision,
-        "num_prompts": num_prompts, "num_shards": num_shards,
-        "end_of_turn_id": end_of_turn_id(target), "pad_token_id": _pad_id(target),
+        "seed": seed,
+        "max_length": max_length,
+        "min_loss_tokens": min_loss_tokens,
+        "precision": precision,
+        "num_prompts": num_prompts,
+        "num_shards": num_shards,
+        "end_of_turn_id": end_of_turn_id(target),
+        "pad_token_id": _pad_id(target),
     }
 
 
@@ -205,8 +262,14 @@ def shard_path(out_dir: Path, index: int) -> Path:
 
 
 def regenerate_batch(
-    target: Target, prompts: Sequence[PromptRecord], *, sampling: SamplingConfig, seed: int, max_length: int,
-    min_loss_tokens: int, multi_turn: bool = True
+    target: Target,
+    prompts: Sequence[PromptRecord],
+    *,
+    sampling: SamplingConfig,
+    seed: int,
+    max_length: int,
+    min_loss_tokens: int,
+    multi_turn: bool = True,
 ) -> tuple[list[RegeneratedSequence], dict[str, int]]:
     """Sample one batch of prompts turn by turn (first turns only without `multi_turn`); returns the kept sequences
     and counters for the manifest."""
@@ -234,9 +297,14 @@ def regenerate_batch(
                 content = target.tokenizer.decode(response[:-1], skip_special_tokens=True)
                 histories[i] += [{"role": "user", "content": turns[i][turn]}, {"role": "assistant", "content": content}]
     kept = [s for s in map(lambda s: _clip(s, max_length), seqs) if sum(s.loss_mask) >= min_loss_tokens]
-    stats = {"sequences": len(kept), "dropped": len(seqs) - len(kept), "generated_tokens": generated,
-             "truncated": sum(s.truncated for s in kept), "clipped": sum(s.clipped for s in kept),
-             "loss_tokens": sum(sum(s.loss_mask) for s in kept)}
+    stats = {
+        "sequences": len(kept),
+        "dropped": len(seqs) - len(kept),
+        "generated_tokens": generated,
+        "truncated": sum(s.truncated for s in kept),
+        "clipped": sum(s.clipped for s in kept),
+        "loss_tokens": sum(sum(s.loss_mask) for s in kept),
+    }
     return kept, stats
 
 
@@ -246,8 +314,9 @@ def _clip(seq: RegeneratedSequence, max_length: int) -> RegeneratedSequence:
     return seq
 
 
-def _next_prompt_ids(target: Target, history: list[dict[str, str]], user_text: str, *, sampling: SamplingConfig,
-                     eot: int) -> list[int]:
+def _next_prompt_ids(
+    target: Target, history: list[dict[str, str]], user_text: str, *, sampling: SamplingConfig, eot: int
+) -> list[int]:
     """Ids to append before the next response: the whole prompt for turn 1, else the text between the previous
     end-of-turn and the next assistant header (the template's newline, the user turn, the header)."""
     if not history:
@@ -264,7 +333,7 @@ def _next_prompt_ids(target: Target, history: list[dict[str, str]], user_text: s
             f"token {eot_text!r}; regenerate first turns only (regenerate_responses(..., multi_turn=False)) or use "
             "single-turn prompt sets in data.train_sets"
         )
-    return list(target.tokenizer(text[cut + len(eot_text):], add_special_tokens=False)["input_ids"])
+    return list(target.tokenizer(text[cut + len(eot_text) :], add_special_tokens=False)["input_ids"])
 
 
 def sample_responses(
@@ -279,8 +348,11 @@ def sample_responses(
     input_ids, attention_mask = _left_padded(target, prompt_ids)
     width = input_ids.shape[1]
     with torch.no_grad():
-        out = target.model.generate(input_ids=input_ids, attention_mask=attention_mask,
-                                    generation_config=_generation_config(target, sampling, pad=pad))
+        out = target.model.generate(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            generation_config=_generation_config(target, sampling, pad=pad),
+        )
     stops = set(target.stop_token_ids)
     results = []
     for row in out[:, width:].tolist():
@@ -320,8 +392,14 @@ def sample_lean(
     rows = list(range(len(prompt_ids)))  # the batch's rows, by their index in prompt_ids
     cache = DynamicCache()
     with torch.no_grad():
-        logits = target.model(input_ids=input_ids, attention_mask=mask, position_ids=positions, cache=cache,
-                              use_cache=True, logits_to_keep=1).logits[:, -1]
+        logits = target.model(
+            input_ids=input_ids,
+            attention_mask=mask,
+            position_ids=positions,
+            cache=cache,
+            use_cache=True,
+            logits_to_keep=1,
+        ).logits[:, -1]
         next_position = positions[:, -1] + 1
         for step in range(sampling.max_new_tokens):
             tokens = draw_tokens(logits, sampling=sampling, suppress=suppress)
@@ -340,15 +418,22 @@ def sample_lean(
                 mask, next_position, tokens = mask[index], next_position[index], tokens[index]
                 rows = [rows[slot] for slot in keep]
             mask = torch.cat([mask, mask.new_ones(len(rows), 1)], dim=1)
-            logits = target.model(input_ids=tokens[:, None], attention_mask=mask, position_ids=next_position[:, None],
-                                  cache=cache, use_cache=True).logits[:, -1]
+            logits = target.model(
+                input_ids=tokens[:, None],
+                attention_mask=mask,
+                position_ids=next_position[:, None],
+                cache=cache,
+                use_cache=True,
+            ).logits[:, -1]
             next_position = next_position + 1
-    return [(response, True) if stopped else (response + [eot], False)
-            for response, stopped in zip(responses, hit_stop)]
+    return [
+        (response, True) if stopped else (response + [eot], False) for response, stopped in zip(responses, hit_stop)
+    ]
 
 
-def draw_tokens(logits: Tensor, *, sampling: SamplingConfig, suppress: Tensor | None = None,
-                uniform: Tensor | None = None) -> Tensor:
+def draw_tokens(
+    logits: Tensor, *, sampling: SamplingConfig, suppress: Tensor | None = None, uniform: Tensor | None = None
+) -> Tensor:
     """One token per row of logits [N, V] under `sampling` (what `_generation_config` makes `generate` sample):
     the `suppress` ids masked, then temperature, top-k, top-p (transformers' warpers, in its order and with its
     tie and keep-one rules); T = 0 is greedy. Returns [N] long.
@@ -388,12 +473,23 @@ def _generation_config(target: Target, sampling: SamplingConfig, *, pad: int) ->
     The MASK row is suppressed: the data must never contain it (METHOD §2.1). A real target's MASK is a token it
     does not emit anyway; a random-weight `tiny` target would.
     """
-    common = dict(max_new_tokens=sampling.max_new_tokens, pad_token_id=pad, eos_token_id=list(target.stop_token_ids),
-                  repetition_penalty=1.0, suppress_tokens=[int(target.mask_token_id)])
+    common = dict(
+        max_new_tokens=sampling.max_new_tokens,
+        pad_token_id=pad,
+        eos_token_id=list(target.stop_token_ids),
+        repetition_penalty=1.0,
+        suppress_tokens=[int(target.mask_token_id)],
+    )
     if sampling.temperature == 0:
         return GenerationConfig(do_sample=False, **common)
-    return GenerationConfig(do_sample=True, temperature=sampling.temperature, top_p=sampling.top_p,
-                            top_k=sampling.top_k, min_p=0.0, **common)
+    return GenerationConfig(
+        do_sample=True,
+        temperature=sampling.temperature,
+        top_p=sampling.top_p,
+        top_k=sampling.top_k,
+        min_p=0.0,
+        **common,
+    )
 
 
 def _pad_id(target: Target) -> int:

@@ -1,5 +1,6 @@
 """Lossless speculative decoding (METHOD §5): the one verifier (`verify`), the single-request engine, the proposers,
 the one policy family shared with serving (`policies`) and what both engines share (`shared`, `drafting`)."""
+
 from dspark.decoding.engine import SpeculativeEngine
 from dspark.decoding.policies import (
     POLICIES,

@@ -28,6 +28,7 @@ Faults: a slot whose logits are unusable (NaN, +inf, or all −inf; `usable_logi
 slot is sampled. The decision depends on x_<k only (like a policy stop), so the output stays the target's; such a
 slot is never verified, hence never accepted. Non-finite confidences read as 0.
 """
+
 from __future__ import annotations
 
 import copy
@@ -45,14 +46,18 @@ def resolve_precision(precision: str, device: torch.device | str = "cpu") -> tor
     """`decode.drafter_precision` → the dtype of the drafter's parallel stage (module docstring); `torch.qint8`
     stands for the dynamically quantised int8 stage (CPU only)."""
     if precision not in PRECISIONS:
-        raise ValueError(f"{PRECISION_KEY}={precision!r} is not one of {', '.join(PRECISIONS)}; use auto (bf16 on "
-                         "CPUs with AMX-BF16 / AVX512-BF16, else fp32), fp32, bf16 or int8 (CPU only)")
+        raise ValueError(
+            f"{PRECISION_KEY}={precision!r} is not one of {', '.join(PRECISIONS)}; use auto (bf16 on "
+            "CPUs with AMX-BF16 / AVX512-BF16, else fp32), fp32, bf16 or int8 (CPU only)"
+        )
     if precision == "auto":
         return torch.bfloat16 if torch.device(device).type == "cpu" and cpu_has_fast_bf16() else torch.float32
     if precision == "int8":
         if torch.device(device).type != "cpu":
-            raise ValueError(f"{PRECISION_KEY}=int8 runs on the CPU only (dynamic int8 quantisation); the drafter is "
-                             f"on {torch.device(device)}: use auto, fp32 or bf16 there")
+            raise ValueError(
+                f"{PRECISION_KEY}=int8 runs on the CPU only (dynamic int8 quantisation); the drafter is "
+                f"on {torch.device(device)}: use auto, fp32 or bf16 there"
+            )
         return torch.qint8
     return torch.bfloat16 if precision == "bf16" else torch.float32
 

@@ -29,6 +29,7 @@ Generation stops at a stop id or once `max_new_tokens` are committed (the last r
 `new_tokens` is truncated). Without a proposer every round is one target forward over the anchor (ℓ = 0, τ = 1):
 the target-only baseline, through the same code path and the same verifier.
 """
+
 from __future__ import annotations
 
 import time
@@ -72,9 +73,9 @@ class _Decoding:
     """Mutable state of one generation."""
 
     cache: Any
-    anchor: int          # x_0 of the next round
-    position: int        # its position p (== cached positions)
-    limit: int           # max_new_tokens
+    anchor: int  # x_0 of the next round
+    position: int  # its position p (== cached positions)
+    limit: int  # max_new_tokens
     new_tokens: list[int] = field(default_factory=list)
     rounds: list[RoundRecord] = field(default_factory=list)
     done: bool = False
@@ -88,15 +89,25 @@ class SpeculativeEngine:
     (`decode.step_costs`): "profile" | "measured" (module docstring; policies without an SPS table ignore it).
     """
 
-    def __init__(self, *, target: Any, proposer: Proposer | None, policy: VerificationPolicy | None,
-                 temperature: float, max_new_tokens: int, calibration: STSCalibration | None = None,
-                 step_costs: str = "profile") -> None:
+    def __init__(
+        self,
+        *,
+        target: Any,
+        proposer: Proposer | None,
+        policy: VerificationPolicy | None,
+        temperature: float,
+        max_new_tokens: int,
+        calibration: STSCalibration | None = None,
+        step_costs: str = "profile",
+    ) -> None:
         self.temperature = check_temperature(temperature, KEY)
         self.max_new_tokens = check_max_new_tokens(max_new_tokens, KEY)
         if step_costs not in STEP_COSTS:
-            raise ValueError(f"{KEY}.step_costs={step_costs!r}: choose one of {', '.join(STEP_COSTS)} (profile: the "
-                             "SPS(B) table profiled at the start, reproducible from a seed; measured: re-priced from "
-                             "the rounds' own verify and drafting times)")
+            raise ValueError(
+                f"{KEY}.step_costs={step_costs!r}: choose one of {', '.join(STEP_COSTS)} (profile: the "
+                "SPS(B) table profiled at the start, reproducible from a seed; measured: re-priced from "
+                "the rounds' own verify and drafting times)"
+            )
         policy = policy if policy is not None else build_policy("fixed")
         if proposer is not None:
             check_policy_drafter(policy, has_confidence=proposer.has_confidence, key=KEY)
@@ -107,15 +118,19 @@ class SpeculativeEngine:
         self._policy_hook = drafting_hook(policy, calibration)
         self._max_drafts = draft_limit(policy)
         profile = getattr(policy, "sps", None)
-        self.round_costs = (MeasuredRoundCosts(profile) if step_costs == "measured" and profile is not None
-                            and proposer is not None and hasattr(policy, "reprice") else None)
+        self.round_costs = (
+            MeasuredRoundCosts(profile)
+            if step_costs == "measured" and profile is not None and proposer is not None and hasattr(policy, "reprice")
+            else None
+        )
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
 
-    def generate(self, prompt_ids: list[int], *, generator: torch.Generator | None,
-                 max_new_tokens: int | None = None) -> GenerationResult:
+    def generate(
+        self, prompt_ids: list[int], *, generator: torch.Generator | None, max_new_tokens: int | None = None
+    ) -> GenerationResult:
         """Generate after `prompt_ids` (already templated). `generator` drives every random choice."""
         limit = self._check_prompt(prompt_ids, max_new_tokens)
         self.policy.reset()
@@ -125,14 +140,20 @@ class SpeculativeEngine:
         while not state.done:
             state.rounds.append(self._round(state, generator))
         new_tokens = state.new_tokens[:limit]
-        return GenerationResult(prompt_ids=list(prompt_ids), new_tokens=new_tokens, rounds=state.rounds,
-                                stop_reason=stop_reason(new_tokens, self.stop_ids), prefill_seconds=prefill_seconds,
-                                total_seconds=time.perf_counter() - start)
+        return GenerationResult(
+            prompt_ids=list(prompt_ids),
+            new_tokens=new_tokens,
+            rounds=state.rounds,
+            stop_reason=stop_reason(new_tokens, self.stop_ids),
+            prefill_seconds=prefill_seconds,
+            total_seconds=time.perf_counter() - start,
+        )
 
     def _check_prompt(self, prompt_ids: list[int], max_new_tokens: int | None) -> int:
         limit = check_max_new_tokens(self.max_new_tokens if max_new_tokens is None else max_new_tokens, KEY)
-        error = prompt_error(list(prompt_ids), limit=limit, vocab_size=self.target.vocab_size,
-                             max_positions=self.max_positions, key=KEY)
+        error = prompt_error(
+            list(prompt_ids), limit=limit, vocab_size=self.target.vocab_size, max_positions=self.max_positions, key=KEY
+        )
         if error is not None:
             raise ValueError(error)
         return limit
@@ -167,9 +188,13 @@ class SpeculativeEngine:
         target_logits = self.target.logits_from_hidden(forward.final_hidden[0])
         # 5. The one verifier (p_t = softmax(logits / T) row by row, only as far as it reads: the same result as on
         #    every row's p_t, `verify_drafts_from_logits`).
-        result = verify_drafts_from_logits(draft_tokens=proposal.tokens[:num_verified],
-                                           draft_probs=proposal.draft_probs[:num_verified], target_logits=target_logits,
-                                           temperature=self.temperature, generator=generator)
+        result = verify_drafts_from_logits(
+            draft_tokens=proposal.tokens[:num_verified],
+            draft_probs=proposal.draft_probs[:num_verified],
+            target_logits=target_logits,
+            temperature=self.temperature,
+            generator=generator,
+        )
         synchronize(target_logits.device)
         verify_seconds = time.perf_counter() - verify_start
         # 6. Commit the accepted drafts and the extra token (an accepted stop id ends the round without one).
@@ -184,8 +209,7 @@ class SpeculativeEngine:
             # 8. The drafter's context gains p..p+A (A+1 features from the verify forward); y anchors at p+A+1.
             if self.proposer is not None:
                 extend_start = time.perf_counter()
-                self.proposer.extend(features=forward.features[:, :len(accepted) + 1],
-                                     token_ids=[anchor, *accepted])
+                self.proposer.extend(features=forward.features[:, : len(accepted) + 1], token_ids=[anchor, *accepted])
                 synchronize(target_logits.device)
                 extend_seconds = time.perf_counter() - extend_start
             state.anchor, state.position = extra, keep
@@ -194,27 +218,44 @@ class SpeculativeEngine:
             self.round_costs.observe(num_verified + 1, verify_seconds, total - verify_seconds)
             self.policy.reprice(self.round_costs.table())
             total = time.perf_counter() - start  # the re-pricing counts as this round's "other"
-        return self._record(proposal, drafts, calibrated, anchor_position=position, num_verified=num_verified,
-                            accepted=accepted, committed=committed, extra=extra,
-                            seconds=(total, verify_seconds, extend_seconds))
+        return self._record(
+            proposal,
+            drafts,
+            calibrated,
+            anchor_position=position,
+            num_verified=num_verified,
+            accepted=accepted,
+            committed=committed,
+            extra=extra,
+            seconds=(total, verify_seconds, extend_seconds),
+        )
 
     def _propose(self, state: _Decoding, generator: torch.Generator | None) -> Proposal:
         if self.proposer is None:
             device, vocab = self.target.device, self.target.vocab_size
-            return Proposal(torch.zeros(0, dtype=torch.long, device=device),
-                            torch.zeros(0, vocab, dtype=torch.float32, device=device), None)
-        return self.proposer.propose(anchor_token=state.anchor, anchor_position=state.position,
-                                     temperature=self.temperature, generator=generator, stop_ids=self.stop_ids,
-                                     policy_hook=self._policy_hook,
-                                     max_drafts=self._max_drafts)
+            return Proposal(
+                torch.zeros(0, dtype=torch.long, device=device),
+                torch.zeros(0, vocab, dtype=torch.float32, device=device),
+                None,
+            )
+        return self.proposer.propose(
+            anchor_token=state.anchor,
+            anchor_position=state.position,
+            temperature=self.temperature,
+            generator=generator,
+            stop_ids=self.stop_ids,
+            policy_hook=self._policy_hook,
+            max_drafts=self._max_drafts,
+        )
 
     def _num_to_verify(self, confidences: Tensor | None, drafts: list[int], position: int) -> int:
         """ℓ_eff = min(policy's ℓ, slot of the first drafted stop id, room left in the target's context)."""
         count = len(drafts)
         if self.proposer is None or count == 0:
             return 0
-        chosen = self.policy.choose(confidences=None if confidences is None else confidences.reshape(1, -1),
-                                    num_drafts=count)
+        chosen = self.policy.choose(
+            confidences=None if confidences is None else confidences.reshape(1, -1), num_drafts=count
+        )
         chosen = int(torch.as_tensor(chosen).reshape(-1)[0])
         if not 0 <= chosen <= count:
             raise ValueError(f"decode.policy returned ℓ={chosen}, outside [0, {count}] for {count} drafts")
@@ -222,17 +263,34 @@ class SpeculativeEngine:
         room = count if self.max_positions is None else self.max_positions - 1 - position
         return max(0, min(chosen, first_stop, room))
 
-    def _record(self, proposal: Proposal, drafts: list[int], calibrated: Tensor | None, *, anchor_position: int,
-                num_verified: int, accepted: list[int], committed: list[int], extra: int | None,
-                seconds: tuple[float, float, float]) -> RoundRecord:
+    def _record(
+        self,
+        proposal: Proposal,
+        drafts: list[int],
+        calibrated: Tensor | None,
+        *,
+        anchor_position: int,
+        num_verified: int,
+        accepted: list[int],
+        committed: list[int],
+        extra: int | None,
+        seconds: tuple[float, float, float],
+    ) -> RoundRecord:
         confidences = None if proposal.confidences is None else proposal.confidences.float()
         total, verify, extend = seconds
         parallel = proposal.seconds_parallel + extend  # block forward + the context update with the committed tokens
         drafting = parallel + proposal.seconds_sequential
-        return RoundRecord(anchor_position=anchor_position, drafts=drafts,
-                           confidences=None if confidences is None else confidences.tolist(),
-                           calibrated=None if calibrated is None else calibrated.tolist(),
-                           num_verified=num_verified, num_accepted=len(accepted), committed=len(committed),
-                           extra_token=extra, seconds_draft_parallel=parallel,
-                           seconds_draft_sequential=proposal.seconds_sequential, seconds_verify=verify,
-                           seconds_other=max(0.0, total - drafting - verify))
+        return RoundRecord(
+            anchor_position=anchor_position,
+            drafts=drafts,
+            confidences=None if confidences is None else confidences.tolist(),
+            calibrated=None if calibrated is None else calibrated.tolist(),
+            num_verified=num_verified,
+            num_accepted=len(accepted),
+            committed=len(committed),
+            extra_token=extra,
+            seconds_draft_parallel=parallel,
+            seconds_draft_sequential=proposal.seconds_sequential,
+            seconds_verify=verify,
+            seconds_other=max(0.0, total - drafting - verify),
+        )

@@ -32,6 +32,7 @@ stays lossless (METHOD §5, Appendix A). Drafts that will never be verified are 
   the shorter proposal is the one the full proposal would get (tested), and fewer random numbers are drawn.
 Policies with history (`async`) are reset by the engines when a generation / a serve call starts.
 """
+
 from __future__ import annotations
 
 from collections import deque
@@ -79,16 +80,21 @@ def as_counts(num_drafts: Tensor | int) -> Tensor:
 def _check(name: str, confidences: Tensor | None, num_drafts: Tensor, *, key: str) -> Tensor:
     """confidences [R, γ] float64 on the CPU with the ignored columns zeroed; clear errors otherwise."""
     if confidences is None:
-        raise ValueError(f"{key}.policy={name} needs per-slot confidences, but this drafter has no confidence head "
-                         f"(dflash, eagle3); use {key}.policy=fixed, mtp1 or static, or drafter=dspark")
+        raise ValueError(
+            f"{key}.policy={name} needs per-slot confidences, but this drafter has no confidence head "
+            f"(dflash, eagle3); use {key}.policy=fixed, mtp1 or static, or drafter=dspark"
+        )
     if confidences.dim() == 1:
         confidences = confidences.unsqueeze(0)
     if confidences.dim() != 2 or confidences.shape[0] != num_drafts.shape[0]:
-        raise ValueError(f"{key}.policy={name}: confidences must be [R, γ] with R = {num_drafts.shape[0]}, got "
-                         f"{tuple(confidences.shape)}")
+        raise ValueError(
+            f"{key}.policy={name}: confidences must be [R, γ] with R = {num_drafts.shape[0]}, got "
+            f"{tuple(confidences.shape)}"
+        )
     if bool((num_drafts > confidences.shape[1]).any()):
-        raise ValueError(f"{key}.policy={name}: got {confidences.shape[1]} confidences for "
-                         f"{int(num_drafts.max())} drafts")
+        raise ValueError(
+            f"{key}.policy={name}: got {confidences.shape[1]} confidences for {int(num_drafts.max())} drafts"
+        )
     values = torch.nan_to_num(confidences.detach().to(device="cpu", dtype=torch.float64), nan=0.0)
     drafted = torch.arange(values.shape[1]).unsqueeze(0) < num_drafts.unsqueeze(1)
     return torch.where(drafted, values, 0.0)
@@ -160,8 +166,10 @@ class ThresholdPolicy:
 
     def __post_init__(self) -> None:
         if not 0.0 <= float(self.threshold) <= 1.0:
-            raise ValueError(f"{self.key}.threshold={self.threshold} must lie in [0, 1] (it is compared with the "
-                             f"confidence c_k = σ(·)); e.g. {self.key}.threshold=0.5")
+            raise ValueError(
+                f"{self.key}.threshold={self.threshold} must lie in [0, 1] (it is compared with the "
+                f"confidence c_k = σ(·)); e.g. {self.key}.threshold=0.5"
+            )
 
     def choose(self, *, confidences: Tensor | None, num_drafts: Tensor | int) -> Tensor:
         num_drafts = as_counts(num_drafts)
@@ -183,15 +191,19 @@ class ThresholdPolicy:
 
 def _require_sps(name: str, sps: SPSTable | None, key: str) -> None:
     if sps is None:
-        raise ValueError(f"{key}.policy={name} needs the target's SPS(B) table (the forward rate per batch size); "
-                         "stage=eval / stage=profile profile it for decode.*, stage=serve for serve.* — or choose "
-                         f"{key}.policy=fixed, mtp1, static or threshold")
+        raise ValueError(
+            f"{key}.policy={name} needs the target's SPS(B) table (the forward rate per batch size); "
+            "stage=eval / stage=profile profile it for decode.*, stage=serve for serve.* — or choose "
+            f"{key}.policy=fixed, mtp1, static or threshold"
+        )
 
 
 def _check_scheduler_cost(cost: str, key: str) -> None:
     if cost not in SCHEDULER_COSTS:
-        raise ValueError(f"{key}.scheduler_cost={cost!r}: choose one of {', '.join(SCHEDULER_COSTS)} (tokens: "
-                         "Algorithm 1 at B = Σ(1 + ℓ); columns: whole columns at B = R·(k + 1), a padded engine)")
+        raise ValueError(
+            f"{key}.scheduler_cost={cost!r}: choose one of {', '.join(SCHEDULER_COSTS)} (tokens: "
+            "Algorithm 1 at B = Σ(1 + ℓ); columns: whole columns at B = R·(k + 1), a padded engine)"
+        )
 
 
 @dataclass
@@ -299,14 +311,26 @@ POLICIES.add("fixed", lambda *, static_k, threshold, sps, key, cost: StaticPolic
 POLICIES.add("mtp1", lambda *, static_k, threshold, sps, key, cost: StaticPolicy(1, name="mtp1", key=key))
 POLICIES.add("static", lambda *, static_k, threshold, sps, key, cost: StaticPolicy(static_k, name="static", key=key))
 POLICIES.add("threshold", lambda *, static_k, threshold, sps, key, cost: ThresholdPolicy(threshold, key=key))
-POLICIES.add("calibrated_threshold", lambda *, static_k, threshold, sps, key, cost: ThresholdPolicy(
-    threshold, name="calibrated_threshold", reads=CALIBRATED, key=key))
+POLICIES.add(
+    "calibrated_threshold",
+    lambda *, static_k, threshold, sps, key, cost: ThresholdPolicy(
+        threshold, name="calibrated_threshold", reads=CALIBRATED, key=key
+    ),
+)
 POLICIES.add("scheduler", lambda *, static_k, threshold, sps, key, cost: SchedulerPolicy(sps, key=key, cost=cost))
 POLICIES.add("async", lambda *, static_k, threshold, sps, key, cost: AsyncPolicy(sps, key=key))
 
 
-def build_policy(name: str, *, threshold: float = 0.5, static_k: int = 2, sps: SPSTable | None = None,
-                 key: str = "decode", calibration: None = None, scheduler_cost: str = TOKENS) -> VerificationPolicy:
+def build_policy(
+    name: str,
+    *,
+    threshold: float = 0.5,
+    static_k: int = 2,
+    sps: SPSTable | None = None,
+    key: str = "decode",
+    calibration: None = None,
+    scheduler_cost: str = TOKENS,
+) -> VerificationPolicy:
     """The policy named by `decode.policy` (key "decode") or `serve.policy` (key "serve"); errors name that key.
 
     scheduler_cost: the `scheduler`'s cost model, "tokens" (Algorithm 1) or "columns" (`serve.scheduler_cost`);
@@ -316,8 +340,10 @@ def build_policy(name: str, *, threshold: float = 0.5, static_k: int = 2, sps: S
     (older callers passed it here).
     """
     if calibration is not None:
-        raise ValueError("build_policy(calibration=...) is gone: the engine applies the STS calibration before the "
-                         "policy; pass it as SpeculativeEngine(calibration=...) or BatchedEngine(calibration=...)")
+        raise ValueError(
+            "build_policy(calibration=...) is gone: the engine applies the STS calibration before the "
+            "policy; pass it as SpeculativeEngine(calibration=...) or BatchedEngine(calibration=...)"
+        )
     if name not in POLICIES:
         raise ValueError(unknown_name_message(f"{key}.policy", name, POLICIES.names()))
     _check_scheduler_cost(scheduler_cost, key)
@@ -330,16 +356,19 @@ def calibrate_confidences(calibration: STSCalibration, confidences: Tensor) -> T
     block = len(calibration.temperatures)
     count = confidences.shape[-1]
     if count > block:
-        raise ValueError(f"the STS calibration was fitted for block_size={block} but the drafter proposed {count} "
-                         "tokens; refit the calibration for this drafter")
+        raise ValueError(
+            f"the STS calibration was fitted for block_size={block} but the drafter proposed {count} "
+            "tokens; refit the calibration for this drafter"
+        )
     if count == block:
         return calibration.apply(confidences)
     padded = torch.cat([confidences, confidences.new_zeros(*confidences.shape[:-1], block - count)], dim=-1)
     return calibration.apply(padded)[..., :count]
 
 
-def policy_confidences(policy: VerificationPolicy | None, *, raw: Tensor | None,
-                       calibrated: Tensor | None) -> Tensor | None:
+def policy_confidences(
+    policy: VerificationPolicy | None, *, raw: Tensor | None, calibrated: Tensor | None
+) -> Tensor | None:
     """What `policy` reads: the calibrated confidences when it `reads` them and the engine has a calibration,
     else the raw ones (the one place, shared by both engines, where the choice is made)."""
     if policy is not None and getattr(policy, "reads", RAW) == CALIBRATED and calibrated is not None:

@@ -18,6 +18,7 @@ engine builds the hook with `decoding.shared.drafting_hook`).
 `Eagle3Proposer` keeps EAGLE-3's step-0 keys/values of the committed positions and runs step 0 only over the positions
 committed since the last round, then the chain of γ one-token steps (`Eagle3Drafter.extend_context`, `draft_from`).
 """
+
 from __future__ import annotations
 
 import math
@@ -50,9 +51,9 @@ PolicyHook = Callable[[Tensor], bool]  # c_1..c_k [k] → True: slot k will not 
 class Proposal:
     """One round's drafts (γ' ≤ γ; fewer after a drafted stop id or a policy stop)."""
 
-    tokens: Tensor               # [γ'] long, x_1..x_γ'
-    draft_probs: Tensor          # [γ', V] float32, the distribution x_k was sampled from (one-hot when T = 0)
-    confidences: Tensor | None   # [γ'] float32 raw c_k = σ(confidence logit); None without a confidence head
+    tokens: Tensor  # [γ'] long, x_1..x_γ'
+    draft_probs: Tensor  # [γ', V] float32, the distribution x_k was sampled from (one-hot when T = 0)
+    confidences: Tensor | None  # [γ'] float32 raw c_k = σ(confidence logit); None without a confidence head
     seconds_parallel: float = 0.0
     seconds_sequential: float = 0.0
 
@@ -60,7 +61,7 @@ class Proposal:
 class Proposer(Protocol):
     """What the engine calls. Positions are absolute; features are the target's raw feature layers [1, n, m·d]."""
 
-    block_size: int       # γ
+    block_size: int  # γ
     has_confidence: bool  # whether proposals carry confidences
 
     def start(self, *, features: Tensor, token_ids: list[int]) -> None:
@@ -69,12 +70,19 @@ class Proposer(Protocol):
     def extend(self, *, features: Tensor, token_ids: list[int]) -> None:
         """Append newly committed positions (the anchor and accepted drafts; never rejected drafts)."""
 
-    def propose(self, *, anchor_token: int, anchor_position: int, temperature: float,
-                generator: torch.Generator | None, stop_ids: Collection[int],
-                policy_hook: PolicyHook | None = None, max_drafts: int | None = None) -> Proposal:
+    def propose(
+        self,
+        *,
+        anchor_token: int,
+        anchor_position: int,
+        temperature: float,
+        generator: torch.Generator | None,
+        stop_ids: Collection[int],
+        policy_hook: PolicyHook | None = None,
+        max_drafts: int | None = None,
+    ) -> Proposal:
         """Draft after `anchor_token` at `anchor_position` (== the number of context positions); at most
         `max_drafts` slots (the policy's `max_drafts`: no later slot would be verified), γ when None."""
-
 
 
 def _sample(logits: Tensor, temperature: float, generator: torch.Generator | None) -> tuple[Tensor, Tensor]:
@@ -84,12 +92,15 @@ def _sample(logits: Tensor, temperature: float, generator: torch.Generator | Non
     return token, probs
 
 
-def _stack_proposal(tokens: list[Tensor], probs: list[Tensor], vocab_size: int,
-                    device: torch.device) -> tuple[Tensor, Tensor]:
+def _stack_proposal(
+    tokens: list[Tensor], probs: list[Tensor], vocab_size: int, device: torch.device
+) -> tuple[Tensor, Tensor]:
     """Lists of per-slot [1] / [1, V] tensors → [γ'], [γ', V] (γ' may be 0)."""
     if not tokens:
-        return (torch.zeros(0, dtype=torch.long, device=device),
-                torch.zeros(0, vocab_size, dtype=torch.float32, device=device))
+        return (
+            torch.zeros(0, dtype=torch.long, device=device),
+            torch.zeros(0, vocab_size, dtype=torch.float32, device=device),
+        )
     return torch.cat(tokens), torch.cat(probs)
 
 
@@ -142,7 +153,7 @@ class DSparkProposer:
     def _reset(self) -> None:
         layers = len(self.drafter.backbone.layers)
         self._context = GrowingBuffer(dim=1)  # H_ctx [1, S, d]
-        self._keys = [GrowingBuffer(dim=2) for _ in range(layers)]    # [1, H_kv, S, hd], RoPE applied
+        self._keys = [GrowingBuffer(dim=2) for _ in range(layers)]  # [1, H_kv, S, hd], RoPE applied
         self._values = [GrowingBuffer(dim=2) for _ in range(layers)]  # [1, H_kv, S, hd]
 
     @property
@@ -174,27 +185,44 @@ class DSparkProposer:
         self._context.append(fused)
 
     @torch.no_grad()
-    def propose(self, *, anchor_token: int, anchor_position: int, temperature: float,
-                generator: torch.Generator | None, stop_ids: Collection[int],
-                policy_hook: PolicyHook | None = None, max_drafts: int | None = None) -> Proposal:
+    def propose(
+        self,
+        *,
+        anchor_token: int,
+        anchor_position: int,
+        temperature: float,
+        generator: torch.Generator | None,
+        stop_ids: Collection[int],
+        policy_hook: PolicyHook | None = None,
+        max_drafts: int | None = None,
+    ) -> Proposal:
         if anchor_position != self.context_length:
-            raise ValueError(f"DSparkProposer: anchor at position {anchor_position} but the context holds "
-                             f"{self.context_length} positions; it must hold exactly the positions before the anchor")
+            raise ValueError(
+                f"DSparkProposer: anchor at position {anchor_position} but the context holds "
+                f"{self.context_length} positions; it must hold exactly the positions before the anchor"
+            )
         device = self.drafter.backbone.mask_embedding.device
         start = time.perf_counter()
         hidden = self.block_hidden(anchor_token, anchor_position)  # [γ, d] float32
         # U_k only for the slots that may be drafted: a policy that verifies at most `max_drafts` never reads the rest
         # (the block forward itself stays whole: every slot attends to the whole block)
-        parallel_logits = self.stage.logits(hidden[:draft_count(self.block_size, max_drafts)])  # [γ'', Vd] float32
+        parallel_logits = self.stage.logits(hidden[: draft_count(self.block_size, max_drafts)])  # [γ'', Vd] float32
         synchronize(device)
         middle = time.perf_counter()
-        tokens, probs, confidences = self._sequential(hidden, parallel_logits, anchor_token=anchor_token,
-                                                      temperature=temperature, generator=generator,
-                                                      stop_ids=stop_ids, policy_hook=policy_hook,
-                                                      max_drafts=max_drafts)
+        tokens, probs, confidences = self._sequential(
+            hidden,
+            parallel_logits,
+            anchor_token=anchor_token,
+            temperature=temperature,
+            generator=generator,
+            stop_ids=stop_ids,
+            policy_hook=policy_hook,
+            max_drafts=max_drafts,
+        )
         synchronize(device)
-        return Proposal(tokens, probs, confidences, seconds_parallel=middle - start,
-                        seconds_sequential=time.perf_counter() - middle)
+        return Proposal(
+            tokens, probs, confidences, seconds_parallel=middle - start, seconds_sequential=time.perf_counter() - middle
+        )
 
     def block_hidden(self, anchor_token: int, anchor_position: int) -> Tensor:
         """h_k [γ, d] (float32) of the block [x_0, MASK×(γ−1)] at positions anchor..anchor+γ−1 over the cached
@@ -210,10 +238,18 @@ class DSparkProposer:
             hidden = layer.forward_cached(hidden, rope=rope, extend_kv=_spare_room(keys, values))
         return backbone.norm(hidden)[0].float()
 
-    def _sequential(self, hidden: Tensor, parallel_logits: Tensor, *, anchor_token: int, temperature: float,
-                    generator: torch.Generator | None, stop_ids: Collection[int],
-                    policy_hook: PolicyHook | None, max_drafts: int | None = None,
-                    ) -> tuple[Tensor, Tensor, Tensor | None]:
+    def _sequential(
+        self,
+        hidden: Tensor,
+        parallel_logits: Tensor,
+        *,
+        anchor_token: int,
+        temperature: float,
+        generator: torch.Generator | None,
+        stop_ids: Collection[int],
+        policy_hook: PolicyHook | None,
+        max_drafts: int | None = None,
+    ) -> tuple[Tensor, Tensor, Tensor | None]:
         """Left-to-right sampling over the draft vocabulary: x_k from U_k + B_k(x_{k-1}); c_k before x_k (so a hook
         may stop first); a slot with unusable logits ends the proposal before it is sampled (fault guard); at most
         `max_drafts` slots.
@@ -228,7 +264,8 @@ class DSparkProposer:
         state, tokens, probs, confidences = None, [], [], []
         for k in range(draft_count(self.block_size, max_drafts)):
             logits, conf_logit, state = self.drafter.sequential_step(
-                hidden_k=hidden[k:k + 1], parallel_logits_k=parallel_logits[k:k + 1], prev_token=prev, state=state)
+                hidden_k=hidden[k : k + 1], parallel_logits_k=parallel_logits[k : k + 1], prev_token=prev, state=state
+            )
             if temperature == 0:
                 value, index = logits.max(dim=-1)  # the fault guard's amax and the greedy draft in one reduction
                 if not math.isfinite(float(value)):
@@ -255,8 +292,11 @@ class DSparkProposer:
         else:
             drafted_probs = torch.cat(probs) if probs else parallel_logits.new_zeros(0, parallel_logits.shape[-1])
             p_d = to_target_probs(drafted_probs, ids, self.vocab_size)
-        conf = torch.tensor(confidences[:len(tokens)], dtype=torch.float32, device=device) if self.has_confidence \
+        conf = (
+            torch.tensor(confidences[: len(tokens)], dtype=torch.float32, device=device)
+            if self.has_confidence
             else None
+        )
         return drafted, p_d, conf
 
 
@@ -307,8 +347,8 @@ class Eagle3Proposer:
 
     def _reset(self) -> None:
         self._context: tuple[Tensor, Tensor] | None = None  # step-0 keys/values of the positions run so far
-        self._pending = GrowingBuffer(dim=1)                 # features of committed positions not yet run
-        self._tokens: list[int] = []                        # committed tokens x_0..x_{S-1}
+        self._pending = GrowingBuffer(dim=1)  # features of committed positions not yet run
+        self._tokens: list[int] = []  # committed tokens x_0..x_{S-1}
 
     @property
     def context_length(self) -> int:
@@ -325,18 +365,28 @@ class Eagle3Proposer:
         self._tokens.extend(int(t) for t in token_ids)
 
     @torch.no_grad()
-    def propose(self, *, anchor_token: int, anchor_position: int, temperature: float,
-                generator: torch.Generator | None, stop_ids: Collection[int],
-                policy_hook: PolicyHook | None = None, max_drafts: int | None = None) -> Proposal:
+    def propose(
+        self,
+        *,
+        anchor_token: int,
+        anchor_position: int,
+        temperature: float,
+        generator: torch.Generator | None,
+        stop_ids: Collection[int],
+        policy_hook: PolicyHook | None = None,
+        max_drafts: int | None = None,
+    ) -> Proposal:
         """`policy_hook` is unused: EAGLE-3 has no confidences; the chain runs at most `max_drafts` steps. Sampling is over the draft vocabulary; a step with
         unusable logits ends the chain before it (`drafting` module)."""
         if anchor_position != self.context_length:
-            raise ValueError(f"Eagle3Proposer: anchor at position {anchor_position} but the context holds "
-                             f"{self.context_length} positions; it must hold exactly the positions before the anchor")
+            raise ValueError(
+                f"Eagle3Proposer: anchor at position {anchor_position} but the context holds "
+                f"{self.context_length} positions; it must hold exactly the positions before the anchor"
+            )
         start = time.perf_counter()
         pending = self._pending.view()
         cached = self.context_length - pending.shape[1]
-        next_ids = torch.tensor([[*self._tokens[cached + 1:], anchor_token]], device=pending.device)
+        next_ids = torch.tensor([[*self._tokens[cached + 1 :], anchor_token]], device=pending.device)
         self._context, last = self.drafter.extend_context(self._context, features=pending, next_ids=next_ids)
         self._pending = GrowingBuffer(dim=1)
         synchronize(pending.device)
@@ -359,8 +409,13 @@ class Eagle3Proposer:
             pass  # the drafts before the faulty step stand (each was sampled from its own, usable p_d)
         synchronize(pending.device)
         tokens_, probs_ = _stack_proposal(tokens, probs, self._draft_vocab, pending.device)
-        return Proposal(tokens_, to_target_probs(probs_.float(), self._ids, self.vocab_size), None,
-                        seconds_parallel=chain_start - start, seconds_sequential=time.perf_counter() - chain_start)
+        return Proposal(
+            tokens_,
+            to_target_probs(probs_.float(), self._ids, self.vocab_size),
+            None,
+            seconds_parallel=chain_start - start,
+            seconds_sequential=time.perf_counter() - chain_start,
+        )
 
 
 class _UnusableSlot(Exception):
@@ -375,5 +430,7 @@ def build_proposer(drafter: nn.Module | None, *, precision: str = "fp32") -> DSp
         return DSparkProposer(drafter, precision=precision)
     if isinstance(drafter, Eagle3Drafter):
         return Eagle3Proposer(drafter, precision=precision)
-    raise ValueError(f"no proposer for a {type(drafter).__name__}; expected a DSparkDrafter (dspark, dflash) or an "
-                     "Eagle3Drafter (eagle3), e.g. from dspark.api.load_trained_drafter")
+    raise ValueError(
+        f"no proposer for a {type(drafter).__name__}; expected a DSparkDrafter (dspark, dflash) or an "
+        "Eagle3Drafter (eagle3), e.g. from dspark.api.load_trained_drafter"
+    )

@@ -19,6 +19,7 @@ r of `verify_drafts_batched(..., uniforms=U)` exactly.
 Stop handling is not done here: if an accepted draft is a stop id, the engine truncates the round at it and
 discards `next_token` (METHOD §5, "End of sequence").
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -33,8 +34,8 @@ RESIDUAL_MIN_MASS = 1e-12  # below this the residual is numerically empty: fall 
 class VerifyResult:
     """Outcome of one verification round."""
 
-    num_accepted: int       # A, drafts accepted (0..ℓ)
-    next_token: int         # y, the target's correction (A < ℓ) or bonus (A = ℓ)
+    num_accepted: int  # A, drafts accepted (0..ℓ)
+    next_token: int  # y, the target's correction (A < ℓ) or bonus (A = ℓ)
     accepted_tokens: Tensor  # [A] long, x_1..x_A
 
     @property
@@ -48,7 +49,7 @@ class BatchVerifyResult:
     """Outcome of R verification rounds verified together (shape symbols: R requests, L padded draft width)."""
 
     num_accepted: Tensor  # [R] long, A_r
-    next_tokens: Tensor   # [R] long, y_r
+    next_tokens: Tensor  # [R] long, y_r
     draft_tokens: Tensor  # [R, L] long, the padded drafts; x_{r,1..A_r} are the accepted ones
 
     def accepted_tokens(self, r: int) -> Tensor:
@@ -78,8 +79,9 @@ def draw_uniforms(shape: tuple[int, ...], generator: torch.Generator, device: to
     return torch.rand(shape, generator=generator, device=generator.device, dtype=torch.float64).to(device)
 
 
-def sample_from_probs(probs: Tensor, generator: torch.Generator | None = None, *,
-                      uniforms: Tensor | None = None, trusted: bool = False) -> Tensor:
+def sample_from_probs(
+    probs: Tensor, generator: torch.Generator | None = None, *, uniforms: Tensor | None = None, trusted: bool = False
+) -> Tensor:
     """Sample one index per row of `probs` [..., V] (non-negative, need not sum to 1) → [...] long.
 
     Inverse CDF in float64 with one uniform per row (`uniforms` [...] if given, else drawn from `generator`);
@@ -125,8 +127,14 @@ def _extra_token_weights(target_row: Tensor, draft_row: Tensor | None) -> Tensor
     return torch.where(empty, target_row.to(torch.float64), weights) if bool(empty.any()) else weights
 
 
-def _check_single(draft_tokens: Tensor, draft_probs: Tensor, target_rows: Tensor, *, caller: str = "verify_drafts",
-                  rows_name: str = "target_probs") -> int:
+def _check_single(
+    draft_tokens: Tensor,
+    draft_probs: Tensor,
+    target_rows: Tensor,
+    *,
+    caller: str = "verify_drafts",
+    rows_name: str = "target_probs",
+) -> int:
     """ℓ after checking draft_tokens [ℓ], draft_probs [ℓ, V] and the target's rows [ℓ+1, V] (probabilities or
     logits); errors name the caller and its argument."""
     length = draft_tokens.shape[0] if draft_tokens.dim() == 1 else -1
@@ -136,8 +144,9 @@ def _check_single(draft_tokens: Tensor, draft_probs: Tensor, target_rows: Tensor
             f"{tuple(draft_tokens.shape)} and {tuple(target_rows.shape)}"
         )
     if tuple(draft_probs.shape) != (length, target_rows.shape[1]):
-        raise ValueError(f"{caller}: draft_probs must be [ℓ, V] = {(length, target_rows.shape[1])}, "
-                         f"got {tuple(draft_probs.shape)}")
+        raise ValueError(
+            f"{caller}: draft_probs must be [ℓ, V] = {(length, target_rows.shape[1])}, got {tuple(draft_probs.shape)}"
+        )
     return length
 
 
@@ -148,8 +157,9 @@ def _greedy_result(best: list[int], draft_tokens: Tensor) -> VerifyResult:
     return VerifyResult(accepted, best[accepted], draft_tokens[:accepted])
 
 
-def _single_uniforms(uniforms: Tensor | None, generator: torch.Generator | None, *, length: int,
-                     device: torch.device, caller: str) -> Tensor:
+def _single_uniforms(
+    uniforms: Tensor | None, generator: torch.Generator | None, *, length: int, device: torch.device, caller: str
+) -> Tensor:
     """The round's ℓ+1 float64 uniforms (module docstring layout): the given ones, checked, or drawn."""
     if uniforms is None:
         if generator is None:
@@ -161,9 +171,15 @@ def _single_uniforms(uniforms: Tensor | None, generator: torch.Generator | None,
     return uniforms
 
 
-def verify_drafts(*, draft_tokens: Tensor, draft_probs: Tensor, target_probs: Tensor,
-                  generator: torch.Generator | None = None, greedy: bool = False,
-                  uniforms: Tensor | None = None) -> VerifyResult:
+def verify_drafts(
+    *,
+    draft_tokens: Tensor,
+    draft_probs: Tensor,
+    target_probs: Tensor,
+    generator: torch.Generator | None = None,
+    greedy: bool = False,
+    uniforms: Tensor | None = None,
+) -> VerifyResult:
     """Verify one request's drafts (METHOD §5).
 
     draft_tokens [ℓ] long (ℓ = 0 allowed); draft_probs [ℓ, V] the draft distribution each x_k was sampled from, at
@@ -176,17 +192,27 @@ def verify_drafts(*, draft_tokens: Tensor, draft_probs: Tensor, target_probs: Te
         return _greedy_result(target_probs.argmax(-1).tolist(), draft_tokens)  # one reduction, one host sync
     uniforms = _single_uniforms(uniforms, generator, length=length, device=target_probs.device, caller="verify_drafts")
     # every slot's test at once (the batched verifier's float64 arithmetic); A = the leading run of passes
-    passed = _rejection_tests(draft_tokens.unsqueeze(0), draft_probs.unsqueeze(0), target_probs[:length].unsqueeze(0),
-                              uniforms[:length].unsqueeze(0))[0].tolist()
+    passed = _rejection_tests(
+        draft_tokens.unsqueeze(0),
+        draft_probs.unsqueeze(0),
+        target_probs[:length].unsqueeze(0),
+        uniforms[:length].unsqueeze(0),
+    )[0].tolist()
     accepted = next((k for k, ok in enumerate(passed) if not ok), length)
     weights = _extra_token_weights(target_probs[accepted], draft_probs[accepted] if accepted < length else None)
     next_token = sample_from_probs(weights, uniforms=uniforms[length], trusted=True)
     return VerifyResult(accepted, int(next_token), draft_tokens[:accepted])
 
 
-def verify_drafts_from_logits(*, draft_tokens: Tensor, draft_probs: Tensor, target_logits: Tensor,
-                              temperature: float, generator: torch.Generator | None = None,
-                              uniforms: Tensor | None = None) -> VerifyResult:
+def verify_drafts_from_logits(
+    *,
+    draft_tokens: Tensor,
+    draft_probs: Tensor,
+    target_logits: Tensor,
+    temperature: float,
+    generator: torch.Generator | None = None,
+    uniforms: Tensor | None = None,
+) -> VerifyResult:
     """`verify_drafts(target_probs=probs_from_logits(target_logits, temperature), ...)`, the same result for the
     same random numbers, computing p_t only for the rows the verifier reads.
 
@@ -200,10 +226,12 @@ def verify_drafts_from_logits(*, draft_tokens: Tensor, draft_probs: Tensor, targ
     if temperature == 0:
         return _greedy_result(target_logits.argmax(-1).tolist(), draft_tokens)
     uniforms = _single_uniforms(uniforms, generator, length=length, device=target_logits.device, caller=caller)
-    tokens, thresholds = draft_tokens.tolist(), (uniforms[:length] * draft_probs.gather(
-        -1, draft_tokens.unsqueeze(-1)).squeeze(-1).to(torch.float64)).tolist()  # u_k · p_d(x_k), as in the tests
+    tokens, thresholds = (
+        draft_tokens.tolist(),
+        (uniforms[:length] * draft_probs.gather(-1, draft_tokens.unsqueeze(-1)).squeeze(-1).to(torch.float64)).tolist(),
+    )  # u_k · p_d(x_k), as in the tests
     for k in range(length + 1):
-        row = probs_from_logits(target_logits[k:k + 1], temperature)[0]  # [V], the row verify_drafts would read
+        row = probs_from_logits(target_logits[k : k + 1], temperature)[0]  # [V], the row verify_drafts would read
         if k == length:
             next_token = sample_from_probs(_extra_token_weights(row, None), uniforms=uniforms[length], trusted=True)
             return VerifyResult(length, int(next_token), draft_tokens)
@@ -216,16 +244,22 @@ def verify_drafts_from_logits(*, draft_tokens: Tensor, draft_probs: Tensor, targ
 
 def _check_batched(draft_tokens: Tensor, draft_probs: Tensor, target_probs: Tensor, lengths: Tensor) -> None:
     if draft_tokens.dim() != 2 or target_probs.dim() != 3:
-        raise ValueError("verify_drafts_batched: expected draft_tokens [R, L] and target_probs [R, L+1, V], got "
-                         f"{tuple(draft_tokens.shape)} and {tuple(target_probs.shape)}")
+        raise ValueError(
+            "verify_drafts_batched: expected draft_tokens [R, L] and target_probs [R, L+1, V], got "
+            f"{tuple(draft_tokens.shape)} and {tuple(target_probs.shape)}"
+        )
     num_requests, width = draft_tokens.shape
     vocab = target_probs.shape[-1]
     if tuple(target_probs.shape) != (num_requests, width + 1, vocab):
-        raise ValueError(f"verify_drafts_batched: target_probs must be [R, L+1, V] = {(num_requests, width + 1, vocab)}"
-                         f", got {tuple(target_probs.shape)}")
+        raise ValueError(
+            f"verify_drafts_batched: target_probs must be [R, L+1, V] = {(num_requests, width + 1, vocab)}"
+            f", got {tuple(target_probs.shape)}"
+        )
     if tuple(draft_probs.shape) != (num_requests, width, vocab):
-        raise ValueError(f"verify_drafts_batched: draft_probs must be [R, L, V] = {(num_requests, width, vocab)}, "
-                         f"got {tuple(draft_probs.shape)}")
+        raise ValueError(
+            f"verify_drafts_batched: draft_probs must be [R, L, V] = {(num_requests, width, vocab)}, "
+            f"got {tuple(draft_probs.shape)}"
+        )
     if tuple(lengths.shape) != (num_requests,) or bool((lengths < 0).any()) or bool((lengths > width).any()):
         raise ValueError(f"verify_drafts_batched: lengths must be [R] with 0 <= ℓ_r <= L = {width}, got {lengths}")
 
@@ -238,9 +272,16 @@ def _rejection_tests(draft_tokens: Tensor, draft_probs: Tensor, target_probs: Te
     return uniforms * p_draft < p_target
 
 
-def verify_drafts_batched(*, draft_tokens: Tensor, draft_probs: Tensor, target_probs: Tensor, lengths: Tensor,
-                          generator: torch.Generator | None = None, greedy: bool = False,
-                          uniforms: Tensor | None = None) -> BatchVerifyResult:
+def verify_drafts_batched(
+    *,
+    draft_tokens: Tensor,
+    draft_probs: Tensor,
+    target_probs: Tensor,
+    lengths: Tensor,
+    generator: torch.Generator | None = None,
+    greedy: bool = False,
+    uniforms: Tensor | None = None,
+) -> BatchVerifyResult:
     """Verify R requests at once, vectorised over requests and slots (METHOD §5).
 
     draft_tokens [R, L] long, draft_probs [R, L, V], target_probs [R, L+1, V], right-padded to the largest ℓ_r;
@@ -262,8 +303,10 @@ def verify_drafts_batched(*, draft_tokens: Tensor, draft_probs: Tensor, target_p
             uniforms = draw_uniforms((num_requests, width + 1), generator, target_probs.device)
         uniforms = uniforms.to(device=target_probs.device, dtype=torch.float64)
         if tuple(uniforms.shape) != (num_requests, width + 1):
-            raise ValueError(f"verify_drafts_batched: uniforms must be [R, L+1] = {(num_requests, width + 1)}, "
-                             f"got {tuple(uniforms.shape)}")
+            raise ValueError(
+                f"verify_drafts_batched: uniforms must be [R, L+1] = {(num_requests, width + 1)}, "
+                f"got {tuple(uniforms.shape)}"
+            )
         passed = _rejection_tests(draft_tokens, draft_probs, target_probs[:, :width], uniforms[:, :width])
     # A_r = length of the leading run of accepted slots.
     accepted = (passed & in_range).to(torch.long).cumprod(dim=1).sum(dim=1)

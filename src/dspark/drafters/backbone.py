@@ -12,6 +12,7 @@ never to another block, so all N blocks of a sequence run in one attention call.
 
 Shape symbols: B sequences, T context length, N blocks per sequence, γ block size, d hidden size, m feature layers.
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -80,7 +81,7 @@ def block_structured_attention(q: Tensor, k: Tensor, v: Tensor, mask: BlockMask)
     ctx_len = k.shape[2] - length
     k_ctx, k_blk = k[:, :, :ctx_len], k[:, :, ctx_len:]
     v_ctx, v_blk = v[:, :, :ctx_len], v[:, :, ctx_len:]
-    q = q * head_dim ** -0.5
+    q = q * head_dim**-0.5
     s_ctx = q @ k_ctx.transpose(-1, -2)  # [B, H, Nγ, T]
     q_b, k_b = q.view(batch, heads, blocks, gamma, head_dim), k_blk.view(batch, heads, blocks, gamma, head_dim)
     s_blk = q_b @ k_b.transpose(-1, -2)  # [B, H, N, γ, γ]
@@ -96,9 +97,10 @@ def block_structured_attention(q: Tensor, k: Tensor, v: Tensor, mask: BlockMask)
 def block_mask(*, anchor_positions: Tensor, context_valid: Tensor, block_size: int) -> Tensor | BlockMask:
     """The dense mask for one block per sequence (decoding, cheap), the structured one for several (training)."""
     if anchor_positions.shape[1] == 1:
-        return create_block_mask(anchor_positions=anchor_positions, context_valid=context_valid,
-                                 block_size=block_size)
-    before_anchor = torch.arange(context_valid.shape[1], device=anchor_positions.device) < anchor_positions.unsqueeze(-1)
+        return create_block_mask(anchor_positions=anchor_positions, context_valid=context_valid, block_size=block_size)
+    before_anchor = torch.arange(context_valid.shape[1], device=anchor_positions.device) < anchor_positions.unsqueeze(
+        -1
+    )
     return BlockMask(context_mask=before_anchor & context_valid.unsqueeze(1), block_size=block_size)
 
 
@@ -112,7 +114,9 @@ class KVInjectionAttention(nn.Module):
                 "target: num_attention_heads must be a multiple of num_key_value_heads for grouped-query attention"
             )
         self.num_heads, self.num_kv_heads, self.head_dim = (
-            spec.num_attention_heads, spec.num_key_value_heads, spec.head_dim
+            spec.num_attention_heads,
+            spec.num_key_value_heads,
+            spec.head_dim,
         )
         d = spec.hidden_size
         self.q_proj = nn.Linear(d, self.num_heads * self.head_dim, bias=False)
@@ -130,8 +134,9 @@ class KVInjectionAttention(nn.Module):
         """[B, L, d] → per-head projection [B, H, L, hd], then the per-head norm if given."""
         return self._split_heads(proj(x), num_heads, norm)
 
-    def forward(self, block: Tensor, context: Tensor, *, rope: tuple[Tensor, Tensor],
-                mask: Tensor | BlockMask) -> Tensor:
+    def forward(
+        self, block: Tensor, context: Tensor, *, rope: tuple[Tensor, Tensor], mask: Tensor | BlockMask
+    ) -> Tensor:
         """block [B, L, d] (already input-normed), context [B, T, d] (H_ctx), rope = (cos, sin) [B, T+L, hd] for
         the keys (the last L rows are the queries'), mask [B, 1, L, T+L] bool or a `BlockMask` → [B, L, d]."""
         cos, sin = rope
@@ -176,13 +181,18 @@ class KVInjectionAttention(nn.Module):
         cos, sin = rope
         if self.kv_proj is not None:
             k, v = self.kv_proj(context).chunk(2, dim=-1)
-            return (apply_rotary(self._split_heads(k, self.num_kv_heads, self.k_norm), cos, sin),
-                    self._split_heads(v, self.num_kv_heads))
-        return (apply_rotary(self._heads(context, self.k_proj, self.num_kv_heads, self.k_norm), cos, sin),
-                self._heads(context, self.v_proj, self.num_kv_heads))
+            return (
+                apply_rotary(self._split_heads(k, self.num_kv_heads, self.k_norm), cos, sin),
+                self._split_heads(v, self.num_kv_heads),
+            )
+        return (
+            apply_rotary(self._heads(context, self.k_proj, self.num_kv_heads, self.k_norm), cos, sin),
+            self._heads(context, self.v_proj, self.num_kv_heads),
+        )
 
-    def forward_cached(self, block: Tensor, *, rope: tuple[Tensor, Tensor], extend_kv: ExtendKV,
-                       mask: Tensor | None = None) -> Tensor:
+    def forward_cached(
+        self, block: Tensor, *, rope: tuple[Tensor, Tensor], extend_kv: ExtendKV, mask: Tensor | None = None
+    ) -> Tensor:
         """`forward` over cached context keys/values: block [B, L, d] (already input-normed), rope (cos, sin)
         [B, L, hd] of the block positions; `extend_kv(k, v)` receives the block's keys/values [B, H_kv, L, hd]
         and returns the keys/values to attend, [cached context ; block] ([B, H_kv, T+L, hd]; how they are
@@ -197,8 +207,9 @@ class KVInjectionAttention(nn.Module):
         else:
             q = apply_rotary(self._heads(block, self.q_proj, self.num_heads, self.q_norm), cos, sin)
             keys, values = extend_kv(*self.context_kv(block, rope))
-        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask,
-                                             enable_gqa=self.num_heads != self.num_kv_heads)
+        out = F.scaled_dot_product_attention(
+            q, keys, values, attn_mask=mask, enable_gqa=self.num_heads != self.num_kv_heads
+        )
         return self.o_proj(out.transpose(1, 2).flatten(-2))
 
 
@@ -227,12 +238,14 @@ class DraftDecoderLayer(nn.Module):
         """This layer's cacheable keys/values of fused context rows (`KVInjectionAttention.context_kv`)."""
         return self.self_attn.context_kv(context, rope)
 
-    def forward_cached(self, hidden: Tensor, *, rope: tuple[Tensor, Tensor], extend_kv: ExtendKV,
-                       mask: Tensor | None = None) -> Tensor:
+    def forward_cached(
+        self, hidden: Tensor, *, rope: tuple[Tensor, Tensor], extend_kv: ExtendKV, mask: Tensor | None = None
+    ) -> Tensor:
         """`forward` for a block over cached context keys/values (`KVInjectionAttention.forward_cached`):
         hidden [B, L, d] block stream → [B, L, d]; equal to `forward` with the context the cache was built from."""
-        hidden = hidden + self.self_attn.forward_cached(self.input_layernorm(hidden), rope=rope, extend_kv=extend_kv,
-                                                        mask=mask)
+        hidden = hidden + self.self_attn.forward_cached(
+            self.input_layernorm(hidden), rope=rope, extend_kv=extend_kv, mask=mask
+        )
         return hidden + self.mlp(self.post_attention_layernorm(hidden))
 
 
@@ -244,8 +257,9 @@ class DSparkBackbone(nn.Module):
     `backbone(features [1, S, m·d], block_input_ids=[1, 1, γ], anchor_positions=[[S]])`.
     """
 
-    def __init__(self, *, spec: DraftLayerSpec, num_feature_layers: int, depth: int, embed_tokens: nn.Module,
-                 mask_token_id: int) -> None:
+    def __init__(
+        self, *, spec: DraftLayerSpec, num_feature_layers: int, depth: int, embed_tokens: nn.Module, mask_token_id: int
+    ) -> None:
         super().__init__()
         d = spec.hidden_size
         self.spec = spec
@@ -275,15 +289,31 @@ class DSparkBackbone(nn.Module):
         is_mask = (block_input_ids == self.mask_token_id).unsqueeze(-1)
         return torch.where(is_mask, self.mask_embedding, emb)
 
-    def forward(self, context_features: Tensor, *, block_input_ids: Tensor, anchor_positions: Tensor,
-                context_valid: Tensor | None = None) -> Tensor:
+    def forward(
+        self,
+        context_features: Tensor,
+        *,
+        block_input_ids: Tensor,
+        anchor_positions: Tensor,
+        context_valid: Tensor | None = None,
+    ) -> Tensor:
         """context_features [B, T, m·d], block_input_ids [B, N, γ], anchor_positions [B, N] (position of x_0),
         context_valid [B, T] bool (default all True) → h [B, N, γ, d] (final-norm)."""
-        return self.attend(self.fuse_context(context_features), block_input_ids=block_input_ids,
-                           anchor_positions=anchor_positions, context_valid=context_valid)
+        return self.attend(
+            self.fuse_context(context_features),
+            block_input_ids=block_input_ids,
+            anchor_positions=anchor_positions,
+            context_valid=context_valid,
+        )
 
-    def attend(self, context_hidden: Tensor, *, block_input_ids: Tensor, anchor_positions: Tensor,
-               context_valid: Tensor | None = None) -> Tensor:
+    def attend(
+        self,
+        context_hidden: Tensor,
+        *,
+        block_input_ids: Tensor,
+        anchor_positions: Tensor,
+        context_valid: Tensor | None = None,
+    ) -> Tensor:
         """Like `forward`, from an already fused context H_ctx [B, T, d] (lets a decoder cache the fusion)."""
         batch, num_blocks, block_size = block_input_ids.shape
         ctx_len = context_hidden.shape[1]

@@ -5,6 +5,7 @@ Payload (a dict): `spec` (`DrafterSpec.to_dict()`: what rebuilds the drafter aro
 final training metrics, floats) and `calibration` (STS fits keyed by decoding temperature, written by
 `dspark.evaluation.calibrate`; None until the first fit).
 """
+
 from __future__ import annotations
 
 import pickle
@@ -27,12 +28,17 @@ def drafter_file(run_dir_or_path: str | Path) -> Path:
     return path / DRAFTER_FILE if path.is_dir() else path
 
 
-def save_drafter(path: Path, *, spec: DrafterSpec, state_dict: dict, metrics: dict[str, float],
-                 calibration: dict | None = None) -> None:
+def save_drafter(
+    path: Path, *, spec: DrafterSpec, state_dict: dict, metrics: dict[str, float], calibration: dict | None = None
+) -> None:
     """Write the exported drafter (spec + weights [+ STS temperatures]) all-or-nothing (`dspark.files`): a full
     disk or a read-only directory raises `OutputError` naming the path, and any previous drafter.pt is unchanged."""
-    payload = {"spec": spec.to_dict(), "state_dict": {k: v.cpu() for k, v in state_dict.items()},
-               "metrics": metrics, "calibration": calibration}
+    payload = {
+        "spec": spec.to_dict(),
+        "state_dict": {k: v.cpu() for k, v in state_dict.items()},
+        "metrics": metrics,
+        "calibration": calibration,
+    }
     with atomic_output(path) as handle:
         torch.save(payload, handle)
 
@@ -53,18 +59,24 @@ def read_checkpoint(path: str | Path) -> dict[str, Any]:
             f"not a torch file), and unpickling that could run code (torch: {_refusal_reason(err)}). A drafter.pt "
             "written by DSpark Lab holds nothing else: if this one is yours, delete it and rerun the same command "
             "(training resumes from the run's checkpoints/last.ckpt and exports it again); else train a new "
-            "drafter.") from None
+            "drafter."
+        ) from None
     except (RuntimeError, EOFError) as err:  # truncated, or not a zip archive
-        raise ValueError(f"{path} is not a readable drafter.pt ({type(err).__name__}: {str(err).splitlines()[0]}); "
-                         "delete it and rerun the same command to export it again.") from None
+        raise ValueError(
+            f"{path} is not a readable drafter.pt ({type(err).__name__}: {str(err).splitlines()[0]}); "
+            "delete it and rerun the same command to export it again."
+        ) from None
     if not isinstance(payload, dict) or not {"spec", "state_dict"} <= payload.keys():
-        raise ValueError(f"{path} is not a drafter.pt of DSpark Lab (no 'spec' and 'state_dict'); pass the "
-                         f"{DRAFTER_FILE} of a run directory.")
+        raise ValueError(
+            f"{path} is not a drafter.pt of DSpark Lab (no 'spec' and 'state_dict'); pass the "
+            f"{DRAFTER_FILE} of a run directory."
+        )
     return payload
 
 
-def load_drafter(path: str | Path, target: Any, *, block_size: int | None = None
-                 ) -> tuple[nn.Module, DrafterSpec, dict[str, Any]]:
+def load_drafter(
+    path: str | Path, target: Any, *, block_size: int | None = None
+) -> tuple[nn.Module, DrafterSpec, dict[str, Any]]:
     """Rebuild a drafter from `drafter.pt` around `target` (eval mode, on CPU); errors if it was trained for
     another target/γ. Returns the drafter, its spec and the whole payload. `target` is a `dspark.targets.Target`
     (not imported: targets sit above drafters)."""

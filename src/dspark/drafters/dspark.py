@@ -12,6 +12,7 @@ so `parameters()` and `state_dict()` contain only trained drafter weights.
 Shape symbols: B sequences, T context length, N blocks per sequence, γ block size, d hidden size,
 m feature layers, V vocabulary, r Markov rank.
 """
+
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
@@ -36,15 +37,16 @@ class DSparkOutput:
     confidence_logits: Tensor | None  # [B, N, γ] pre-sigmoid c_k; None without a confidence head
 
 
-def validate_drafter_args(*, depth: int, block_size: int, head: str, markov_rank: int,
-                          num_feature_layers: int) -> None:
+def validate_drafter_args(*, depth: int, block_size: int, head: str, markov_rank: int, num_feature_layers: int) -> None:
     """Raise ValueError naming the config key of the first bad value."""
     checks = [
         (block_size >= 1, f"model.block_size must be >= 1 (got {block_size}); set e.g. model.block_size=7"),
         (depth >= 1, f"model.depth must be >= 1 (got {depth}); set e.g. model.depth=5"),
         (markov_rank >= 0, f"model.markov_rank must be >= 0 (got {markov_rank}); 0 disables the head, paper 256"),
-        (num_feature_layers >= 1,
-         f"num_feature_layers must be >= 1 (got {num_feature_layers}): give the target at least one feature layer"),
+        (
+            num_feature_layers >= 1,
+            f"num_feature_layers must be >= 1 (got {num_feature_layers}): give the target at least one feature layer",
+        ),
     ]
     for ok, message in checks:
         if not ok:
@@ -55,13 +57,30 @@ def validate_drafter_args(*, depth: int, block_size: int, head: str, markov_rank
 class DSparkDrafter(nn.Module):
     """Backbone + head (`none` | `markov` | `rnn`) + optional confidence head; DFlash = head none, no confidence."""
 
-    def __init__(self, *, spec: DraftLayerSpec, num_feature_layers: int, depth: int, block_size: int, head: str,
-                 markov_rank: int, confidence: bool, embed_tokens: nn.Module, lm_head: nn.Module,
-                 mask_token_id: int, draft_vocab_ids: Tensor | None = None,
-                 confidence_with_markov: bool = True) -> None:
+    def __init__(
+        self,
+        *,
+        spec: DraftLayerSpec,
+        num_feature_layers: int,
+        depth: int,
+        block_size: int,
+        head: str,
+        markov_rank: int,
+        confidence: bool,
+        embed_tokens: nn.Module,
+        lm_head: nn.Module,
+        mask_token_id: int,
+        draft_vocab_ids: Tensor | None = None,
+        confidence_with_markov: bool = True,
+    ) -> None:
         super().__init__()
-        validate_drafter_args(depth=depth, block_size=block_size, head=head, markov_rank=markov_rank,
-                              num_feature_layers=num_feature_layers)
+        validate_drafter_args(
+            depth=depth,
+            block_size=block_size,
+            head=head,
+            markov_rank=markov_rank,
+            num_feature_layers=num_feature_layers,
+        )
         if not 0 <= mask_token_id < spec.vocab_size:
             raise ValueError(f"mask_token_id {mask_token_id} is outside the target vocabulary [0, {spec.vocab_size})")
         self.spec, self.num_feature_layers, self.depth, self.block_size = spec, num_feature_layers, depth, block_size
@@ -70,16 +89,27 @@ class DSparkDrafter(nn.Module):
         embed_tokens.requires_grad_(False)
         lm_head.requires_grad_(False)
         self._frozen = (lm_head,)  # a tuple: not a submodule, so not in parameters() or state_dict()
-        self.backbone = DSparkBackbone(spec=spec, num_feature_layers=num_feature_layers, depth=depth,
-                                       embed_tokens=embed_tokens, mask_token_id=mask_token_id)
+        self.backbone = DSparkBackbone(
+            spec=spec,
+            num_feature_layers=num_feature_layers,
+            depth=depth,
+            embed_tokens=embed_tokens,
+            mask_token_id=mask_token_id,
+        )
         self.draft_head = DraftVocabHead(lm_head, vocab_size=spec.vocab_size, draft_vocab_ids=draft_vocab_ids)
         self.confidence_with_markov = bool(confidence_with_markov)
-        self.head = build_sequential_head(head, hidden_size=spec.hidden_size, vocab_size=spec.vocab_size,
-                                          rank=markov_rank, output_size=self.draft_head.size)
+        self.head = build_sequential_head(
+            head,
+            hidden_size=spec.hidden_size,
+            vocab_size=spec.vocab_size,
+            rank=markov_rank,
+            output_size=self.draft_head.size,
+        )
         self.confidence_head = (
             # confidence_with_markov=False: c_k from h_k alone (DeepSpec `confidence_head_with_markov`)
             ConfidenceHead(hidden_size=spec.hidden_size, rank=self.head.rank if confidence_with_markov else 0)
-            if confidence else None
+            if confidence
+            else None
         )
 
     @property
@@ -100,8 +130,15 @@ class DSparkDrafter(nn.Module):
         """[Vd] long: the target id of each draft id."""
         return self.draft_head.draft_to_target
 
-    def forward(self, *, context_features: Tensor, context_valid: Tensor, block_input_ids: Tensor,
-                anchor_positions: Tensor, prev_tokens: Tensor) -> DSparkOutput:
+    def forward(
+        self,
+        *,
+        context_features: Tensor,
+        context_valid: Tensor,
+        block_input_ids: Tensor,
+        anchor_positions: Tensor,
+        prev_tokens: Tensor,
+    ) -> DSparkOutput:
         """Teacher-forced forward of all blocks.
 
         context_features [B, T, m·d] raw target features; context_valid [B, T] bool (False = padding, never
@@ -109,15 +146,25 @@ class DSparkDrafter(nn.Module):
         prev_tokens [B, N, γ] (x_{k-1}: the anchor then the ground-truth labels of slots 1..γ-1).
         """
         if block_input_ids.shape[-1] != self.block_size:
-            raise ValueError(f"model.block_size is {self.block_size} but the blocks have "
-                             f"{block_input_ids.shape[-1]} slots; build blocks with the same block_size")
-        hidden = self.backbone(context_features, block_input_ids=block_input_ids,
-                               anchor_positions=anchor_positions, context_valid=context_valid)
+            raise ValueError(
+                f"model.block_size is {self.block_size} but the blocks have "
+                f"{block_input_ids.shape[-1]} slots; build blocks with the same block_size"
+            )
+        hidden = self.backbone(
+            context_features,
+            block_input_ids=block_input_ids,
+            anchor_positions=anchor_positions,
+            context_valid=context_valid,
+        )
         parallel_logits = self.project(hidden)
         bias = self.head.teacher_forced_bias(hidden, prev_tokens)
         logits = parallel_logits if bias is None else parallel_logits + bias.to(parallel_logits.dtype)
-        return DSparkOutput(hidden=hidden, parallel_logits=parallel_logits, logits=logits,
-                            confidence_logits=self.confidence(hidden, prev_tokens))
+        return DSparkOutput(
+            hidden=hidden,
+            parallel_logits=parallel_logits,
+            logits=logits,
+            confidence_logits=self.confidence(hidden, prev_tokens),
+        )
 
     def project(self, hidden: Tensor) -> Tensor:
         """Parallel logits U_k = frozen LM-head rows of the draft vocabulary applied to h_k: [..., d] → [..., Vd]."""
@@ -131,8 +178,9 @@ class DSparkDrafter(nn.Module):
             return self.confidence_head(hidden, None)
         return self.confidence_head(hidden, self.head.prev_token_embedding(prev_tokens))
 
-    def sequential_step(self, *, hidden_k: Tensor, parallel_logits_k: Tensor, prev_token: Tensor,
-                        state: Tensor | None) -> tuple[Tensor, Tensor | None, Tensor | None]:
+    def sequential_step(
+        self, *, hidden_k: Tensor, parallel_logits_k: Tensor, prev_token: Tensor, state: Tensor | None
+    ) -> tuple[Tensor, Tensor | None, Tensor | None]:
         """One inference slot k, left to right: (U_k + B_k [..., Vd], c_k logit [...] or None, new state).
 
         hidden_k [..., d], parallel_logits_k [..., Vd], prev_token [...] = x_{k-1} (a target id) (the drafted token, or x_0 for
@@ -159,8 +207,9 @@ class DSparkDrafter(nn.Module):
         }
 
     @classmethod
-    def from_extra_config(cls, config: dict[str, Any], *, embed_tokens: nn.Module,
-                          lm_head: nn.Module) -> "DSparkDrafter":
+    def from_extra_config(
+        cls, config: dict[str, Any], *, embed_tokens: nn.Module, lm_head: nn.Module
+    ) -> "DSparkDrafter":
         """Rebuild (untrained weights) from `extra_config()` and the target's frozen modules."""
         kwargs = dict(config)
         spec = DraftLayerSpec(**kwargs.pop("spec"))

@@ -21,6 +21,7 @@ sees the step-0 keys of the whole context plus one key per earlier draft — an 
 
 Shape symbols: B sequences, T length, γ block size (TTT horizon), d hidden size, m feature layers, V vocabulary.
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable, Collection
@@ -65,7 +66,7 @@ class Eagle3Draft:
     """A drafted chain: n ≤ num_tokens tokens (fewer when a stop id was drafted; it is kept, last)."""
 
     tokens: Tensor  # [1, n] long
-    probs: Tensor   # [1, n, V]  the distribution each token was sampled from (as returned by sample_fn)
+    probs: Tensor  # [1, n, V]  the distribution each token was sampled from (as returned by sample_fn)
 
 
 class Eagle3Attention(nn.Module):
@@ -78,7 +79,9 @@ class Eagle3Attention(nn.Module):
                 "target: num_attention_heads must be a multiple of num_key_value_heads for grouped-query attention"
             )
         self.num_heads, self.num_kv_heads, self.head_dim = (
-            spec.num_attention_heads, spec.num_key_value_heads, spec.head_dim
+            spec.num_attention_heads,
+            spec.num_key_value_heads,
+            spec.head_dim,
         )
         width = 2 * spec.hidden_size
         self.q_proj = nn.Linear(width, self.num_heads * self.head_dim, bias=False)
@@ -93,8 +96,9 @@ class Eagle3Attention(nn.Module):
         """[B, L, 2d] → [B, heads, L, hd], per-head norm applied."""
         return norm(proj(x).unflatten(-1, (num_heads, self.head_dim))).transpose(1, 2)
 
-    def forward(self, u: Tensor, *, rope: tuple[Tensor, Tensor], past: list[KeyValue],
-                mask: Tensor | None) -> tuple[Tensor, KeyValue]:
+    def forward(
+        self, u: Tensor, *, rope: tuple[Tensor, Tensor], past: list[KeyValue], mask: Tensor | None
+    ) -> tuple[Tensor, KeyValue]:
         """u [B, L, 2d]; rope = (cos, sin) [1 or B, L, hd] for this call's positions; past = earlier steps'
         (keys, values) in mask-column order; mask bool [B or 1, 1, L, ΣL_past + L] or None (attend to all)
         → (output [B, L, d], this call's (keys, values) to append to `past`)."""
@@ -121,8 +125,9 @@ class Eagle3DecoderLayer(nn.Module):
         self.post_attention_norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.mlp = SwiGLU(spec.hidden_size, spec.intermediate_size)
 
-    def forward(self, g: Tensor, token_embeds: Tensor, *, rope: tuple[Tensor, Tensor], past: list[KeyValue],
-                mask: Tensor | None) -> tuple[Tensor, KeyValue]:
+    def forward(
+        self, g: Tensor, token_embeds: Tensor, *, rope: tuple[Tensor, Tensor], past: list[KeyValue], mask: Tensor | None
+    ) -> tuple[Tensor, KeyValue]:
         """g, token_embeds [B, L, d] → (h [B, L, d] before the final norm, this call's (keys, values))."""
         u = torch.cat([self.input_norm(token_embeds), self.hidden_norm(g)], dim=-1)
         attn, kv = self.self_attn(u, rope=rope, past=past, mask=mask)
@@ -138,12 +143,22 @@ class Eagle3Drafter(nn.Module):
     New weights are N(0, 0.02), norms start at one.
     """
 
-    def __init__(self, *, spec: DraftLayerSpec, num_feature_layers: int, block_size: int,
-                 embed_tokens: nn.Module, lm_head: nn.Module, draft_vocab_ids: Tensor | None = None) -> None:
+    def __init__(
+        self,
+        *,
+        spec: DraftLayerSpec,
+        num_feature_layers: int,
+        block_size: int,
+        embed_tokens: nn.Module,
+        lm_head: nn.Module,
+        draft_vocab_ids: Tensor | None = None,
+    ) -> None:
         super().__init__()
         if num_feature_layers < 1:
-            raise ValueError(f"num_feature_layers must be >= 1, got {num_feature_layers}; "
-                             "pass the number of target feature layers (m)")
+            raise ValueError(
+                f"num_feature_layers must be >= 1, got {num_feature_layers}; "
+                "pass the number of target feature layers (m)"
+            )
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1 (the TTT horizon γ), got {block_size}")
         d = spec.hidden_size
@@ -179,8 +194,9 @@ class Eagle3Drafter(nn.Module):
         """[Vd] long: the target id of each draft id."""
         return self.draft_head.draft_to_target
 
-    def forward(self, *, features: Tensor, input_ids: Tensor, attention_mask: Tensor,
-                logit_positions: Tensor | None = None) -> Eagle3Output:
+    def forward(
+        self, *, features: Tensor, input_ids: Tensor, attention_mask: Tensor, logit_positions: Tensor | None = None
+    ) -> Eagle3Output:
         """Training-time test over γ = block_size steps.
 
         features [B, T, m·d] raw target feature layers; input_ids [B, T] long; attention_mask [B, T] bool,
@@ -216,8 +232,9 @@ class Eagle3Drafter(nn.Module):
         seq_len = g.shape[1]
         positions = torch.arange(seq_len, device=g.device)
         cos, sin = self.rotary(positions)
-        g, kv = self.layer(g, _shift_left(embeds, 1), rope=(cos[None], sin[None]), past=[],
-                           mask=self._step_mask(key_valid, step=0))
+        g, kv = self.layer(
+            g, _shift_left(embeds, 1), rope=(cos[None], sin[None]), past=[], mask=self._step_mask(key_valid, step=0)
+        )
         hidden, past = [g], [kv]
         g = _gather_rows(g, chains)
         logits = [self.draft_head(self.norm(g))]
@@ -239,8 +256,15 @@ class Eagle3Drafter(nn.Module):
         return Eagle3Output(logits=logits, hidden=hidden)
 
     @torch.no_grad()
-    def draft_chain(self, *, context_features: Tensor, context_ids: Tensor, num_tokens: int, sample_fn: SampleFn,
-                    stop_ids: Collection[int] = ()) -> Eagle3Draft:
+    def draft_chain(
+        self,
+        *,
+        context_features: Tensor,
+        context_ids: Tensor,
+        num_tokens: int,
+        sample_fn: SampleFn,
+        stop_ids: Collection[int] = (),
+    ) -> Eagle3Draft:
         """Draft up to `num_tokens` tokens autoregressively after the anchor (METHOD §4, "at evaluation").
 
         context_features [1, S, m·d]: target features of positions 0..S-1 (everything before the anchor);
@@ -259,8 +283,9 @@ class Eagle3Drafter(nn.Module):
         return self.draft_from(context, last, num_tokens=num_tokens, sample_fn=sample_fn, stop_ids=stop_ids)
 
     @torch.no_grad()
-    def extend_context(self, context: KeyValue | None, *, features: Tensor,
-                       next_ids: Tensor) -> tuple[KeyValue, Tensor]:
+    def extend_context(
+        self, context: KeyValue | None, *, features: Tensor, next_ids: Tensor
+    ) -> tuple[KeyValue, Tensor]:
         """Step 0 over n more positions after the L already in `context`.
 
         context: step-0 (keys, values) of positions 0..L-1, each [1, KV heads, L, hd] (None: L = 0);
@@ -273,24 +298,37 @@ class Eagle3Drafter(nn.Module):
         cached = 0 if context is None else context[0].shape[2]
         count = features.shape[1]
         if count < 1 or tuple(next_ids.shape) != (1, count) or features.shape[0] != 1:
-            raise ValueError(f"extend_context: features must be [1, n >= 1, m·d] and next_ids [1, n], got "
-                             f"{tuple(features.shape)} and {tuple(next_ids.shape)}")
+            raise ValueError(
+                f"extend_context: features must be [1, n >= 1, m·d] and next_ids [1, n], got "
+                f"{tuple(features.shape)} and {tuple(next_ids.shape)}"
+            )
         self._check_features(features, next_ids)
         g = self.fc(features.to(self.fc.weight.dtype))
         embeds = self.embed_tokens(next_ids).to(g.dtype)
         cos, sin = self.rotary(torch.arange(cached, cached + count, device=next_ids.device))
         # new position i sees every cached key and the new keys up to itself; one query sees everything
-        mask = None if count == 1 else torch.cat(
-            [torch.ones(count, cached, dtype=torch.bool), create_ttt_mask(count, 0)], dim=1
-        ).to(next_ids.device)[None, None]
+        mask = (
+            None
+            if count == 1
+            else torch.cat([torch.ones(count, cached, dtype=torch.bool), create_ttt_mask(count, 0)], dim=1).to(
+                next_ids.device
+            )[None, None]
+        )
         hidden, (keys, values) = self.layer(g, embeds, rope=(cos[None], sin[None]), past=past, mask=mask)
         if context is not None:
             keys, values = torch.cat([context[0], keys], dim=2), torch.cat([context[1], values], dim=2)
         return (keys, values), hidden[:, -1:]
 
     @torch.no_grad()
-    def draft_from(self, context: KeyValue, last_hidden: Tensor, *, num_tokens: int, sample_fn: SampleFn,
-                   stop_ids: Collection[int] = ()) -> Eagle3Draft:
+    def draft_from(
+        self,
+        context: KeyValue,
+        last_hidden: Tensor,
+        *,
+        num_tokens: int,
+        sample_fn: SampleFn,
+        stop_ids: Collection[int] = (),
+    ) -> Eagle3Draft:
         """The chain after step 0 (`draft_chain` has the contract): context = step-0 keys/values of positions
         0..S-1 (`extend_context`), last_hidden [1, 1, d] = position S-1's step-0 output."""
         if num_tokens < 1:
@@ -311,8 +349,9 @@ class Eagle3Drafter(nn.Module):
                 break
         return Eagle3Draft(tokens=torch.stack(tokens, dim=1), probs=torch.stack(probs, dim=1))
 
-    def _chain_step(self, hidden: Tensor, token: Tensor, *, position: int,
-                    past: list[KeyValue]) -> tuple[Tensor, KeyValue]:
+    def _chain_step(
+        self, hidden: Tensor, token: Tensor, *, position: int, past: list[KeyValue]
+    ) -> tuple[Tensor, KeyValue]:
         """One further TTT step at the last context position: hidden [1, 1, d], token [1] → (h, keys/values)."""
         cos, sin = self.rotary(torch.tensor([position], device=token.device))
         embeds = self.embed_tokens(token.view(1, 1)).to(hidden.dtype)
@@ -339,18 +378,27 @@ class Eagle3Drafter(nn.Module):
                 "set num_feature_layers to the number of target feature layers"
             )
         if features.shape[:2] != input_ids.shape[:2]:
-            raise ValueError(f"features {tuple(features.shape[:2])} and token ids {tuple(input_ids.shape[:2])} "
-                             "must share [B, T]: pass one feature vector per token")
+            raise ValueError(
+                f"features {tuple(features.shape[:2])} and token ids {tuple(input_ids.shape[:2])} "
+                "must share [B, T]: pass one feature vector per token"
+            )
 
     def _check_chain_inputs(self, context_features: Tensor, context_ids: Tensor, num_tokens: int) -> None:
         if num_tokens < 1:
             raise ValueError(f"draft_chain needs num_tokens >= 1 (block_size), got {num_tokens}")
         shape_ok = context_features.dim() == 3 and context_ids.dim() == 2
-        if not shape_ok or context_features.shape[0] != 1 or context_ids.shape[0] != 1 \
-                or context_features.shape[1] < 1 or context_ids.shape[1] != context_features.shape[1] + 1:
-            raise ValueError("draft_chain drafts one sequence: context_features must be [1, S, m·d] with S >= 1 "
-                             f"and context_ids [1, S+1] (anchor last), got {tuple(context_features.shape)} and "
-                             f"{tuple(context_ids.shape)}")
+        if (
+            not shape_ok
+            or context_features.shape[0] != 1
+            or context_ids.shape[0] != 1
+            or context_features.shape[1] < 1
+            or context_ids.shape[1] != context_features.shape[1] + 1
+        ):
+            raise ValueError(
+                "draft_chain drafts one sequence: context_features must be [1, S, m·d] with S >= 1 "
+                f"and context_ids [1, S+1] (anchor last), got {tuple(context_features.shape)} and "
+                f"{tuple(context_ids.shape)}"
+            )
         self._check_features(context_features, context_ids[:, 1:])
 
 

@@ -4,6 +4,7 @@ DFlash is DSpark with `head=none` and no confidence head — a component choice,
 The rebuild record (`DrafterSpec`) names the target it was trained for, so a checkpoint cannot silently be used
 with another target or block size.
 """
+
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
@@ -55,32 +56,52 @@ def build_dspark(spec: DrafterSpec, target: Any, draft_vocab_ids: Tensor | None 
     from dspark.drafters.dspark import DSparkDrafter
 
     head = drafter_head(spec.kind, spec.head)
-    return DSparkDrafter(spec=target.layer_spec, num_feature_layers=len(spec.feature_layers), depth=spec.depth,
-                         block_size=spec.block_size, head=head, markov_rank=spec.markov_rank if head != "none" else 0,
-                         confidence=CONFIDENCE_HEAD[spec.kind], embed_tokens=target.embed_tokens,
-                         lm_head=target.lm_head, mask_token_id=spec.mask_token_id, draft_vocab_ids=draft_vocab_ids,
-                         confidence_with_markov=spec.confidence_with_markov)
+    return DSparkDrafter(
+        spec=target.layer_spec,
+        num_feature_layers=len(spec.feature_layers),
+        depth=spec.depth,
+        block_size=spec.block_size,
+        head=head,
+        markov_rank=spec.markov_rank if head != "none" else 0,
+        confidence=CONFIDENCE_HEAD[spec.kind],
+        embed_tokens=target.embed_tokens,
+        lm_head=target.lm_head,
+        mask_token_id=spec.mask_token_id,
+        draft_vocab_ids=draft_vocab_ids,
+        confidence_with_markov=spec.confidence_with_markov,
+    )
 
 
 @DRAFTER_BUILDERS.register("eagle3", label="EAGLE-3")
 def build_eagle3(spec: DrafterSpec, target: Any, draft_vocab_ids: Tensor | None = None) -> nn.Module:
     from dspark.drafters.eagle3 import Eagle3Drafter
 
-    return Eagle3Drafter(spec=target.layer_spec, num_feature_layers=len(spec.feature_layers),
-                         block_size=spec.block_size, embed_tokens=target.embed_tokens, lm_head=target.lm_head,
-                         draft_vocab_ids=draft_vocab_ids)
+    return Eagle3Drafter(
+        spec=target.layer_spec,
+        num_feature_layers=len(spec.feature_layers),
+        block_size=spec.block_size,
+        embed_tokens=target.embed_tokens,
+        lm_head=target.lm_head,
+        draft_vocab_ids=draft_vocab_ids,
+    )
 
 
 def drafter_spec_for(*, kind: str, model_cfg: Any, target: Any) -> DrafterSpec:
     """The spec of a new drafter for `target` from the `model.*` config."""
     head = drafter_head(kind, model_cfg.head)
     vocab = int(getattr(model_cfg, "draft_vocab_size", 0) or 0)
-    return DrafterSpec(kind=kind, head=head, depth=model_cfg.depth, block_size=model_cfg.block_size,
-                       markov_rank=model_cfg.markov_rank if head != "none" else 0,
-                       feature_layers=tuple(target.feature_layer_ids), mask_token_id=target.mask_token_id,
-                       target_fingerprint=checkpoint_fingerprint(target),
-                       draft_vocab_size=0 if vocab >= target.vocab_size else vocab,
-                       confidence_with_markov=bool(getattr(model_cfg, "confidence_with_markov", True)))
+    return DrafterSpec(
+        kind=kind,
+        head=head,
+        depth=model_cfg.depth,
+        block_size=model_cfg.block_size,
+        markov_rank=model_cfg.markov_rank if head != "none" else 0,
+        feature_layers=tuple(target.feature_layer_ids),
+        mask_token_id=target.mask_token_id,
+        target_fingerprint=checkpoint_fingerprint(target),
+        draft_vocab_size=0 if vocab >= target.vocab_size else vocab,
+        confidence_with_markov=bool(getattr(model_cfg, "confidence_with_markov", True)),
+    )
 
 
 def build_drafter(spec: DrafterSpec, target: Any, *, draft_vocab_ids: Tensor | None = None) -> nn.Module:
@@ -105,12 +126,18 @@ def checkpoint_fingerprint(target: Any) -> str:
 def check_spec_matches(spec: DrafterSpec, target: Any, *, block_size: int | None = None) -> None:
     """Clear errors for a drafter trained for another target, feature layers or block size."""
     if spec.target_fingerprint not in (target.fingerprint, checkpoint_fingerprint(target)):
-        raise ValueError(f"This drafter was trained for another target (fingerprint {spec.target_fingerprint[:12]}, "
-                         f"loaded target '{target.name}' is {checkpoint_fingerprint(target)[:12]}). Use the same "
-                         "`target=` as in training (any target.dtype), or train a drafter for this target.")
+        raise ValueError(
+            f"This drafter was trained for another target (fingerprint {spec.target_fingerprint[:12]}, "
+            f"loaded target '{target.name}' is {checkpoint_fingerprint(target)[:12]}). Use the same "
+            "`target=` as in training (any target.dtype), or train a drafter for this target."
+        )
     if list(spec.feature_layers) != list(target.feature_layer_ids):
-        raise ValueError(f"The drafter reads target layers {list(spec.feature_layers)} but the target was loaded "
-                         f"with {target.feature_layer_ids}; set model.feature_layers={list(spec.feature_layers)}.")
+        raise ValueError(
+            f"The drafter reads target layers {list(spec.feature_layers)} but the target was loaded "
+            f"with {target.feature_layer_ids}; set model.feature_layers={list(spec.feature_layers)}."
+        )
     if block_size is not None and block_size != spec.block_size:
-        raise ValueError(f"The drafter was trained with model.block_size={spec.block_size}, not {block_size}; "
-                         f"set model.block_size={spec.block_size} or train a new drafter.")
+        raise ValueError(
+            f"The drafter was trained with model.block_size={spec.block_size}, not {block_size}; "
+            f"set model.block_size={spec.block_size} or train a new drafter."
+        )

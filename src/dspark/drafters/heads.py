@@ -19,6 +19,7 @@ target token (`output_size` = Vd; V without one).
 Shape symbols: B sequences, N blocks, γ block size, d hidden size, V vocabulary, Vd draft vocabulary, r rank;
 `...` any batch shape.
 """
+
 from __future__ import annotations
 
 import torch
@@ -133,7 +134,7 @@ class BiasTable:
         self._refresh(head)
         if prev_token.numel() == 1:  # the single-request loop, once per slot: a Python look-up and a row view
             row = self._index_list[int(prev_token)]
-            return None if row < 0 else self._rows[row:row + 1].view(*prev_token.shape, -1)
+            return None if row < 0 else self._rows[row : row + 1].view(*prev_token.shape, -1)
         rows = self._index[prev_token]
         if bool((rows < 0).any()):
             return None
@@ -247,17 +248,20 @@ class RNNHead(SequentialHead):
     def _input_part(self, hidden: Tensor, prev_tokens: Tensor) -> Tensor:
         """A_x W_1[x_{k-1}] + A_h h_k + b: [..., 3r]."""
         r, weight = self.rank, self.cell.weight
-        return F.linear(self.w1(prev_tokens), weight[:, r:2 * r]) + F.linear(hidden, weight[:, 2 * r:], self.cell.bias)
+        return F.linear(self.w1(prev_tokens), weight[:, r : 2 * r]) + F.linear(
+            hidden, weight[:, 2 * r :], self.cell.bias
+        )
 
     def _recur(self, input_part: Tensor, state: Tensor) -> tuple[Tensor, Tensor]:
         """(s_{k-1}, precomputed input part) → (s_k, tanh(o_k))."""
-        gate, candidate, output = (input_part + F.linear(state, self.cell.weight[:, :self.rank])).chunk(3, dim=-1)
+        gate, candidate, output = (input_part + F.linear(state, self.cell.weight[:, : self.rank])).chunk(3, dim=-1)
         gate = torch.sigmoid(gate)
         return gate * state + (1 - gate) * torch.tanh(candidate), torch.tanh(output)
 
 
-def build_sequential_head(name: str, *, hidden_size: int, vocab_size: int, rank: int,
-                          output_size: int | None = None) -> SequentialHead:
+def build_sequential_head(
+    name: str, *, hidden_size: int, vocab_size: int, rank: int, output_size: int | None = None
+) -> SequentialHead:
     """Resolve `model.head`; rank 0 means no W_1/W_2 at all, so any head degrades to `none` (DFlash).
 
     vocab_size V sizes W₁ (indexed by target ids); output_size (Vd, default V) sizes W₂'s output."""

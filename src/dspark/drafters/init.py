@@ -7,6 +7,7 @@ maps token embeddings and hidden states to useful ones instead of noise. Some dr
 this way (e.g. from the target's first and last layers); whether it helps a KV-injected block drafter is measured,
 not assumed (`experiments/budgets/cpu-ref.yaml`).
 """
+
 from __future__ import annotations
 
 from typing import Any
@@ -24,17 +25,21 @@ def copy_target_layers(layers: nn.ModuleList, target: Any, layer_ids: list[int])
     Raises ValueError naming `model.init_layers` on a count, id or shape mismatch, before anything is copied.
     """
     if len(layer_ids) != len(layers):
-        raise ValueError(f"model.init_layers names {len(layer_ids)} target layers for {len(layers)} draft layers; "
-                         "give one target layer id per draft layer")
+        raise ValueError(
+            f"model.init_layers names {len(layer_ids)} target layers for {len(layers)} draft layers; "
+            "give one target layer id per draft layer"
+        )
     pairs = []
     for draft_layer, layer_id in zip(layers, layer_ids):
         source = dict(target.decoder_layer(int(layer_id)).named_parameters())
         for name, param in draft_layer.named_parameters():
             if name not in source or source[name].shape != param.shape:
                 found = "missing" if name not in source else f"shape {tuple(source[name].shape)}"
-                raise ValueError(f"model.init_layers: draft parameter {name} {tuple(param.shape)} has no match in "
-                                 f"target layer {layer_id} ({found}); this target's layers cannot initialise the "
-                                 "draft layers: use model.init_layers=[]")
+                raise ValueError(
+                    f"model.init_layers: draft parameter {name} {tuple(param.shape)} has no match in "
+                    f"target layer {layer_id} ({found}); this target's layers cannot initialise the "
+                    "draft layers: use model.init_layers=[]"
+                )
             pairs.append((param, source[name]))
     with torch.no_grad():
         for param, weight in pairs:

@@ -4,6 +4,7 @@ Draft layers are "ordinary decoder layers of the target's family" (METHOD §2.1)
 the target's q/k norm if it has one and a SwiGLU MLP. The dimensions come from the target's HF config
 through `DraftLayerSpec.from_hf_config`, so nothing here is written per target.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass

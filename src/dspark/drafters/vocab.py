@@ -11,6 +11,7 @@ Token ids going *into* a drafter (anchors, previous tokens, W₁ rows) stay targ
 `build_draft_vocab` picks the ids from token counts (training data), `DraftVocabHead` is the frozen projection.
 Shape symbols: V target vocabulary, Vd draft vocabulary, d hidden size, `...` any batch shape.
 """
+
 from __future__ import annotations
 
 from collections.abc import Iterable

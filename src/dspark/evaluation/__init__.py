@@ -3,6 +3,7 @@
 The engine-dependent pieces (`run_rollouts`, `collect_calibration_rounds`, `latency_breakdown`)
 import `dspark.decoding` lazily, so summaries and plots work from saved round records alone.
 """
+
 from dspark.evaluation.calibrate import (
     CalibrationReport,
     CalibrationRounds,

@@ -6,6 +6,7 @@ temperature), per domain, with one teacher-forced target forward per rollout ove
 positions that predicted generated tokens are the ones counted. The issue's guidance: size Vd so that coverage is
 ≥ 0.95 in every domain you care about (the full vocabulary gives 1).
 """
+
 from __future__ import annotations
 
 from collections import defaultdict
@@ -15,8 +16,9 @@ import torch
 
 
 @torch.no_grad()
-def draft_vocab_coverage(*, target: Any, drafter: Any, prompts: Sequence[Any], rollouts: Sequence[Any],
-                         temperature: float = 1.0) -> dict[str, float]:
+def draft_vocab_coverage(
+    *, target: Any, drafter: Any, prompts: Sequence[Any], rollouts: Sequence[Any], temperature: float = 1.0
+) -> dict[str, float]:
     """{domain: mean coverage over generated positions, "all": pooled} from the `mode == "target"` rollouts (or,
     without a target-only baseline, the speculative ones: lossless decoding writes the target's distribution too).
 
@@ -36,7 +38,7 @@ def draft_vocab_coverage(*, target: Any, drafter: Any, prompts: Sequence[Any], r
         sequence = torch.tensor([list(prompt.input_ids) + list(rollout.new_tokens)], device=target.device)
         out = target.forward(sequence, return_logits=True)
         start = len(prompt.input_ids) - 1  # logits at position i predict token i + 1
-        logits = out.logits[0, start:start + len(rollout.new_tokens)].float()
+        logits = out.logits[0, start : start + len(rollout.new_tokens)].float()
         if temperature == 0:
             covered = torch.isin(logits.argmax(-1), ids).float()
         else:

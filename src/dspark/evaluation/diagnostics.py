@@ -10,6 +10,7 @@
   sweep runs it per cell (`sweeps.latency`) and `reports.diagnostics` draws it; the static threshold sweep (Fig. 5)
   is `sweep=threshold` (decode.policy=threshold cells) with its report.
 """
+
 from __future__ import annotations
 
 import statistics
@@ -23,18 +24,31 @@ from dspark.scheduling import SPSTable
 from dspark.scheduling.profile import load_or_profile_serving_sps
 
 SPS_CONTEXT_TOKENS = 256
-TIMES = {"seconds_verify": "verify_ms", "seconds_draft_parallel": "draft_parallel_ms",
-         "seconds_draft_sequential": "draft_sequential_ms", "seconds_other": "other_ms"}
+TIMES = {
+    "seconds_verify": "verify_ms",
+    "seconds_draft_parallel": "draft_parallel_ms",
+    "seconds_draft_sequential": "draft_sequential_ms",
+    "seconds_other": "other_ms",
+}
 
 
 # ---- SPS(B) for the scheduler ----
 
-def load_or_profile_sps(*, target: Any, cache_dir: str | Path, block_size: int,
-                        refresh: bool = False) -> tuple[SPSTable, Path]:
+
+def load_or_profile_sps(
+    *, target: Any, cache_dir: str | Path, block_size: int, refresh: bool = False
+) -> tuple[SPSTable, Path]:
     """The cached SPS table of this target and machine covering B = 1..γ+1 (R = 1), profiling it when missing or
     stale — the one cache of `dspark.scheduling.profile`, shared with serving."""
-    return load_or_profile_serving_sps(target, cache_dir=cache_dir, max_batch_tokens=block_size + 1, num_rows=1,
-                                       context_length=SPS_CONTEXT_TOKENS, repeats=5, refresh=refresh)
+    return load_or_profile_serving_sps(
+        target,
+        cache_dir=cache_dir,
+        max_batch_tokens=block_size + 1,
+        num_rows=1,
+        context_length=SPS_CONTEXT_TOKENS,
+        repeats=5,
+        refresh=refresh,
+    )
 
 
 def sps_markdown(table: SPSTable) -> str:
@@ -45,14 +59,21 @@ def sps_markdown(table: SPSTable) -> str:
 
 # ---- latency breakdown (paper Fig. 4 right) ----
 
+
 def untrained_dspark(target: Any, *, head: str, block_size: int, depth: int, markov_rank: int, seed: int = 0):
     """A randomly initialised DSpark drafter of the given head and γ around `target` (for timing only)."""
     from dspark.drafters.factory import DrafterSpec, build_drafter
 
-    spec = DrafterSpec(kind="dspark", head=head, depth=depth, block_size=block_size,
-                       markov_rank=markov_rank if head != "none" else 0,
-                       feature_layers=tuple(target.feature_layer_ids), mask_token_id=target.mask_token_id,
-                       target_fingerprint=target.fingerprint)
+    spec = DrafterSpec(
+        kind="dspark",
+        head=head,
+        depth=depth,
+        block_size=block_size,
+        markov_rank=markov_rank if head != "none" else 0,
+        feature_layers=tuple(target.feature_layer_ids),
+        mask_token_id=target.mask_token_id,
+        target_fingerprint=target.fingerprint,
+    )
     torch.manual_seed(seed)
     return build_drafter(spec, target).to(target.device).eval()
 
@@ -76,8 +97,13 @@ def time_rounds(*, target: Any, drafter: Any, context: list[int], rounds: int, s
     from dspark.decoding.policies import build_policy
     from dspark.decoding.proposers import build_proposer
 
-    engine = SpeculativeEngine(target=target, proposer=build_proposer(drafter), policy=build_policy("fixed"),
-                               temperature=1.0, max_new_tokens=max(2, rounds))
+    engine = SpeculativeEngine(
+        target=target,
+        proposer=build_proposer(drafter),
+        policy=build_policy("fixed"),
+        temperature=1.0,
+        max_new_tokens=max(2, rounds),
+    )
     engine.generate(context, generator=torch.Generator(device=target.device).manual_seed(seed), max_new_tokens=2)
     records: list[Any] = []
     for attempt in range(rounds):
@@ -86,25 +112,37 @@ def time_rounds(*, target: Any, drafter: Any, context: list[int], rounds: int, s
         if len(records) >= rounds:
             break
     records = records[:rounds]
-    out = {name: 1000.0 * statistics.median(getattr(r, key) for r in records) if records else float("nan")
-           for key, name in TIMES.items()}
+    out = {
+        name: 1000.0 * statistics.median(getattr(r, key) for r in records) if records else float("nan")
+        for key, name in TIMES.items()
+    }
     out["round_ms"] = sum(out[name] for name in TIMES.values())
     out["rounds"] = len(records)
     out["sequential_share"] = out["draft_sequential_ms"] / out["round_ms"] if out["round_ms"] else float("nan")
     return out
 
 
-def latency_breakdown(*, target: Any, heads: Sequence[str] = ("none", "markov", "rnn"),
-                      block_sizes: Sequence[int] = (3, 7, 11, 15), context_lengths: Sequence[int] = (256, 1024),
-                      rounds: int = 8, depth: int = 5, markov_rank: int = 256, seed: int = 0,
-                      show_progress: bool = True) -> list[dict]:
+def latency_breakdown(
+    *,
+    target: Any,
+    heads: Sequence[str] = ("none", "markov", "rnn"),
+    block_sizes: Sequence[int] = (3, 7, 11, 15),
+    context_lengths: Sequence[int] = (256, 1024),
+    rounds: int = 8,
+    depth: int = 5,
+    markov_rank: int = 256,
+    seed: int = 0,
+    show_progress: bool = True,
+) -> list[dict]:
     """One row per (context length, head, block size) with the mean ms per round of each phase."""
     cells = [(c, h, b) for c in context_lengths for b in block_sizes for h in heads]
     rows = []
-    for context_length, head, block_size in tqdm(cells, desc="latency breakdown", unit="cell",
-                                                 disable=not show_progress):
-        drafter = untrained_dspark(target, head=head, block_size=block_size, depth=depth,
-                                   markov_rank=markov_rank, seed=seed)
+    for context_length, head, block_size in tqdm(
+        cells, desc="latency breakdown", unit="cell", disable=not show_progress
+    ):
+        drafter = untrained_dspark(
+            target, head=head, block_size=block_size, depth=depth, markov_rank=markov_rank, seed=seed
+        )
         context = random_context(target, length=context_length, seed=seed)
         timing = time_rounds(target=target, drafter=drafter, context=context, rounds=rounds, seed=seed)
         rows.append({"context_length": context_length, "head": head, "block_size": block_size, **timing})

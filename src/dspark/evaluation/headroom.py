@@ -12,6 +12,7 @@ often, or the verify cost must climb more steeply with ℓ, before the scheduler
 Replaying a round under another ℓ keeps its drafts and its A; the text that follows would differ (another extra
 token), which is why this compares per-round expectations, not generations.
 """
+
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
@@ -24,7 +25,7 @@ class PolicyHeadroom:
     """Tokens per second of the replayed policies (from `policy_headroom`)."""
 
     static_rates: dict[int, float]  # ℓ → tokens/s of "always verify ℓ" on these rounds
-    hindsight_rate: float            # the best per-round choice of ℓ knowing each round's A (an upper bound)
+    hindsight_rate: float  # the best per-round choice of ℓ knowing each round's A (an upper bound)
 
     @property
     def best_static(self) -> int:
@@ -42,8 +43,9 @@ def interpolate_costs(verify_seconds: Mapping[int, float], block_size: int) -> l
     verify_seconds must hold ℓ = 0 (the plain step) and at least one ℓ ≥ 1."""
     points = sorted((int(ell), float(sec)) for ell, sec in verify_seconds.items())
     if not points or points[0][0] != 0 or len(points) < 2:
-        raise ValueError("verify_seconds needs ℓ = 0 (the plain target step) and at least one ℓ ≥ 1, got "
-                         f"{sorted(verify_seconds)}")
+        raise ValueError(
+            f"verify_seconds needs ℓ = 0 (the plain target step) and at least one ℓ ≥ 1, got {sorted(verify_seconds)}"
+        )
     costs = []
     for ell in range(block_size + 1):
         below = max((p for p in points if p[0] <= ell), key=lambda p: p[0])
@@ -56,8 +58,9 @@ def interpolate_costs(verify_seconds: Mapping[int, float], block_size: int) -> l
     return costs
 
 
-def policy_headroom(rounds: Sequence[Any], *, verify_seconds: Mapping[int, float], block_size: int,
-                    iterations: int = 50) -> PolicyHeadroom:
+def policy_headroom(
+    rounds: Sequence[Any], *, verify_seconds: Mapping[int, float], block_size: int, iterations: int = 50
+) -> PolicyHeadroom:
     """Replay static ℓ = 1..γ and the hindsight policy on fixed-ℓ = γ rounds.
 
     rounds: `RoundRecord`s (or anything with num_verified, num_accepted, committed, seconds, seconds_verify) of a
@@ -71,8 +74,12 @@ def policy_headroom(rounds: Sequence[Any], *, verify_seconds: Mapping[int, float
     options = []  # per round: [(tokens, seconds) at ℓ = 0..ℓ_eff]
     for r in rounds:
         base = r.seconds - r.seconds_verify
-        options.append([((ell + 1) if ell < r.num_accepted else r.committed, base + costs[ell])
-                        for ell in range(min(r.num_verified, block_size) + 1)])
+        options.append(
+            [
+                ((ell + 1) if ell < r.num_accepted else r.committed, base + costs[ell])
+                for ell in range(min(r.num_verified, block_size) + 1)
+            ]
+        )
     static = {}
     for ell in range(1, block_size + 1):
         chosen = [opts[min(ell, len(opts) - 1)] for opts in options]

@@ -8,6 +8,7 @@ raw drafter output) batch by batch without gradients. Callers pick the batches: 
 for the held-out blocks, or hand-built batches of decoded text (input_ids, attention_mask, loss_mask, anchors,
 anchor_valid; `data.blocks` conventions).
 """
+
 from __future__ import annotations
 
 import functools
@@ -30,9 +31,16 @@ def validation_step(drafter_kind: str, loss: LossConfig) -> Callable[..., StepRe
     return functools.partial(TRAINING_STEPS.resolve(drafter_kind), **asdict(loss))
 
 
-def teacher_forced_steps(batches: Iterable[dict[str, torch.Tensor]], *, drafter: Any, target: Any, block_size: int,
-                         step: Step | None = None, desc: str = "held-out blocks",
-                         show_progress: bool = True) -> Iterator[tuple[dict[str, torch.Tensor], Any]]:
+def teacher_forced_steps(
+    batches: Iterable[dict[str, torch.Tensor]],
+    *,
+    drafter: Any,
+    target: Any,
+    block_size: int,
+    step: Step | None = None,
+    desc: str = "held-out blocks",
+    show_progress: bool = True,
+) -> Iterator[tuple[dict[str, torch.Tensor], Any]]:
     """(batch, `step(drafter=, target=, batch=, block_size=)`) for every batch, without gradients.
 
     step: `validation_step(...)` for the run's own numbers; by default `training.steps.block_forward` — (drafter

@@ -7,6 +7,7 @@
 - `plot_latency_breakdown`: time per round split into target verification, parallel draft and sequential loop, per
   head and block size, one panel per context length (paper Fig. 4 right).
 """
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -17,8 +18,12 @@ from matplotlib.figure import Figure
 from dspark.plotting import save_figure
 
 DOMAIN_COLOURS = {"math": "tab:blue", "code": "tab:green", "chat": "tab:orange"}
-PHASES = (("verify_ms", "target verification", "tab:blue"), ("draft_parallel_ms", "parallel draft", "tab:orange"),
-          ("draft_sequential_ms", "sequential loop", "tab:red"), ("other_ms", "other (Python)", "tab:grey"))
+PHASES = (
+    ("verify_ms", "target verification", "tab:blue"),
+    ("draft_parallel_ms", "parallel draft", "tab:orange"),
+    ("draft_sequential_ms", "sequential loop", "tab:red"),
+    ("other_ms", "other (Python)", "tab:grey"),
+)
 
 
 def _colour(domain: str, index: int) -> str:
@@ -34,12 +39,28 @@ def plot_conditional_acceptance(summary: Any, path: str | Path, *, title: str = 
         colour = _colour(domain, index)
         for (dataset, dom), bench in summary.benchmarks.items():
             if dom == domain and len(summary.domain_benchmarks(domain)) > 1:
-                axis.plot(positions, [bench[f"cond/pos{k}"] for k in positions], color=colour, alpha=0.35,
-                          linewidth=0.8, linestyle="--")
-        axis.plot(positions, [metrics[f"cond/pos{k}"] for k in positions], color=colour, marker="o",
-                  label=f"{domain} ({', '.join(summary.domain_benchmarks(domain))})")
-    axis.set(xlabel="draft position k", ylabel="conditional acceptance cond@k", ylim=(0, 1.02), xticks=positions,
-             title=title or "Per-position conditional acceptance (mean of benchmarks)")
+                axis.plot(
+                    positions,
+                    [bench[f"cond/pos{k}"] for k in positions],
+                    color=colour,
+                    alpha=0.35,
+                    linewidth=0.8,
+                    linestyle="--",
+                )
+        axis.plot(
+            positions,
+            [metrics[f"cond/pos{k}"] for k in positions],
+            color=colour,
+            marker="o",
+            label=f"{domain} ({', '.join(summary.domain_benchmarks(domain))})",
+        )
+    axis.set(
+        xlabel="draft position k",
+        ylabel="conditional acceptance cond@k",
+        ylim=(0, 1.02),
+        xticks=positions,
+        title=title or "Per-position conditional acceptance (mean of benchmarks)",
+    )
     axis.grid(alpha=0.3)
     axis.legend(fontsize=8)
     return save_figure(fig, path)
@@ -79,17 +100,31 @@ def plot_latency_breakdown(rows: Sequence[dict], path: str | Path) -> Path:
     for axis, context in zip(axes, contexts):
         for h, head in enumerate(heads):
             for b, block in enumerate(blocks):
-                row = next((r for r in rows if (r["context_length"], r["head"], r["block_size"]) ==
-                            (context, head, block)), None)
+                row = next(
+                    (r for r in rows if (r["context_length"], r["head"], r["block_size"]) == (context, head, block)),
+                    None,
+                )
                 if row is None:
                     continue
                 x, bottom = b + (h - (len(heads) - 1) / 2) * width, 0.0
                 for key, label, colour in PHASES:
-                    axis.bar(x, row[key], width * 0.9, bottom=bottom, color=colour,
-                             label=label if (h, b) == (0, 0) else None, hatch=("", "//", "..")[h % 3])
+                    axis.bar(
+                        x,
+                        row[key],
+                        width * 0.9,
+                        bottom=bottom,
+                        color=colour,
+                        label=label if (h, b) == (0, 0) else None,
+                        hatch=("", "//", "..")[h % 3],
+                    )
                     bottom += row[key]
                 axis.text(x, bottom, head, ha="center", va="bottom", fontsize=6, rotation=90)
-        axis.set(title=f"context {context} tokens", xlabel="block size γ", ylabel="ms per round",
-                 xticks=range(len(blocks)), xticklabels=[str(b) for b in blocks])
+        axis.set(
+            title=f"context {context} tokens",
+            xlabel="block size γ",
+            ylabel="ms per round",
+            xticks=range(len(blocks)),
+            xticklabels=[str(b) for b in blocks],
+        )
         axis.legend(fontsize=7, loc="upper left")
     return save_figure(fig, path)

@@ -9,6 +9,7 @@ rerun reproduces both.
 A `PromptRollout` holds one prompt decoded in one mode (`speculative` or `target`); its `rounds` are the engine's
 `RoundRecord`s as plain dicts (so summaries, reports and tests work from JSONL without the engine).
 """
+
 from __future__ import annotations
 
 import json
@@ -32,8 +33,8 @@ MODES = ("speculative", "target")
 class EvalPrompt:
     """One evaluation prompt, ready for the engine."""
 
-    dataset: str     # prompt-set name (gsm8k, mt-bench, ...)
-    domain: str      # math | code | chat
+    dataset: str  # prompt-set name (gsm8k, mt-bench, ...)
+    domain: str  # math | code | chat
     prompt_id: str
     input_ids: list[int]  # chat-templated first user turn, ending with the assistant header
 
@@ -45,7 +46,7 @@ class PromptRollout:
     dataset: str
     domain: str
     prompt_id: str
-    mode: str                   # speculative | target
+    mode: str  # speculative | target
     prompt_tokens: int
     new_tokens: list[int]
     stop_reason: str
@@ -59,8 +60,9 @@ class PromptRollout:
         return len(self.new_tokens) / self.total_seconds if self.total_seconds > 0 else float("nan")
 
 
-def encode_prompts(target: Target, records_by_set: dict[str, Sequence[Any]], *, max_new_tokens: int,
-                   context_length: int | None = None) -> list[EvalPrompt]:
+def encode_prompts(
+    target: Target, records_by_set: dict[str, Sequence[Any]], *, max_new_tokens: int, context_length: int | None = None
+) -> list[EvalPrompt]:
     """Apply the chat template (no system prompt) to every record; clear errors for unusable prompts.
 
     records_by_set: prompt-set name → PromptRecords. context_length defaults to the target's
@@ -71,14 +73,17 @@ def encode_prompts(target: Target, records_by_set: dict[str, Sequence[Any]], *, 
     for dataset, records in records_by_set.items():
         for record in records:
             if not record.prompt or not record.prompt.strip():
-                raise ValueError(f"decode.eval_sets: prompt '{record.id}' of set '{dataset}' is empty; remove it "
-                                 "from the prompt file or drop the set from decode.eval_sets.")
+                raise ValueError(
+                    f"decode.eval_sets: prompt '{record.id}' of set '{dataset}' is empty; remove it "
+                    "from the prompt file or drop the set from decode.eval_sets."
+                )
             ids = target.chat_prompt_ids(record.prompt)
             if limit is not None and len(ids) + max_new_tokens > limit:
                 raise ValueError(
                     f"prompt '{record.id}' of set '{dataset}' has {len(ids)} tokens; with "
                     f"decode.max_new_tokens={max_new_tokens} it exceeds the target's context of {limit} tokens. "
-                    "Lower decode.max_new_tokens or drop the prompt.")
+                    "Lower decode.max_new_tokens or drop the prompt."
+                )
             prompts.append(EvalPrompt(dataset, record.domain, record.id, ids))
     return prompts
 
@@ -94,14 +99,28 @@ def rollout_from_result(prompt: EvalPrompt, result: Any, *, mode: str, keep_roun
         raise ValueError(f"rollout mode must be one of {MODES}, got {mode!r}")
     rounds = [asdict(r) for r in result.rounds] if keep_rounds else []
     return PromptRollout(
-        dataset=prompt.dataset, domain=prompt.domain, prompt_id=prompt.prompt_id, mode=mode,
-        prompt_tokens=len(prompt.input_ids), new_tokens=[int(t) for t in result.new_tokens],
-        stop_reason=str(result.stop_reason), prefill_seconds=float(result.prefill_seconds),
-        total_seconds=float(result.total_seconds), rounds=rounds)
+        dataset=prompt.dataset,
+        domain=prompt.domain,
+        prompt_id=prompt.prompt_id,
+        mode=mode,
+        prompt_tokens=len(prompt.input_ids),
+        new_tokens=[int(t) for t in result.new_tokens],
+        stop_reason=str(result.stop_reason),
+        prefill_seconds=float(result.prefill_seconds),
+        total_seconds=float(result.total_seconds),
+        rounds=rounds,
+    )
 
 
-def run_rollouts(engines: Mapping[str, Any], prompts: Sequence[EvalPrompt], *, seed: int, desc: str = "decode",
-                 warmup: bool = True, show_progress: bool = True) -> list[PromptRollout]:
+def run_rollouts(
+    engines: Mapping[str, Any],
+    prompts: Sequence[EvalPrompt],
+    *,
+    seed: int,
+    desc: str = "decode",
+    warmup: bool = True,
+    show_progress: bool = True,
+) -> list[PromptRollout]:
     """Decode every prompt once with each engine (mode → engine), the modes interleaved prompt by prompt.
 
     Interleaving keeps a speed-up fair when the machine's load drifts; `warmup` first runs each engine on a

@@ -19,6 +19,7 @@ A "benchmark" is a dataset restricted to one domain (a single-domain set is one 
 macro numbers average per-set τ), except counts (`rounds`, `prompts`: sums), the per-prompt statistics (computed over
 the pooled prompts) and `tau_rounds_pooled` (Σ τ / #rounds over all rounds of the group).
 """
+
 from __future__ import annotations
 
 import math
@@ -33,49 +34,97 @@ from dspark.intervals import mean_ci
 from dspark.markdown import markdown_table, num
 from dspark.metrics.rollout import RolloutAcceptance
 
-ROUND_TIMES = {"seconds_verify": "verify_ms", "seconds_draft_parallel": "draft_parallel_ms",
-               "seconds_draft_sequential": "draft_sequential_ms", "seconds_other": "other_ms"}
+ROUND_TIMES = {
+    "seconds_verify": "verify_ms",
+    "seconds_draft_parallel": "draft_parallel_ms",
+    "seconds_draft_sequential": "draft_sequential_ms",
+    "seconds_other": "other_ms",
+}
 SUMMED = ("rounds", "prompts")
 PER_PROMPT = ("tau_prompt_mean", "tau_prompt_ci95", "speedup_prompt_mean", "speedup_prompt_ci95")
 _UNSAFE = re.compile(r"[^A-Za-z0-9_/. -]")
-_ROUND_SCHEMA = {"dataset": pl.String, "domain": pl.String, "prompt_id": pl.String, "num_verified": pl.Int64,
-                 "num_accepted": pl.Int64, "committed": pl.Int64, **{k: pl.Float64 for k in ROUND_TIMES}}
-_PROMPT_SCHEMA = {"dataset": pl.String, "domain": pl.String, "prompt_id": pl.String, "mode": pl.String,
-                  "new_tokens": pl.Int64, "seconds": pl.Float64}
+_ROUND_SCHEMA = {
+    "dataset": pl.String,
+    "domain": pl.String,
+    "prompt_id": pl.String,
+    "num_verified": pl.Int64,
+    "num_accepted": pl.Int64,
+    "committed": pl.Int64,
+    **{k: pl.Float64 for k in ROUND_TIMES},
+}
+_PROMPT_SCHEMA = {
+    "dataset": pl.String,
+    "domain": pl.String,
+    "prompt_id": pl.String,
+    "mode": pl.String,
+    "new_tokens": pl.Int64,
+    "seconds": pl.Float64,
+}
 
 
 def rounds_frame(rollouts: Sequence[Any]) -> pl.DataFrame:
     """One row per round of the speculative rollouts: ids, ℓ_eff, A, τ and the four timings."""
-    rows = [{"dataset": r.dataset, "domain": r.domain, "prompt_id": r.prompt_id,
-             "num_verified": int(rd["num_verified"]), "num_accepted": int(rd["num_accepted"]),
-             "committed": int(rd["committed"]), **{k: float(rd.get(k) or 0.0) for k in ROUND_TIMES}}
-            for r in rollouts if r.mode == "speculative" for rd in r.rounds]
+    rows = [
+        {
+            "dataset": r.dataset,
+            "domain": r.domain,
+            "prompt_id": r.prompt_id,
+            "num_verified": int(rd["num_verified"]),
+            "num_accepted": int(rd["num_accepted"]),
+            "committed": int(rd["committed"]),
+            **{k: float(rd.get(k) or 0.0) for k in ROUND_TIMES},
+        }
+        for r in rollouts
+        if r.mode == "speculative"
+        for rd in r.rounds
+    ]
     return pl.DataFrame(rows, schema=_ROUND_SCHEMA)
 
 
 def prompts_frame(rollouts: Sequence[Any]) -> pl.DataFrame:
     """One row per prompt: per-mode tokens and seconds, rounds, Σ τ, per-prompt τ and speed-up."""
-    runs = pl.DataFrame([{"dataset": r.dataset, "domain": r.domain, "prompt_id": r.prompt_id, "mode": r.mode,
-                          "new_tokens": len(r.new_tokens), "seconds": float(r.total_seconds)} for r in rollouts],
-                        schema=_PROMPT_SCHEMA)
+    runs = pl.DataFrame(
+        [
+            {
+                "dataset": r.dataset,
+                "domain": r.domain,
+                "prompt_id": r.prompt_id,
+                "mode": r.mode,
+                "new_tokens": len(r.new_tokens),
+                "seconds": float(r.total_seconds),
+            }
+            for r in rollouts
+        ],
+        schema=_PROMPT_SCHEMA,
+    )
     keys = ["dataset", "domain", "prompt_id"]
-    frames = [runs.filter(pl.col("mode") == mode).select(
-        *keys, pl.col("new_tokens").alias(f"{mode}_tokens"), pl.col("seconds").alias(f"{mode}_seconds"))
-        for mode in ("speculative", "target")]
+    frames = [
+        runs.filter(pl.col("mode") == mode).select(
+            *keys, pl.col("new_tokens").alias(f"{mode}_tokens"), pl.col("seconds").alias(f"{mode}_seconds")
+        )
+        for mode in ("speculative", "target")
+    ]
     per_prompt = frames[0].join(frames[1], on=keys, how="full", coalesce=True)
     counts = rounds_frame(rollouts).group_by(keys).agg(pl.len().alias("rounds"), pl.col("committed").sum())
     per_prompt = per_prompt.join(counts, on=keys, how="left").with_columns(
         (pl.col("committed") / pl.col("rounds")).alias("tau"),
-        ((pl.col("speculative_tokens") / pl.col("speculative_seconds"))
-         / (pl.col("target_tokens") / pl.col("target_seconds"))).alias("speedup"))
+        (
+            (pl.col("speculative_tokens") / pl.col("speculative_seconds"))
+            / (pl.col("target_tokens") / pl.col("target_seconds"))
+        ).alias("speedup"),
+    )
     return per_prompt.sort(keys)
 
 
 def acceptance_metrics(rounds: pl.DataFrame, *, block_size: int) -> dict[str, float]:
     """`RolloutAcceptance` over the rows of a rounds frame (NaN ratios when it has none)."""
     metric = RolloutAcceptance(block_size)
-    metric.update(**{name: torch.tensor(rounds[name].to_list(), dtype=torch.long)
-                     for name in ("num_verified", "num_accepted", "committed")})
+    metric.update(
+        **{
+            name: torch.tensor(rounds[name].to_list(), dtype=torch.long)
+            for name in ("num_verified", "num_accepted", "committed")
+        }
+    )
     return {name: float(value) for name, value in metric.compute().items()}
 
 
@@ -84,19 +133,29 @@ def _ratio(numerator: float, denominator: float) -> float:
 
 
 def _speed_metrics(prompts: pl.DataFrame) -> dict[str, float]:
-    sums = {c: float(prompts[c].fill_null(0).sum()) if c in prompts.columns else 0.0
-            for c in ("speculative_tokens", "speculative_seconds", "target_tokens", "target_seconds")}
+    sums = {
+        c: float(prompts[c].fill_null(0).sum()) if c in prompts.columns else 0.0
+        for c in ("speculative_tokens", "speculative_seconds", "target_tokens", "target_seconds")
+    }
     speculative = _ratio(sums["speculative_tokens"], sums["speculative_seconds"])
     target = _ratio(sums["target_tokens"], sums["target_seconds"])
-    return {"tokens_per_second": speculative, "target_tokens_per_second": target,
-            "speedup": _ratio(speculative, target)}
+    return {
+        "tokens_per_second": speculative,
+        "target_tokens_per_second": target,
+        "speedup": _ratio(speculative, target),
+    }
 
 
 def _per_prompt_metrics(prompts: pl.DataFrame) -> dict[str, float]:
     tau_mean, tau_ci = mean_ci(prompts["tau"].drop_nulls().to_list())
     speedup_mean, speedup_ci = mean_ci(prompts["speedup"].drop_nulls().to_list())
-    return {"prompts": float(prompts.height), "tau_prompt_mean": tau_mean, "tau_prompt_ci95": tau_ci,
-            "speedup_prompt_mean": speedup_mean, "speedup_prompt_ci95": speedup_ci}
+    return {
+        "prompts": float(prompts.height),
+        "tau_prompt_mean": tau_mean,
+        "tau_prompt_ci95": tau_ci,
+        "speedup_prompt_mean": speedup_mean,
+        "speedup_prompt_ci95": speedup_ci,
+    }
 
 
 def group_metrics(rounds: pl.DataFrame, prompts: pl.DataFrame, *, block_size: int) -> dict[str, float]:
@@ -148,12 +207,12 @@ def summarize(rollouts: Sequence[Any], *, block_size: int) -> EvalSummary:
     summary = EvalSummary(block_size=block_size)
     for (dataset,) in sorted(prompts.select("dataset").unique().rows()):
         select = pl.col("dataset") == dataset
-        summary.datasets[dataset] = group_metrics(rounds.filter(select), prompts.filter(select),
-                                                  block_size=block_size)
+        summary.datasets[dataset] = group_metrics(rounds.filter(select), prompts.filter(select), block_size=block_size)
     for dataset, domain in sorted(prompts.select("dataset", "domain").unique().rows()):
         select = (pl.col("dataset") == dataset) & (pl.col("domain") == domain)
-        summary.benchmarks[(dataset, domain)] = group_metrics(rounds.filter(select), prompts.filter(select),
-                                                              block_size=block_size)
+        summary.benchmarks[(dataset, domain)] = group_metrics(
+            rounds.filter(select), prompts.filter(select), block_size=block_size
+        )
     for (domain,) in sorted(prompts.select("domain").unique().rows()):
         select = pl.col("domain") == domain
         parts = [m for (_, dom), m in summary.benchmarks.items() if dom == domain]
@@ -180,8 +239,15 @@ def flatten_metrics(summary: EvalSummary) -> dict[str, float]:
     return flat
 
 
-SPEED_KEYS = ("speedup", "speedup_prompt_mean", "speedup_prompt_ci95", "tokens_per_second",
-              "target_tokens_per_second", "tau", "prompts")
+SPEED_KEYS = (
+    "speedup",
+    "speedup_prompt_mean",
+    "speedup_prompt_ci95",
+    "tokens_per_second",
+    "target_tokens_per_second",
+    "tau",
+    "prompts",
+)
 
 
 def speed_metrics(summary: EvalSummary) -> dict[str, float]:
@@ -203,8 +269,10 @@ def tau_phrase(summary: EvalSummary, *, setting: str) -> str:
     """`τ 1.41 [1.37, 1.45] per prompt, 1.43 pooled (fixed ℓ=γ=7, T=1, 9 prompts)`: the per-prompt mean with its
     95% Student-t interval, and beside it the pooled τ of the report's headline column (which has no interval)."""
     m = summary.overall
-    return (f"τ {interval(m['tau_prompt_mean'], m['tau_prompt_ci95'])} per prompt, {num(m['tau'])} pooled "
-            f"({setting}, {int(m['prompts'])} prompts)")
+    return (
+        f"τ {interval(m['tau_prompt_mean'], m['tau_prompt_ci95'])} per prompt, {num(m['tau'])} pooled "
+        f"({setting}, {int(m['prompts'])} prompts)"
+    )
 
 
 def speedup_phrase(summary: EvalSummary, *, setting: str) -> str:
@@ -213,8 +281,10 @@ def speedup_phrase(summary: EvalSummary, *, setting: str) -> str:
     m = summary.overall
     if not math.isfinite(m.get("speedup_prompt_mean", float("nan"))):
         return f"speed-up not measured ({setting}: no target-only decoding)"
-    return (f"speed-up {interval(m['speedup_prompt_mean'], m['speedup_prompt_ci95'], unit='×')} per prompt "
-            f"{setting} ({int(m['prompts'])} prompts)")
+    return (
+        f"speed-up {interval(m['speedup_prompt_mean'], m['speedup_prompt_ci95'], unit='×')} per prompt "
+        f"{setting} ({int(m['prompts'])} prompts)"
+    )
 
 
 def _ci(metrics: dict[str, float], mean: str, half: str) -> str:
@@ -223,16 +293,40 @@ def _ci(metrics: dict[str, float], mean: str, half: str) -> str:
 
 def main_table(summary: EvalSummary) -> str:
     """Per dataset, per domain and overall: τ pooled, τ per-prompt ± CI, rates, speed."""
-    header = ["group", "prompts", "rounds", "τ pooled", "τ per-prompt ± 95% CI", "verify rate", "draft accept",
-              "tok/s spec", "tok/s target", "speed-up", "speed-up per-prompt ± CI"]
+    header = [
+        "group",
+        "prompts",
+        "rounds",
+        "τ pooled",
+        "τ per-prompt ± 95% CI",
+        "verify rate",
+        "draft accept",
+        "tok/s spec",
+        "tok/s target",
+        "speed-up",
+        "speed-up per-prompt ± CI",
+    ]
     groups = [(name, m) for name, m in summary.datasets.items()]
-    groups += [(f"**{domain}** (mean of {len(summary.domain_benchmarks(domain))})", m)
-               for domain, m in summary.domains.items()]
+    groups += [
+        (f"**{domain}** (mean of {len(summary.domain_benchmarks(domain))})", m) for domain, m in summary.domains.items()
+    ]
     groups.append(("**all**", summary.overall))
-    rows = [[name, num(m["prompts"], 0), num(m["rounds"], 0), num(m["tau"], 3),
-             _ci(m, "tau_prompt_mean", "tau_prompt_ci95"), num(m["verify_rate"], 3), num(m["draft_accept_rate"], 3),
-             num(m["tokens_per_second"], 1), num(m["target_tokens_per_second"], 1), num(m["speedup"], 2),
-             _ci(m, "speedup_prompt_mean", "speedup_prompt_ci95")] for name, m in groups]
+    rows = [
+        [
+            name,
+            num(m["prompts"], 0),
+            num(m["rounds"], 0),
+            num(m["tau"], 3),
+            _ci(m, "tau_prompt_mean", "tau_prompt_ci95"),
+            num(m["verify_rate"], 3),
+            num(m["draft_accept_rate"], 3),
+            num(m["tokens_per_second"], 1),
+            num(m["target_tokens_per_second"], 1),
+            num(m["speedup"], 2),
+            _ci(m, "speedup_prompt_mean", "speedup_prompt_ci95"),
+        ]
+        for name, m in groups
+    ]
     return markdown_table(header, rows)
 
 
@@ -257,21 +351,39 @@ def speed_section(speed: EvalSummary, meta: dict) -> list[str]:
     """The speed measurement's section: its policy against target-only decoding on a subset of the prompts."""
     info = meta.get("speed") or {}
     policy = info.get("policy", "scheduler")
-    return [f"## Speed: decode.policy={policy} against target-only decoding", "",
-            f"The τ above is measured with every draft verified (decode.policy={meta['decode']['policy']}), which is "
-            f"not a speed policy. The speed-up is measured here: decode.policy={policy} (with the STS calibration "
-            f"when decode.calibrate) and target-only decoding, interleaved prompt by prompt with the same seeds, on "
-            f"{int(speed.overall['prompts'])} of the prompts above (decode.speed_prompts, spread over the sets); "
-            f"round records {info.get('rounds_file', '–')}.", "", main_table(speed), ""]
+    return [
+        f"## Speed: decode.policy={policy} against target-only decoding",
+        "",
+        f"The τ above is measured with every draft verified (decode.policy={meta['decode']['policy']}), which is "
+        f"not a speed policy. The speed-up is measured here: decode.policy={policy} (with the STS calibration "
+        f"when decode.calibrate) and target-only decoding, interleaved prompt by prompt with the same seeds, on "
+        f"{int(speed.overall['prompts'])} of the prompts above (decode.speed_prompts, spread over the sets); "
+        f"round records {info.get('rounds_file', '–')}.",
+        "",
+        main_table(speed),
+        "",
+    ]
 
 
-def report_markdown(meta: dict, summary: EvalSummary, *, cond_plot: str, calibration_md: str | None = None,
-                    reliability_plot: str | None = None, speed: EvalSummary | None = None) -> str:
+def report_markdown(
+    meta: dict,
+    summary: EvalSummary,
+    *,
+    cond_plot: str,
+    calibration_md: str | None = None,
+    reliability_plot: str | None = None,
+    speed: EvalSummary | None = None,
+) -> str:
     """The evaluation report: the headline, what ran, the command, the tables and the figures (relative file
     names); `speed` is the separate speed measurement (`speed_section`), when there was one."""
     decode = meta["decode"]
-    policy = decode["policy"] + (f" (θ = {decode['threshold']:g})" if "threshold" in decode["policy"] else
-                                 f" (ℓ = {decode.get('static_k')})" if decode["policy"] == "static" else "")
+    policy = decode["policy"] + (
+        f" (θ = {decode['threshold']:g})"
+        if "threshold" in decode["policy"]
+        else f" (ℓ = {decode.get('static_k')})"
+        if decode["policy"] == "static"
+        else ""
+    )
     lines = [f"# Evaluation — {meta['run_name']}", ""]
     if meta.get("headline"):
         lines += [f"**{meta['headline']}**", ""]
@@ -292,18 +404,34 @@ def report_markdown(meta: dict, summary: EvalSummary, *, cond_plot: str, calibra
         lines.append(f"- machine: {meta['machine']}; {meta.get('precision', '')}".rstrip("; "))
     if meta.get("sps_table"):
         lines.append(f"- scheduler SPS table: {meta['sps_table']}")
-    lines += ["", "τ pooled = Σ τ / #rounds over all rounds of a dataset (DeepSpec's convention, METHOD §1); τ "
-              "per-prompt = the mean over prompts of each prompt's pooled τ, ± the 95% Student-t half-width over "
-              "prompts. Domain and `all` rows average the per-dataset values (paper Fig. 2 / Table 1 macro means). "
-              "verify rate = Σ τ / Σ (ℓ_eff + 1); draft accept = Σ A / Σ ℓ_eff (METHOD §8). tok/s include prefill.",
-              "", main_table(summary), ""]
+    lines += [
+        "",
+        "τ pooled = Σ τ / #rounds over all rounds of a dataset (DeepSpec's convention, METHOD §1); τ "
+        "per-prompt = the mean over prompts of each prompt's pooled τ, ± the 95% Student-t half-width over "
+        "prompts. Domain and `all` rows average the per-dataset values (paper Fig. 2 / Table 1 macro means). "
+        "verify rate = Σ τ / Σ (ℓ_eff + 1); draft accept = Σ A / Σ ℓ_eff (METHOD §8). tok/s include prefill.",
+        "",
+        main_table(summary),
+        "",
+    ]
     if speed is not None:
         lines += speed_section(speed, meta)
-    lines += ["## Conditional acceptance per position (cond@k, paper Fig. 2)", "", f"![cond@k]({cond_plot})", "",
-              position_table(summary, kind="cond"), "",
-              "## Survival per position (survival@k = DeepSpec's eval accept_rate@k-1)", "",
-              position_table(summary, kind="survival"), "",
-              "## Time per round", "", timing_table(summary), ""]
+    lines += [
+        "## Conditional acceptance per position (cond@k, paper Fig. 2)",
+        "",
+        f"![cond@k]({cond_plot})",
+        "",
+        position_table(summary, kind="cond"),
+        "",
+        "## Survival per position (survival@k = DeepSpec's eval accept_rate@k-1)",
+        "",
+        position_table(summary, kind="survival"),
+        "",
+        "## Time per round",
+        "",
+        timing_table(summary),
+        "",
+    ]
     if calibration_md:
         lines += ["## Confidence calibration (STS, METHOD §6)", "", calibration_md, ""]
         if reliability_plot:

@@ -14,6 +14,7 @@ Our names differ from theirs only by prefixes, the fused-context norm's name (`c
 `embed_tokens.weight[mask_token_id]` (the drafter's own copy of the target embedding). Export writes that row;
 import reads it back, so the mapping is exact.
 """
+
 from __future__ import annotations
 
 import re
@@ -33,8 +34,7 @@ HEAD_REFUSALS: dict[str, str] = {}  # head -> why neither layout can represent i
 
 # Every registered drafter kind (`dspark.drafters.factory.DRAFTER_BUILDERS`) is written with one tensor-name map and,
 # per layout, one architecture, or is refused in DRAFTER_REFUSALS[(kind, layout)] with the reason.
-SPECULATORS_ARCHITECTURES = {"dspark": "DSparkSpeculator", "dflash": "DFlashSpeculator",
-                             "eagle3": "Eagle3Speculator"}
+SPECULATORS_ARCHITECTURES = {"dspark": "DSparkSpeculator", "dflash": "DFlashSpeculator", "eagle3": "Eagle3Speculator"}
 # after the target family's prefix (Qwen3DSparkModel, LlamaEagle3Model)
 DEEPSPEC_ARCHITECTURES = {"dspark": "DSparkModel", "dflash": "DSparkModel", "eagle3": "Eagle3Model"}
 ARCHITECTURES = {"deepspec": DEEPSPEC_ARCHITECTURES, "speculators": SPECULATORS_ARCHITECTURES}
@@ -48,8 +48,10 @@ DSPARK_NAME_MAP = (
     (r"backbone\.context_norm\.weight", "hidden_norm.weight"),
     (r"backbone\.norm\.weight", "norm.weight"),
     (r"backbone\.layers\.(\d+)\.(input_layernorm|post_attention_layernorm)\.weight", r"layers.\1.\2.weight"),
-    (r"backbone\.layers\.(\d+)\.self_attn\.(q_proj|k_proj|v_proj|o_proj|q_norm|k_norm)\.weight",
-     r"layers.\1.self_attn.\2.weight"),
+    (
+        r"backbone\.layers\.(\d+)\.self_attn\.(q_proj|k_proj|v_proj|o_proj|q_norm|k_norm)\.weight",
+        r"layers.\1.self_attn.\2.weight",
+    ),
     (r"backbone\.layers\.(\d+)\.mlp\.(gate_proj|up_proj|down_proj)\.weight", r"layers.\1.mlp.\2.weight"),
     (r"head\.w1\.weight", "markov_head.markov_w1.weight"),
     (r"head\.w2\.weight", "markov_head.markov_w2.weight"),
@@ -81,9 +83,11 @@ def markov_head_type(head: str, *, layout: str) -> str | None:
     if head in HEAD_REFUSALS:
         raise ValueError(f"export.layout={layout}: model.head={head!r} cannot be represented: {HEAD_REFUSALS[head]}")
     if head not in HEAD_TO_MARKOV_TYPE:
-        raise ValueError(f"export.layout={layout}: model.head={head!r} has no markov_head_type; add it to "
-                         "dspark.interop.layouts.HEAD_TO_MARKOV_TYPE (and its tensors to DSPARK_NAME_MAP), or give "
-                         "the reason it cannot be represented in HEAD_REFUSALS")
+        raise ValueError(
+            f"export.layout={layout}: model.head={head!r} has no markov_head_type; add it to "
+            "dspark.interop.layouts.HEAD_TO_MARKOV_TYPE (and its tensors to DSPARK_NAME_MAP), or give "
+            "the reason it cannot be represented in HEAD_REFUSALS"
+        )
     return HEAD_TO_MARKOV_TYPE[head]
 
 
@@ -91,12 +95,15 @@ def drafter_layout(kind: str, *, layout: str) -> tuple[str, tuple]:
     """(architecture name in `layout`, tensor-name map) of our drafter `kind`; a ValueError naming the layout and the
     fix for a kind it cannot hold or that has no mapping yet."""
     if (kind, layout) in DRAFTER_REFUSALS:
-        raise ValueError(f"export.layout={layout}: drafter={kind!r} cannot be represented: "
-                         f"{DRAFTER_REFUSALS[(kind, layout)]}")
+        raise ValueError(
+            f"export.layout={layout}: drafter={kind!r} cannot be represented: {DRAFTER_REFUSALS[(kind, layout)]}"
+        )
     if kind not in ARCHITECTURES[layout] or kind not in NAME_MAPS:
-        raise ValueError(f"export.layout={layout}: drafter={kind!r} has no exported form; add it to "
-                         f"dspark.interop.layouts.NAME_MAPS and {layout.upper()}_ARCHITECTURES, or give the reason "
-                         "in DRAFTER_REFUSALS")
+        raise ValueError(
+            f"export.layout={layout}: drafter={kind!r} has no exported form; add it to "
+            f"dspark.interop.layouts.NAME_MAPS and {layout.upper()}_ARCHITECTURES, or give the reason "
+            "in DRAFTER_REFUSALS"
+        )
     return ARCHITECTURES[layout][kind], NAME_MAPS[kind]
 
 

@@ -15,6 +15,7 @@ of supervised slots. With a draft vocabulary q is zero outside Vd, so both sums 
 
 Shape symbols: B sequences, N blocks, γ block size, Vd draft vocabulary (V without one).
 """
+
 from __future__ import annotations
 
 import torch
@@ -53,8 +54,9 @@ def renyi_half(log_q: Tensor, p_t: Tensor) -> Tensor:
     return -2.0 * torch.logsumexp(0.5 * (log_p + log_q), dim=-1).clamp_min(-60.0)
 
 
-def compute_dpard_loss(output: DSparkOutput, *, label_valid: Tensor, target_probs: Tensor, alpha_conf: float,
-                       dpard_alpha: float, **_unused) -> DSparkLoss:
+def compute_dpard_loss(
+    output: DSparkOutput, *, label_valid: Tensor, target_probs: Tensor, alpha_conf: float, dpard_alpha: float, **_unused
+) -> DSparkLoss:
     """D-PARD over the supervised slots; `total` is the quantity to backpropagate, `renyi` the actor term.
 
     target_probs [B, N, γ, Vd] p_t on the draft ids (summing to the covered mass when Vd < V). `ce`/`tv` are zero
@@ -75,8 +77,9 @@ def compute_dpard_loss(output: DSparkOutput, *, label_valid: Tensor, target_prob
     renyi = (credit[label_valid] * renyi_half(log_q[label_valid], p_t[label_valid])).sum() / num_blocks
     conf = renyi.new_zeros(())
     if alpha_conf > 0:
-        bce = F.binary_cross_entropy_with_logits(output.confidence_logits[label_valid].float(),
-                                                 acceptance[label_valid], reduction="none")
+        bce = F.binary_cross_entropy_with_logits(
+            output.confidence_logits[label_valid].float(), acceptance[label_valid], reduction="none"
+        )
         conf = (reach[label_valid] * bce).sum() / num_blocks
     zero = renyi.new_zeros(())
     return DSparkLoss(total=renyi + alpha_conf * conf, ce=zero, tv=zero, conf=conf, c_star=acceptance, renyi=renyi)

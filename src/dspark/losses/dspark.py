@@ -17,6 +17,7 @@ detached: the confidence loss also trains the backbone and W_1. Terms with α = 
 
 Shape symbols: B sequences, N blocks, γ block size, V vocabulary.
 """
+
 from __future__ import annotations
 
 import math
@@ -50,10 +51,20 @@ def position_weights(block_size: int, decay: float) -> Tensor:
     return torch.exp(-torch.arange(block_size, dtype=torch.float32) / decay)
 
 
-def compute_dspark_loss(output: DSparkOutput, *, labels: Tensor, label_valid: Tensor,
-                        target_probs: Tensor | None = None, target_logits: Tensor | None = None,
-                        label_in_vocab: Tensor | None = None, normalizer: Callable[[Tensor], Tensor] | None = None,
-                        alpha_ce: float, alpha_tv: float, alpha_conf: float, decay: float) -> DSparkLoss:
+def compute_dspark_loss(
+    output: DSparkOutput,
+    *,
+    labels: Tensor,
+    label_valid: Tensor,
+    target_probs: Tensor | None = None,
+    target_logits: Tensor | None = None,
+    label_in_vocab: Tensor | None = None,
+    normalizer: Callable[[Tensor], Tensor] | None = None,
+    alpha_ce: float,
+    alpha_tv: float,
+    alpha_conf: float,
+    decay: float,
+) -> DSparkLoss:
     """Weighted DSpark loss over the supervised slots.
 
     labels [B, N, γ] long (x*_k, as draft ids); label_valid [B, N, γ] bool (a contiguous prefix per block);
@@ -64,8 +75,12 @@ def compute_dspark_loss(output: DSparkOutput, *, labels: Tensor, label_valid: Te
     (default: itself). With no supervised slot every term is 0, still attached to the graph (the
     selections are empty), so a rank without labels still takes part in a data-parallel backward.
     """
-    _validate(output, target_probs=target_probs, target_logits=target_logits,
-              alphas={"alpha_ce": alpha_ce, "alpha_tv": alpha_tv, "alpha_conf": alpha_conf})
+    _validate(
+        output,
+        target_probs=target_probs,
+        target_logits=target_logits,
+        alphas={"alpha_ce": alpha_ce, "alpha_tv": alpha_tv, "alpha_conf": alpha_conf},
+    )
     weights = position_weights(labels.shape[-1], decay).to(output.logits.device).expand(labels.shape)[label_valid]
     weight_sum = weights.sum() if normalizer is None else normalizer(weights.sum())
     weight_sum = weight_sum.clamp_min(torch.finfo(torch.float32).tiny)  # avoid 0/0 on an empty batch
@@ -73,8 +88,9 @@ def compute_dspark_loss(output: DSparkOutput, *, labels: Tensor, label_valid: Te
     if target_probs is not None or target_logits is not None:
         p_t = _selected_target_probs(target_probs, target_logits, label_valid)
     rows = label_valid.flatten().nonzero().squeeze(-1)  # the supervised slots, in `[label_valid]` order
-    l1, nll = _DraftRowTerms.apply(output.logits.reshape(-1, output.logits.shape[-1]), rows,
-                                   labels[label_valid], p_t)  # [M], [M]
+    l1, nll = _DraftRowTerms.apply(
+        output.logits.reshape(-1, output.logits.shape[-1]), rows, labels[label_valid], p_t
+    )  # [M], [M]
     zero = weights.new_zeros(())
 
     ce = tv = conf = zero
@@ -88,8 +104,9 @@ def compute_dspark_loss(output: DSparkOutput, *, labels: Tensor, label_valid: Te
             tv = (weights * l1).sum() / weight_sum
         c_star = (1 - 0.5 * l1.detach()).clamp(0.0, 1.0)  # [M]
     if alpha_conf > 0:
-        bce = F.binary_cross_entropy_with_logits(output.confidence_logits[label_valid].float(), c_star,
-                                                 reduction="none")
+        bce = F.binary_cross_entropy_with_logits(
+            output.confidence_logits[label_valid].float(), c_star, reduction="none"
+        )
         conf = (weights * bce).sum() / weight_sum
     total = alpha_ce * ce + alpha_tv * tv + alpha_conf * conf
     c_star_full = None if c_star is None else c_star.new_zeros(labels.shape).masked_scatter(label_valid, c_star)
@@ -155,21 +172,27 @@ def _selected_target_probs(target_probs: Tensor | None, target_logits: Tensor | 
     return F.softmax(target_logits[label_valid].float(), dim=-1)
 
 
-def _validate(output: DSparkOutput, *, target_probs: Tensor | None, target_logits: Tensor | None,
-              alphas: dict[str, float]) -> None:
+def _validate(
+    output: DSparkOutput, *, target_probs: Tensor | None, target_logits: Tensor | None, alphas: dict[str, float]
+) -> None:
     """Raise ValueError naming the `loss.*` key whose value cannot be used with these inputs."""
     for key, value in alphas.items():
         if not value >= 0:
             raise ValueError(f"loss.{key} must be >= 0 (got {value})")
     if not any(value > 0 for value in alphas.values()):
-        raise ValueError("loss.alpha_ce, loss.alpha_tv and loss.alpha_conf are all 0: nothing would train; "
-                         "use e.g. (0.1, 0.9, 1.0) for DSpark or (1, 0, 0) for DFlash")
+        raise ValueError(
+            "loss.alpha_ce, loss.alpha_tv and loss.alpha_conf are all 0: nothing would train; "
+            "use e.g. (0.1, 0.9, 1.0) for DSpark or (1, 0, 0) for DFlash"
+        )
     if target_probs is not None and target_logits is not None:
         raise ValueError("compute_dspark_loss: pass target_probs or target_logits, not both")
     needs_target = alphas["alpha_tv"] > 0 or alphas["alpha_conf"] > 0
     if needs_target and target_probs is None and target_logits is None:
-        raise ValueError("loss.alpha_tv / loss.alpha_conf > 0 need the target distribution: pass target_probs "
-                         "or target_logits, or set both alphas to 0")
+        raise ValueError(
+            "loss.alpha_tv / loss.alpha_conf > 0 need the target distribution: pass target_probs "
+            "or target_logits, or set both alphas to 0"
+        )
     if alphas["alpha_conf"] > 0 and output.confidence_logits is None:
-        raise ValueError("loss.alpha_conf > 0 but the drafter has no confidence head: set model.confidence=true "
-                         "or loss.alpha_conf=0")
+        raise ValueError(
+            "loss.alpha_conf > 0 but the drafter has no confidence head: set model.confidence=true or loss.alpha_conf=0"
+        )

@@ -6,6 +6,7 @@
 
 Every `compute()` returns a dict of float64 scalar tensors keyed by MLflow-safe names (`accept/pos3`, `tau`).
 """
+
 from dspark.metrics.acceptance import PositionCrossEntropy, TeacherForcedAcceptance
 from dspark.metrics.calibration import (
     CumulativeCalibration,

@@ -18,6 +18,7 @@ may be anything, NaN included. A block whose valid prefix is shorter than γ (th
 to τ_prob only the terms of its valid slots, `1 + Σ_{k ≤ L} Π_{i ≤ k} c*_i`, i.e. a truncated τ (never more than
 L + 1); blocks with no valid slot (padded anchors) are not counted at all.
 """
+
 from __future__ import annotations
 
 from typing import Callable
@@ -35,11 +36,15 @@ def prefix_mask(valid: Tensor) -> Tensor:
 def check_block_tensor(name: str, value: Tensor, *, reference: Tensor, block_size: int) -> None:
     """Raise ValueError unless `value` has `reference`'s shape and a last dimension equal to `block_size` (γ)."""
     if value.shape != reference.shape:
-        raise ValueError(f"{name} has shape {tuple(value.shape)} but the mask has {tuple(reference.shape)}; "
-                         "pass per-slot tensors of one shape [..., block_size]")
+        raise ValueError(
+            f"{name} has shape {tuple(value.shape)} but the mask has {tuple(reference.shape)}; "
+            "pass per-slot tensors of one shape [..., block_size]"
+        )
     if value.dim() == 0 or value.shape[-1] != block_size:
-        raise ValueError(f"{name} has last dimension {tuple(value.shape)[-1:]} but block_size={block_size}; "
-                         "build the metric with the block_size the drafter was configured with")
+        raise ValueError(
+            f"{name} has last dimension {tuple(value.shape)[-1:]} but block_size={block_size}; "
+            "build the metric with the block_size the drafter was configured with"
+        )
 
 
 class ExactSumMetric(Metric):

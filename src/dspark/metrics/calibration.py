@@ -30,6 +30,7 @@ Statistics per slot, all from sum states (float64/int64, `dist_reduce_fx="sum"`)
 Undefined values are NaN: every statistic of a slot with no valid sample, and AUROC of a slot whose samples are
 all positive or all negative.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -181,8 +182,10 @@ def _check_unit_interval(name: str, value: Tensor, valid: Tensor) -> None:
     value = value.double()
     bad = prefix_mask(valid) & ~((value >= 0) & (value <= 1))
     if bool(bad.any()):
-        raise ValueError(f"{name} must hold probabilities in [0, 1] on valid slots; apply sigmoid to confidence "
-                         "logits before calling update()")
+        raise ValueError(
+            f"{name} must hold probabilities in [0, 1] on valid slots; apply sigmoid to confidence "
+            "logits before calling update()"
+        )
 
 
 class CumulativeCalibration(ExactSumMetric):
@@ -196,8 +199,9 @@ class CumulativeCalibration(ExactSumMetric):
 
     higher_is_better = None  # AUROC up, ECE and Brier down
 
-    def __init__(self, block_size: int, n_bins: int = 20, auroc_bins: int = 4096, validate_args: bool = True,
-                 **kwargs) -> None:
+    def __init__(
+        self, block_size: int, n_bins: int = 20, auroc_bins: int = 4096, validate_args: bool = True, **kwargs
+    ) -> None:
         super().__init__(**kwargs)
         for key, value in (("block_size", block_size), ("n_bins", n_bins), ("auroc_bins", auroc_bins)):
             if value < 1:
@@ -222,12 +226,18 @@ class CumulativeCalibration(ExactSumMetric):
             setattr(self, name, getattr(self, name) + value)
 
     def compute(self) -> dict[str, Tensor]:
-        return _calibration_compute(count=self.count, conf_sum=self.conf_sum, event_sum=self.event_sum,
-                                    sq_err_sum=self.sq_err_sum, pos_weight=self.pos_weight,
-                                    neg_weight=self.neg_weight)
+        return _calibration_compute(
+            count=self.count,
+            conf_sum=self.conf_sum,
+            event_sum=self.event_sum,
+            sq_err_sum=self.sq_err_sum,
+            pos_weight=self.pos_weight,
+            neg_weight=self.neg_weight,
+        )
 
     def reliability(self) -> ReliabilityBins:
         """Per-slot reliability table [γ, n_bins] from the (all-reduced, under DDP) states."""
         with self.sync_context(dist_sync_fn=self.dist_sync_fn, should_sync=self.sync_on_compute):
-            return ReliabilityBins(ratio(self.conf_sum, self.count), ratio(self.event_sum, self.count),
-                                   self.count.clone())
+            return ReliabilityBins(
+                ratio(self.conf_sum, self.count), ratio(self.event_sum, self.count), self.count.clone()
+            )

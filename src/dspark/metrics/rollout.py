@@ -15,6 +15,7 @@ by survival/pos{k−1} unless every round verifies ≥ k drafts, hence separate 
 states (`dist_reduce_fx="sum"`): ratios are formed after the all-reduce, so the values are exact under DDP.
 A ratio whose denominator is 0 (e.g. no round verified k drafts, or no round at all) is NaN, not 0.
 """
+
 from __future__ import annotations
 
 import torch
@@ -26,17 +27,21 @@ from dspark.metrics.acceptance import ExactSumMetric, ratio
 def _check_round_shapes(*, num_verified: Tensor, num_accepted: Tensor, committed: Tensor) -> None:
     """ValueError unless the three inputs are 1-D tensors of one length [R]."""
     if not (num_verified.shape == num_accepted.shape == committed.shape) or num_verified.dim() != 1:
-        raise ValueError("num_verified, num_accepted and committed must be 1-D tensors of one length [R] (one entry "
-                         f"per round), got {tuple(num_verified.shape)}, {tuple(num_accepted.shape)}, "
-                         f"{tuple(committed.shape)}")
+        raise ValueError(
+            "num_verified, num_accepted and committed must be 1-D tensors of one length [R] (one entry "
+            f"per round), got {tuple(num_verified.shape)}, {tuple(num_accepted.shape)}, "
+            f"{tuple(committed.shape)}"
+        )
 
 
 def _check_round_values(*, num_verified: Tensor, num_accepted: Tensor, committed: Tensor, block_size: int) -> None:
     """ValueError unless 0 ≤ A ≤ ℓ_eff ≤ γ and A ≤ τ ≤ A + 1, τ ≥ 1 for every round (METHOD §1)."""
     ell, acc, tau = num_verified.long(), num_accepted.long(), committed.long()
     if bool(((ell < 0) | (ell > block_size)).any()):
-        raise ValueError(f"num_verified must lie in [0, block_size={block_size}]; build the metric with the "
-                         "block_size used for decoding")
+        raise ValueError(
+            f"num_verified must lie in [0, block_size={block_size}]; build the metric with the "
+            "block_size used for decoding"
+        )
     if bool(((acc < 0) | (acc > ell)).any()):
         raise ValueError("num_accepted must lie in [0, num_verified] for every round")
     if bool(((tau < acc) | (tau > acc + 1) | (tau < 1)).any()):
@@ -64,8 +69,16 @@ def _rollout_update(
 
 
 def _rollout_compute(
-    *, survive_num: Tensor, survive_den: Tensor, cond_num: Tensor, cond_den: Tensor, committed_sum: Tensor,
-    sent_sum: Tensor, accepted_sum: Tensor, verified_sum: Tensor, rounds: Tensor
+    *,
+    survive_num: Tensor,
+    survive_den: Tensor,
+    cond_num: Tensor,
+    cond_den: Tensor,
+    committed_sum: Tensor,
+    sent_sum: Tensor,
+    accepted_sum: Tensor,
+    verified_sum: Tensor,
+    rounds: Tensor,
 ) -> dict[str, Tensor]:
     """{"survival/pos{k}", "cond/pos{k}", "verify_rate", "draft_accept_rate", "tau", "rounds"} (float64)."""
     survival, cond = ratio(survive_num, survive_den), ratio(cond_num, cond_den)

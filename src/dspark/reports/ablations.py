@@ -8,6 +8,7 @@ enters every comparison: drafters in the paper's Table 1 order after any the pap
 registration order against no head and against the paper's default head. Every judged line is also recorded in
 `ctx.claims` (`dspark.reports.claims.Claim`, ids '<report>.<comparison>.<scope>').
 """
+
 from __future__ import annotations
 
 import itertools
@@ -73,29 +74,66 @@ def compared_heads(present) -> list[str]:
     return [h for h in SEQUENTIAL_HEADS.ordered() if h in present and h != paper.NO_HEAD]
 
 
-def judge(ctx: ReportContext, label: str, diff: Difference, *, id: str, statement: str, paper_text: str,
-          scope: str, arms: tuple[Group, Group], relative: bool = True) -> str:
+def judge(
+    ctx: ReportContext,
+    label: str,
+    diff: Difference,
+    *,
+    id: str,
+    statement: str,
+    paper_text: str,
+    scope: str,
+    arms: tuple[Group, Group],
+    relative: bool = True,
+) -> str:
     """The line `judged` prints, recording the same numbers as a Claim in `ctx.claims`."""
-    ctx.claims.append(difference_claim(diff, id=id, statement=statement, paper=paper_text, scope=scope,
-                                       seeds=ctx.seeds(*arms), relative=relative))
+    ctx.claims.append(
+        difference_claim(
+            diff, id=id, statement=statement, paper=paper_text, scope=scope, seeds=ctx.seeds(*arms), relative=relative
+        )
+    )
     return judged(label, diff, relative=relative)
 
 
-def point_claim(ctx: ReportContext, *, id: str, statement: str, paper_text: str, gain: float, ours: str,
-                scope: str, arms: tuple[Group, ...], column: str) -> None:
+def point_claim(
+    ctx: ReportContext,
+    *,
+    id: str,
+    statement: str,
+    paper_text: str,
+    gain: float,
+    ours: str,
+    scope: str,
+    arms: tuple[Group, ...],
+    column: str,
+) -> None:
     """Record a judgement the report makes on point estimates (no interval) as a Claim."""
     runs = min(est(ctx, g, column).n for g in arms) if math.isfinite(gain) else 0
-    ctx.claims.append(Claim.judge(id=id, statement=statement, paper=paper_text, ours=f"{ours} (no interval)",
-                                  mean=gain, runs=runs, seeds=ctx.seeds(*arms), scope=scope))
+    ctx.claims.append(
+        Claim.judge(
+            id=id,
+            statement=statement,
+            paper=paper_text,
+            ours=f"{ours} (no interval)",
+            mean=gain,
+            runs=runs,
+            seeds=ctx.seeds(*arms),
+            scope=scope,
+        )
+    )
 
 
-def config_table(ctx: ReportContext, groups: list[Group], *, label: Callable[[Group], str],
-                 reference: Group | None = None) -> str:
+def config_table(
+    ctx: ReportContext, groups: list[Group], *, label: Callable[[Group], str], reference: Group | None = None
+) -> str:
     """Per configuration: τ per domain and overall, the teacher-forced proxy, and the gain over `reference`."""
     domains = eval_domains(ctx.frame)
     columns = [(f"τ {d}", domain_tau(d), 2) for d in domains] + ([("τ all", "eval/all/tau", 2)] if domains else [])
-    columns += [(name, col, digits) for name, col, digits in (("τ_prob (val)", TAU_PROB, 3),
-                                                               ("speed-up", "summary/speedup", 2)) if ctx.has(col)]
+    columns += [
+        (name, col, digits)
+        for name, col, digits in (("τ_prob (val)", TAU_PROB, 3), ("speed-up", "summary/speedup", 2))
+        if ctx.has(col)
+    ]
     header = ["configuration", *[name for name, _, _ in columns]]
     if reference is not None:
         header.append(f"τ vs {label(reference)}")
@@ -123,6 +161,7 @@ def claim_section(name: str, lines: list[str]) -> Section:
 
 # ---- main (Table 1) ----
 
+
 def per_set_means(ctx: ReportContext, group: Group, datasets: list[str]) -> dict[str, float]:
     out = {}
     for d in datasets:
@@ -135,18 +174,36 @@ def per_set_means(ctx: ReportContext, group: Group, datasets: list[str]) -> dict
 def table1(ctx: ReportContext, groups: list[Group], datasets: list[str]) -> str:
     """Table 1 layout: τ per prompt set, domain and overall for each drafter, ours then the paper's."""
     known = [g for g in groups if drafter_of(g) in paper.TABLE1_TAU]
-    header = ["prompt set", *[f"{variant_label(g)} ours" for g in groups],
-              *[f"{variant_label(g)} paper" for g in known]]
+    header = [
+        "prompt set",
+        *[f"{variant_label(g)} ours" for g in groups],
+        *[f"{variant_label(g)} paper" for g in known],
+    ]
     rows = []
     for d in datasets:
-        rows.append([d, *[est(ctx, g, f"eval/{d}/tau").text() for g in groups],
-                     *[num(paper.TABLE1_TAU[drafter_of(g)].get(d)) for g in known]])
+        rows.append(
+            [
+                d,
+                *[est(ctx, g, f"eval/{d}/tau").text() for g in groups],
+                *[num(paper.TABLE1_TAU[drafter_of(g)].get(d)) for g in known],
+            ]
+        )
     for domain in eval_domains(ctx.frame):
         sets = [d for d in datasets if paper.domain_of(d) == domain]
-        rows.append([f"**{domain}** ({len(sets)} sets)", *[est(ctx, g, domain_tau(domain)).text() for g in groups],
-                     *[num(paper.mean(paper.TABLE1_TAU[drafter_of(g)].get(d) for d in sets)) for g in known]])
-    rows.append([f"**all** ({len(datasets)} sets)", *[est(ctx, g, "eval/all/tau").text() for g in groups],
-                 *[num(paper.mean(paper.TABLE1_TAU[drafter_of(g)].get(d) for d in datasets)) for g in known]])
+        rows.append(
+            [
+                f"**{domain}** ({len(sets)} sets)",
+                *[est(ctx, g, domain_tau(domain)).text() for g in groups],
+                *[num(paper.mean(paper.TABLE1_TAU[drafter_of(g)].get(d) for d in sets)) for g in known],
+            ]
+        )
+    rows.append(
+        [
+            f"**all** ({len(datasets)} sets)",
+            *[est(ctx, g, "eval/all/tau").text() for g in groups],
+            *[num(paper.mean(paper.TABLE1_TAU[drafter_of(g)].get(d) for d in datasets)) for g in known],
+        ]
+    )
     return markdown_table(header, rows)
 
 
@@ -166,8 +223,10 @@ def gains_table(ctx: ReportContext, by_drafter: dict[str, Group], datasets: list
             continue
         row = [f"{name} ({len(sets)} sets)"]
         for a, b in pairs:
-            row += [pct(paper.macro_gain(means[a], means[b], datasets=sets)),
-                    pct(paper.macro_gain(paper.TABLE1_TAU.get(a, {}), paper.TABLE1_TAU.get(b, {}), datasets=sets))]
+            row += [
+                pct(paper.macro_gain(means[a], means[b], datasets=sets)),
+                pct(paper.macro_gain(paper.TABLE1_TAU.get(a, {}), paper.TABLE1_TAU.get(b, {}), datasets=sets)),
+            ]
         rows.append(row)
     return markdown_table(header, rows)
 
@@ -178,11 +237,16 @@ def ordering_lines(ctx: ReportContext, by_drafter: dict[str, Group], datasets: l
     if len(order) < 2:
         return []
     means = {k: per_set_means(ctx, by_drafter[k], datasets) for k in order}
-    holds = [d for d in datasets if all(d in means[k] for k in order)
-             and all(means[a][d] > means[b][d] for a, b in zip(order, order[1:]))]
+    holds = [
+        d
+        for d in datasets
+        if all(d in means[k] for k in order) and all(means[a][d] > means[b][d] for a, b in zip(order, order[1:]))
+    ]
     chain = " > ".join(drafter_label(k) for k in order)
-    return [f"Ordering {chain} holds on {len(holds)} of {len(datasets)} prompt sets"
-            + (f" ({', '.join(holds)})." if holds else ".")]
+    return [
+        f"Ordering {chain} holds on {len(holds)} of {len(datasets)} prompt sets"
+        + (f" ({', '.join(holds)})." if holds else ".")
+    ]
 
 
 def cond_section(ctx: ReportContext, groups: list[Group]) -> Section | None:
@@ -191,13 +255,27 @@ def cond_section(ctx: ReportContext, groups: list[Group]) -> Section | None:
     if not domains:
         return None
     positions = sorted({int(c.rsplit("pos", 1)[1]) for c in ctx.frame.columns if "/cond/pos" in c})
-    panels = {d: {variant_label(g): [(k, est(ctx, g, f"eval/domain/{d}/cond/pos{k}")) for k in positions]
-                  for g in groups} for d in domains}
-    path = plot_lines(panels, ctx.png("cond"), xlabel="draft position k", ylabel="cond@k", xticks=positions,
-                      title="Conditional acceptance per position (paper Fig. 2)")
+    panels = {
+        d: {variant_label(g): [(k, est(ctx, g, f"eval/domain/{d}/cond/pos{k}")) for k in positions] for g in groups}
+        for d in domains
+    }
+    path = plot_lines(
+        panels,
+        ctx.png("cond"),
+        xlabel="draft position k",
+        ylabel="cond@k",
+        xticks=positions,
+        title="Conditional acceptance per position (paper Fig. 2)",
+    )
     header = ["configuration", *[f"cond@1 {d} ours" for d in domains], *[f"cond@1 {d} paper" for d in domains]]
-    rows = [[variant_label(g), *[est(ctx, g, f"eval/domain/{d}/cond/pos1").text(3) for d in domains],
-             *[num(paper.COND_SLOT1.get(drafter_of(g), {}).get(d)) for d in domains]] for g in groups]
+    rows = [
+        [
+            variant_label(g),
+            *[est(ctx, g, f"eval/domain/{d}/cond/pos1").text(3) for d in domains],
+            *[num(paper.COND_SLOT1.get(drafter_of(g), {}).get(d)) for d in domains],
+        ]
+        for g in groups
+    ]
     return Section("Conditional acceptance per position", f"![cond@k]({path.name})\n\n" + markdown_table(header, rows))
 
 
@@ -211,15 +289,18 @@ def build_main(ctx: ReportContext) -> list[Section]:
     if datasets:
         sections.append(Section("τ per prompt set (Table 1)", table1(ctx, groups, datasets)))
         if len(by_drafter) >= 2:
-            sections.append(Section("Relative gains (ratio of unweighted means over the same sets)",
-                                    gains_table(ctx, by_drafter, datasets)))
+            sections.append(
+                Section(
+                    "Relative gains (ratio of unweighted means over the same sets)",
+                    gains_table(ctx, by_drafter, datasets),
+                )
+            )
     sections.append(Section("Per drafter", config_table(ctx, groups, label=variant_label)))
     cond = cond_section(ctx, groups)
     if cond:
         sections.append(cond)
     macro_claims(ctx, by_drafter, datasets)
-    sections.append(claim_section("main", ordering_lines(ctx, by_drafter, datasets)
-                                  + main_judgements(ctx, by_drafter)))
+    sections.append(claim_section("main", ordering_lines(ctx, by_drafter, datasets) + main_judgements(ctx, by_drafter)))
     return sections
 
 
@@ -233,13 +314,21 @@ def macro_claims(ctx: ReportContext, by_drafter: dict[str, Group], datasets: lis
     +30.9% / +16.3%): a ratio of unweighted means over sets, so a point estimate without an interval."""
     sets = [d for d in paper.DATASETS if d in datasets]
     for a, b in drafter_pairs(by_drafter):
-        gain = paper.macro_gain(per_set_means(ctx, by_drafter[a], sets), per_set_means(ctx, by_drafter[b], sets),
-                                datasets=sets)
+        gain = paper.macro_gain(
+            per_set_means(ctx, by_drafter[a], sets), per_set_means(ctx, by_drafter[b], sets), datasets=sets
+        )
         if math.isfinite(gain):
-            point_claim(ctx, id=f"main.{a}_vs_{b}.macro", statement=main_statement(a, b),
-                        paper_text=paper.table1_gain_text(a, b), gain=gain, ours=pct(gain),
-                        scope=f"macro τ gain: ratio of unweighted means over the {len(sets)} Table 1 sets both ran",
-                        arms=(by_drafter[a], by_drafter[b]), column="eval/all/tau")
+            point_claim(
+                ctx,
+                id=f"main.{a}_vs_{b}.macro",
+                statement=main_statement(a, b),
+                paper_text=paper.table1_gain_text(a, b),
+                gain=gain,
+                ours=pct(gain),
+                scope=f"macro τ gain: ratio of unweighted means over the {len(sets)} Table 1 sets both ran",
+                arms=(by_drafter[a], by_drafter[b]),
+                column="eval/all/tau",
+            )
 
 
 def scopes(ctx: ReportContext) -> list[str]:
@@ -266,30 +355,49 @@ def main_judgements(ctx: ReportContext, by_drafter: dict[str, Group]) -> list[st
         diffs = {s: tau_difference(ctx, *arms, s) for s in scopes(ctx)}
         label = f"{drafter_label(a)} vs {drafter_label(b)}"
         lines += ["", f"{label}, per-prompt τ, gain with 95% CI (prompts and seeds, claims module):"]
-        lines += ["- " + judge(ctx, scope, d, id=f"main.{a}_vs_{b}.{scope}", statement=main_statement(a, b),
-                                paper_text=paper.table1_gain_text(a, b, scope), arms=arms,
-                                scope=f"per-prompt τ gain, {scope_text(scope)}")
-                  for scope, d in diffs.items()]
+        lines += [
+            "- "
+            + judge(
+                ctx,
+                scope,
+                d,
+                id=f"main.{a}_vs_{b}.{scope}",
+                statement=main_statement(a, b),
+                paper_text=paper.table1_gain_text(a, b, scope),
+                arms=arms,
+                scope=f"per-prompt τ gain, {scope_text(scope)}",
+            )
+            for scope, d in diffs.items()
+        ]
         domains = [s for s in diffs if s != "all"]
         if domains:
             held = [s for s in domains if diffs[s].verdict == "holds"]
             reversed_ = [s for s in domains if diffs[s].verdict == "reversed"]
-            lines.append(f"- → \"{drafter_label(a)} > {drafter_label(b)} in every domain\": "
-                         + ("**holds**" if len(held) == len(domains) else
-                            "**reversed** in " + ", ".join(reversed_) if reversed_ else
-                            f"**not resolved** (significant in {len(held)} of {len(domains)} domains)"))
+            lines.append(
+                f'- → "{drafter_label(a)} > {drafter_label(b)} in every domain": '
+                + (
+                    "**holds**"
+                    if len(held) == len(domains)
+                    else "**reversed** in " + ", ".join(reversed_)
+                    if reversed_
+                    else f"**not resolved** (significant in {len(held)} of {len(domains)} domains)"
+                )
+            )
     return lines
 
 
 # ---- depth (Fig. 3) ----
+
 
 def sort_key(groups: list[Group], *axes: str) -> Callable[[Group], tuple]:
     """Drafters in `drafter_order`, heads in registration order, then the `axes` values."""
     drafters = drafter_order(drafter_of(g) for g in groups)
     heads = SEQUENTIAL_HEADS.ordered()
     rank = lambda order, value: order.index(value) if value in order else len(order)  # noqa: E731
-    return lambda g: (rank(drafters, drafter_of(g)), rank(heads, str(g.get("axis.model.head", "")))) + tuple(
-        g.get(a) if g.get(a) is not None else -1 for a in axes)
+    return lambda g: (
+        (rank(drafters, drafter_of(g)), rank(heads, str(g.get("axis.model.head", ""))))
+        + tuple(g.get(a) if g.get(a) is not None else -1 for a in axes)
+    )
 
 
 def challengers(groups: list[Group]) -> list[str]:
@@ -306,52 +414,96 @@ def build_depth(ctx: ReportContext) -> list[Section]:
     column, ylabel = headline_metric(ctx)
     panels, hlines = {}, {}
     for title, col in domain_panels(ctx):
-        panels[title] = {drafter_label(d): [(g["axis.model.depth"], est(ctx, g, col)) for g in groups
-                                            if drafter_of(g) == d] for d in challengers(groups)}
+        panels[title] = {
+            drafter_label(d): [(g["axis.model.depth"], est(ctx, g, col)) for g in groups if drafter_of(g) == d]
+            for d in challengers(groups)
+        }
         if reference is not None:
             hlines[title] = {label(reference): est(ctx, reference, col).mean}
     depths = sorted({g["axis.model.depth"] for g in groups})
-    path = plot_lines(panels, ctx.png("depth"), xlabel="draft layers (depth)", ylabel=ylabel, hlines=hlines,
-                      xticks=depths, title="τ against drafter depth (paper Fig. 3)")
+    path = plot_lines(
+        panels,
+        ctx.png("depth"),
+        xlabel="draft layers (depth)",
+        ylabel=ylabel,
+        hlines=hlines,
+        xticks=depths,
+        title="τ against drafter depth (paper Fig. 3)",
+    )
     lines = []
     for drafter in challengers(groups):
         two = next((g for g in groups if drafter_of(g) == drafter and g.get("axis.model.depth") == 2), None)
         if two is not None and reference is not None:
             lines += two_layer_claim(ctx, two, reference, label=label)
         lines += depth_trend(ctx, [g for g in groups if drafter_of(g) == drafter])
-    return [Section("How to read", tau_note(ctx)),
-            Section("τ by depth", config_table(ctx, groups, label=label, reference=reference)
-                    + f"\n\n![depth]({path.name})"),
-            claim_section("depth", lines)]
+    return [
+        Section("How to read", tau_note(ctx)),
+        Section(
+            "τ by depth", config_table(ctx, groups, label=label, reference=reference) + f"\n\n![depth]({path.name})"
+        ),
+        claim_section("depth", lines),
+    ]
 
 
 def two_layer_claim(ctx: ReportContext, two: Group, reference: Group, *, label: Callable[[Group], str]) -> list[str]:
     """A 2-layer drafter against the baseline per domain: point gains, then per-prompt τ with 95% CIs."""
     name, base = drafter_of(two), f"{drafter_of(reference)}{reference.get('axis.model.depth')}"
-    statement = (f"A 2-layer {drafter_label(name)} beats the {label(reference)} baseline in every domain "
-                 + ("(Fig. 3)." if name in paper.DRAFTER_ORDER else "(not a paper claim)."))
+    statement = f"A 2-layer {drafter_label(name)} beats the {label(reference)} baseline in every domain " + (
+        "(Fig. 3)." if name in paper.DRAFTER_ORDER else "(not a paper claim)."
+    )
     paper_text = "2-layer DSpark above 5-layer DFlash in every domain (Fig. 3)" if name == "dspark" else "–"
     arms, rollouts = (two, reference), ctx.has("eval/all/tau_prompt_mean")
     gains = {title: ratio_gain(est(ctx, two, col), est(ctx, reference, col)) for title, col in domain_panels(ctx)}
     verdict = "holds" if all(g > 0 for g in gains.values()) else "does NOT hold"
-    lines = [f"Ours: {drafter_label(name)} depth 2 vs {label(reference)}: "
-             + ", ".join(f"{d} {pct(g)}" for d, g in gains.items()) + f" → the claim {verdict} here."]
+    lines = [
+        f"Ours: {drafter_label(name)} depth 2 vs {label(reference)}: "
+        + ", ".join(f"{d} {pct(g)}" for d, g in gains.items())
+        + f" → the claim {verdict} here."
+    ]
     if not rollouts:  # the point gains are all there is: recorded as claims without an interval
         for (title, col), gain in zip(domain_panels(ctx), gains.values()):
-            point_claim(ctx, id=f"depth.{name}2_vs_{base}.{title.split(' ')[0]}", statement=statement,
-                        paper_text=paper_text, gain=gain, ours=pct(gain), scope=f"{col} gain", arms=arms,
-                        column=col)
+            point_claim(
+                ctx,
+                id=f"depth.{name}2_vs_{base}.{title.split(' ')[0]}",
+                statement=statement,
+                paper_text=paper_text,
+                gain=gain,
+                ours=pct(gain),
+                scope=f"{col} gain",
+                arms=arms,
+                column=col,
+            )
         return lines
     diffs = {s: tau_difference(ctx, two, reference, s) for s in scopes(ctx)}
-    lines += ["", "With 95% CIs (per-prompt τ; prompts and seeds):",
-              *["- " + judge(ctx, s, d, id=f"depth.{name}2_vs_{base}.{s}", statement=statement,
-                              paper_text=paper_text, scope=f"per-prompt τ gain, {scope_text(s)}", arms=arms)
-                for s, d in diffs.items()]]
+    lines += [
+        "",
+        "With 95% CIs (per-prompt τ; prompts and seeds):",
+        *[
+            "- "
+            + judge(
+                ctx,
+                s,
+                d,
+                id=f"depth.{name}2_vs_{base}.{s}",
+                statement=statement,
+                paper_text=paper_text,
+                scope=f"per-prompt τ gain, {scope_text(s)}",
+                arms=arms,
+            )
+            for s, d in diffs.items()
+        ],
+    ]
     worse = [s for s, d in diffs.items() if d.verdict == "reversed"]
-    lines.append(f"- → \"a 2-layer {drafter_label(name)} ≥ {label(reference)}\": " + (
-        f"**reversed** in {', '.join(worse)}" if worse else
-        "**holds** (no domain significantly below; " + ", ".join(
-            f"{s} {d.verdict}" for s, d in diffs.items() if s != "all") + ")"))
+    lines.append(
+        f'- → "a 2-layer {drafter_label(name)} ≥ {label(reference)}": '
+        + (
+            f"**reversed** in {', '.join(worse)}"
+            if worse
+            else "**holds** (no domain significantly below; "
+            + ", ".join(f"{s} {d.verdict}" for s, d in diffs.items() if s != "all")
+            + ")"
+        )
+    )
     return lines
 
 
@@ -373,14 +525,32 @@ def depth_trend(ctx: ReportContext, series: list[Group]) -> list[str]:
         prefix, arms = f"depth.{name}{group['axis.model.depth']}_vs_{name}{shallow}", (group, base)
         if rollouts:
             rollout = tau_difference(ctx, group, base, "all")
-            parts.append(judge(ctx, "τ all (per prompt)", rollout, id=f"{prefix}.all", statement=statement,
-                               paper_text=paper_text, scope="per-prompt τ gain, all prompts", arms=arms))
+            parts.append(
+                judge(
+                    ctx,
+                    "τ all (per prompt)",
+                    rollout,
+                    id=f"{prefix}.all",
+                    statement=statement,
+                    paper_text=paper_text,
+                    scope="per-prompt τ gain, all prompts",
+                    arms=arms,
+                )
+            )
             verdicts["rollout τ"] = rollout.verdict
         proxy = Difference(pooled_plain(ctx.rows_of(group), TAU_PROB), pooled_plain(ctx.rows_of(base), TAU_PROB))
         if proxy.ok or (proxy.a.ok and proxy.b.ok):
-            claim = judge(ctx, "held-out τ_prob (seeds only)", proxy, id=f"{prefix}.tau_prob", statement=statement,
-                          paper_text=paper_text, relative=False, arms=arms,
-                          scope="held-out teacher-forced τ_prob difference, between seeds only")
+            claim = judge(
+                ctx,
+                "held-out τ_prob (seeds only)",
+                proxy,
+                id=f"{prefix}.tau_prob",
+                statement=statement,
+                paper_text=paper_text,
+                relative=False,
+                arms=arms,
+                scope="held-out teacher-forced τ_prob difference, between seeds only",
+            )
             if proxy.ok:
                 parts.append(claim)
                 verdicts["held-out τ_prob"] = proxy.verdict
@@ -392,16 +562,29 @@ def depth_trend(ctx: ReportContext, series: list[Group]) -> list[str]:
     domains = [s for s in scopes(ctx) if s != "all"] if rollouts else []
     if domains:  # an "all" that does not move can hide domains that do, in opposite directions
         lines.append(f"- depth {deepest} vs {shallow} by domain (per-prompt τ):")
-        lines += ["  - " + judge(ctx, s, tau_difference(ctx, series[-1], base, s), statement=statement,
-                                  id=f"depth.{name}{deepest}_vs_{name}{shallow}.{s}", paper_text=paper_text,
-                                  scope=f"per-prompt τ gain, {scope_text(s)}", arms=(series[-1], base))
-                  for s in domains]
-    lines.append(f"- → \"τ rises with depth\" (depth {deepest} vs {shallow}): "
-                 + "; ".join(f"{metric} **{verdict}**" for metric, verdict in verdicts.items()))
+        lines += [
+            "  - "
+            + judge(
+                ctx,
+                s,
+                tau_difference(ctx, series[-1], base, s),
+                statement=statement,
+                id=f"depth.{name}{deepest}_vs_{name}{shallow}.{s}",
+                paper_text=paper_text,
+                scope=f"per-prompt τ gain, {scope_text(s)}",
+                arms=(series[-1], base),
+            )
+            for s in domains
+        ]
+    lines.append(
+        f'- → "τ rises with depth" (depth {deepest} vs {shallow}): '
+        + "; ".join(f"{metric} **{verdict}**" for metric, verdict in verdicts.items())
+    )
     return lines
 
 
 # ---- block size (Fig. 4 left) ----
+
 
 def objective_label(group: Group) -> str:
     kind = str(group.get("axis.loss.kind") or group.get("loss.kind") or "paper")
@@ -418,19 +601,31 @@ def build_objective(ctx: ReportContext) -> list[Section]:
     panels = {title: {objective_label(g): est(ctx, g, col) for g in groups} for title, col in domain_panels(ctx)}
     path = plot_bars(panels, ctx.png("objective"), ylabel=ylabel, title="Training objective at fixed depth and γ")
     col = "eval/all/tau" if eval_domains(ctx.frame) else TAU_PROB
-    claims = ([f"Ours ({col}): D-PARD vs the paper's loss "
-               f"{pct(ratio_gain(est(ctx, by_kind['dpard'], col), est(ctx, reference, col)))}."]
-              if reference is not None and "dpard" in by_kind else [])
-    return [Section("How to read", tau_note(ctx)),
-            Section("τ by training objective", config_table(ctx, groups, label=objective_label, reference=reference)
-                    + f"\n\n![objectives]({path.name})"),
-            Section("Findings", "\n".join(f"- {line}" for line in claims) or "Needs both objectives' runs.")]
+    claims = (
+        [
+            f"Ours ({col}): D-PARD vs the paper's loss "
+            f"{pct(ratio_gain(est(ctx, by_kind['dpard'], col), est(ctx, reference, col)))}."
+        ]
+        if reference is not None and "dpard" in by_kind
+        else []
+    )
+    return [
+        Section("How to read", tau_note(ctx)),
+        Section(
+            "τ by training objective",
+            config_table(ctx, groups, label=objective_label, reference=reference) + f"\n\n![objectives]({path.name})",
+        ),
+        Section("Findings", "\n".join(f"- {line}" for line in claims) or "Needs both objectives' runs."),
+    ]
 
 
 # ---- any other grid sweep ----
 
+
 @REPORT_BUILDERS.register("generic")
 def build_generic(ctx: ReportContext) -> list[Section]:
     groups = ctx.group_dicts()
-    return [Section("How to read", tau_note(ctx)),
-            Section("Results per configuration", config_table(ctx, groups, label=lambda g: axis_text(g)))]
+    return [
+        Section("How to read", tau_note(ctx)),
+        Section("Results per configuration", config_table(ctx, groups, label=lambda g: axis_text(g))),
+    ]

@@ -26,6 +26,7 @@ and `high` are the effect whose sign the claim is about (a gain or a difference;
 always `verdict_of(low, high, runs=runs)` (`VERDICTS`), so data and text cannot disagree. Our interval is never
 compared with the paper's number: our target and budget differ, so only directions are judged.
 """
+
 from __future__ import annotations
 
 import math
@@ -48,7 +49,7 @@ VERDICTS = {
     "reversed": "the 95% interval lies below 0: the opposite direction",
     "not resolved": "the 95% interval spans 0",
     "no interval": "both arms ran, but there is a point estimate only (one run of a metric with no within-run "
-                   "standard error, or a statistic the report has no interval for)",
+    "standard error, or a statistic the report has no interval for)",
     "not run yet": "no run measured one of the arms (runs = 0)",
 }
 
@@ -103,7 +104,7 @@ class Difference(NormalInterval):
 
     @property
     def se(self) -> float:
-        return math.sqrt(self.a.se ** 2 + self.b.se ** 2)
+        return math.sqrt(self.a.se**2 + self.b.se**2)
 
     def relative(self) -> tuple[float, float, float]:
         """(gain, low, high) as fractions of b's mean."""
@@ -146,8 +147,9 @@ def gain_change(first: Difference, last: Difference) -> GainChange | None:
     """Relative gain at the last γ minus that at the first (None when either is missing)."""
     if not (first.ok and last.ok) or first.b.mean == 0 or last.b.mean == 0:
         return None
-    return GainChange(last.relative()[0] - first.relative()[0],
-                      math.hypot(last.se / last.b.mean, first.se / first.b.mean))
+    return GainChange(
+        last.relative()[0] - first.relative()[0], math.hypot(last.se / last.b.mean, first.se / first.b.mean)
+    )
 
 
 def _column(rows: pl.DataFrame, name: str) -> list[float | None]:
@@ -156,21 +158,27 @@ def _column(rows: pl.DataFrame, name: str) -> list[float | None]:
 
 def pool(values: list[float | None], ses: list[float | None]) -> Pooled:
     """Pool runs with finite values (a missing se counts as 0: the between-run term still applies)."""
-    pairs = [(float(v), float(s) if s is not None and math.isfinite(float(s)) else 0.0)
-             for v, s in zip(values, ses) if v is not None and math.isfinite(float(v))]
+    pairs = [
+        (float(v), float(s) if s is not None and math.isfinite(float(s)) else 0.0)
+        for v, s in zip(values, ses)
+        if v is not None and math.isfinite(float(v))
+    ]
     n = len(pairs)
     if n == 0:
         return Pooled(float("nan"), float("nan"), 0)
     mean = sum(v for v, _ in pairs) / n
-    within = sum(s ** 2 for _, s in pairs) / n ** 2
+    within = sum(s**2 for _, s in pairs) / n**2
     between = sum((v - mean) ** 2 for v, _ in pairs) / (n - 1) / n if n >= 2 else 0.0
     return Pooled(mean, math.sqrt(within + between), n)
 
 
 def tau_scope(scope: str) -> str:
     """'all' → 'eval/all', a domain → 'eval/domain/<d>', a prompt set → 'eval/<set>'."""
-    return "eval/all" if scope == "all" else (f"eval/domain/{scope}" if scope in ("math", "code", "chat")
-                                             else f"eval/{scope}")
+    return (
+        "eval/all"
+        if scope == "all"
+        else (f"eval/domain/{scope}" if scope in ("math", "code", "chat") else f"eval/{scope}")
+    )
 
 
 def pooled_tau(rows: pl.DataFrame, scope: str = "all") -> Pooled:
@@ -179,8 +187,7 @@ def pooled_tau(rows: pl.DataFrame, scope: str = "all") -> Pooled:
     ses = []
     for half, prompts in zip(_column(rows, f"{prefix}/tau_prompt_ci95"), _column(rows, f"{prefix}/prompts")):
         n = int(prompts) if prompts is not None and math.isfinite(float(prompts)) else 0
-        ses.append(float(half) / t_quantile(n) if half is not None and n >= 2 and math.isfinite(float(half))
-                   else None)
+        ses.append(float(half) / t_quantile(n) if half is not None and n >= 2 and math.isfinite(float(half)) else None)
     return pool(_column(rows, f"{prefix}/tau_prompt_mean"), ses)
 
 
@@ -255,15 +262,40 @@ class Claim:
     def __post_init__(self) -> None:
         derived = verdict_of(self.low, self.high, runs=self.runs)
         if self.verdict != derived:
-            raise ValueError(f"claim {self.id}: verdict {self.verdict!r} disagrees with its interval "
-                             f"[{self.low}, {self.high}] over {self.runs} runs ({derived!r})")
+            raise ValueError(
+                f"claim {self.id}: verdict {self.verdict!r} disagrees with its interval "
+                f"[{self.low}, {self.high}] over {self.runs} runs ({derived!r})"
+            )
 
     @classmethod
-    def judge(cls, *, id: str, statement: str, paper: str, ours: str, mean: float, low: float = math.nan,
-              high: float = math.nan, runs: int, seeds: str, scope: str) -> "Claim":
+    def judge(
+        cls,
+        *,
+        id: str,
+        statement: str,
+        paper: str,
+        ours: str,
+        mean: float,
+        low: float = math.nan,
+        high: float = math.nan,
+        runs: int,
+        seeds: str,
+        scope: str,
+    ) -> "Claim":
         """A Claim whose verdict is read from [low, high] (no interval given: a point estimate)."""
-        return cls(id=id, statement=statement, paper=paper, ours=ours, low=low, high=high, mean=mean, runs=runs,
-                   seeds=seeds, verdict=verdict_of(low, high, runs=runs), scope=scope)
+        return cls(
+            id=id,
+            statement=statement,
+            paper=paper,
+            ours=ours,
+            low=low,
+            high=high,
+            mean=mean,
+            runs=runs,
+            seeds=seeds,
+            verdict=verdict_of(low, high, runs=runs),
+            scope=scope,
+        )
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready: the fields, with NaN floats as None."""
@@ -278,21 +310,51 @@ def point_text(diff: Difference, *, relative: bool = True, digits: int = 3) -> s
     return f"{value} (no interval)"
 
 
-def difference_claim(diff: Difference, *, id: str, statement: str, paper: str, scope: str, seeds: str,
-                     relative: bool = True) -> Claim:
+def difference_claim(
+    diff: Difference, *, id: str, statement: str, paper: str, scope: str, seeds: str, relative: bool = True
+) -> Claim:
     """The Claim of a judged difference a − b (relative to b, or absolute): the numbers `judged` prints."""
     runs = min(diff.a.runs, diff.b.runs)
     if diff.ok:
         mean, low, high = diff.relative() if relative else (diff.mean, diff.low, diff.high)
-        return Claim.judge(id=id, statement=statement, paper=paper, ours=diff.text(relative=relative), mean=mean,
-                           low=low, high=high, runs=runs, seeds=seeds, scope=scope)
+        return Claim.judge(
+            id=id,
+            statement=statement,
+            paper=paper,
+            ours=diff.text(relative=relative),
+            mean=mean,
+            low=low,
+            high=high,
+            runs=runs,
+            seeds=seeds,
+            scope=scope,
+        )
     point = (diff.a.mean / diff.b.mean - 1 if relative and diff.b.mean else diff.mean) if runs else math.nan
-    return Claim.judge(id=id, statement=statement, paper=paper, ours=point_text(diff, relative=relative),
-                       mean=point, runs=runs, seeds=seeds, scope=scope)
+    return Claim.judge(
+        id=id,
+        statement=statement,
+        paper=paper,
+        ours=point_text(diff, relative=relative),
+        mean=point,
+        runs=runs,
+        seeds=seeds,
+        scope=scope,
+    )
 
 
-def interval_claim(interval: NormalInterval, *, id: str, statement: str, paper: str, ours: str, runs: int,
-                   seeds: str, scope: str) -> Claim:
+def interval_claim(
+    interval: NormalInterval, *, id: str, statement: str, paper: str, ours: str, runs: int, seeds: str, scope: str
+) -> Claim:
     """The Claim of any normal interval (a `GainChange`)."""
-    return Claim.judge(id=id, statement=statement, paper=paper, ours=ours, mean=interval.mean, low=interval.low,
-                       high=interval.high, runs=runs, seeds=seeds, scope=scope)
+    return Claim.judge(
+        id=id,
+        statement=statement,
+        paper=paper,
+        ours=ours,
+        mean=interval.mean,
+        low=interval.low,
+        high=interval.high,
+        runs=runs,
+        seeds=seeds,
+        scope=scope,
+    )

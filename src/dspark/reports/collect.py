@@ -4,6 +4,7 @@ Columns: `run_id`, `run_name`, `status`, `cell`, `cell_index`, the flat tags the
 `model.head`, `seed`, `optuna.trial`, `optuna.state`, ...), one `axis.<key>` column per sweep axis (numeric when every
 value parses as a number), and one column per metric (`summary/tau`, `eval/gsm8k/tau`, `val/tau_prob`, ...).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -17,8 +18,22 @@ from dspark.tracking.runs import COMPLETE_TAG, children, find_parent
 if TYPE_CHECKING:
     from dspark.tracking import TrackingStore
 
-TAG_COLUMNS = ("cell", "cell.index", "drafter", "model.head", "seed", "target", "budget", "training.key",
-               "optuna.trial", "optuna.state", "optuna.defaults", "git.commit", "machine", "ledger.source")
+TAG_COLUMNS = (
+    "cell",
+    "cell.index",
+    "drafter",
+    "model.head",
+    "seed",
+    "target",
+    "budget",
+    "training.key",
+    "optuna.trial",
+    "optuna.state",
+    "optuna.defaults",
+    "git.commit",
+    "machine",
+    "ledger.source",
+)
 
 
 @dataclass
@@ -78,8 +93,12 @@ def counted(pairs: list[tuple[str, int]]) -> str:
 def run_row(run: Any) -> dict[str, Any]:
     """One child run → a flat dict of ids, tags and metrics."""
     tags = run.data.tags
-    row: dict[str, Any] = {"run_id": run.info.run_id, "run_name": run.info.run_name or tags.get("mlflow.runName", ""),
-                           "status": run.info.status, "complete": tags.get(COMPLETE_TAG) == "true"}
+    row: dict[str, Any] = {
+        "run_id": run.info.run_id,
+        "run_name": run.info.run_name or tags.get("mlflow.runName", ""),
+        "status": run.info.status,
+        "complete": tags.get(COMPLETE_TAG) == "true",
+    }
     row.update({name: tags.get(name) for name in TAG_COLUMNS})
     row.update({k: v for k, v in tags.items() if k.startswith("axis.")})
     row.update({k: float(v) for k, v in run.data.metrics.items()})
@@ -115,9 +134,12 @@ def collect_sweep_runs(store: TrackingStore, *, sweep: str, sweep_hash: str | No
     if parent is None:
         parent = find_parent(store, sweep=sweep)
         if parent is not None:
-            note = (f"newest parent run of sweep {sweep} (its sweep.hash {parent.data.tags.get('sweep.hash')} differs "
-                    "from this command's: the sweep file or the command-line overrides changed)"
-                    if sweep_hash else f"newest parent run of sweep {sweep}")
+            note = (
+                f"newest parent run of sweep {sweep} (its sweep.hash {parent.data.tags.get('sweep.hash')} differs "
+                "from this command's: the sweep file or the command-line overrides changed)"
+                if sweep_hash
+                else f"newest parent run of sweep {sweep}"
+            )
     if parent is None:
         return SweepRuns(sweep=sweep, parent=None, frame=runs_frame([]), note="no parent run of this sweep")
     kids = children(store, parent.info.run_id)
@@ -125,5 +147,11 @@ def collect_sweep_runs(store: TrackingStore, *, sweep: str, sweep_hash: str | No
     for run in kids:
         counts[run.info.status] = counts.get(run.info.status, 0) + 1
     completed = [r for r in kids if r.info.status == "FINISHED" and r.data.tags.get(COMPLETE_TAG) == "true"]
-    return SweepRuns(sweep=sweep, parent=parent, frame=runs_frame(completed), status_counts=counts, note=note,
-                     every_child=runs_frame(kids))
+    return SweepRuns(
+        sweep=sweep,
+        parent=parent,
+        frame=runs_frame(completed),
+        status_counts=counts,
+        note=note,
+        every_child=runs_frame(kids),
+    )

@@ -4,6 +4,7 @@ Metric names read here (written by the stages): `eval/<set>/tau`, `eval/domain/<
 `eval/all/tau`, `eval/domain/<d>/cond/pos{k}`, `eval/domain/<d>/verify_rate`, `summary/tau`, `summary/speedup`,
 `val/tau_prob` (teacher-forced proxy, present whenever training ran), `calibration/*`, `latency/*`.
 """
+
 from __future__ import annotations
 
 import re
@@ -42,7 +43,7 @@ class ReportContext:
     paper_ref: str = ""
     description: str = ""
     store: TrackingStore | None = None  # for artifact downloads (reliability diagrams)
-    spec: Any = None   # the SweepSpec (Optuna reports read the objective and the search space)
+    spec: Any = None  # the SweepSpec (Optuna reports read the objective and the search space)
     claims: list[Claim] = field(default_factory=list)
     _rows: dict = field(default_factory=dict, repr=False)
 
@@ -154,10 +155,14 @@ def axis_text(group: dict[str, Any], *, skip: tuple[str, ...] = ()) -> str:
 def tau_note(ctx: ReportContext) -> str:
     """Which τ the figures show: the rollout τ when any run evaluated, else the teacher-forced proxy."""
     if ctx.has(TAU):
-        return ("τ = tokens committed per round from lossless speculative decoding, pooled over rounds per prompt "
-                "set (METHOD §1); domain values are 3-set means, `all` the mean over sets.")
-    return ("No run of this sweep evaluated (stage=train?): figures show the teacher-forced proxy τ_prob = 1 + "
-            "Σ_k Π_{i≤k} c*_i on the validation split (METHOD §8), not rollout τ.")
+        return (
+            "τ = tokens committed per round from lossless speculative decoding, pooled over rounds per prompt "
+            "set (METHOD §1); domain values are 3-set means, `all` the mean over sets."
+        )
+    return (
+        "No run of this sweep evaluated (stage=train?): figures show the teacher-forced proxy τ_prob = 1 + "
+        "Σ_k Π_{i≤k} c*_i on the validation split (METHOD §8), not rollout τ."
+    )
 
 
 def headline_metric(ctx: ReportContext) -> tuple[str, str]:

@@ -4,12 +4,16 @@ All τ are the paper's Qwen3-4B values at T = 1, γ = 7, τ including the target
 Our CPU runs use a different (much flatter) target and a tiny training budget, so reports compare *relative* gains
 and orderings, never absolute τ.
 """
+
 from __future__ import annotations
 
 # Table 1 column order, with our prompt-set names.
 DATASETS = ("gsm8k", "math500", "aime25", "mbpp", "humaneval", "livecodebench", "mt-bench", "alpaca", "arena-hard")
-DOMAINS = {"math": ("gsm8k", "math500", "aime25"), "code": ("mbpp", "humaneval", "livecodebench"),
-           "chat": ("mt-bench", "alpaca", "arena-hard")}
+DOMAINS = {
+    "math": ("gsm8k", "math500", "aime25"),
+    "code": ("mbpp", "humaneval", "livecodebench"),
+    "chat": ("mt-bench", "alpaca", "arena-hard"),
+}
 # Table 1's ordering, best first (DSpark > DFlash > EAGLE-3 on every set). Drafter labels come from their
 # registration (`dspark.drafters.factory.DRAFTER_BUILDERS`); a drafter the paper has no rank for is compared
 # against every drafter of this ordering.
@@ -33,17 +37,22 @@ TABLE1_TAU = {
 MACRO_GAIN = {"eagle3": 0.309, "dflash": 0.163}
 
 # Fig. 4 (left): DSpark gain over DFlash per domain (math, code, chat) by block size γ (plotted as γ+1 = 8/12/16).
-BLOCK_SIZE_GAIN = {7: {"math": 0.16, "code": 0.15, "chat": 0.18}, 11: {"math": 0.23, "code": 0.21, "chat": 0.21},
-                   15: {"math": 0.30, "code": 0.26, "chat": 0.22}}
+BLOCK_SIZE_GAIN = {
+    7: {"math": 0.16, "code": 0.15, "chat": 0.18},
+    11: {"math": 0.23, "code": 0.21, "chat": 0.21},
+    15: {"math": 0.30, "code": 0.26, "chat": 0.22},
+}
 
 # Fig. 5: verify rate without → with the static confidence threshold, per domain (percent of verified tokens kept).
 THRESHOLD_VERIFY_RATE = {"math": (0.769, 0.925), "code": (0.676, 0.920), "chat": (0.457, 0.957)}
 
 # Fig. 6 (Alpaca): ECE of the cumulative confidence before → after STS, and AUROC, at positions 1/3/5/7.
-CALIBRATION = {1: {"ece_before": 0.057, "ece_after": 0.020, "auroc": 0.818},
-               3: {"ece_before": 0.082, "ece_after": 0.017, "auroc": 0.812},
-               5: {"ece_before": 0.058, "ece_after": 0.008, "auroc": 0.864},
-               7: {"ece_before": 0.033, "ece_after": 0.004, "auroc": 0.907}}
+CALIBRATION = {
+    1: {"ece_before": 0.057, "ece_after": 0.020, "auroc": 0.818},
+    3: {"ece_before": 0.082, "ece_after": 0.017, "auroc": 0.812},
+    5: {"ece_before": 0.058, "ece_after": 0.008, "auroc": 0.864},
+    7: {"ece_before": 0.033, "ece_after": 0.004, "auroc": 0.907},
+}
 
 # Fig. 2: conditional acceptance at slot 1 per domain.
 COND_SLOT1 = {"dflash": {"math": 0.88, "chat": 0.72}, "eagle3": {"math": 0.81, "chat": 0.53}, "dspark": {"math": 0.93}}
@@ -55,13 +64,13 @@ CLAIMS = {
     "main": "DSpark > DFlash > EAGLE-3 on every set; macro gains +30.9% vs EAGLE-3 and +16.3% vs DFlash (Qwen3-4B).",
     "depth": "A 2-layer DSpark beats a 5-layer DFlash in every domain (Fig. 3).",
     "block_size": "DSpark's gain over DFlash grows with γ: +16/15/18% (math/code/chat) at γ=7, +23/21/21% at γ=11, "
-                  "+30/26/22% at γ=15 (Fig. 4 left).",
+    "+30/26/22% at γ=15 (Fig. 4 left).",
     "head": "Both sequential heads beat no head (DFlash-style); the RNN head is only marginally above Markov, at "
-            "long blocks.",
+    "long blocks.",
     "threshold": "A static confidence threshold lifts the verify rate from 76.9→92.5% (math), 67.6→92.0% (code), "
-                 "45.7→95.7% (chat) (Fig. 5).",
+    "45.7→95.7% (chat) (Fig. 5).",
     "calibration": "STS lowers the ECE of the cumulative confidence from 5.7/8.2/5.8/3.3% to 2.0/1.7/0.8/0.4% at "
-                   "positions 1/3/5/7; AUROC 0.818/0.812/0.864/0.907 (Fig. 6, Alpaca).",
+    "positions 1/3/5/7; AUROC 0.818/0.812/0.864/0.907 (Fig. 6, Alpaca).",
     "latency": "The sequential loop adds 0.2–1.3% to round latency (batch 128, contexts 512–4096; Fig. 4 right).",
 }
 
@@ -82,8 +91,12 @@ def block_gain_text(*, domain: str | None = None, size: int | None = None) -> st
     first, last = min(BLOCK_SIZE_GAIN), max(BLOCK_SIZE_GAIN)
     if size is not None and size not in BLOCK_SIZE_GAIN:
         return "–"
-    at = lambda g: (f"{100 * BLOCK_SIZE_GAIN[g][domain]:+.0f}%" if domain else  # noqa: E731
-                    "+" + "/".join(f"{100 * BLOCK_SIZE_GAIN[g][d]:.0f}" for d in DOMAINS) + "%")
+    at = lambda g: (
+        f"{100 * BLOCK_SIZE_GAIN[g][domain]:+.0f}%"
+        if domain
+        # noqa: E731
+        else "+" + "/".join(f"{100 * BLOCK_SIZE_GAIN[g][d]:.0f}" for d in DOMAINS) + "%"
+    )
     where = f"{domain}, Fig. 4 left" if domain else "math/code/chat, Fig. 4 left"
     if size is not None:
         return f"{at(size)} at γ={size} ({where})"

@@ -5,6 +5,7 @@
 - `plot_bars`: one bar per label per panel, with error bars (heads, calibration before/after).
 - `plot_trials`: an Optuna search's objective per trial with the running best.
 """
+
 from __future__ import annotations
 
 import math
@@ -32,8 +33,16 @@ def _axes(count: int, *, width: float = 4.2, height: float = 3.6):
     return fig, fig.subplots(1, max(1, count), squeeze=False)[0]
 
 
-def plot_lines(panels: dict[str, dict[str, Series]], path: Path, *, xlabel: str, ylabel: str, title: str = "",
-               hlines: dict[str, dict[str, float]] | None = None, xticks: Sequence[float] | None = None) -> Path:
+def plot_lines(
+    panels: dict[str, dict[str, Series]],
+    path: Path,
+    *,
+    xlabel: str,
+    ylabel: str,
+    title: str = "",
+    hlines: dict[str, dict[str, float]] | None = None,
+    xticks: Sequence[float] | None = None,
+) -> Path:
     """One panel per key of `panels`; in each, one line with error bars per series."""
     fig, axes = _axes(len(panels))
     for axis, (panel, series) in zip(axes, panels.items()):
@@ -42,8 +51,9 @@ def plot_lines(panels: dict[str, dict[str, Series]], path: Path, *, xlabel: str,
             if not points:
                 continue
             xs, est = [p[0] for p in points], [p[1] for p in points]
-            axis.errorbar(xs, [e.mean for e in est], yerr=_err(est), marker="o", capsize=3, label=label,
-                          color=f"C{index}")
+            axis.errorbar(
+                xs, [e.mean for e in est], yerr=_err(est), marker="o", capsize=3, label=label, color=f"C{index}"
+            )
         for index, (label, value) in enumerate((hlines or {}).get(panel, {}).items()):
             if value is not None and math.isfinite(value):
                 axis.axhline(value, linestyle="--", color=f"C{index + len(series)}", label=label)
@@ -58,20 +68,32 @@ def plot_lines(panels: dict[str, dict[str, Series]], path: Path, *, xlabel: str,
     return _save(fig, path)
 
 
-def plot_bars(panels: dict[str, dict[str, Estimate]], path: Path, *, ylabel: str, title: str = "",
-              references: dict[str, dict[str, float]] | None = None) -> Path:
+def plot_bars(
+    panels: dict[str, dict[str, Estimate]],
+    path: Path,
+    *,
+    ylabel: str,
+    title: str = "",
+    references: dict[str, dict[str, float]] | None = None,
+) -> Path:
     """One panel per key; bars per label with error bars; optional reference markers (e.g. the paper's)."""
     fig, axes = _axes(len(panels))
     for axis, (panel, bars) in zip(axes, panels.items()):
         labels = list(bars)
         est = [bars[label] for label in labels]
-        axis.bar(range(len(labels)), [e.mean if e.ok else 0.0 for e in est], yerr=_err(est), capsize=3,
-                 color=[f"C{i}" for i in range(len(labels))])
+        axis.bar(
+            range(len(labels)),
+            [e.mean if e.ok else 0.0 for e in est],
+            yerr=_err(est),
+            capsize=3,
+            color=[f"C{i}" for i in range(len(labels))],
+        )
         refs = (references or {}).get(panel, {})
         ref_x = [i for i, label in enumerate(labels) if label in refs]
         if ref_x:
-            axis.scatter(ref_x, [refs[labels[i]] for i in ref_x], marker="*", s=80, color="black", zorder=3,
-                         label="paper")
+            axis.scatter(
+                ref_x, [refs[labels[i]] for i in ref_x], marker="*", s=80, color="black", zorder=3, label="paper"
+            )
             axis.legend(fontsize=7)
         axis.set_xticks(range(len(labels)), labels, rotation=20, fontsize=8)
         axis.set(ylabel=ylabel, title=panel)
@@ -81,8 +103,9 @@ def plot_bars(panels: dict[str, dict[str, Estimate]], path: Path, *, ylabel: str
     return _save(fig, path)
 
 
-def plot_trials(trials: Sequence[tuple[int, float, bool]], path: Path, *, ylabel: str, maximize: bool,
-                title: str = "") -> Path:
+def plot_trials(
+    trials: Sequence[tuple[int, float, bool]], path: Path, *, ylabel: str, maximize: bool, title: str = ""
+) -> Path:
     """(trial number, objective, is the paper's default) per completed trial, with the best-so-far line."""
     fig, (axis,) = _axes(1, width=6.0)
     ordered = sorted(trials)

@@ -1,6 +1,7 @@
 """Report of an Optuna search (`loss_weights`, `rank`): every trial, the best parameters, importances, and the
 paper's defaults (always enqueued as a trial) against the best trial found.
 """
+
 from __future__ import annotations
 
 import json
@@ -38,9 +39,17 @@ def trials_table(trials: pl.DataFrame, params: list[str]) -> str:
     rows = []
     for row in trials.iter_rows(named=True):
         state = row.get("optuna.state") or row.get("status")
-        rows.append([str(row["optuna.trial"]), str(state), *[_param(row.get(p)) for p in params],
-                     num(_value(row, OBJECTIVE), 3), num(_value(row, "summary/tau"), 3),
-                     num(_value(row, "val/tau_prob"), 3), "★" if row.get("optuna.defaults") == "true" else ""])
+        rows.append(
+            [
+                str(row["optuna.trial"]),
+                str(state),
+                *[_param(row.get(p)) for p in params],
+                num(_value(row, OBJECTIVE), 3),
+                num(_value(row, "summary/tau"), 3),
+                num(_value(row, "val/tau_prob"), 3),
+                "★" if row.get("optuna.defaults") == "true" else "",
+            ]
+        )
     return markdown_table(header, rows)
 
 
@@ -51,21 +60,31 @@ def best_lines(ctx: ReportContext, trials: pl.DataFrame, maximize: bool) -> list
     best_value = ctx.runs.parent_metric("best/value")
     if best_params:
         params = ", ".join(f"{k}={_param(v)}" for k, v in json.loads(best_params).items())
-        lines.append(f"Best trial {num(ctx.runs.parent_metric('best/trial'), 0)}: {params} → objective "
-                     f"{num(best_value, 3)}.")
-    defaults = [r for r in trials.iter_rows(named=True) if r.get("optuna.defaults") == "true"
-                and _value(r, OBJECTIVE) is not None]
+        lines.append(
+            f"Best trial {num(ctx.runs.parent_metric('best/trial'), 0)}: {params} → objective {num(best_value, 3)}."
+        )
+    defaults = [
+        r
+        for r in trials.iter_rows(named=True)
+        if r.get("optuna.defaults") == "true" and _value(r, OBJECTIVE) is not None
+    ]
     if defaults and best_value is not None:
         value = _value(defaults[0], OBJECTIVE)
         gain = (best_value / value - 1.0) if value else float("nan")
-        lines.append(f"Paper defaults (trial {defaults[0]['optuna.trial']}): objective {num(value, 3)}; best "
-                     f"trial {pct(gain if maximize else -gain)} {'above' if maximize else 'below'} it.")
-    importances = {k.split("/", 1)[1]: v for k, v in (ctx.runs.parent.data.metrics.items() if ctx.runs.parent else [])
-                   if k.startswith("importance/")}
+        lines.append(
+            f"Paper defaults (trial {defaults[0]['optuna.trial']}): objective {num(value, 3)}; best "
+            f"trial {pct(gain if maximize else -gain)} {'above' if maximize else 'below'} it."
+        )
+    importances = {
+        k.split("/", 1)[1]: v
+        for k, v in (ctx.runs.parent.data.metrics.items() if ctx.runs.parent else [])
+        if k.startswith("importance/")
+    }
     if importances:
         ranked = sorted(importances.items(), key=lambda kv: -kv[1])
-        lines.append("Parameter importances (fANOVA, normalised): "
-                     + ", ".join(f"{k} {v:.2f}" for k, v in ranked) + ".")
+        lines.append(
+            "Parameter importances (fANOVA, normalised): " + ", ".join(f"{k} {v:.2f}" for k, v in ranked) + "."
+        )
     else:
         lines.append("Parameter importances need at least two completed trials with different parameters.")
     return lines
@@ -79,15 +98,21 @@ def build_optuna(ctx: ReportContext) -> list[Section]:
     maximize = spec is None or spec.direction == "maximize"
     params = [c for c in trials.columns if c.startswith("axis.")]
     objective = ", ".join(f"{k}: {v}" for k, v in spec.objective.items()) if spec else "objective"
-    how = (f"Objective ({'maximised' if maximize else 'minimised'}): the trial run's metric by stage ({objective}); "
-           f"study `{ctx.runs.parent_tag('optuna.study')}` in `{ctx.runs.parent_tag('optuna.storage')}`. Pruned "
-           "trials stopped early on the validation metric (median rule); ★ = the paper's defaults, always enqueued.")
+    how = (
+        f"Objective ({'maximised' if maximize else 'minimised'}): the trial run's metric by stage ({objective}); "
+        f"study `{ctx.runs.parent_tag('optuna.study')}` in `{ctx.runs.parent_tag('optuna.storage')}`. Pruned "
+        "trials stopped early on the validation metric (median rule); ★ = the paper's defaults, always enqueued."
+    )
     sections = [Section("How to read", how), Section("Trials", trials_table(trials, params))]
-    done = [(int(r["optuna.trial"]), _value(r, OBJECTIVE), r.get("optuna.defaults") == "true")
-            for r in trials.iter_rows(named=True) if _value(r, OBJECTIVE) is not None]
+    done = [
+        (int(r["optuna.trial"]), _value(r, OBJECTIVE), r.get("optuna.defaults") == "true")
+        for r in trials.iter_rows(named=True)
+        if _value(r, OBJECTIVE) is not None
+    ]
     if done:
-        path = plot_trials(done, ctx.png("trials"), ylabel="objective", maximize=maximize,
-                           title=f"Optuna search {ctx.name}")
+        path = plot_trials(
+            done, ctx.png("trials"), ylabel="objective", maximize=maximize, title=f"Optuna search {ctx.name}"
+        )
         sections.append(Section("Search history", f"![trials]({path.name})"))
     sections.append(Section("Best parameters", "\n".join(best_lines(ctx, trials, maximize))))
     return sections

@@ -3,6 +3,7 @@ RNN head against the Markov head at each γ) and `head` (§2.2: every registered
 paper's default head). Shared helpers live in `dspark.reports.ablations`; every judged line is recorded in
 `ctx.claims` as there.
 """
+
 from __future__ import annotations
 
 
@@ -48,6 +49,7 @@ from dspark.reports.plots import plot_bars, plot_lines
 from dspark.reports.stats import ratio_gain
 from dspark.reports.writer import Section
 
+
 @REPORT_BUILDERS.register("block_size")
 def build_block_size(ctx: ReportContext) -> list[Section]:
     """Fig. 4 left: τ against γ+1 per variant and each variant's gain over DFlash per γ."""
@@ -55,13 +57,26 @@ def build_block_size(ctx: ReportContext) -> list[Section]:
     label = lambda g: f"{variant_label(g)} γ={g.get('axis.model.block_size')}"  # noqa: E731
     column, ylabel = headline_metric(ctx)
     variants = list(dict.fromkeys(variant_label(g) for g in groups))
-    panels = {title: {v: [(g["axis.model.block_size"] + 1, est(ctx, g, col)) for g in groups
-                          if variant_label(g) == v] for v in variants} for title, col in domain_panels(ctx)}
+    panels = {
+        title: {
+            v: [(g["axis.model.block_size"] + 1, est(ctx, g, col)) for g in groups if variant_label(g) == v]
+            for v in variants
+        }
+        for title, col in domain_panels(ctx)
+    }
     sizes = sorted({g["axis.model.block_size"] for g in groups})
-    path = plot_lines(panels, ctx.png("block_size"), xlabel="proposal length γ+1", ylabel=ylabel,
-                      xticks=[s + 1 for s in sizes], title="τ against block size (paper Fig. 4 left)")
-    sections = [Section("How to read", tau_note(ctx)),
-                Section("τ by block size", config_table(ctx, groups, label=label) + f"\n\n![block size]({path.name})")]
+    path = plot_lines(
+        panels,
+        ctx.png("block_size"),
+        xlabel="proposal length γ+1",
+        ylabel=ylabel,
+        xticks=[s + 1 for s in sizes],
+        title="τ against block size (paper Fig. 4 left)",
+    )
+    sections = [
+        Section("How to read", tau_note(ctx)),
+        Section("τ by block size", config_table(ctx, groups, label=label) + f"\n\n![block size]({path.name})"),
+    ]
     domains = eval_domains(ctx.frame)
     gains = block_gains(ctx, groups, sizes, domains) if domains else None
     if gains:
@@ -73,8 +88,9 @@ def build_block_size(ctx: ReportContext) -> list[Section]:
 def block_pair(groups: list[Group], variant: str, size: int) -> tuple[Group | None, Group | None]:
     """The `variant` cell and the baseline (DFlash) cell at block size `size` (either None when not run)."""
     mine = next((g for g in groups if variant_label(g) == variant and g["axis.model.block_size"] == size), None)
-    base = next((g for g in groups if drafter_of(g) == paper.BASELINE_DRAFTER
-                 and g["axis.model.block_size"] == size), None)
+    base = next(
+        (g for g in groups if drafter_of(g) == paper.BASELINE_DRAFTER and g["axis.model.block_size"] == size), None
+    )
     return mine, base
 
 
@@ -91,8 +107,11 @@ def block_paper(group: Group, **where) -> str:
     """The paper's Fig. 4 (left) number for a variant: quoted for DSpark with the Markov head only."""
     if drafter_of(group) == "dspark" and head_of(group) == paper.REFERENCE_HEAD:
         return paper.block_gain_text(**where)
-    return "gain over DFlash grows with γ (Fig. 4 left; numbers quoted for the Markov head only)" if (
-        drafter_of(group) == "dspark" and head_of(group) in paper.PAPER_HEADS) else "–"
+    return (
+        "gain over DFlash grows with γ (Fig. 4 left; numbers quoted for the Markov head only)"
+        if (drafter_of(group) == "dspark" and head_of(group) in paper.PAPER_HEADS)
+        else "–"
+    )
 
 
 def block_claim(ctx: ReportContext, groups: list[Group], sizes: list[int]) -> list[str]:
@@ -114,13 +133,23 @@ def block_claim(ctx: ReportContext, groups: list[Group], sizes: list[int]) -> li
             if len(gains) >= 2:
                 grows = all(b[1] > a[1] for a, b in zip(gains, gains[1:]))
                 points = ", ".join(f"γ={s} {pct(g)}" for s, g in gains)
-                lines += [f"Ours, {variant} vs {base_label} ({col}): {points}"
-                          + f" → the point estimates {'grow' if grows else 'do not grow monotonically'} with γ.", ""]
+                lines += [
+                    f"Ours, {variant} vs {base_label} ({col}): {points}"
+                    + f" → the point estimates {'grow' if grows else 'do not grow monotonically'} with γ.",
+                    "",
+                ]
                 metric = "tau_prob" if col == TAU_PROB else "rollout"
-                point_claim(ctx, id=f"block_size.{variant_slug(first)}_vs_{paper.BASELINE_DRAFTER}_growth_points."
-                            f"{metric}", statement=growth_statement(variant), paper_text=block_paper(first),
-                            gain=gains[-1][1] - gains[0][1], ours=points, arms=tuple(arms), column=col,
-                            scope=f"{col} gain at γ={gains[-1][0]} minus at γ={gains[0][0]}, point estimates")
+                point_claim(
+                    ctx,
+                    id=f"block_size.{variant_slug(first)}_vs_{paper.BASELINE_DRAFTER}_growth_points.{metric}",
+                    statement=growth_statement(variant),
+                    paper_text=block_paper(first),
+                    gain=gains[-1][1] - gains[0][1],
+                    ours=points,
+                    arms=tuple(arms),
+                    column=col,
+                    scope=f"{col} gain at γ={gains[-1][0]} minus at γ={gains[0][0]}, point estimates",
+                )
         lines += block_judgements(ctx, groups, sizes, variant)
     return lines + head_by_size(ctx, groups, sizes)
 
@@ -140,8 +169,11 @@ def head_by_size(ctx: ReportContext, groups: list[Group], sizes: list[int]) -> l
                 continue
             pairs = {}
             for size in sizes:
-                at = {str(head_of(g)): g for g in groups
-                      if drafter_of(g) == drafter and g["axis.model.block_size"] == size}
+                at = {
+                    str(head_of(g)): g
+                    for g in groups
+                    if drafter_of(g) == drafter and g["axis.model.block_size"] == size
+                }
                 if head in at and paper.REFERENCE_HEAD in at:
                     pairs[size] = (at[head], at[paper.REFERENCE_HEAD])
             if pairs:
@@ -153,16 +185,23 @@ def head_pairs_by_size(ctx: ReportContext, pairs: dict[int, tuple[Group, Group]]
     """One head against the reference head per γ (`head_by_size`)."""
     mine, ref = next(iter(pairs.values()))
     head = str(head_of(mine))
-    note = ("paper: the RNN head only marginally above Markov, at long blocks" if head == "rnn" else
-            "not a paper claim")
+    note = "paper: the RNN head only marginally above Markov, at long blocks" if head == "rnn" else "not a paper claim"
     lines = ["", f"{variant_label(mine)} vs {variant_label(ref)} at the same γ ({note}):"]
     for size, arms in pairs.items():
         parts = []
         if ctx.has("eval/all/tau_prompt_mean"):
-            parts.append(judge(ctx, "per-prompt τ (all)", tau_difference(ctx, *arms, "all"),
-                               id=f"block_size.{variant_slug(mine)}_vs_{variant_slug(ref)}.g{size}",
-                               statement=head_statement(head), paper_text=head_paper(head), arms=arms,
-                               scope=f"per-prompt τ gain, all prompts, γ={size}"))
+            parts.append(
+                judge(
+                    ctx,
+                    "per-prompt τ (all)",
+                    tau_difference(ctx, *arms, "all"),
+                    id=f"block_size.{variant_slug(mine)}_vs_{variant_slug(ref)}.g{size}",
+                    statement=head_statement(head),
+                    paper_text=head_paper(head),
+                    arms=arms,
+                    scope=f"per-prompt τ gain, all prompts, γ={size}",
+                )
+            )
         if ctx.has(TAU_PROB):
             parts.append(f"held-out τ_prob {pct(ratio_gain(est(ctx, arms[0], TAU_PROB), est(ctx, arms[1], TAU_PROB)))}")
         lines.append(f"- γ={size}: " + "; ".join(parts))
@@ -184,22 +223,43 @@ def block_judgements(ctx: ReportContext, groups: list[Group], sizes: list[int], 
         return []
     first, last = min(pairs), max(pairs)
     mine = pairs[first][0]
-    comparison, base_label = f"block_size.{variant_slug(mine)}_vs_{paper.BASELINE_DRAFTER}", drafter_label(
-        paper.BASELINE_DRAFTER)
+    comparison, base_label = (
+        f"block_size.{variant_slug(mine)}_vs_{paper.BASELINE_DRAFTER}",
+        drafter_label(paper.BASELINE_DRAFTER),
+    )
     diffs = {size: tau_difference(ctx, *arms, "all") for size, arms in pairs.items()}
-    lines = ["", f"{variant} vs {base_label}, per-prompt τ (all), 95% CIs:",
-             *[f"- γ={s}: " + judge(ctx, "gain", d, id=f"{comparison}.g{s}", arms=pairs[s],
-                                    statement=f"{variant} reaches a longer τ than {base_label} at γ={s}.",
-                                    paper_text=block_paper(mine, size=s),
-                                    scope=f"per-prompt τ gain, all prompts, γ={s}")
-               for s, d in diffs.items()]]
+    lines = [
+        "",
+        f"{variant} vs {base_label}, per-prompt τ (all), 95% CIs:",
+        *[
+            f"- γ={s}: "
+            + judge(
+                ctx,
+                "gain",
+                d,
+                id=f"{comparison}.g{s}",
+                arms=pairs[s],
+                statement=f"{variant} reaches a longer τ than {base_label} at γ={s}.",
+                paper_text=block_paper(mine, size=s),
+                scope=f"per-prompt τ gain, all prompts, γ={s}",
+            )
+            for s, d in diffs.items()
+        ],
+    ]
     every = tuple(g for arms in (pairs[first], pairs[last]) for g in arms)
     change = gain_change(diffs[first], diffs[last])
     if change is not None:
         lines.append(f"- → gain at γ={last} minus gain at γ={first}: {change.text()} → **{change.verdict}**")
-        growth_claim(ctx, change, id=f"{comparison}_growth.all", variant=variant, group=mine, arms=every,
-                     diffs=(diffs[first], diffs[last]), scope=f"per-prompt τ gain at γ={last} minus at γ={first}, "
-                     "all prompts")
+        growth_claim(
+            ctx,
+            change,
+            id=f"{comparison}_growth.all",
+            variant=variant,
+            group=mine,
+            arms=every,
+            diffs=(diffs[first], diffs[last]),
+            scope=f"per-prompt τ gain at γ={last} minus at γ={first}, all prompts",
+        )
     domains = [d for d in eval_domains(ctx.frame) if ctx.has(f"eval/domain/{d}/tau_prompt_mean")]
     if domains:
         by_domain = {d: {s: tau_difference(ctx, *arms, d) for s, arms in pairs.items()} for d in domains}
@@ -207,24 +267,55 @@ def block_judgements(ctx: ReportContext, groups: list[Group], sizes: list[int], 
         changes = [gain_change(by_domain[d][first], by_domain[d][last]) for d in domains]
         for d, c in zip(domains, changes):
             if c is not None:
-                growth_claim(ctx, c, id=f"{comparison}_growth.{d}", variant=variant, group=mine, arms=every,
-                             diffs=(by_domain[d][first], by_domain[d][last]), domain=d,
-                             scope=f"per-prompt τ gain at γ={last} minus at γ={first}, the {d} prompts")
-        rows.append([f"γ={last} − γ={first}",
-                     *[f"{c.text()} → {c.verdict}" if c is not None else "–" for c in changes]])
-        lines += ["", f"{variant} vs {base_label} by domain, per-prompt τ gain, 95% CIs:", "",
-                  markdown_table(["γ", *domains], rows)]
+                growth_claim(
+                    ctx,
+                    c,
+                    id=f"{comparison}_growth.{d}",
+                    variant=variant,
+                    group=mine,
+                    arms=every,
+                    diffs=(by_domain[d][first], by_domain[d][last]),
+                    domain=d,
+                    scope=f"per-prompt τ gain at γ={last} minus at γ={first}, the {d} prompts",
+                )
+        rows.append(
+            [f"γ={last} − γ={first}", *[f"{c.text()} → {c.verdict}" if c is not None else "–" for c in changes]]
+        )
+        lines += [
+            "",
+            f"{variant} vs {base_label} by domain, per-prompt τ gain, 95% CIs:",
+            "",
+            markdown_table(["γ", *domains], rows),
+        ]
     return lines
 
 
-def growth_claim(ctx: ReportContext, change: GainChange, *, id: str, variant: str, group: Group,
-                 arms: tuple[Group, ...], diffs: tuple[Difference, Difference], scope: str,
-                 domain: str | None = None) -> None:
+def growth_claim(
+    ctx: ReportContext,
+    change: GainChange,
+    *,
+    id: str,
+    variant: str,
+    group: Group,
+    arms: tuple[Group, ...],
+    diffs: tuple[Difference, Difference],
+    scope: str,
+    domain: str | None = None,
+) -> None:
     """Record a judged change of the gain between the smallest and the largest γ (a `GainChange`)."""
     runs = min(n for d in diffs for n in (d.a.runs, d.b.runs))
-    ctx.claims.append(interval_claim(change, id=id, statement=growth_statement(variant), ours=change.text(),
-                                     paper=block_paper(group, domain=domain), runs=runs, seeds=ctx.seeds(*arms),
-                                     scope=scope))
+    ctx.claims.append(
+        interval_claim(
+            change,
+            id=id,
+            statement=growth_statement(variant),
+            ours=change.text(),
+            paper=block_paper(group, domain=domain),
+            runs=runs,
+            seeds=ctx.seeds(*arms),
+            scope=scope,
+        )
+    )
 
 
 def block_gains(ctx: ReportContext, groups: list[Group], sizes: list[int], domains: list[str]) -> str | None:
@@ -239,13 +330,19 @@ def block_gains(ctx: ReportContext, groups: list[Group], sizes: list[int], domai
         for g in (g for g in at if drafter_of(g) in challengers(groups)):
             quoted = drafter_of(g) == "dspark" and head_of(g) == paper.REFERENCE_HEAD
             ref = paper.BLOCK_SIZE_GAIN.get(size, {}) if quoted else {}
-            rows.append([str(size), f"{variant_label(g)} vs {drafter_label(paper.BASELINE_DRAFTER)}",
-                         *[pct(ratio_gain(est(ctx, g, domain_tau(d)), est(ctx, base, domain_tau(d)))) for d in domains],
-                         *[pct(ref.get(d)) for d in domains]])
+            rows.append(
+                [
+                    str(size),
+                    f"{variant_label(g)} vs {drafter_label(paper.BASELINE_DRAFTER)}",
+                    *[pct(ratio_gain(est(ctx, g, domain_tau(d)), est(ctx, base, domain_tau(d)))) for d in domains],
+                    *[pct(ref.get(d)) for d in domains],
+                ]
+            )
     return markdown_table(header, rows) if rows else None
 
 
 # ---- head ----
+
 
 @REPORT_BUILDERS.register("head")
 def build_head(ctx: ReportContext) -> list[Section]:
@@ -255,10 +352,14 @@ def build_head(ctx: ReportContext) -> list[Section]:
     column, ylabel = headline_metric(ctx)
     panels = {title: {variant_label(g): est(ctx, g, col) for g in groups} for title, col in domain_panels(ctx)}
     path = plot_bars(panels, ctx.png("head"), ylabel=ylabel, title="Sequential head at fixed depth and block size")
-    return [Section("How to read", tau_note(ctx)),
-            Section("τ by sequential head", config_table(ctx, groups, label=variant_label, reference=reference)
-                    + f"\n\n![heads]({path.name})"),
-            claim_section("head", head_claim(ctx, groups, reference))]
+    return [
+        Section("How to read", tau_note(ctx)),
+        Section(
+            "τ by sequential head",
+            config_table(ctx, groups, label=variant_label, reference=reference) + f"\n\n![heads]({path.name})",
+        ),
+        claim_section("head", head_claim(ctx, groups, reference)),
+    ]
 
 
 def head_statement(head: str, base: str = paper.REFERENCE_HEAD) -> str:
@@ -290,9 +391,17 @@ def head_claim(ctx: ReportContext, groups: list[Group], reference: Group | None)
     def gain(head: str, base: str, base_group: Group) -> str:
         value = ratio_gain(est(ctx, by_head[head], col), est(ctx, base_group, col))
         if not rollouts:  # no interval will be judged: the point gain is the claim
-            point_claim(ctx, id=f"head.{head}_vs_{base}.all", statement=head_statement(head, base),
-                        paper_text=head_paper(head, base), gain=value, ours=pct(value), column=col,
-                        scope=f"{col} gain", arms=(by_head[head], base_group))
+            point_claim(
+                ctx,
+                id=f"head.{head}_vs_{base}.all",
+                statement=head_statement(head, base),
+                paper_text=head_paper(head, base),
+                gain=value,
+                ours=pct(value),
+                column=col,
+                scope=f"{col} gain",
+                arms=(by_head[head], base_group),
+            )
         return pct(value)
 
     if reference is not None:
@@ -300,12 +409,24 @@ def head_claim(ctx: ReportContext, groups: list[Group], reference: Group | None)
     among = [head for head in heads if head != ref and ref in by_head]
     lines += [f"Ours: {head} vs {ref} {gain(head, ref, by_head[ref])}." for head in among]
     if among and rollouts:
-        lines += ["", "The heads among themselves, per-prompt τ (all), 95% CIs:",
-                  *["- " + judge(ctx, f"{head} vs {ref}", tau_difference(ctx, by_head[head], by_head[ref], "all"),
-                                 id=f"head.{head}_vs_{ref}.all", statement=head_statement(head),
-                                 paper_text=head_paper(head), scope="per-prompt τ gain, all prompts",
-                                 arms=(by_head[head], by_head[ref]))
-                    for head in among]]
+        lines += [
+            "",
+            "The heads among themselves, per-prompt τ (all), 95% CIs:",
+            *[
+                "- "
+                + judge(
+                    ctx,
+                    f"{head} vs {ref}",
+                    tau_difference(ctx, by_head[head], by_head[ref], "all"),
+                    id=f"head.{head}_vs_{ref}.all",
+                    statement=head_statement(head),
+                    paper_text=head_paper(head),
+                    scope="per-prompt τ gain, all prompts",
+                    arms=(by_head[head], by_head[ref]),
+                )
+                for head in among
+            ],
+        ]
     if reference is not None:
         lines += head_judgements(ctx, {h: by_head[h] for h in heads}, reference)
     return lines
@@ -325,46 +446,88 @@ def head_judgements(ctx: ReportContext, by_head: dict[str, Group], reference: Gr
     return lines
 
 
-def one_head_judgements(ctx: ReportContext, head: str, group: Group, reference: Group, *, positions: list[int],
-                        tf_positions: list[int]) -> list[str]:
+def one_head_judgements(
+    ctx: ReportContext, head: str, group: Group, reference: Group, *, positions: list[int], tf_positions: list[int]
+) -> list[str]:
     """`head_judgements` for one head; every judged line is a claim 'head.<head>_vs_none.<what>'."""
     rows, none_rows, arms = ctx.rows_of(group), ctx.rows_of(reference), (group, reference)
     prefix, lines = f"head.{head}_vs_{paper.NO_HEAD}", []
     record = dict(statement=head_statement(head, paper.NO_HEAD), paper_text=head_paper(head, paper.NO_HEAD), arms=arms)
     if ctx.has("eval/all/tau_prompt_mean"):
-        lines.append("- " + judge(ctx, "τ (all, per prompt)", tau_difference(ctx, group, reference, "all"),
-                                  id=f"{prefix}.all", scope="per-prompt τ gain, all prompts", **record))
+        lines.append(
+            "- "
+            + judge(
+                ctx,
+                "τ (all, per prompt)",
+                tau_difference(ctx, group, reference, "all"),
+                id=f"{prefix}.all",
+                scope="per-prompt τ gain, all prompts",
+                **record,
+            )
+        )
     cond = {k: Difference(pooled_cond(rows, k), pooled_cond(none_rows, k)) for k in positions if k >= 2}
     unmeasured = [k for k, d in cond.items() if not d.ok]
     cond = {k: d for k, d in cond.items() if d.ok}
-    cond_record = record | dict(statement=f"The {head} head raises cond@k for k ≥ 2 over no head (restored "
-                                          "intra-block dependencies, §3).",
-                                paper_text="cond@k ≥ 2 rises with a sequential head (Fig. 2, §3)"
-                                if head in paper.PAPER_HEADS else "–")
-    lines += ["- " + judge(ctx, f"rollout cond@{k}", d, relative=False, id=f"{prefix}.cond{k}",
-                           scope=f"rollout cond@{k} difference, all prompts", **cond_record) for k, d in cond.items()]
+    cond_record = record | dict(
+        statement=f"The {head} head raises cond@k for k ≥ 2 over no head (restored intra-block dependencies, §3).",
+        paper_text="cond@k ≥ 2 rises with a sequential head (Fig. 2, §3)" if head in paper.PAPER_HEADS else "–",
+    )
+    lines += [
+        "- "
+        + judge(
+            ctx,
+            f"rollout cond@{k}",
+            d,
+            relative=False,
+            id=f"{prefix}.cond{k}",
+            scope=f"rollout cond@{k} difference, all prompts",
+            **cond_record,
+        )
+        for k, d in cond.items()
+    ]
     if unmeasured:
-        lines.append(f"- rollout cond@k for k ∈ {unmeasured}: fewer than {MIN_ROUNDS} rounds reached the slot in "
-                     "some run — no estimate")
-    tf = {k: Difference(pooled_plain(rows, f"val/accept/pos{k}"), pooled_plain(none_rows, f"val/accept/pos{k}"))
-          for k in tf_positions}
-    tf_record = cond_record | dict(statement=f"The {head} head raises the held-out teacher-forced acceptance "
-                                             "over no head.")
-    judged_tf = {k: judge(ctx, f"teacher-forced acceptance slot {k} (seeds only)", d, relative=False,
-                          id=f"{prefix}.tf_accept{k}", scope=f"held-out teacher-forced acceptance at slot {k}, "
-                          "between seeds only", **tf_record) for k, d in tf.items() if d.a.ok and d.b.ok}
+        lines.append(
+            f"- rollout cond@k for k ∈ {unmeasured}: fewer than {MIN_ROUNDS} rounds reached the slot in "
+            "some run — no estimate"
+        )
+    tf = {
+        k: Difference(pooled_plain(rows, f"val/accept/pos{k}"), pooled_plain(none_rows, f"val/accept/pos{k}"))
+        for k in tf_positions
+    }
+    tf_record = cond_record | dict(
+        statement=f"The {head} head raises the held-out teacher-forced acceptance over no head."
+    )
+    judged_tf = {
+        k: judge(
+            ctx,
+            f"teacher-forced acceptance slot {k} (seeds only)",
+            d,
+            relative=False,
+            id=f"{prefix}.tf_accept{k}",
+            scope=f"held-out teacher-forced acceptance at slot {k}, between seeds only",
+            **tf_record,
+        )
+        for k, d in tf.items()
+        if d.a.ok and d.b.ok
+    }
     if tf and all(d.ok for d in tf.values()):
         lines += [f"- {line}" for line in judged_tf.values()]
     elif tf:  # one seed: no between-seed interval; the values themselves
-        mine, base = ([f"{d.a.mean:.3f}" if d.a.ok else "–" for d in tf.values()],
-                      [f"{d.b.mean:.3f}" if d.b.ok else "–" for d in tf.values()])
-        lines.append(f"- teacher-forced acceptance, slots {min(tf)}–{max(tf)} (one seed, no interval): "
-                     f"{head} {', '.join(mine)} vs {paper.NO_HEAD} {', '.join(base)}")
+        mine, base = (
+            [f"{d.a.mean:.3f}" if d.a.ok else "–" for d in tf.values()],
+            [f"{d.b.mean:.3f}" if d.b.ok else "–" for d in tf.values()],
+        )
+        lines.append(
+            f"- teacher-forced acceptance, slots {min(tf)}–{max(tf)} (one seed, no interval): "
+            f"{head} {', '.join(mine)} vs {paper.NO_HEAD} {', '.join(base)}"
+        )
     raised = [k for k, d in cond.items() if d.verdict == "holds"]
     lowered = [k for k, d in cond.items() if d.verdict == "reversed"]
     if cond:
-        lines.append(f"- → \"{head} raises cond@k for k ≥ 2\" (rollouts): significantly raised at "
-                     f"k ∈ {raised or '∅'}, lowered at k ∈ {lowered or '∅'}, of the measured k ∈ {list(cond)}")
+        lines.append(
+            f'- → "{head} raises cond@k for k ≥ 2" (rollouts): significantly raised at '
+            f"k ∈ {raised or '∅'}, lowered at k ∈ {lowered or '∅'}, of the measured k ∈ {list(cond)}"
+        )
     return lines
 
 

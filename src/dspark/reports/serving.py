@@ -9,6 +9,7 @@ step costs). The comparisons come from `dspark.serving.load`: every registered p
 over matched points: no interval), and the scheduler's worst gap to the best static policy
 ('serving.scheduler_vs_best_static.throughput').
 """
+
 from __future__ import annotations
 
 import math
@@ -28,9 +29,11 @@ BASELINE_POLICY = "mtp1"  # the paper's serving baseline (Fig. 7: MTP-1 verifies
 FIELDS = ("throughput", "user_speed", "budget", "tau")
 POLICY_AXIS, CONCURRENCY_AXIS = "axis.serve.policy", "axis.serve.concurrency"
 _SIM = re.compile(r"^sim/R(\d+)/throughput$")
-PAPER_CLAIM = ("Paper (Fig. 7, §7): at matched aggregate throughput the confidence scheduler raises per-user speed "
-               "1.60–1.85× over MTP-1, and it tracks the best static verification length at every concurrency "
-               "(Fig. 8: the budget shrinks as concurrency grows).")
+PAPER_CLAIM = (
+    "Paper (Fig. 7, §7): at matched aggregate throughput the confidence scheduler raises per-user speed "
+    "1.60–1.85× over MTP-1, and it tracks the best static verification length at every concurrency "
+    "(Fig. 8: the budget shrinks as concurrency grows)."
+)
 
 
 def _policies(frame: pl.DataFrame) -> list[str]:
@@ -53,8 +56,9 @@ def _arms(frame: pl.DataFrame, *policies: str) -> tuple[int, str]:
     column = "axis.seed" if "axis.seed" in frame.columns else "seed"
     if column not in frame.columns or POLICY_AXIS not in frame.columns:
         return 0, ""
-    seeds = {p: {v for v in frame.filter(pl.col(POLICY_AXIS) == p)[column].to_list() if v is not None}
-             for p in policies}
+    seeds = {
+        p: {v for v in frame.filter(pl.col(POLICY_AXIS) == p)[column].to_list() if v is not None} for p in policies
+    }
     every = sorted(set().union(*seeds.values()), key=str)
     return min(len(v) for v in seeds.values()), ",".join(str(v) for v in every)
 
@@ -73,9 +77,16 @@ def real_summaries(frame: pl.DataFrame) -> list[ServeSummary]:
             rows = part.filter(pl.col(CONCURRENCY_AXIS) == level)
             values = {f: _mean(rows, f"serve/{f}") for f in FIELDS}
             if math.isfinite(values["throughput"]):
-                out.append(ServeSummary(policy=policy, concurrency=level, num_requests=int(_mean(
-                    rows, "serve/num_requests")), num_steps=int(_mean(rows, "serve/steps")),
-                    wall_seconds=_mean(rows, "serve/wall_seconds"), **values))
+                out.append(
+                    ServeSummary(
+                        policy=policy,
+                        concurrency=level,
+                        num_requests=int(_mean(rows, "serve/num_requests")),
+                        num_steps=int(_mean(rows, "serve/steps")),
+                        wall_seconds=_mean(rows, "serve/wall_seconds"),
+                        **values,
+                    )
+                )
     return out
 
 
@@ -88,8 +99,17 @@ def simulated_summaries(frame: pl.DataFrame) -> list[ServeSummary]:
         for level in levels:
             values = {f: _mean(part, f"sim/R{level}/{f}") for f in FIELDS}
             if math.isfinite(values["throughput"]):
-                out.append(ServeSummary(policy=policy, concurrency=level, num_requests=0, num_steps=0,
-                                        wall_seconds=float("nan"), simulated=True, **values))
+                out.append(
+                    ServeSummary(
+                        policy=policy,
+                        concurrency=level,
+                        num_requests=0,
+                        num_steps=0,
+                        wall_seconds=float("nan"),
+                        simulated=True,
+                        **values,
+                    )
+                )
     return out
 
 
@@ -99,15 +119,21 @@ def _summary_table(summaries: list[ServeSummary], frame: pl.DataFrame) -> str:
     for s in summaries:
         part = frame.filter((pl.col(POLICY_AXIS) == s.policy) & (pl.col(CONCURRENCY_AXIS) == s.concurrency))
         speed = estimate(part["serve/user_speed"].to_list())
-        rows.append([s.policy, s.concurrency, num(s.throughput, 2), speed.text(2), num(s.budget, 2),
-                     num(s.tau, 3), part.height])
+        rows.append(
+            [s.policy, s.concurrency, num(s.throughput, 2), speed.text(2), num(s.budget, 2), num(s.tau, 3), part.height]
+        )
     return markdown_table(header, rows)
 
 
 def _sim_table(summaries: list[ServeSummary]) -> str:
     header = ["policy", "R (simulated)", "throughput (tok/s)", "per-user speed", "mean ℓ", "τ"]
-    return markdown_table(header, [[s.policy, s.concurrency, num(s.throughput, 2), num(s.user_speed, 2),
-                                    num(s.budget, 2), num(s.tau, 3)] for s in summaries])
+    return markdown_table(
+        header,
+        [
+            [s.policy, s.concurrency, num(s.throughput, 2), num(s.user_speed, 2), num(s.budget, 2), num(s.tau, 3)]
+            for s in summaries
+        ],
+    )
 
 
 def _speedup_lines(ctx: ReportContext, summaries: list[ServeSummary], *, simulated: bool) -> list[str]:
@@ -120,26 +146,41 @@ def _speedup_lines(ctx: ReportContext, summaries: list[ServeSummary], *, simulat
         if result.reason:
             lines.append(f"- {policy} vs {BASELINE_POLICY} ({kind}): {result.reason}.")
             continue
-        points = ", ".join(f"{p.ratio:.2f}× at {p.throughput:.1f} tok/s ({BASELINE_POLICY} R={p.concurrency})"
-                           for p in result.points)
+        points = ", ".join(
+            f"{p.ratio:.2f}× at {p.throughput:.1f} tok/s ({BASELINE_POLICY} R={p.concurrency})" for p in result.points
+        )
         summary = f"{result.median:.2f}× median (min {result.min:.2f}×, max {result.max:.2f}×)"
-        lines.append(f"- {policy} vs {BASELINE_POLICY} ({kind}): per-user speed at matched throughput {summary}: "
-                     f"{points}.")
+        lines.append(
+            f"- {policy} vs {BASELINE_POLICY} ({kind}): per-user speed at matched throughput {summary}: {points}."
+        )
         runs, seeds = _arms(ctx.frame, policy, BASELINE_POLICY)
-        ctx.claims.append(Claim.judge(
-            id=f"serving.{policy}_vs_{BASELINE_POLICY}.user_speed" + ("_simulated" if simulated else ""),
-            statement=f"At matched aggregate throughput, {policy} raises the per-user speed over MTP-1 (Fig. 7).",
-            paper="1.60–1.85× (Fig. 7, §7)" if policy == "scheduler" else "–", ours=f"{summary} (no interval)",
-            mean=result.median - 1.0, runs=runs, seeds=seeds,
-            scope=f"per-user speed ratio − 1 at matched throughput, median over matched points ({kind})"))
+        ctx.claims.append(
+            Claim.judge(
+                id=f"serving.{policy}_vs_{BASELINE_POLICY}.user_speed" + ("_simulated" if simulated else ""),
+                statement=f"At matched aggregate throughput, {policy} raises the per-user speed over MTP-1 (Fig. 7).",
+                paper="1.60–1.85× (Fig. 7, §7)" if policy == "scheduler" else "–",
+                ours=f"{summary} (no interval)",
+                mean=result.median - 1.0,
+                runs=runs,
+                seeds=seeds,
+                scope=f"per-user speed ratio − 1 at matched throughput, median over matched points ({kind})",
+            )
+        )
     baseline = [s.user_speed for s in summaries if s.policy == BASELINE_POLICY and s.simulated == simulated]
     if baseline:
-        gains = throughput_gain_at_user_speed(summaries, "scheduler", BASELINE_POLICY, sorted(baseline),
-                                              simulated=simulated)
-        text = ", ".join(f"{g.ratio:.2f}× at {g.target:.2f} tok/s/user" if math.isfinite(g.ratio)
-                         else f"n/a at {g.target:.2f} tok/s/user" for g in gains)
-        lines.append(f"- scheduler vs {BASELINE_POLICY} ({kind}): aggregate throughput at {BASELINE_POLICY}'s "
-                     f"per-user speeds: {text}.")
+        gains = throughput_gain_at_user_speed(
+            summaries, "scheduler", BASELINE_POLICY, sorted(baseline), simulated=simulated
+        )
+        text = ", ".join(
+            f"{g.ratio:.2f}× at {g.target:.2f} tok/s/user"
+            if math.isfinite(g.ratio)
+            else f"n/a at {g.target:.2f} tok/s/user"
+            for g in gains
+        )
+        lines.append(
+            f"- scheduler vs {BASELINE_POLICY} ({kind}): aggregate throughput at {BASELINE_POLICY}'s "
+            f"per-user speeds: {text}."
+        )
     return lines
 
 
@@ -149,18 +190,36 @@ def _gap_section(ctx: ReportContext, summaries: list[ServeSummary]) -> str:
     gap = gap_to_best_static(summaries, "scheduler", simulated=False)
     if gap.reason:
         return gap.reason
-    rows = [[r.concurrency, num(r.throughput, 2), r.best_static or "–", num(r.best_static_throughput, 2),
-             pct(r.gap) if math.isfinite(r.gap) else (r.reason or "–")] for r in gap.rows]
+    rows = [
+        [
+            r.concurrency,
+            num(r.throughput, 2),
+            r.best_static or "–",
+            num(r.best_static_throughput, 2),
+            pct(r.gap) if math.isfinite(r.gap) else (r.reason or "–"),
+        ]
+        for r in gap.rows
+    ]
     worst = min((r.gap for r in gap.rows if math.isfinite(r.gap)), default=float("nan"))
-    verdict = (f"Worst gap {pct(worst)} (goal: never more than 5% below the best static policy)."
-               if math.isfinite(worst) else "")
+    verdict = (
+        f"Worst gap {pct(worst)} (goal: never more than 5% below the best static policy)."
+        if math.isfinite(worst)
+        else ""
+    )
     if math.isfinite(worst):
         runs, seeds = _arms(ctx.frame, "scheduler", *[p for p in STATIC_POLICIES if p in _policies(ctx.frame)])
-        ctx.claims.append(Claim.judge(
-            id="serving.scheduler_vs_best_static.throughput", mean=worst, ours=f"{pct(worst)} (no interval)",
-            statement="The scheduler tracks the best static verification length at every concurrency (Fig. 8).",
-            paper="tracks the best static policy at every R (Fig. 8; no single number)", runs=runs, seeds=seeds,
-            scope="the scheduler's aggregate throughput relative to the best static policy, worst over R"))
+        ctx.claims.append(
+            Claim.judge(
+                id="serving.scheduler_vs_best_static.throughput",
+                mean=worst,
+                ours=f"{pct(worst)} (no interval)",
+                statement="The scheduler tracks the best static verification length at every concurrency (Fig. 8).",
+                paper="tracks the best static policy at every R (Fig. 8; no single number)",
+                runs=runs,
+                seeds=seeds,
+                scope="the scheduler's aggregate throughput relative to the best static policy, worst over R",
+            )
+        )
     return markdown_table(["R", "scheduler tok/s", "best static", "its tok/s", "gap"], rows) + f"\n\n{verdict}"
 
 
@@ -170,16 +229,23 @@ def _validation_section(frame: pl.DataFrame) -> str:
         return "No cell logged simulator validation errors."
     rows = []
     for row in frame.sort([POLICY_AXIS, CONCURRENCY_AXIS]).iter_rows(named=True):
-        rows.append([row[POLICY_AXIS], row[CONCURRENCY_AXIS],
-                     *[pct(row.get(c)) if row.get(c) is not None and math.isfinite(row[c]) else "–"
-                       for c in columns]])
-    errors = [abs(v) for c in columns if c in frame.columns for v in frame[c].to_list()
-              if v is not None and math.isfinite(v)]
+        rows.append(
+            [
+                row[POLICY_AXIS],
+                row[CONCURRENCY_AXIS],
+                *[pct(row.get(c)) if row.get(c) is not None and math.isfinite(row[c]) else "–" for c in columns],
+            ]
+        )
+    errors = [
+        abs(v) for c in columns if c in frame.columns for v in frame[c].to_list() if v is not None and math.isfinite(v)
+    ]
     mean_abs = sum(errors) / len(errors) if errors else float("nan")
-    return ("The simulator replays the policy=fixed trace with each cell's policy and concurrency, timing steps "
-            "with this machine's SPS(B) and step costs fitted to the real engine; (simulated − real) / real:\n\n"
-            + markdown_table(["policy", "R", "throughput", "per-user speed", "mean ℓ", "τ"], rows)
-            + f"\n\nMean absolute relative error {pct(mean_abs, signed=False)}.")
+    return (
+        "The simulator replays the policy=fixed trace with each cell's policy and concurrency, timing steps "
+        "with this machine's SPS(B) and step costs fitted to the real engine; (simulated − real) / real:\n\n"
+        + markdown_table(["policy", "R", "throughput", "per-user speed", "mean ℓ", "τ"], rows)
+        + f"\n\nMean absolute relative error {pct(mean_abs, signed=False)}."
+    )
 
 
 @REPORT_BUILDERS.register("serving")
@@ -189,28 +255,48 @@ def build_serving(ctx: ReportContext) -> list[Section]:
 
     frame = ctx.frame
     if POLICY_AXIS not in frame.columns or "serve/throughput" not in frame.columns:
-        return [Section("No serving cells", "No completed cell logged serve/* metrics: the serving sweep runs "
-                        "stage=serve per cell (sweeps/serving.yaml).")]
+        return [
+            Section(
+                "No serving cells",
+                "No completed cell logged serve/* metrics: the serving sweep runs "
+                "stage=serve per cell (sweeps/serving.yaml).",
+            )
+        ]
     real, simulated = real_summaries(frame), simulated_summaries(frame)
     frontier = plot_frontier(real + simulated, ctx.png("frontier"), title="Throughput–interactivity frontier")
     budget = plot_budget(real + simulated, ctx.png("budget"), title="Verification budget against concurrency")
     sections = [
-        Section("Throughput–interactivity frontier (Fig. 7)",
-                f"![frontier]({frontier.name})\n\nReal engine (one batched target forward per step, continuous "
-                "batching, closed loop: a finished request is replaced at once):\n\n" + _summary_table(real, frame)),
-        Section("Verification budget against concurrency (Fig. 8)",
-                f"![budget]({budget.name})\n\nmean ℓ = drafts verified per request per step (the paper plots ℓ + 1)."),
-        Section("Scheduler vs MTP-1", "\n".join([PAPER_CLAIM, "", *_speedup_lines(ctx, real, simulated=False),
-                                                 *(_speedup_lines(ctx, simulated, simulated=True) if simulated
-                                                   else [])])),
+        Section(
+            "Throughput–interactivity frontier (Fig. 7)",
+            f"![frontier]({frontier.name})\n\nReal engine (one batched target forward per step, continuous "
+            "batching, closed loop: a finished request is replaced at once):\n\n" + _summary_table(real, frame),
+        ),
+        Section(
+            "Verification budget against concurrency (Fig. 8)",
+            f"![budget]({budget.name})\n\nmean ℓ = drafts verified per request per step (the paper plots ℓ + 1).",
+        ),
+        Section(
+            "Scheduler vs MTP-1",
+            "\n".join(
+                [
+                    PAPER_CLAIM,
+                    "",
+                    *_speedup_lines(ctx, real, simulated=False),
+                    *(_speedup_lines(ctx, simulated, simulated=True) if simulated else []),
+                ]
+            ),
+        ),
         Section("Scheduler vs the best static policy", _gap_section(ctx, real)),
     ]
     if simulated:
-        sections.append(Section("Simulated concurrency levels (labelled simulated)",
-                                "Trace replay of recorded confidences and acceptance outcomes; each level's steps "
-                                "are timed with the SPS(B) of that level: this machine's batched verify forward "
-                                "profiled with R rows (up to R·(γ+1) tokens), or the `serve.sps_table` the run "
-                                "names:\n\n"
-                                + _sim_table(simulated)))
+        sections.append(
+            Section(
+                "Simulated concurrency levels (labelled simulated)",
+                "Trace replay of recorded confidences and acceptance outcomes; each level's steps "
+                "are timed with the SPS(B) of that level: this machine's batched verify forward "
+                "profiled with R rows (up to R·(γ+1) tokens), or the `serve.sps_table` the run "
+                "names:\n\n" + _sim_table(simulated),
+            )
+        )
     sections.append(Section("Simulator validation", _validation_section(frame)))
     return sections

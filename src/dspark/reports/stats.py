@@ -4,6 +4,7 @@ Replicates are the runs of one group (the cells that differ only in `seed`). Wit
 undefined and the cell shows the value with n = 1; the per-prompt spread of a single evaluation is reported
 separately by the evaluation (eval/<set>/tau_prompt_ci95), never mixed into these intervals.
 """
+
 from __future__ import annotations
 
 import math
@@ -47,8 +48,9 @@ def column_values(frame: pl.DataFrame, column: str) -> list[float | None]:
     return frame[column].to_list() if column in frame.columns else []
 
 
-def group_estimates(frame: pl.DataFrame, *, by: Sequence[str], metrics: Sequence[str]
-                    ) -> dict[tuple, dict[str, Estimate]]:
+def group_estimates(
+    frame: pl.DataFrame, *, by: Sequence[str], metrics: Sequence[str]
+) -> dict[tuple, dict[str, Estimate]]:
     """{group key tuple: {metric: Estimate}} over the rows of each group, groups in first-seen order."""
     out: dict[tuple, dict[str, Estimate]] = {}
     if frame.height == 0:

@@ -1,4 +1,5 @@
 """Markdown report writer: a provenance header, then the builder's sections (tables, figures, notes)."""
+
 from __future__ import annotations
 
 import datetime
@@ -21,12 +22,12 @@ class Section:
 class Provenance:
     """Where the numbers of a report come from (every field is shown in the header)."""
 
-    git_commit: str = "–"        # of the runs (parent tag), with '(dirty)' when the tree had local changes
-    date: str = "–"              # when the report was generated
+    git_commit: str = "–"  # of the runs (parent tag), with '(dirty)' when the tree had local changes
+    date: str = "–"  # when the report was generated
     machine: str = "–"
     target: str = "–"
     budget: str = "–"
-    command: str = "–"           # the command that ran the sweep
+    command: str = "–"  # the command that ran the sweep
     tracking_uri: str = "–"
     experiment: str = "–"
     parent_run_id: str = "–"
@@ -34,8 +35,16 @@ class Provenance:
     extra: dict[str, str] = field(default_factory=dict)
 
     @classmethod
-    def from_runs(cls, runs: Any, *, store: TrackingStore, experiment: str, now: datetime.datetime | None = None,
-                  fallback: dict[str, str] | None = None, selection_keys: Iterable[str] = ()) -> "Provenance":
+    def from_runs(
+        cls,
+        runs: Any,
+        *,
+        store: TrackingStore,
+        experiment: str,
+        now: datetime.datetime | None = None,
+        fallback: dict[str, str] | None = None,
+        selection_keys: Iterable[str] = (),
+    ) -> "Provenance":
         """Read the parent run's tags (`fallback` tags when there is no parent); `now` = generation time; the
         machine is that of the completed cells (`SweepRuns.machines`) where they carry it, else the parent's.
 
@@ -59,17 +68,34 @@ class Provenance:
         imported = runs.from_ledger()
         if imported:
             extra["imported from the sweep ledger"] = imported
-        return cls(git_commit=commit, date=stamp, machine=runs.machines() or tag("machine"), target=tag("target"),
-                   budget=tag("budget"), command=without_arguments(tag("command"), selection_keys),
-                   tracking_uri=shown_uri(store.uri), experiment=experiment,
-                   parent_run_id=runs.parent.info.run_id if runs.parent is not None else "–",
-                   sweep_hash=tag("sweep.hash"), extra=extra)
+        return cls(
+            git_commit=commit,
+            date=stamp,
+            machine=runs.machines() or tag("machine"),
+            target=tag("target"),
+            budget=tag("budget"),
+            command=without_arguments(tag("command"), selection_keys),
+            tracking_uri=shown_uri(store.uri),
+            experiment=experiment,
+            parent_run_id=runs.parent.info.run_id if runs.parent is not None else "–",
+            sweep_hash=tag("sweep.hash"),
+            extra=extra,
+        )
 
     def lines(self) -> list[str]:
-        rows = [("git commit", self.git_commit), ("generated", self.date), ("machine", self.machine),
-                ("target", self.target), ("budget", self.budget), ("command", f"`{self.command}`"),
-                ("MLflow", f"{self.tracking_uri}, experiment {self.experiment}, parent run tagged "
-                           f"`sweep.hash = {self.sweep_hash}`")]
+        rows = [
+            ("git commit", self.git_commit),
+            ("generated", self.date),
+            ("machine", self.machine),
+            ("target", self.target),
+            ("budget", self.budget),
+            ("command", f"`{self.command}`"),
+            (
+                "MLflow",
+                f"{self.tracking_uri}, experiment {self.experiment}, parent run tagged "
+                f"`sweep.hash = {self.sweep_hash}`",
+            ),
+        ]
         rows += list(self.extra.items())
         return [f"- {name}: {value}" for name, value in rows]
 
@@ -90,8 +116,9 @@ def _safe_uri(uri: str) -> str:
     return uri
 
 
-def render_report(*, name: str, description: str, paper_ref: str, provenance: Provenance, sections: list[Section],
-                  note: str = "") -> str:
+def render_report(
+    *, name: str, description: str, paper_ref: str, provenance: Provenance, sections: list[Section], note: str = ""
+) -> str:
     """The whole markdown document."""
     title = f"# Sweep `{name}`" + (f" — {description}" if description else "")
     lines = [title, ""]

@@ -3,6 +3,7 @@ on top), the sweep's ledger and claims where it is a sweep, hand-written notes, 
 versions a current claim cites. `python -m dspark.results` (`make results`) regenerates every sweep report from
 its ledger and writes results/INDEX.md; `dspark.results.checks` holds what tests/test_results.py asserts.
 """
+
 from dspark.results.build import build
 from dspark.results.index import render_index
 

@@ -1,6 +1,7 @@
 """`python -m dspark.results [--repo DIR] [--keep-reports] [--publish SWEEP [--ledger FILE]]`: regenerate results/
 (what `make results` runs); `--publish` first copies the sweep's newest ledger from `<paths.root>/ledgers/` into
 results/<sweep>/ledger.json (`dspark.results.publish`)."""
+
 from __future__ import annotations
 
 import argparse
@@ -15,8 +16,11 @@ from dspark.results.regenerate import find_regenerate
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m dspark.results", description=__doc__)
     parser.add_argument("--repo", type=Path, default=Path("."), help="the repository root (default: .)")
-    parser.add_argument("--keep-reports", action="store_true",
-                        help="do not regenerate the sweep reports from their ledgers; only the index")
+    parser.add_argument(
+        "--keep-reports",
+        action="store_true",
+        help="do not regenerate the sweep reports from their ledgers; only the index",
+    )
     parser.add_argument("--publish", metavar="SWEEP", help="publish this sweep's ledger from --root first")
     parser.add_argument("--ledger", help="with --publish: the ledger file (default: the sweep's newest)")
     parser.add_argument("--root", type=Path, default=Path("outputs"), help="the runs' paths.root (default: outputs)")

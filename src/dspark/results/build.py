@@ -1,5 +1,6 @@
 """`make results`: give every sweep a folder (a "not run yet" README where it has nothing), regenerate every sweep
 report from its committed ledger, then write results/INDEX.md."""
+
 from __future__ import annotations
 
 import datetime
@@ -23,10 +24,11 @@ def sweep_header(sweep_file: Path) -> dict[str, str]:
     """The sweep file's description, paper reference and `# Run:` command."""
     text = sweep_file.read_text(encoding="utf-8")
     data = yaml.safe_load(text) or {}
-    run = next((line.split(":", 1)[1].strip() for line in text.splitlines() if line.startswith("# Run:")),
-               f"python experiments/run.py sweep={sweep_file.stem}")
-    return {"description": str(data.get("description", "")), "paper_ref": str(data.get("paper_ref", "")),
-            "run": run}
+    run = next(
+        (line.split(":", 1)[1].strip() for line in text.splitlines() if line.startswith("# Run:")),
+        f"python experiments/run.py sweep={sweep_file.stem}",
+    )
+    return {"description": str(data.get("description", "")), "paper_ref": str(data.get("paper_ref", "")), "run": run}
 
 
 def question_of(name: str, sweeps_dir: Path) -> str:
@@ -40,16 +42,25 @@ def question_of(name: str, sweeps_dir: Path) -> str:
 def not_run_readme(name: str, *, sweeps_dir: Path) -> str:
     """The README of a sweep with no ledger and no report: not run yet, and how to run it."""
     head = sweep_header(Path(sweeps_dir) / f"{name}.yaml")
-    meta = {"question": question_of(name, sweeps_dir), "headline": "not run yet", "machine": "–", "commit": "–",
-            "date": "–", "command": head["run"], "kind": "not run yet"}
-    body = (f"# `{name}` — not run yet\n\n"
-            f"Sweep file: [sweeps/{name}.yaml](../../sweeps/{name}.yaml) — {head['description']}; reproduces "
-            f"{head['paper_ref'] or 'no figure of the paper'}.\n\n"
-            "No run of this sweep is on record (no ledger, no report). Run it with the sweep file's command\n\n"
-            f"    {head['run']}\n\n"
-            "(the reference sweeps of results/ add `budget=cpu-ref`), then publish its ledger "
-            f"(`outputs/ledgers/<experiment>/{name}-<hash>.json`) with `make results PUBLISH={name}`, which copies it "
-            f"to `results/{name}/ledger.json` and regenerates the report here from it.\n")
+    meta = {
+        "question": question_of(name, sweeps_dir),
+        "headline": "not run yet",
+        "machine": "–",
+        "commit": "–",
+        "date": "–",
+        "command": head["run"],
+        "kind": "not run yet",
+    }
+    body = (
+        f"# `{name}` — not run yet\n\n"
+        f"Sweep file: [sweeps/{name}.yaml](../../sweeps/{name}.yaml) — {head['description']}; reproduces "
+        f"{head['paper_ref'] or 'no figure of the paper'}.\n\n"
+        "No run of this sweep is on record (no ledger, no report). Run it with the sweep file's command\n\n"
+        f"    {head['run']}\n\n"
+        "(the reference sweeps of results/ add `budget=cpu-ref`), then publish its ledger "
+        f"(`outputs/ledgers/<experiment>/{name}-<hash>.json`) with `make results PUBLISH={name}`, which copies it "
+        f"to `results/{name}/ledger.json` and regenerates the report here from it.\n"
+    )
     return with_front_matter(meta, body)
 
 
@@ -60,8 +71,7 @@ def ensure_sweep_folders(results_dir: Path, sweeps_dir: Path) -> list[Path]:
         folder = read_folder(Path(results_dir) / name)
         others = [r for r in folder.reports if r.path.name != README]
         if folder.ledger is None and not others:
-            path = atomic_write_text(folder.path / README, not_run_readme(name, sweeps_dir=sweeps_dir),
-                                     key="results/")
+            path = atomic_write_text(folder.path / README, not_run_readme(name, sweeps_dir=sweeps_dir), key="results/")
             written.append(path)
     return written
 
@@ -78,8 +88,9 @@ def build(repo: Path, *, regenerate: RegenerateFn | None, now: datetime.datetime
         if regenerate is None:
             log.info("results/%s: sweep report kept as committed (not regenerated from its ledger)", folder.name)
             continue
-        written += regenerate_folder(folder.path, regenerate=regenerate, repo=repo, now=now,
-                                     question=question_of(folder.name, sweeps_dir))
+        written += regenerate_folder(
+            folder.path, regenerate=regenerate, repo=repo, now=now, question=question_of(folder.name, sweeps_dir)
+        )
     text = render_index(results_dir, now=now)
     written.append(atomic_write_text(index_path(results_dir), text, key="results/"))
     return written

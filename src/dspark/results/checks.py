@@ -8,6 +8,7 @@ run each on the real tree and on a made-up one that must fail:
 - every verdict of the index agrees with the interval in its row;
 - every question folder has a current report whose front matter fills every field.
 """
+
 from __future__ import annotations
 
 import re
@@ -74,7 +75,7 @@ def table_rows(text: str, heading: str) -> list[list[str]]:
     if start is None:
         return []
     rows = []
-    for line in lines[start + 1:]:
+    for line in lines[start + 1 :]:
         if line.startswith("## "):
             break
         if line.startswith("|") and not set(line) <= set("|-: "):

@@ -5,6 +5,7 @@ A claims file is a JSON list of dicts with the keys id, statement, paper, ours, 
 verdict, scope (`dspark.sweeps.driver.regenerate_from_ledger` writes it). A verdict that reads an interval must
 agree with it: holds ⇒ low > 0, reversed ⇒ high < 0, not resolved ⇒ low ≤ 0 ≤ high.
 """
+
 from __future__ import annotations
 
 import json

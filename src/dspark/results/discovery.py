@@ -2,6 +2,7 @@
 with front matter — and, for a sweep, its ledger.json and `<sweep>.claims.json`. `archive/` (superseded versions a
 current claim still cites) and `notes.md` (hand-written notes a sweep report embeds) are never current reports.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -54,9 +55,13 @@ def current_reports(folder: Path) -> list[Report]:
 def read_folder(path: Path) -> Folder:
     """One results/ folder."""
     ledger = path / LEDGER
-    return Folder(name=path.name, path=path, reports=tuple(current_reports(path)),
-                  ledger=ledger if ledger.is_file() else None,
-                  claims=tuple(sorted(path.glob(f"*{CLAIMS_SUFFIX}"))))
+    return Folder(
+        name=path.name,
+        path=path,
+        reports=tuple(current_reports(path)),
+        ledger=ledger if ledger.is_file() else None,
+        claims=tuple(sorted(path.glob(f"*{CLAIMS_SUFFIX}"))),
+    )
 
 
 def discover(results_dir: Path) -> list[Folder]:

@@ -7,6 +7,7 @@ results/INDEX.md) needs before the body — the question it answers, its headlin
 evaluation report) or `not run yet`. A commit with `(dirty)` (uncommitted changes in the tree that ran it) fails
 tests/test_results.py unless it says a rerun is pending: `rerun_pending: <which cells and why>`.
 """
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -31,7 +32,7 @@ def split_front_matter(text: str) -> tuple[dict[str, str] | None, str]:
     loaded = yaml.safe_load("\n".join(lines[1:end])) or {}
     if not isinstance(loaded, dict):
         return None, text
-    body = "\n".join(lines[end + 1:])
+    body = "\n".join(lines[end + 1 :])
     return {str(k): "" if v is None else str(v) for k, v in loaded.items()}, body.lstrip("\n")
 
 

@@ -6,6 +6,7 @@ The newest ledger of the sweep under `<paths.root>/ledgers/<experiment>/` (or th
 `archive/` with one line in `archive/README.md` saying what superseded it. The same identity is replaced in place
 (it is the same sweep, grown or resumed: git history keeps the earlier file).
 """
+
 from __future__ import annotations
 
 import json
@@ -28,8 +29,10 @@ def find_ledger(root: Path, sweep: str, *, experiment: str = "dspark-lab", name:
         return path
     found = sorted(folder.glob(f"{sweep}-*.json"), key=lambda p: p.stat().st_mtime)
     if not found:
-        raise PublishError(f"no ledger of sweep {sweep} under {folder}: run `python experiments/run.py sweep={sweep} "
-                           "...` first (same paths.root and tracking.experiment)")
+        raise PublishError(
+            f"no ledger of sweep {sweep} under {folder}: run `python experiments/run.py sweep={sweep} "
+            "...` first (same paths.root and tracking.experiment)"
+        )
     return found[-1]
 
 
@@ -38,8 +41,10 @@ def publish(ledger: Path, *, results_dir: Path) -> Path:
     data = json.loads(Path(ledger).read_text(encoding="utf-8"))
     sweep, digest = data.get("sweep"), data.get("sweep_hash")
     if not sweep or not digest or data.get("version") != 2:
-        raise PublishError(f"{ledger} is not a version-2 sweep ledger (convert a version-1 file with "
-                           "`python -m dspark.sweeps.migrate FILE`)")
+        raise PublishError(
+            f"{ledger} is not a version-2 sweep ledger (convert a version-1 file with "
+            "`python -m dspark.sweeps.migrate FILE`)"
+        )
     target = Path(results_dir) / sweep / "ledger.json"
     if target.is_file():
         old = json.loads(target.read_text(encoding="utf-8"))
@@ -48,8 +53,10 @@ def publish(ledger: Path, *, results_dir: Path) -> Path:
             archived.parent.mkdir(parents=True, exist_ok=True)
             atomic_write_text(archived, target.read_text(encoding="utf-8"), key="results/")
             readme = archived.parent / "README.md"
-            line = (f"- `{archived.name}`: the {sweep} ledger of identity {old.get('sweep_hash')} "
-                    f"({json.dumps(old.get('identity'), sort_keys=True)}), superseded by identity {digest}.\n")
+            line = (
+                f"- `{archived.name}`: the {sweep} ledger of identity {old.get('sweep_hash')} "
+                f"({json.dumps(old.get('identity'), sort_keys=True)}), superseded by identity {digest}.\n"
+            )
             previous = readme.read_text(encoding="utf-8") if readme.is_file() else "# Superseded records\n\n"
             atomic_write_text(readme, previous + line, key="results/")
     target.parent.mkdir(parents=True, exist_ok=True)

@@ -6,6 +6,7 @@ every machine apart from the report's `- generated:` line.
 The front matter comes from the ledger (machine, commit, date of the last cell, command) and the claims (headline):
 a commit field carries `(dirty)` when any cell ran from a tree with uncommitted changes (`dirty_cells` counts them).
 """
+
 from __future__ import annotations
 
 import datetime
@@ -65,25 +66,37 @@ def ledger_provenance(ledger: dict[str, Any]) -> dict[str, str]:
     dirty = sum(str(t.get("git.dirty", "")).lower() == "true" for t in tags)
     commit = next(iter(commits)) if len(commits) == 1 else f"cells at {len(commits)} commits: {_counted(commits)}"
     ends = [int(c["end_time"]) for c in cells if str(c.get("end_time", "")).isdigit()]
-    date = (datetime.datetime.fromtimestamp(max(ends) / 1000, tz=datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
-            if ends else "–")
+    date = (
+        datetime.datetime.fromtimestamp(max(ends) / 1000, tz=datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+        if ends
+        else "–"
+    )
     commands = Counter(_without_axes(str(t.get("command", "")), axes) for t in tags if t.get("command"))
-    meta = {"machine": _counted(Counter(str(t.get("machine", "–")) for t in tags)) or "–",
-            "commit": f"{commit} {DIRTY}" if dirty else commit, "date": date,
-            "command": commands.most_common(1)[0][0] if commands else "–"}
+    meta = {
+        "machine": _counted(Counter(str(t.get("machine", "–")) for t in tags)) or "–",
+        "commit": f"{commit} {DIRTY}" if dirty else commit,
+        "date": date,
+        "command": commands.most_common(1)[0][0] if commands else "–",
+    }
     if dirty:
         meta["dirty_cells"] = f"{dirty} of {len(cells)}"
-        meta["rerun_pending"] = (f"{dirty} of {len(cells)} cells ran from a tree with uncommitted changes: the sweep "
-                                 "run from a committed tree redoes only these cells")
+        meta["rerun_pending"] = (
+            f"{dirty} of {len(cells)} cells ran from a tree with uncommitted changes: the sweep "
+            "run from a committed tree redoes only these cells"
+        )
     return meta
 
 
 def headline_of(claims: list[dict[str, Any]], *, prefer: str | None = None) -> str | None:
     """One claim as a line, statement: ours → verdict: the `prefer`red id when there is one, else the first claim
     judged on an interval, else the first with the paper's number, else the first."""
+
     def rank(claim: dict[str, Any]) -> tuple[bool, bool, bool]:
-        return (claim.get("id") != prefer, verdict_word(str(claim.get("verdict", ""))) not in INTERVAL_VERDICTS,
-                str(claim.get("paper", "–")) in ("", "–"))
+        return (
+            claim.get("id") != prefer,
+            verdict_word(str(claim.get("verdict", ""))) not in INTERVAL_VERDICTS,
+            str(claim.get("paper", "–")) in ("", "–"),
+        )
 
     if not claims:
         return None
@@ -93,8 +106,9 @@ def headline_of(claims: list[dict[str, Any]], *, prefer: str | None = None) -> s
     return f"{statement}: {ours} → {best.get('verdict', '–')}"
 
 
-def sweep_front_matter(ledger: dict[str, Any], *, claims: list[dict[str, Any]], question: str,
-                       previous: dict[str, str] | None = None) -> dict[str, str]:
+def sweep_front_matter(
+    ledger: dict[str, Any], *, claims: list[dict[str, Any]], question: str, previous: dict[str, str] | None = None
+) -> dict[str, str]:
     """The front matter of a regenerated sweep report (the previous headline stays when no claim gives one)."""
     previous = previous or {}
     prefer = HEADLINE_CLAIMS.get(str(ledger.get("sweep")))
@@ -102,8 +116,9 @@ def sweep_front_matter(ledger: dict[str, Any], *, claims: list[dict[str, Any]], 
     return {"question": question, "headline": headline, **ledger_provenance(ledger), "kind": "sweep"}
 
 
-def regenerated_files(ledger: Path, *, regenerate: RegenerateFn, question: str, repo: Path,
-                      now: datetime.datetime | None = None) -> dict[str, bytes]:
+def regenerated_files(
+    ledger: Path, *, regenerate: RegenerateFn, question: str, repo: Path, now: datetime.datetime | None = None
+) -> dict[str, bytes]:
     """{file name: content} of a sweep regenerated from `ledger`: report (front matter on top), figures, claims."""
     folder = ledger.parent
     with tempfile.TemporaryDirectory(prefix="dspark-results-") as tmp:
@@ -115,9 +130,12 @@ def regenerated_files(ledger: Path, *, regenerate: RegenerateFn, question: str, 
         name = report.stem
         claims_path = out / f"{name}{CLAIMS_SUFFIX}"
         claims_text = scrub(claims_path.read_text(encoding="utf-8"), roots) if claims_path.is_file() else None
-        meta = sweep_front_matter(json.loads(ledger.read_text(encoding="utf-8")),
-                                  claims=json.loads(claims_text) if claims_text else [], question=question,
-                                  previous=_front_matter(folder / report.name))
+        meta = sweep_front_matter(
+            json.loads(ledger.read_text(encoding="utf-8")),
+            claims=json.loads(claims_text) if claims_text else [],
+            question=question,
+            previous=_front_matter(folder / report.name),
+        )
         files = {report.name: with_front_matter(meta, scrub(report.read_text(encoding="utf-8"), roots)).encode()}
         files.update({png.name: png.read_bytes() for png in sorted(out.glob(f"{name}-*.png"))})
         if claims_text is not None:
@@ -145,8 +163,9 @@ def write_files(folder: Path, files: dict[str, bytes], *, report: str) -> list[P
     return written
 
 
-def regenerate_folder(folder: Path, *, regenerate: RegenerateFn, question: str, repo: Path,
-                      now: datetime.datetime | None = None) -> list[Path]:
+def regenerate_folder(
+    folder: Path, *, regenerate: RegenerateFn, question: str, repo: Path, now: datetime.datetime | None = None
+) -> list[Path]:
     """Regenerate results/<sweep>/ from its ledger.json; returns the files written."""
     files = regenerated_files(folder / LEDGER, regenerate=regenerate, question=question, repo=repo, now=now)
     return write_files(folder, files, report=next(n for n in files if n.endswith(".md")))

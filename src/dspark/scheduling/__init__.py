@@ -1,4 +1,5 @@
 """How many drafts to verify: the hardware-aware prefix scheduler (Algorithm 1) and SPS(B) profiling (METHOD §6)."""
+
 from dspark.scheduling.scheduler import (
     ColumnPlan,
     SchedulePlan,

@@ -23,6 +23,7 @@ request this is the exact throughput objective of a round: (1 + Σ a) / (t(B) + 
 Decisions then depend on measured time, so a fixed seed no longer fixes the ℓ sequence (the output distribution stays
 the target's: every ℓ is verified losslessly); `decode.step_costs=profile` keeps the profile for reproducible runs.
 """
+
 from __future__ import annotations
 
 import math
@@ -46,11 +47,20 @@ MEASURED_STALE_ROUNDS = 64
 class MeasuredRoundCosts:
     """Per-B verify times and the per-round overhead measured by an engine, over a profiled `SPSTable` prior."""
 
-    def __init__(self, profile: SPSTable, *, window: int = MEASURED_WINDOW, min_samples: int = MEASURED_MIN_SAMPLES,
-                 overhead_ema: float = MEASURED_OVERHEAD_EMA, stale_rounds: int = MEASURED_STALE_ROUNDS) -> None:
+    def __init__(
+        self,
+        profile: SPSTable,
+        *,
+        window: int = MEASURED_WINDOW,
+        min_samples: int = MEASURED_MIN_SAMPLES,
+        overhead_ema: float = MEASURED_OVERHEAD_EMA,
+        stale_rounds: int = MEASURED_STALE_ROUNDS,
+    ) -> None:
         if window < 1 or not 1 <= min_samples <= window:
-            raise ValueError(f"MeasuredRoundCosts: need window >= 1 and 1 <= min_samples <= window, got "
-                             f"window={window}, min_samples={min_samples}")
+            raise ValueError(
+                f"MeasuredRoundCosts: need window >= 1 and 1 <= min_samples <= window, got "
+                f"window={window}, min_samples={min_samples}"
+            )
         if not 0.0 < overhead_ema <= 1.0:
             raise ValueError(f"MeasuredRoundCosts: overhead_ema must lie in (0, 1], got {overhead_ema}")
         if stale_rounds < 1:
@@ -86,8 +96,9 @@ class MeasuredRoundCosts:
 
     def measured(self) -> dict[int, float]:
         """{B: median measured verify seconds} for every B measured at least `min_samples` times."""
-        return {b: statistics.median(times) for b, times in sorted(self._verify.items())
-                if len(times) >= self.min_samples}
+        return {
+            b: statistics.median(times) for b, times in sorted(self._verify.items()) if len(times) >= self.min_samples
+        }
 
     def level(self) -> float:
         """Measured / profiled verify time, the median over the measured B (1.0 before any): today's load."""
@@ -117,9 +128,13 @@ class MeasuredRoundCosts:
         overhead = self.overhead or 0.0
         sizes = sorted(set(self.profile.batch_tokens) | set(measured))
         times = [measured[b] if b in measured else level * self.prior_seconds(b) for b in sizes]
-        return SPSTable(batch_tokens=sizes, steps_per_second=[1.0 / (t + overhead) for t in times],
-                        target_fingerprint=self.profile.target_fingerprint, machine=self.profile.machine,
-                        created=self.profile.created)
+        return SPSTable(
+            batch_tokens=sizes,
+            steps_per_second=[1.0 / (t + overhead) for t in times],
+            target_fingerprint=self.profile.target_fingerprint,
+            machine=self.profile.machine,
+            created=self.profile.created,
+        )
 
 
 def ema(previous: float | None, value: float, weight: float = MEASURED_OVERHEAD_EMA) -> float:

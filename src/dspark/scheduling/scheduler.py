@@ -30,6 +30,7 @@ admitting column k while Θ(k) > Θ(k-1), stopping at the first non-improvement 
 reason: column k's fate depends on c̃_{·,≤k} only, known before any x_{·,k} is sampled. At R = 1 a column is a
 candidate and the planner is Algorithm 1.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -55,23 +56,23 @@ UNSAFE_SEARCH_MESSAGE = (
 class SchedulePlan:
     """A scheduling decision with its trace (N candidates with a > 0, in admission order)."""
 
-    lengths: Tensor      # [R] long, ℓ_r
-    requests: Tensor     # [N] long, r of each sorted candidate
-    slots: Tensor        # [N] long, j of each sorted candidate (1-based)
-    survival: Tensor     # [N] float64, a_{r,j} of each sorted candidate
-    throughput: Tensor   # [N+1] float64, Θ_0..Θ_N (Θ_n after admitting the first n candidates)
-    num_admitted: int    # n*, the admitted prefix of the order
+    lengths: Tensor  # [R] long, ℓ_r
+    requests: Tensor  # [N] long, r of each sorted candidate
+    slots: Tensor  # [N] long, j of each sorted candidate (1-based)
+    survival: Tensor  # [N] float64, a_{r,j} of each sorted candidate
+    throughput: Tensor  # [N+1] float64, Θ_0..Θ_N (Θ_n after admitting the first n candidates)
+    num_admitted: int  # n*, the admitted prefix of the order
 
 
 @dataclass
 class ColumnPlan:
     """A column decision (`plan_columns`) with its trace over all γ columns; only Θ(0..k*+1) decided it."""
 
-    lengths: Tensor      # [R] long, ℓ_r = min(k*, n_r)
-    mass: Tensor         # [γ] float64, Σ_r S_{r,k} of column k (S = 0 past n_r)
-    expected: Tensor     # [γ+1] float64, E(0)..E(γ)
-    throughput: Tensor   # [γ+1] float64, Θ(0)..Θ(γ), Θ(k) = E(k)·SPS(R·(k+1))
-    num_columns: int     # k*, the admitted columns
+    lengths: Tensor  # [R] long, ℓ_r = min(k*, n_r)
+    mass: Tensor  # [γ] float64, Σ_r S_{r,k} of column k (S = 0 past n_r)
+    expected: Tensor  # [γ+1] float64, E(0)..E(γ)
+    throughput: Tensor  # [γ+1] float64, Θ(0)..Θ(γ), Θ(k) = E(k)·SPS(R·(k+1))
+    num_columns: int  # k*, the admitted columns
 
 
 def _check_confidences(confidences: Tensor) -> Tensor:
@@ -105,8 +106,9 @@ def _lengths_from_prefix(requests: Tensor, num_admitted: int, num_requests: int)
     return lengths.scatter_add_(0, requests[:num_admitted], torch.ones(num_admitted, dtype=torch.long))
 
 
-def plan_verification(confidences: Tensor, *, sps: SPSTable, early_stop: bool = True,
-                      allow_unsafe_full_search: bool = False) -> SchedulePlan:
+def plan_verification(
+    confidences: Tensor, *, sps: SPSTable, early_stop: bool = True, allow_unsafe_full_search: bool = False
+) -> SchedulePlan:
     """Algorithm 1 with its trace; see `schedule_verification`."""
     if not early_stop and not allow_unsafe_full_search:
         raise ValueError(UNSAFE_SEARCH_MESSAGE)
@@ -126,16 +128,18 @@ def plan_verification(confidences: Tensor, *, sps: SPSTable, early_stop: bool = 
     return SchedulePlan(lengths, requests, slots, survival, throughput, num_admitted)
 
 
-def schedule_verification(confidences: Tensor, *, sps: SPSTable, early_stop: bool = True,
-                          allow_unsafe_full_search: bool = False) -> Tensor:
+def schedule_verification(
+    confidences: Tensor, *, sps: SPSTable, early_stop: bool = True, allow_unsafe_full_search: bool = False
+) -> Tensor:
     """Verification lengths ℓ_r ([R] long, CPU) for R requests (paper Algorithm 1, METHOD §6).
 
     confidences [R, γ]: calibrated per-slot c̃_{r,j} in [0, 1] (slot j 1-based → column j-1). `sps` is the
     target's profiled steps-per-second table. `early_stop=False` (the biased full search) raises unless
     `allow_unsafe_full_search=True`.
     """
-    return plan_verification(confidences, sps=sps, early_stop=early_stop,
-                             allow_unsafe_full_search=allow_unsafe_full_search).lengths
+    return plan_verification(
+        confidences, sps=sps, early_stop=early_stop, allow_unsafe_full_search=allow_unsafe_full_search
+    ).lengths
 
 
 def schedule_single(confidences: list[float], *, rates: list[float]) -> int:
@@ -206,8 +210,9 @@ def _draft_counts(num_drafts: Tensor | None, num_requests: int, block: int) -> T
         return torch.full((num_requests,), block, dtype=torch.long)
     counts = torch.as_tensor(num_drafts).to(device="cpu", dtype=torch.long).reshape(-1)
     if counts.shape[0] != num_requests or bool((counts < 0).any()) or bool((counts > block).any()):
-        raise ValueError(f"plan_columns: num_drafts must be [R] = [{num_requests}] counts in [0, γ = {block}], got "
-                         f"{counts.tolist()}")
+        raise ValueError(
+            f"plan_columns: num_drafts must be [R] = [{num_requests}] counts in [0, γ = {block}], got {counts.tolist()}"
+        )
     return counts
 
 

@@ -12,6 +12,7 @@ machine (the engine passes a closure that runs the target on B tokens) and `SPST
 
 A table is only valid for the target and machine it was measured on: `matches` checks both before reuse.
 """
+
 from __future__ import annotations
 
 import json
@@ -39,10 +40,10 @@ def _now() -> str:
 class SPSTable:
     """Profiled forward rates: `steps_per_second[i]` target forwards per second at `batch_tokens[i]` tokens."""
 
-    batch_tokens: list[int]          # strictly increasing, >= 1
-    steps_per_second: list[float]    # > 0, same length
-    target_fingerprint: str = ""     # Target.fingerprint of the profiled model
-    machine: str = ""                # machine_fingerprint() where it was profiled
+    batch_tokens: list[int]  # strictly increasing, >= 1
+    steps_per_second: list[float]  # > 0, same length
+    target_fingerprint: str = ""  # Target.fingerprint of the profiled model
+    machine: str = ""  # machine_fingerprint() where it was profiled
     created: str = field(default_factory=_now)  # ISO-8601 UTC
 
     def __post_init__(self) -> None:
@@ -90,9 +91,13 @@ class SPSTable:
         seconds = float(seconds)
         if not (seconds >= 0.0 and seconds != float("inf")):
             raise ValueError(f"SPSTable.with_step_overhead: seconds must be finite and >= 0, got {seconds}")
-        return SPSTable(batch_tokens=list(self.batch_tokens),
-                        steps_per_second=[1.0 / (1.0 / rate + seconds) for rate in self.steps_per_second],
-                        target_fingerprint=self.target_fingerprint, machine=self.machine, created=self.created)
+        return SPSTable(
+            batch_tokens=list(self.batch_tokens),
+            steps_per_second=[1.0 / (1.0 / rate + seconds) for rate in self.steps_per_second],
+            target_fingerprint=self.target_fingerprint,
+            machine=self.machine,
+            created=self.created,
+        )
 
     def matches(self, target_fingerprint: str, machine: str) -> bool:
         """Whether this table was profiled for this target on this machine (else re-profile)."""
@@ -128,8 +133,15 @@ class SPSTable:
         return cls.from_dict(json.loads(Path(path).read_text()))
 
 
-def profile_sps(forward_fn: Callable[[int], None], *, batch_tokens: Sequence[int], repeats: int = 5,
-                warmup: int = 1, target_fingerprint: str = "", machine: str | None = None) -> SPSTable:
+def profile_sps(
+    forward_fn: Callable[[int], None],
+    *,
+    batch_tokens: Sequence[int],
+    repeats: int = 5,
+    warmup: int = 1,
+    target_fingerprint: str = "",
+    machine: str | None = None,
+) -> SPSTable:
     """Time `forward_fn(B)` for each B in `batch_tokens`: SPS = 1 / median of `repeats` timed calls.
 
     `forward_fn(B)` must run one target forward over B new tokens (e.g. R requests' verify blocks on their caches)
@@ -154,5 +166,9 @@ def profile_sps(forward_fn: Callable[[int], None], *, batch_tokens: Sequence[int
             synchronize()
             times[size].append(time.perf_counter() - start)
     rates = [1.0 / max(statistics.median(times[size]), 1e-9) for size in sizes]
-    return SPSTable(sizes, rates, target_fingerprint=target_fingerprint,
-                    machine=machine if machine is not None else machine_fingerprint())
+    return SPSTable(
+        sizes,
+        rates,
+        target_fingerprint=target_fingerprint,
+        machine=machine if machine is not None else machine_fingerprint(),
+    )

@@ -2,6 +2,7 @@
 target forward per step (`engine`), the target's batched KV store with holes (`kv`), batched DSpark/DFlash
 drafting (`proposer`), per-request verification lengths (`policies`) and the records a simulator replays
 (`records`)."""
+
 from dspark.serving.engine import BatchedEngine, ServeRequest, ServeResult, request_generator
 from dspark.serving.kv import (
     BatchedKVCache,

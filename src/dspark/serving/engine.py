@@ -20,6 +20,7 @@ Every random number of request r comes from its own generator seeded from (seed,
 order as the single-request engine draws them, so a request's randomness never depends on who shares its batch.
 The last round of a request counts whole in the records (`new_tokens` is truncated to max_new_tokens).
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -58,8 +59,15 @@ from dspark.serving.kv import BatchedKVCache, check_concurrency, kv_budget, pref
 from dspark.serving.proposer import BatchedDSparkProposer, BatchProposal, check_serving_drafter
 from dspark.serving.records import RequestResult, ServeRound, ServeStep, ServeSummary, summarize_serving
 
-__all__ = ["STOP_EOS", "STOP_MAX_NEW_TOKENS", "STOP_REJECTED", "BatchedEngine", "ServeRequest", "ServeResult",
-           "request_generator"]
+__all__ = [
+    "STOP_EOS",
+    "STOP_MAX_NEW_TOKENS",
+    "STOP_REJECTED",
+    "BatchedEngine",
+    "ServeRequest",
+    "ServeResult",
+    "request_generator",
+]
 KEY = "serve"
 
 
@@ -83,8 +91,9 @@ class ServeResult:
     concurrency: int
 
     def summary(self, policy_name: str) -> ServeSummary:
-        return summarize_serving(self.requests, self.steps, wall_seconds=self.wall_seconds, policy=policy_name,
-                                 concurrency=self.concurrency)
+        return summarize_serving(
+            self.requests, self.steps, wall_seconds=self.wall_seconds, policy=policy_name, concurrency=self.concurrency
+        )
 
 
 def request_generator(seed: int, request_id: int) -> torch.Generator:
@@ -100,8 +109,8 @@ class _Active:
     request: ServeRequest
     generator: torch.Generator
     limit: int
-    anchor: int                  # x_0 of the next round
-    position: int                # its position p (== committed positions before it)
+    anchor: int  # x_0 of the next round
+    position: int  # its position p (== committed positions before it)
     joined_at: float
     new_tokens: list[int] = field(default_factory=list)
     num_rounds: int = 0
@@ -135,9 +144,18 @@ class BatchedEngine:
     recorded either way; `precision` is decode.drafter_precision (`decoding.drafting`).
     """
 
-    def __init__(self, *, target, drafter, policy: VerificationPolicy | None, temperature: float,
-                 max_new_tokens: int, calibration: STSCalibration | None = None, precision: str = "fp32",
-                 step_overhead: str = "none") -> None:
+    def __init__(
+        self,
+        *,
+        target,
+        drafter,
+        policy: VerificationPolicy | None,
+        temperature: float,
+        max_new_tokens: int,
+        calibration: STSCalibration | None = None,
+        precision: str = "fp32",
+        step_overhead: str = "none",
+    ) -> None:
         temperature = check_temperature(temperature, KEY)
         max_new_tokens = check_max_new_tokens(max_new_tokens, KEY)
         drafter = check_serving_drafter(drafter)
@@ -163,8 +181,7 @@ class BatchedEngine:
     def greedy(self) -> bool:
         return self.temperature == 0
 
-    def serve(self, requests: list[ServeRequest], *, concurrency: int, seed: int,
-              progress: bool = True) -> ServeResult:
+    def serve(self, requests: list[ServeRequest], *, concurrency: int, seed: int, progress: bool = True) -> ServeResult:
         """Serve all `requests` keeping `concurrency` active; rejected requests finish alone with an error.
 
         Before serving: ValueError when concurrency < 1, request ids repeat, or min(concurrency, servable
@@ -177,8 +194,9 @@ class BatchedEngine:
             self._overhead = None
             self.policy.reprice(self._verify_sps)
         self.kv = BatchedKVCache(self.target)
-        self.proposer = (BatchedDSparkProposer(self.drafter, precision=self.precision)
-                         if self.drafter is not None else None)
+        self.proposer = (
+            BatchedDSparkProposer(self.drafter, precision=self.precision) if self.drafter is not None else None
+        )
         steps: list[ServeStep] = []
         bar = tqdm(total=len(requests), desc="serving", unit="request", disable=not progress)
         run = _Run(queue=deque(requests), seed=seed, start=time.perf_counter(), bar=bar)
@@ -189,8 +207,12 @@ class BatchedEngine:
                     steps.append(self._step(run, index=len(steps), prefill_seconds=prefill_seconds))
                     self._reprice(steps[-1])
         wall = run.now()
-        return ServeResult(requests=[run.results[r.request_id] for r in requests], steps=steps, wall_seconds=wall,
-                           concurrency=int(concurrency))
+        return ServeResult(
+            requests=[run.results[r.request_id] for r in requests],
+            steps=steps,
+            wall_seconds=wall,
+            concurrency=int(concurrency),
+        )
 
     def _reprice(self, step: ServeStep) -> None:
         """serve.step_overhead=measured: fold this step's seconds outside the verify forward (drafting, per-row
@@ -217,8 +239,13 @@ class BatchedEngine:
 
     def _reject_reason(self, request: ServeRequest) -> str | None:
         """Why this request cannot be served (None when it can)."""
-        return prompt_error(list(request.prompt_ids), limit=self._limit(request), vocab_size=self.target.vocab_size,
-                            max_positions=self.max_positions, key=KEY)
+        return prompt_error(
+            list(request.prompt_ids),
+            limit=self._limit(request),
+            vocab_size=self.target.vocab_size,
+            max_positions=self.max_positions,
+            key=KEY,
+        )
 
     def _admit(self, run: _Run, concurrency: int) -> float:
         """0. Fill free slots from the queue: one prefill forward for all joiners; returns its seconds."""
@@ -230,9 +257,19 @@ class BatchedEngine:
                 joiners.append(request)
             else:
                 now = run.now()
-                run.finish(RequestResult(request_id=request.request_id, prompt_ids=list(request.prompt_ids),
-                                         new_tokens=[], stop_reason=STOP_REJECTED, error=error, joined_at=now,
-                                         finished_at=now, num_rounds=0, domain=request.domain))
+                run.finish(
+                    RequestResult(
+                        request_id=request.request_id,
+                        prompt_ids=list(request.prompt_ids),
+                        new_tokens=[],
+                        stop_reason=STOP_REJECTED,
+                        error=error,
+                        joined_at=now,
+                        finished_at=now,
+                        num_rounds=0,
+                        domain=request.domain,
+                    )
+                )
         if not joiners:
             return 0.0
         start, joined_at = time.perf_counter(), run.now()
@@ -241,15 +278,22 @@ class BatchedEngine:
         states = []
         for j, request in enumerate(joiners):
             generator = request_generator(run.seed, request.request_id)
-            first = sample_first(probs[j:j + 1], generator, greedy=self.greedy)
-            state = _Active(request=request, generator=generator, limit=self._limit(request), anchor=first,
-                            position=len(request.prompt_ids), joined_at=joined_at, new_tokens=[first])
+            first = sample_first(probs[j : j + 1], generator, greedy=self.greedy)
+            state = _Active(
+                request=request,
+                generator=generator,
+                limit=self._limit(request),
+                anchor=first,
+                position=len(request.prompt_ids),
+                joined_at=joined_at,
+                new_tokens=[first],
+            )
             state.done = first in self.stop_ids or state.limit <= 1
             states.append(state)
         keep = [j for j, state in enumerate(states) if not state.done]
         self.kv.add_rows(batch, torch.tensor(keep, dtype=torch.long, device=batch.valid.device))
         if self.proposer is not None:
-            self.proposer.add_rows([batch.features[j, :int(batch.lengths[j])] for j in keep])
+            self.proposer.add_rows([batch.features[j, : int(batch.lengths[j])] for j in keep])
         run.active.extend(states[j] for j in keep)
         for state in states:
             if state.done:
@@ -277,8 +321,15 @@ class BatchedEngine:
         #       p..p+A_r; extend the drafter's context.
         rounds, keep = [], []
         for r, state in enumerate(active):
-            round_, kept = self._verify_row(state, proposal=proposal, row=r, target_logits=target_logits[r],
-                                            length=int(lengths[r]), calibrated=calibrated, step=index)
+            round_, kept = self._verify_row(
+                state,
+                proposal=proposal,
+                row=r,
+                target_logits=target_logits[r],
+                length=int(lengths[r]),
+                calibrated=calibrated,
+                step=index,
+            )
             rounds.append(round_)
             keep.append(kept)
         rows_verified = time.perf_counter()
@@ -290,23 +341,39 @@ class BatchedEngine:
         extended = time.perf_counter()
         # 6. Finished rows leave; the KV store compacts once holes pile up.
         self._retire(run)
-        return ServeStep(step=index, num_active=len(active), batch_tokens=int(sum(1 + int(x) for x in lengths)),
-                         committed=sum(r.committed for r in rounds), seconds_draft=drafted - start,
-                         seconds_verify=verified - verify_start,
-                         seconds_other=(verify_start - drafted) + (time.perf_counter() - verified),
-                         seconds_prefill=prefill_seconds, seconds_draft_sequential=proposal.seconds_sequential,
-                         seconds_verify_rows=rows_verified - verified, seconds_extend=extended - rows_verified,
-                         rounds=rounds)
+        return ServeStep(
+            step=index,
+            num_active=len(active),
+            batch_tokens=int(sum(1 + int(x) for x in lengths)),
+            committed=sum(r.committed for r in rounds),
+            seconds_draft=drafted - start,
+            seconds_verify=verified - verify_start,
+            seconds_other=(verify_start - drafted) + (time.perf_counter() - verified),
+            seconds_prefill=prefill_seconds,
+            seconds_draft_sequential=proposal.seconds_sequential,
+            seconds_verify_rows=rows_verified - verified,
+            seconds_extend=extended - rows_verified,
+            rounds=rounds,
+        )
 
     def _propose(self, run: _Run, anchors: Tensor, positions: Tensor) -> BatchProposal:
         if self.proposer is None:
             rows, device = anchors.shape[0], anchors.device
-            return BatchProposal(torch.zeros(rows, 0, dtype=torch.long, device=device),
-                                 torch.zeros(rows, 0, self.target.vocab_size, device=device), None,
-                                 torch.zeros(rows, dtype=torch.long, device=device))
-        return self.proposer.propose(anchor_tokens=anchors, anchor_positions=positions, temperature=self.temperature,
-                                     generators=[s.generator for s in run.active], stop_ids=self.stop_ids,
-                                     policy_hook=self._policy_hook, max_drafts=self._max_drafts)
+            return BatchProposal(
+                torch.zeros(rows, 0, dtype=torch.long, device=device),
+                torch.zeros(rows, 0, self.target.vocab_size, device=device),
+                None,
+                torch.zeros(rows, dtype=torch.long, device=device),
+            )
+        return self.proposer.propose(
+            anchor_tokens=anchors,
+            anchor_positions=positions,
+            temperature=self.temperature,
+            generators=[s.generator for s in run.active],
+            stop_ids=self.stop_ids,
+            policy_hook=self._policy_hook,
+            max_drafts=self._max_drafts,
+        )
 
     def _choose(self, proposal: BatchProposal, confidences: Tensor | None, positions: Tensor) -> Tensor:
         """ℓ_r [R] long (CPU) = min(policy's ℓ_r on what it reads, room left in the target's context)."""
@@ -315,20 +382,34 @@ class BatchedEngine:
             return torch.zeros_like(num_drafts)
         chosen = torch.as_tensor(self.policy.choose(confidences=confidences, num_drafts=num_drafts)).long().cpu()
         if chosen.shape != num_drafts.shape or bool((chosen < 0).any()) or bool((chosen > num_drafts).any()):
-            raise ValueError(f"serve.policy={self.policy.name} returned ℓ={chosen.tolist()}, outside [0, γ'] for "
-                             f"γ'={num_drafts.tolist()}")
+            raise ValueError(
+                f"serve.policy={self.policy.name} returned ℓ={chosen.tolist()}, outside [0, γ'] for "
+                f"γ'={num_drafts.tolist()}"
+            )
         if self.max_positions is not None:
             chosen = torch.minimum(chosen, (self.max_positions - 1 - positions.cpu()).clamp(min=0))
         return chosen
 
-    def _verify_row(self, state: _Active, *, proposal: BatchProposal, row: int, target_logits: Tensor, length: int,
-                    calibrated: Tensor | None, step: int) -> tuple[ServeRound, int]:
+    def _verify_row(
+        self,
+        state: _Active,
+        *,
+        proposal: BatchProposal,
+        row: int,
+        target_logits: Tensor,
+        length: int,
+        calibrated: Tensor | None,
+        step: int,
+    ) -> tuple[ServeRound, int]:
         """Verify, commit and record one row; returns its round and how many block columns stay valid."""
         anchor_position = state.position
-        result = verify_drafts_from_logits(draft_tokens=proposal.tokens[row, :length],
-                                           draft_probs=proposal.draft_probs[row, :length],
-                                           target_logits=target_logits[:length + 1], temperature=self.temperature,
-                                           generator=state.generator)
+        result = verify_drafts_from_logits(
+            draft_tokens=proposal.tokens[row, :length],
+            draft_probs=proposal.draft_probs[row, :length],
+            target_logits=target_logits[: length + 1],
+            temperature=self.temperature,
+            generator=state.generator,
+        )
         accepted, committed, extra = commit_verified(result, self.stop_ids)
         state.new_tokens.extend(committed)
         state.num_rounds += 1
@@ -339,11 +420,18 @@ class BatchedEngine:
         # a proposal the policy cut short says nothing about the drafts it did not draw: no accept_if_all then
         cut = proposal.policy_cut is not None and bool(proposal.policy_cut[row])
         confidences = None if proposal.confidences is None else proposal.confidences[row, :num_drafted].tolist()
-        round_ = ServeRound(request_id=state.request.request_id, step=step, anchor_position=anchor_position,
-                            num_drafted=num_drafted, confidences=confidences,
-                            calibrated=None if calibrated is None else calibrated[row, :num_drafted].tolist(),
-                            num_verified=length, num_accepted=len(accepted), committed=len(committed),
-                            accept_if_all=len(accepted) if length == num_drafted and not cut else None)
+        round_ = ServeRound(
+            request_id=state.request.request_id,
+            step=step,
+            anchor_position=anchor_position,
+            num_drafted=num_drafted,
+            confidences=confidences,
+            calibrated=None if calibrated is None else calibrated[row, :num_drafted].tolist(),
+            num_verified=length,
+            num_accepted=len(accepted),
+            committed=len(committed),
+            accept_if_all=len(accepted) if length == num_drafted and not cut else None,
+        )
         return round_, 0 if state.done else len(accepted) + 1
 
     def _retire(self, run: _Run) -> None:
@@ -361,16 +449,25 @@ class BatchedEngine:
         self.kv.maybe_compact()
 
     def _finish(self, run: _Run, state: _Active) -> None:
-        new_tokens = state.new_tokens[:state.limit]
+        new_tokens = state.new_tokens[: state.limit]
         reason = stop_reason(new_tokens, self.stop_ids)
         request = state.request
-        run.finish(RequestResult(request_id=request.request_id, prompt_ids=list(request.prompt_ids),
-                                 new_tokens=new_tokens, stop_reason=reason, error=None, joined_at=state.joined_at,
-                                 finished_at=run.now(), num_rounds=state.num_rounds, domain=request.domain))
+        run.finish(
+            RequestResult(
+                request_id=request.request_id,
+                prompt_ids=list(request.prompt_ids),
+                new_tokens=new_tokens,
+                stop_reason=reason,
+                error=None,
+                joined_at=state.joined_at,
+                finished_at=run.now(),
+                num_rounds=state.num_rounds,
+                domain=request.domain,
+            )
+        )
 
 
-def _verify_block(anchors: Tensor, positions: Tensor, drafts: Tensor,
-                  lengths: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+def _verify_block(anchors: Tensor, positions: Tensor, drafts: Tensor, lengths: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     """Right-padded verify input: ids [R, L+1] = [x_0, x_1..x_ℓ_r, x_0…], positions p_r + j, valid j ≤ ℓ_r."""
     width = int(lengths.max()) + 1 if lengths.numel() else 1
     lengths = lengths.to(anchors.device)
@@ -378,5 +475,5 @@ def _verify_block(anchors: Tensor, positions: Tensor, drafts: Tensor,
     valid = columns <= lengths.unsqueeze(1)
     ids = anchors.unsqueeze(1).expand(-1, width).clone()  # padding repeats the anchor: any in-vocabulary id works
     if width > 1:
-        ids[:, 1:] = torch.where(valid[:, 1:], drafts[:, :width - 1].to(anchors.device), ids[:, 1:])
+        ids[:, 1:] = torch.where(valid[:, 1:], drafts[:, : width - 1].to(anchors.device), ids[:, 1:])
     return ids, positions.unsqueeze(1) + columns, valid

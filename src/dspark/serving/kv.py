@@ -17,6 +17,7 @@ side padded with hole columns), and leave through `remove_rows`. transformers 5.
 the 2-D `attention_mask` [R, W + Q] (holes → False) and the cache length (causal part in column space), and
 `DynamicLayer` keeps `.keys` / `.values` [R, H_kv, W, hd], which is what the row and column surgery edits.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -28,8 +29,10 @@ from torch import Tensor
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
-COMPACT_HOLE_FRACTION = 0.25   # compact once the width's hole columns could be a quarter of it: width ≤ 4/3 of the longest row
-MEMORY_SAFETY_FRACTION = 0.5   # plan the KV caches into half the free memory: holes, activations, the verify block
+COMPACT_HOLE_FRACTION = (
+    0.25  # compact once the width's hole columns could be a quarter of it: width ≤ 4/3 of the longest row
+)
+MEMORY_SAFETY_FRACTION = 0.5  # plan the KV caches into half the free memory: holes, activations, the verify block
 
 
 @dataclass
@@ -37,10 +40,10 @@ class Prefill:
     """One batched prompt forward: the cache of its J rows, their valid columns and the target's outputs."""
 
     cache: DynamicCache
-    valid: Tensor          # [J, S_max] bool, True on each prompt's S_j positions (right padding False)
-    lengths: Tensor        # [J] long, S_j
-    features: Tensor       # [J, S_max, m·d] raw feature-layer outputs
-    last_hidden: Tensor    # [J, d] final-norm hidden state at each prompt's last position (gives token S_j)
+    valid: Tensor  # [J, S_max] bool, True on each prompt's S_j positions (right padding False)
+    lengths: Tensor  # [J] long, S_j
+    features: Tensor  # [J, S_max, m·d] raw feature-layer outputs
+    last_hidden: Tensor  # [J, d] final-norm hidden state at each prompt's last position (gives token S_j)
 
 
 def prefill(target: Any, prompts: list[list[int]]) -> Prefill:
@@ -50,12 +53,13 @@ def prefill(target: Any, prompts: list[list[int]]) -> Prefill:
     width = int(lengths.max())
     ids = torch.zeros(len(prompts), width, dtype=torch.long, device=device)
     for row, prompt in enumerate(prompts):
-        ids[row, :len(prompt)] = torch.tensor(prompt, dtype=torch.long, device=device)
+        ids[row, : len(prompt)] = torch.tensor(prompt, dtype=torch.long, device=device)
     columns = torch.arange(width, device=device).unsqueeze(0)
     valid = columns < lengths.unsqueeze(1)
     cache = target.new_cache()
-    forward = target.forward(ids, attention_mask=valid.long(), position_ids=columns.expand(len(prompts), -1),
-                             cache=cache)
+    forward = target.forward(
+        ids, attention_mask=valid.long(), position_ids=columns.expand(len(prompts), -1), cache=cache
+    )
     last = forward.final_hidden[torch.arange(len(prompts), device=device), lengths - 1]
     return Prefill(cache=cache, valid=valid, lengths=lengths, features=forward.features, last_hidden=last)
 
@@ -98,8 +102,9 @@ class BatchedKVCache:
         if input_ids.shape[0] != self.num_rows:
             raise ValueError(f"BatchedKVCache.forward: {input_ids.shape[0]} input rows for {self.num_rows} cache rows")
         mask = torch.cat([self.valid, input_valid.to(torch.bool)], dim=1)
-        forward = self.target.forward(input_ids, attention_mask=mask.long(), position_ids=position_ids,
-                                      cache=self.cache)
+        forward = self.target.forward(
+            input_ids, attention_mask=mask.long(), position_ids=position_ids, cache=self.cache
+        )
         self.valid, self._block = mask, int(input_ids.shape[1])
         return forward
 
@@ -108,8 +113,8 @@ class BatchedKVCache:
         if self._block == 0:
             return
         columns = torch.arange(self._block, device=self.valid.device).unsqueeze(0)
-        block = self.valid[:, -self._block:] & (columns < keep.to(self.valid.device).unsqueeze(1))
-        self.valid = torch.cat([self.valid[:, :-self._block], block], dim=1)
+        block = self.valid[:, -self._block :] & (columns < keep.to(self.valid.device).unsqueeze(1))
+        self.valid = torch.cat([self.valid[:, : -self._block], block], dim=1)
         self._block = 0
 
     def add_rows(self, prefill: Prefill, rows: Tensor | None = None) -> None:
@@ -174,8 +179,10 @@ def _checked_cache(target: Any) -> DynamicCache:
     cache = target.new_cache()
     odd = [type(layer).__name__ for layer in cache.layers if type(layer) is not DynamicLayer]
     if odd:
-        raise ValueError(f"serving needs a full-attention target (plain DynamicCache layers); '{target.name}' has "
-                         f"{sorted(set(odd))} layers: serve it with the single-request engine (stage=eval)")
+        raise ValueError(
+            f"serving needs a full-attention target (plain DynamicCache layers); '{target.name}' has "
+            f"{sorted(set(odd))} layers: serve it with the single-request engine (stage=eval)"
+        )
     return cache
 
 
@@ -193,10 +200,10 @@ def _pad_columns(x: Tensor, width: int, dim: int = 2) -> Tensor:
 class KVBudget:
     """Memory needed per request and what the machine offers (bytes)."""
 
-    positions: int          # longest prompt + max_new_tokens among the requests
-    target_bytes: int       # positions × layers × 2 × kv heads × head dim × dtype size
-    drafter_bytes: int      # the drafter's context keys/values for the same positions
-    available: int | None   # MemAvailable (CPU) or free device memory; None when unknown
+    positions: int  # longest prompt + max_new_tokens among the requests
+    target_bytes: int  # positions × layers × 2 × kv heads × head dim × dtype size
+    drafter_bytes: int  # the drafter's context keys/values for the same positions
+    available: int | None  # MemAvailable (CPU) or free device memory; None when unknown
     device: str
 
     @property
@@ -221,10 +228,21 @@ def kv_budget(*, target: Any, drafter: Any | None, positions: int) -> KVBudget:
     drafter_bytes = 0
     if drafter is not None:
         spec, weight = drafter.spec, drafter.backbone.fc.weight
-        drafter_bytes = (positions * len(drafter.backbone.layers) * 2 * spec.num_key_value_heads * spec.head_dim
-                         * weight.element_size())
-    return KVBudget(positions=positions, target_bytes=target_bytes, drafter_bytes=drafter_bytes,
-                    available=available_memory_bytes(target.device), device=str(target.device))
+        drafter_bytes = (
+            positions
+            * len(drafter.backbone.layers)
+            * 2
+            * spec.num_key_value_heads
+            * spec.head_dim
+            * weight.element_size()
+        )
+    return KVBudget(
+        positions=positions,
+        target_bytes=target_bytes,
+        drafter_bytes=drafter_bytes,
+        available=available_memory_bytes(target.device),
+        device=str(target.device),
+    )
 
 
 def available_memory_bytes(device: torch.device) -> int | None:
@@ -251,4 +269,5 @@ def check_concurrency(concurrency: int, budget: KVBudget) -> None:
         f"× head dim × dtype size = {budget.target_bytes:,} bytes for the target, plus {budget.drafter_bytes:,} "
         f"for the drafter's context cache), and {budget.available:,} bytes are available on {budget.device}, of "
         f"which {MEMORY_SAFETY_FRACTION:.0%} is planned for KV caches: at most {limit} concurrent requests. Lower "
-        "serve.concurrency (or max_new_tokens / the prompt length)")
+        "serve.concurrency (or max_new_tokens / the prompt length)"
+    )

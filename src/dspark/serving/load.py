@@ -14,6 +14,7 @@ Where a curve crosses a value more than once (throughput saturating and falling)
 frontier is what the policy can achieve). Missing policies or no overlap give NaN / empty results with a `reason`,
 never exceptions: these functions sit on report paths.
 """
+
 from __future__ import annotations
 
 import math
@@ -47,8 +48,7 @@ def _points(summaries: Sequence[ServeSummary], policy: str, simulated: bool | No
     return [by_rows[r] for r in sorted(by_rows)]
 
 
-def frontier(summaries: Sequence[ServeSummary], policy: str, *, simulated: bool | None = None
-             ) -> list[ServeSummary]:
+def frontier(summaries: Sequence[ServeSummary], policy: str, *, simulated: bool | None = None) -> list[ServeSummary]:
     """The policy's points (finite throughput and user speed, one per R) sorted by throughput; [] when none.
 
     simulated: True / False keeps only simulated / real points; None keeps both (real wins at equal R).
@@ -75,13 +75,14 @@ def _span(values: Sequence[float]) -> str:
 
 # ---- per-user speed at matched throughput ----
 
+
 @dataclass
 class SpeedupPoint:
-    concurrency: int           # the baseline point's R
-    throughput: float          # the matched throughput (tokens/s)
-    baseline_speed: float      # tokens/s/user
-    policy_speed: float        # interpolated on the policy's concurrency curve
-    ratio: float               # policy_speed / baseline_speed
+    concurrency: int  # the baseline point's R
+    throughput: float  # the matched throughput (tokens/s)
+    baseline_speed: float  # tokens/s/user
+    policy_speed: float  # interpolated on the policy's concurrency curve
+    ratio: float  # policy_speed / baseline_speed
 
 
 @dataclass
@@ -97,25 +98,31 @@ class MatchedSpeedup:
     reason: str | None = None  # why there are no points (None when there are)
 
 
-def speedup_at_matched_throughput(summaries: Sequence[ServeSummary], policy: str, baseline: str, *,
-                                  simulated: bool | None = None) -> MatchedSpeedup:
+def speedup_at_matched_throughput(
+    summaries: Sequence[ServeSummary], policy: str, baseline: str, *, simulated: bool | None = None
+) -> MatchedSpeedup:
     """Per-user speed of `policy` over `baseline` at the throughputs of the baseline's points (module docstring)."""
     mine, theirs = _points(summaries, policy, simulated), _points(summaries, baseline, simulated)
     result = MatchedSpeedup(policy, baseline)
     if not mine or not theirs:
-        result.reason = (f"not enough points: {policy} has {len(mine)} and {baseline} has {len(theirs)} usable "
-                         "summaries (finite throughput and user speed)")
+        result.reason = (
+            f"not enough points: {policy} has {len(mine)} and {baseline} has {len(theirs)} usable "
+            "summaries (finite throughput and user speed)"
+        )
         return result
     curve = [(s.throughput, s.user_speed) for s in mine]
     for point in sorted(theirs, key=lambda s: s.throughput):
         speed = _interpolate(curve, point.throughput)
         if _finite(speed) and point.user_speed > 0:
-            result.points.append(SpeedupPoint(point.concurrency, point.throughput, point.user_speed, speed,
-                                              speed / point.user_speed))
+            result.points.append(
+                SpeedupPoint(point.concurrency, point.throughput, point.user_speed, speed, speed / point.user_speed)
+            )
     if not result.points:
-        result.reason = (f"not enough points: no overlap in throughput ({baseline} "
-                         f"{_span([s.throughput for s in theirs])}, {policy} {_span([c[0] for c in curve])} "
-                         "tokens/s); add concurrency levels where both reach the same throughput")
+        result.reason = (
+            f"not enough points: no overlap in throughput ({baseline} "
+            f"{_span([s.throughput for s in theirs])}, {policy} {_span([c[0] for c in curve])} "
+            "tokens/s); add concurrency levels where both reach the same throughput"
+        )
         return result
     ratios = [p.ratio for p in result.points]
     result.min, result.median, result.max = min(ratios), statistics.median(ratios), max(ratios)
@@ -124,13 +131,14 @@ def speedup_at_matched_throughput(summaries: Sequence[ServeSummary], policy: str
 
 # ---- throughput at per-user speed targets (SLAs) ----
 
+
 @dataclass
 class ThroughputGain:
-    target: float                  # per-user speed (tokens/s/user)
-    policy_throughput: float       # interpolated on the policy's concurrency curve (NaN when out of range)
+    target: float  # per-user speed (tokens/s/user)
+    policy_throughput: float  # interpolated on the policy's concurrency curve (NaN when out of range)
     baseline_throughput: float
-    ratio: float                   # policy_throughput / baseline_throughput
-    reason: str | None = None      # why ratio is NaN
+    ratio: float  # policy_throughput / baseline_throughput
+    reason: str | None = None  # why ratio is NaN
 
 
 def _throughput_at(points: list[ServeSummary], name: str, target: float) -> tuple[float, str | None]:
@@ -142,13 +150,20 @@ def _throughput_at(points: list[ServeSummary], name: str, target: float) -> tupl
         return value, None
     if target > max(speeds):
         return NAN, f"{name} never reaches {target:g} tokens/s/user (fastest {max(speeds):.4g})"
-    return NAN, (f"{target:g} tokens/s/user is below every measured point of {name} (slowest {min(speeds):.4g}); "
-                 "add higher concurrency levels")
+    return NAN, (
+        f"{target:g} tokens/s/user is below every measured point of {name} (slowest {min(speeds):.4g}); "
+        "add higher concurrency levels"
+    )
 
 
-def throughput_gain_at_user_speed(summaries: Sequence[ServeSummary], policy: str, baseline: str,
-                                  targets: Sequence[float], *, simulated: bool | None = None
-                                  ) -> list[ThroughputGain]:
+def throughput_gain_at_user_speed(
+    summaries: Sequence[ServeSummary],
+    policy: str,
+    baseline: str,
+    targets: Sequence[float],
+    *,
+    simulated: bool | None = None,
+) -> list[ThroughputGain]:
     """Throughput ratio policy / baseline at each per-user speed target (throughput interpolated against speed)."""
     mine, theirs = _points(summaries, policy, simulated), _points(summaries, baseline, simulated)
     gains = []
@@ -163,13 +178,14 @@ def throughput_gain_at_user_speed(summaries: Sequence[ServeSummary], policy: str
 
 # ---- gap to the best static policy per concurrency ----
 
+
 @dataclass
 class GapRow:
     concurrency: int
-    throughput: float                   # the policy's
-    best_static: str | None             # which of the static policies was best at this R
+    throughput: float  # the policy's
+    best_static: str | None  # which of the static policies was best at this R
     best_static_throughput: float
-    gap: float                          # throughput / best − 1 (negative = below the best static)
+    gap: float  # throughput / best − 1 (negative = below the best static)
     reason: str | None = None
 
 
@@ -177,11 +193,16 @@ class GapRow:
 class StaticGap:
     policy: str
     rows: list[GapRow] = field(default_factory=list)
-    reason: str | None = None           # why there are no rows
+    reason: str | None = None  # why there are no rows
 
 
-def gap_to_best_static(summaries: Sequence[ServeSummary], policy: str = "scheduler", *,
-                       statics: Sequence[str] = STATIC_POLICIES, simulated: bool | None = None) -> StaticGap:
+def gap_to_best_static(
+    summaries: Sequence[ServeSummary],
+    policy: str = "scheduler",
+    *,
+    statics: Sequence[str] = STATIC_POLICIES,
+    simulated: bool | None = None,
+) -> StaticGap:
     """Per R where `policy` ran: its throughput relative to the best static policy run at the same R."""
     mine = _points(summaries, policy, simulated)
     result = StaticGap(policy)
@@ -190,24 +211,50 @@ def gap_to_best_static(summaries: Sequence[ServeSummary], policy: str = "schedul
         return result
     static_points = {name: {s.concurrency: s for s in _points(summaries, name, simulated)} for name in statics}
     for point in mine:
-        rivals = [(pts[point.concurrency].throughput, name) for name, pts in static_points.items()
-                  if point.concurrency in pts]
+        rivals = [
+            (pts[point.concurrency].throughput, name) for name, pts in static_points.items() if point.concurrency in pts
+        ]
         if not rivals:
-            result.rows.append(GapRow(point.concurrency, point.throughput, None, NAN, NAN,
-                                      f"no static policy ({', '.join(statics)}) ran at R={point.concurrency}"))
+            result.rows.append(
+                GapRow(
+                    point.concurrency,
+                    point.throughput,
+                    None,
+                    NAN,
+                    NAN,
+                    f"no static policy ({', '.join(statics)}) ran at R={point.concurrency}",
+                )
+            )
             continue
         best, name = max(rivals)
         gap = point.throughput / best - 1.0 if best > 0 else NAN
-        result.rows.append(GapRow(point.concurrency, point.throughput, name, best, gap,
-                                  None if _finite(gap) else f"{name} throughput is 0"))
+        result.rows.append(
+            GapRow(
+                point.concurrency,
+                point.throughput,
+                name,
+                best,
+                gap,
+                None if _finite(gap) else f"{name} throughput is 0",
+            )
+        )
     return result
 
 
 # ---- report table ----
 
-SUMMARY_SCHEMA = {"policy": pl.String, "concurrency": pl.Int64, "simulated": pl.Boolean, "throughput": pl.Float64,
-                  "user_speed": pl.Float64, "budget": pl.Float64, "tau": pl.Float64, "num_requests": pl.Int64,
-                  "num_steps": pl.Int64, "wall_seconds": pl.Float64}
+SUMMARY_SCHEMA = {
+    "policy": pl.String,
+    "concurrency": pl.Int64,
+    "simulated": pl.Boolean,
+    "throughput": pl.Float64,
+    "user_speed": pl.Float64,
+    "budget": pl.Float64,
+    "tau": pl.Float64,
+    "num_requests": pl.Int64,
+    "num_steps": pl.Int64,
+    "wall_seconds": pl.Float64,
+}
 
 
 def summaries_frame(summaries: Sequence[ServeSummary]) -> pl.DataFrame:

@@ -9,6 +9,7 @@
 Real runs are solid lines with filled markers; simulated ones (`ServeSummary.simulated`) dashed with hollow markers
 and "(simulated)" in the legend. Points with a non-finite value are left out.
 """
+
 from __future__ import annotations
 
 import math
@@ -19,7 +20,6 @@ from matplotlib.figure import Figure
 
 from dspark.plotting import save_figure
 from dspark.serving.records import ServeSummary
-
 
 
 def policy_order() -> list[str]:
@@ -36,8 +36,9 @@ def _series(summaries: Sequence[ServeSummary]) -> list[tuple[str, bool, list[Ser
     series = []
     for name in names:
         for simulated in (False, True):
-            points = sorted((s for s in summaries if s.policy == name and s.simulated == simulated),
-                            key=lambda s: s.concurrency)
+            points = sorted(
+                (s for s in summaries if s.policy == name and s.simulated == simulated), key=lambda s: s.concurrency
+            )
             if points:
                 series.append((name, simulated, points))
     return series
@@ -48,8 +49,12 @@ def _colour(name: str, names: list[str]) -> str:
 
 
 def _style(simulated: bool, colour: str) -> dict:
-    return {"linestyle": "--" if simulated else "-", "marker": "o", "color": colour,
-            "markerfacecolor": "none" if simulated else colour}
+    return {
+        "linestyle": "--" if simulated else "-",
+        "marker": "o",
+        "color": colour,
+        "markerfacecolor": "none" if simulated else colour,
+    }
 
 
 def _label(name: str, simulated: bool) -> str:
@@ -79,10 +84,20 @@ def plot_frontier(summaries: Sequence[ServeSummary], path: str | Path, *, title:
         for s in points:
             if simulated and s.concurrency in real_levels:
                 continue  # the real point at this R carries the label
-            axis.annotate(f"R={s.concurrency}", (s.throughput, s.user_speed), textcoords="offset points",
-                          xytext=(4, 4), fontsize=6, color=_colour(name, names))
-    _finish(axis, xlabel="aggregate throughput (tokens/s)", ylabel="per-user speed (tokens/s/user)",
-            title=title or "Throughput–interactivity frontier")
+            axis.annotate(
+                f"R={s.concurrency}",
+                (s.throughput, s.user_speed),
+                textcoords="offset points",
+                xytext=(4, 4),
+                fontsize=6,
+                color=_colour(name, names),
+            )
+    _finish(
+        axis,
+        xlabel="aggregate throughput (tokens/s)",
+        ylabel="per-user speed (tokens/s/user)",
+        title=title or "Throughput–interactivity frontier",
+    )
     return save_figure(fig, path, dpi=110)
 
 
@@ -96,13 +111,21 @@ def plot_budget(summaries: Sequence[ServeSummary], path: str | Path, *, title: s
         for name, simulated, points in series:
             points = [s for s in points if math.isfinite(getattr(s, field))]
             if points:
-                axis.plot([s.concurrency for s in points], [getattr(s, field) for s in points],
-                          label=_label(name, simulated), **_style(simulated, _colour(name, names)))
+                axis.plot(
+                    [s.concurrency for s in points],
+                    [getattr(s, field) for s in points],
+                    label=_label(name, simulated),
+                    **_style(simulated, _colour(name, names)),
+                )
     levels = sorted({s.concurrency for s in summaries if s.concurrency > 0})
     if levels and levels[-1] >= 8 * levels[0]:
         bottom.set_xscale("log", base=2)  # concurrency grids are usually geometric
         bottom.set_xticks(levels, [str(r) for r in levels])
     _finish(top, xlabel="", ylabel="aggregate throughput (tokens/s)", title=title or "Throughput and budget under load")
-    _finish(bottom, xlabel="concurrent requests R", ylabel="drafts verified per request ℓ\n(paper's budget = ℓ + 1)",
-            legend=False)
+    _finish(
+        bottom,
+        xlabel="concurrent requests R",
+        ylabel="drafts verified per request ℓ\n(paper's budget = ℓ + 1)",
+        legend=False,
+    )
     return save_figure(fig, path, dpi=110)

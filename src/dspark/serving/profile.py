@@ -7,6 +7,7 @@ Why both: a scheduler priced on a forward other than the one the engine runs mis
 cost differently (e.g. a mask-building cost that grows with the cache's holes) serving profiles its own forward
 (`benchmarks/bench_sps_forward.py` compares them; docs/LOG.md has the serving run that raised it).
 """
+
 from __future__ import annotations
 
 import math
@@ -30,9 +31,19 @@ from dspark.scheduling.profile import (
 from dspark.scheduling.sps import SPSTable
 from dspark.serving.kv import BatchedKVCache, prefill
 
-__all__ = ["SERVING_CONTEXT_TOKENS", "SPS_FORWARDS", "engine_forward", "load_or_profile_serving_sps",
-           "load_sps_table", "monotone_table", "profile_serving_sps", "serving_batch_grid", "serving_sps_path",
-           "sps_milliseconds", "load_or_profile_sps_of"]
+__all__ = [
+    "SERVING_CONTEXT_TOKENS",
+    "SPS_FORWARDS",
+    "engine_forward",
+    "load_or_profile_serving_sps",
+    "load_sps_table",
+    "monotone_table",
+    "profile_serving_sps",
+    "serving_batch_grid",
+    "serving_sps_path",
+    "sps_milliseconds",
+    "load_or_profile_sps_of",
+]
 
 
 def engine_forward(target: Any, context: Tensor, generator: torch.Generator) -> Callable[[int], None]:
@@ -58,12 +69,22 @@ def engine_forward(target: Any, context: Tensor, generator: torch.Generator) -> 
     return forward_fn
 
 
-def load_or_profile_sps_of(forward_name: str, target: Any, *, cache_dir: str | Path, max_batch_tokens: int,
-                           num_rows: int, **options: Any) -> tuple[SPSTable, Path]:
+def load_or_profile_sps_of(
+    forward_name: str, target: Any, *, cache_dir: str | Path, max_batch_tokens: int, num_rows: int, **options: Any
+) -> tuple[SPSTable, Path]:
     """The cached serving table of `forward_name` (`SPS_FORWARDS`: plain | engine); see `load_or_profile_serving_sps`."""
     if forward_name not in SPS_FORWARDS:
-        raise ValueError(f"serve.sps_forward={forward_name!r}: choose one of {', '.join(SPS_FORWARDS)} (plain: a "
-                         "forward on a plain cache, engine: the batched engine's own verify forward)")
+        raise ValueError(
+            f"serve.sps_forward={forward_name!r}: choose one of {', '.join(SPS_FORWARDS)} (plain: a "
+            "forward on a plain cache, engine: the batched engine's own verify forward)"
+        )
     forward = engine_forward if forward_name == "engine" else None
-    return load_or_profile_serving_sps(target, cache_dir=cache_dir, max_batch_tokens=max_batch_tokens,
-                                       num_rows=num_rows, forward=forward, forward_name=forward_name, **options)
+    return load_or_profile_serving_sps(
+        target,
+        cache_dir=cache_dir,
+        max_batch_tokens=max_batch_tokens,
+        num_rows=num_rows,
+        forward=forward,
+        forward_name=forward_name,
+        **options,
+    )

@@ -17,6 +17,7 @@ committed positions). One step:
 Each row draws exactly the uniforms the single-request proposer would (one float64 per sampled slot, in slot
 order), so a request's drafts do not depend on which other requests share its step.
 """
+
 from __future__ import annotations
 
 import time
@@ -46,10 +47,10 @@ MIN_CAPACITY = 64  # context columns allocated at least (capacity doubles when f
 class BatchProposal:
     """One step's drafts for R rows, right-padded to γ (shape symbols: R rows, γ block size, V vocabulary)."""
 
-    tokens: Tensor              # [R, γ] long, x_{r,1..γ'_r}; columns ≥ γ'_r are meaningless padding
-    draft_probs: Tensor         # [R, γ, V] float32, the distribution each x_{r,k} was drawn from (one-hot at T = 0)
+    tokens: Tensor  # [R, γ] long, x_{r,1..γ'_r}; columns ≥ γ'_r are meaningless padding
+    draft_probs: Tensor  # [R, γ, V] float32, the distribution each x_{r,k} was drawn from (one-hot at T = 0)
     confidences: Tensor | None  # [R, γ] float32 raw c_k (0 after γ'_r); None without a confidence head
-    num_drafts: Tensor          # [R] long, γ'_r ≤ γ
+    num_drafts: Tensor  # [R] long, γ'_r ≤ γ
     policy_cut: Tensor | None = None  # [R] bool: drafting ended by the policy (step 4), not by a stop id, γ or a fault
     seconds_parallel: float = 0.0
     seconds_sequential: float = 0.0
@@ -59,9 +60,11 @@ def check_serving_drafter(drafter: nn.Module | None) -> DSparkDrafter | None:
     """The drafter if serving supports it (DSparkDrafter: dspark, dflash), else ValueError."""
     if drafter is None or isinstance(drafter, DSparkDrafter):
         return drafter
-    raise ValueError(f"serving supports drafter=dspark/dflash (a DSparkDrafter), not a {type(drafter).__name__}: "
-                     "EAGLE-3 has no batched proposer (its chain runs per request); serve it with "
-                     "drafter=dspark or dflash, or evaluate it with the single-request engine")
+    raise ValueError(
+        f"serving supports drafter=dspark/dflash (a DSparkDrafter), not a {type(drafter).__name__}: "
+        "EAGLE-3 has no batched proposer (its chain runs per request); serve it with "
+        "drafter=dspark or dflash, or evaluate it with the single-request engine"
+    )
 
 
 class BatchedDSparkProposer:
@@ -79,12 +82,11 @@ class BatchedDSparkProposer:
         prepare_sequential_head(drafter, self.stage.ids)
         self.dtype = self.stage.activation_dtype  # of the cached keys/values
         self.lengths = torch.zeros(0, dtype=torch.long, device=self.device)  # [R] context positions per row
-        self._keys = [self._empty(0, 0) for _ in drafter.backbone.layers]    # [R, H_kv, C, hd], RoPE applied
+        self._keys = [self._empty(0, 0) for _ in drafter.backbone.layers]  # [R, H_kv, C, hd], RoPE applied
         self._values = [self._empty(0, 0) for _ in drafter.backbone.layers]  # [R, H_kv, C, hd]
 
     def _empty(self, rows: int, capacity: int) -> Tensor:
-        return torch.zeros(rows, self._kv_shape[0], capacity, self._kv_shape[1], dtype=self.dtype,
-                           device=self.device)
+        return torch.zeros(rows, self._kv_shape[0], capacity, self._kv_shape[1], dtype=self.dtype, device=self.device)
 
     @property
     def num_rows(self) -> int:
@@ -120,8 +122,9 @@ class BatchedDSparkProposer:
     def extend(self, *, features: Tensor, counts: Tensor) -> None:
         """Append features[r, :counts[r]] ([R, n, m·d], counts [R] long) — newly committed positions only."""
         if features.shape[0] != self.num_rows:
-            raise ValueError(f"BatchedDSparkProposer.extend: {features.shape[0]} rows of features for "
-                             f"{self.num_rows} requests")
+            raise ValueError(
+                f"BatchedDSparkProposer.extend: {features.shape[0]} rows of features for {self.num_rows} requests"
+            )
         self._write(torch.arange(self.num_rows, device=self.device), features, counts.to(self.device))
 
     def _write(self, rows: Tensor, features: Tensor, counts: Tensor) -> None:
@@ -129,15 +132,15 @@ class BatchedDSparkProposer:
         selected = torch.arange(features.shape[1], device=self.device).unsqueeze(0) < counts.unsqueeze(1)
         if not bool(selected.any()):
             return
-        flat_rows = rows.unsqueeze(1).expand_as(selected)[selected]                       # [N]
+        flat_rows = rows.unsqueeze(1).expand_as(selected)[selected]  # [N]
         columns = (self.lengths[rows].unsqueeze(1) + torch.arange(features.shape[1], device=self.device))[selected]
         self._reserve(int(columns.max()) + 1)
         backbone = self.stage.backbone
-        fused = backbone.fuse_context(features.to(self.device)[selected].unsqueeze(0))    # [1, N, d]
+        fused = backbone.fuse_context(features.to(self.device)[selected].unsqueeze(0))  # [1, N, d]
         rope = backbone.rotary(columns.unsqueeze(0))
         for layer, keys, values in zip(backbone.layers, self._keys, self._values):
-            k, v = layer.context_kv(fused, rope)                                           # [1, H_kv, N, hd]
-            keys[flat_rows, :, columns] = k[0].transpose(0, 1)                             # [N, H_kv, hd]
+            k, v = layer.context_kv(fused, rope)  # [1, H_kv, N, hd]
+            keys[flat_rows, :, columns] = k[0].transpose(0, 1)  # [N, H_kv, hd]
             values[flat_rows, :, columns] = v[0].transpose(0, 1)
         self.lengths = self.lengths.index_add(0, rows, counts)
 
@@ -150,24 +153,41 @@ class BatchedDSparkProposer:
         self._values = [torch.cat([v, self._empty(v.shape[0], grow)], dim=2) for v in self._values]
 
     @torch.no_grad()
-    def propose(self, *, anchor_tokens: Tensor, anchor_positions: Tensor, temperature: float,
-                generators: list[torch.Generator | None], stop_ids: Collection[int],
-                policy_hook: PolicyHook | None = None, max_drafts: int | None = None) -> BatchProposal:
+    def propose(
+        self,
+        *,
+        anchor_tokens: Tensor,
+        anchor_positions: Tensor,
+        temperature: float,
+        generators: list[torch.Generator | None],
+        stop_ids: Collection[int],
+        policy_hook: PolicyHook | None = None,
+        max_drafts: int | None = None,
+    ) -> BatchProposal:
         """Draft after anchor_tokens [R] at anchor_positions [R] (each == that row's context length); at most
         `max_drafts` slots; `policy_hook(c [R, k])` → True stops before slot k (module docstring, step 4)."""
         anchor_tokens, anchor_positions = anchor_tokens.to(self.device), anchor_positions.to(self.device)
         if not torch.equal(anchor_positions, self.lengths):
-            raise ValueError(f"BatchedDSparkProposer: anchors at positions {anchor_positions.tolist()} but the "
-                             f"contexts hold {self.lengths.tolist()}; each must hold exactly the positions before "
-                             "its anchor")
+            raise ValueError(
+                f"BatchedDSparkProposer: anchors at positions {anchor_positions.tolist()} but the "
+                f"contexts hold {self.lengths.tolist()}; each must hold exactly the positions before "
+                "its anchor"
+            )
         start = time.perf_counter()
         hidden = self.block_hidden(anchor_tokens, anchor_positions)  # [R, γ, d] float32
-        parallel_logits = self.stage.logits(hidden)                   # [R, γ, Vd] float32
+        parallel_logits = self.stage.logits(hidden)  # [R, γ, Vd] float32
         synchronize(self.device)
         middle = time.perf_counter()
-        proposal = self._sequential(hidden, parallel_logits, anchor_tokens=anchor_tokens, temperature=temperature,
-                                    generators=generators, stop_ids=stop_ids, policy_hook=policy_hook,
-                                    max_drafts=max_drafts)
+        proposal = self._sequential(
+            hidden,
+            parallel_logits,
+            anchor_tokens=anchor_tokens,
+            temperature=temperature,
+            generators=generators,
+            stop_ids=stop_ids,
+            policy_hook=policy_hook,
+            max_drafts=max_drafts,
+        )
         synchronize(self.device)
         proposal.seconds_parallel, proposal.seconds_sequential = middle - start, time.perf_counter() - middle
         return proposal
@@ -184,13 +204,23 @@ class BatchedDSparkProposer:
         in_context = torch.arange(width, device=self.device).unsqueeze(0) < self.lengths.unsqueeze(1)  # [R, C]
         mask = torch.cat([in_context, in_context.new_ones(self.num_rows, gamma)], dim=1)[:, None, None, :]
         for layer, keys, values in zip(backbone.layers, self._keys, self._values):
-            hidden = layer.forward_cached(hidden, rope=rope, extend_kv=_after(keys[:, :, :width], values[:, :, :width]),
-                                          mask=mask)
+            hidden = layer.forward_cached(
+                hidden, rope=rope, extend_kv=_after(keys[:, :, :width], values[:, :, :width]), mask=mask
+            )
         return backbone.norm(hidden).float()
 
-    def _sequential(self, hidden: Tensor, parallel_logits: Tensor, *, anchor_tokens: Tensor, temperature: float,
-                    generators: list[torch.Generator | None], stop_ids: Collection[int],
-                    policy_hook: PolicyHook | None = None, max_drafts: int | None = None) -> BatchProposal:
+    def _sequential(
+        self,
+        hidden: Tensor,
+        parallel_logits: Tensor,
+        *,
+        anchor_tokens: Tensor,
+        temperature: float,
+        generators: list[torch.Generator | None],
+        stop_ids: Collection[int],
+        policy_hook: PolicyHook | None = None,
+        max_drafts: int | None = None,
+    ) -> BatchProposal:
         """Slot by slot for all rows, over the draft vocabulary: c_k from x_{k-1} first, then x_k; a row stops
         after a drafted stop id, or before a slot whose logits are unusable (fault guard, `decoding.drafting`);
         every row stops at `max_drafts` or when `policy_hook` says so (before sampling that slot)."""
@@ -207,11 +237,12 @@ class BatchedDSparkProposer:
         cut = torch.zeros(rows, dtype=torch.bool, device=self.device)
         for k in range(count):
             logits, conf_logit, state = self.drafter.sequential_step(
-                hidden_k=hidden[:, k], parallel_logits_k=parallel_logits[:, k], prev_token=prev, state=state)
+                hidden_k=hidden[:, k], parallel_logits_k=parallel_logits[:, k], prev_token=prev, state=state
+            )
             drafting &= usable_logits(logits)
             if confidences is not None:
                 confidences[:, k] = torch.where(drafting, clean_confidences(torch.sigmoid(conf_logit.float())), 0.0)
-                if policy_hook is not None and policy_hook(confidences[:, :k + 1]):
+                if policy_hook is not None and policy_hook(confidences[:, : k + 1]):
                     confidences[:, k] = 0.0  # slot k is not drafted: γ'_r stays k
                     cut = drafting.clone()
                     break
@@ -235,8 +266,9 @@ def _after(keys: Tensor, values: Tensor):
     return lambda k, v: (torch.cat([keys, k], dim=2), torch.cat([values, v], dim=2))
 
 
-def _sample_rows(probs: Tensor, drafting: Tensor, *, temperature: float,
-                 generators: list[torch.Generator | None]) -> Tensor:
+def _sample_rows(
+    probs: Tensor, drafting: Tensor, *, temperature: float, generators: list[torch.Generator | None]
+) -> Tensor:
     """x_k [R] from probs [R, V]: argmax at T = 0; else one uniform from each drafting row's generator (rows that
     stopped draw nothing and return 0)."""
     if temperature == 0:
@@ -250,4 +282,3 @@ def _sample_rows(probs: Tensor, drafting: Tensor, *, temperature: float,
     uniforms = torch.cat([draw_uniforms((1,), generators[r], probs.device) for r in active])
     tokens[active] = sample_from_probs(probs[active], uniforms=uniforms)
     return tokens
-

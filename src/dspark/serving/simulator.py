@@ -39,6 +39,7 @@ Hindsight (`simulate_hindsight`, `benchmarks/serving_headroom.py`): the same rep
 round's outcome, so its speed bounds what any verify-length policy could reach on the trace at that R — where it
 falls short of a target, the drafter must improve before any policy can meet it.
 """
+
 from __future__ import annotations
 
 import math
@@ -59,11 +60,11 @@ TRACE_KEY = "serve.policy"
 class TraceRound:
     """One recorded round with every drafted slot verified."""
 
-    num_drafted: int                          # γ'
-    accept_if_all: int                        # A_all
-    committed_if_all: int                     # τ_all (A_all + 1, or A_all when an accepted draft was a stop id)
-    confidences: tuple[float, ...] | None     # raw c_k of the drafted slots
-    calibrated: tuple[float, ...] | None      # STS c̃_k of the drafted slots
+    num_drafted: int  # γ'
+    accept_if_all: int  # A_all
+    committed_if_all: int  # τ_all (A_all + 1, or A_all when an accepted draft was a stop id)
+    confidences: tuple[float, ...] | None  # raw c_k of the drafted slots
+    calibrated: tuple[float, ...] | None  # STS c̃_k of the drafted slots
 
     def outcome(self, verified: int) -> tuple[int, int]:
         """(accepted, committed) when only the first `verified` drafts are verified (module docstring)."""
@@ -116,25 +117,33 @@ def trace_from_steps(steps: Sequence[ServeStep]) -> ServeTrace:
     for step in steps:
         for round_ in step.rounds:
             if (round_.request_id, round_.step) in seen:
-                raise ValueError(f"request {round_.request_id} has two rounds at step {round_.step}: these steps "
-                                 "come from several runs; build one trace per run's steps")
+                raise ValueError(
+                    f"request {round_.request_id} has two rounds at step {round_.step}: these steps "
+                    "come from several runs; build one trace per run's steps"
+                )
             seen.add((round_.request_id, round_.step))
             if round_.accept_if_all is not None:
                 grouped[round_.request_id].append((round_.step, round_))
     if not grouped:
-        raise ValueError(f"no recorded round has accept_if_all: record the trace with {TRACE_KEY}=fixed (every draft "
-                         "verified), so that any shorter verification can be replayed from it")
-    requests = [TraceRequest(rid, [_trace_round(r) for _, r in sorted(rounds, key=lambda item: item[0])])
-                for rid, rounds in sorted(grouped.items())]
+        raise ValueError(
+            f"no recorded round has accept_if_all: record the trace with {TRACE_KEY}=fixed (every draft "
+            "verified), so that any shorter verification can be replayed from it"
+        )
+    requests = [
+        TraceRequest(rid, [_trace_round(r) for _, r in sorted(rounds, key=lambda item: item[0])])
+        for rid, rounds in sorted(grouped.items())
+    ]
     return ServeTrace(requests)
 
 
 def _trace_round(round_: ServeRound) -> TraceRound:
     drafted, accepted = int(round_.num_drafted), int(round_.accept_if_all)
     if not 0 <= accepted <= drafted or round_.committed not in (accepted, accepted + 1):
-        raise ValueError(f"request {round_.request_id} step {round_.step}: accept_if_all={accepted}, "
-                         f"num_drafted={drafted}, committed={round_.committed} are inconsistent (need 0 <= A <= γ' "
-                         "and τ in {A, A+1}); was the trace recorded with serve.policy=fixed?")
+        raise ValueError(
+            f"request {round_.request_id} step {round_.step}: accept_if_all={accepted}, "
+            f"num_drafted={drafted}, committed={round_.committed} are inconsistent (need 0 <= A <= γ' "
+            "and τ in {A, A+1}); was the trace recorded with serve.policy=fixed?"
+        )
 
     def cut(values: list[float] | None) -> tuple[float, ...] | None:
         return None if values is None else tuple(float(v) for v in values[:drafted])
@@ -144,18 +153,19 @@ def _trace_round(round_: ServeRound) -> TraceRound:
 
 # ---- step costs besides the verify forward ----
 
+
 @dataclass
 class StepCosts:
     """Seconds per engine step outside the verify forward, linear in the number of active requests R."""
 
-    draft_intercept: float = 0.0      # drafter forward + sequential loop at the trace's slots: a + b·R
+    draft_intercept: float = 0.0  # drafter forward + sequential loop at the trace's slots: a + b·R
     draft_per_request: float = 0.0
-    other_intercept: float = 0.0      # policy, verifier, rollback, context updates: a + b·R
+    other_intercept: float = 0.0  # policy, verifier, rollback, context updates: a + b·R
     other_per_request: float = 0.0
     prefill_per_request: float = 0.0  # prefill of one joining request
-    slot_intercept: float = 0.0       # the sequential loop per drawn slot: a + b·R (0 and 0: drafting is not
-    slot_per_request: float = 0.0     #   split, draft_seconds is the same whatever the slots)
-    trace_slots: float = 0.0          # mean slots drawn per step in the fitted trace
+    slot_intercept: float = 0.0  # the sequential loop per drawn slot: a + b·R (0 and 0: drafting is not
+    slot_per_request: float = 0.0  #   split, draft_seconds is the same whatever the slots)
+    trace_slots: float = 0.0  # mean slots drawn per step in the fitted trace
 
     def draft_seconds(self, num_active: int, slots: int | None = None) -> float:
         """Drafting seconds of a step with R = num_active rows drawing `slots` slots (None: as in the trace)."""
@@ -195,25 +205,37 @@ def fit_step_costs(steps: Sequence[ServeStep]) -> StepCosts:
     """
     steps = [s for s in steps if s.num_active > 0]
     if not steps:
-        raise ValueError("fit_step_costs: no engine step with active requests; run the serving engine first "
-                         "(stage=serve) or give StepCosts by hand")
+        raise ValueError(
+            "fit_step_costs: no engine step with active requests; run the serving engine first "
+            "(stage=serve) or give StepCosts by hand"
+        )
     active = [float(s.num_active) for s in steps]
     draft = _linear_fit(active, [s.seconds_draft for s in steps])
     other = _linear_fit(active, [s.seconds_other for s in steps])
     slots = [max((r.num_drafted for r in s.rounds), default=0) for s in steps]
-    per_slot = _linear_fit([a for a, k in zip(active, slots) if k > 0],
-                           [s.seconds_draft_sequential / k for s, k in zip(steps, slots) if k > 0])
+    per_slot = _linear_fit(
+        [a for a, k in zip(active, slots) if k > 0],
+        [s.seconds_draft_sequential / k for s, k in zip(steps, slots) if k > 0],
+    )
     joins, previous = 0, set()
     for step in steps:
         ids = {r.request_id for r in step.rounds}
         joins, previous = joins + len(ids - previous), ids
     prefill = sum(s.seconds_prefill for s in steps) / joins if joins else 0.0
-    return StepCosts(draft_intercept=draft[0], draft_per_request=draft[1], other_intercept=other[0],
-                     other_per_request=other[1], prefill_per_request=prefill, slot_intercept=per_slot[0],
-                     slot_per_request=per_slot[1], trace_slots=sum(slots) / len(slots))
+    return StepCosts(
+        draft_intercept=draft[0],
+        draft_per_request=draft[1],
+        other_intercept=other[0],
+        other_per_request=other[1],
+        prefill_per_request=prefill,
+        slot_intercept=per_slot[0],
+        slot_per_request=per_slot[1],
+        trace_slots=sum(slots) / len(slots),
+    )
 
 
 # ---- replay ----
+
 
 @dataclass
 class SimResult:
@@ -227,8 +249,14 @@ class SimResult:
     concurrency: int = 0
 
     def summary(self) -> ServeSummary:
-        return summarize_serving(self.requests, self.steps, wall_seconds=self.wall_seconds, policy=self.policy,
-                                 concurrency=self.concurrency, simulated=True)
+        return summarize_serving(
+            self.requests,
+            self.steps,
+            wall_seconds=self.wall_seconds,
+            policy=self.policy,
+            concurrency=self.concurrency,
+            simulated=True,
+        )
 
 
 @dataclass
@@ -237,9 +265,9 @@ class _Active:
 
     request_id: int
     source: TraceRequest
-    length: int               # new tokens it lasts
+    length: int  # new tokens it lasts
     joined_at: float
-    tokens: int = 1           # the prefill's first token
+    tokens: int = 1  # the prefill's first token
     rounds: int = 0
 
     def next_round(self) -> TraceRound:
@@ -257,11 +285,15 @@ def _confidence_source(trace: ServeTrace, policy: ServePolicy, calibrated: bool 
     if trace.has(source):
         return source
     if calibrated:
-        raise ValueError("simulate_serving(calibrated=True): the trace has rounds without calibrated confidences; "
-                         "record it with a calibrated drafter or pass calibrated=False")
+        raise ValueError(
+            "simulate_serving(calibrated=True): the trace has rounds without calibrated confidences; "
+            "record it with a calibrated drafter or pass calibrated=False"
+        )
     if policy.needs_confidences:
-        raise ValueError(f"{TRACE_KEY}={policy.name} needs confidences, but the trace has rounds without them "
-                         "(a drafter without a confidence head); simulate mtp1, static or fixed instead")
+        raise ValueError(
+            f"{TRACE_KEY}={policy.name} needs confidences, but the trace has rounds without them "
+            "(a drafter without a confidence head); simulate mtp1, static or fixed instead"
+        )
     return None
 
 
@@ -274,11 +306,22 @@ def _policy_inputs(rounds: list[TraceRound], *, block_size: int, source: str | N
     return torch.tensor(rows, dtype=torch.float64).reshape(len(rounds), block_size), num_drafts
 
 
-def simulate_serving(trace: ServeTrace, *, policy: str | ServePolicy, concurrency: int, sps: SPSTable,
-                     costs: StepCosts | None = None, max_new_tokens: int | None = None,
-                     num_requests: int | None = None, seed: int = 0, calibrated: bool | None = None,
-                     static_k: int = 2, threshold: float = 0.5, pad_to_longest: bool = False,
-                     scheduler_cost: str = "tokens") -> SimResult:
+def simulate_serving(
+    trace: ServeTrace,
+    *,
+    policy: str | ServePolicy,
+    concurrency: int,
+    sps: SPSTable,
+    costs: StepCosts | None = None,
+    max_new_tokens: int | None = None,
+    num_requests: int | None = None,
+    seed: int = 0,
+    calibrated: bool | None = None,
+    static_k: int = 2,
+    threshold: float = 0.5,
+    pad_to_longest: bool = False,
+    scheduler_cost: str = "tokens",
+) -> SimResult:
     """Replay `trace` at concurrency R under `policy` (module docstring).
 
     policy: a `ServePolicy` (it keeps its own SPS table, if any; `sps` still times the steps) or its name (built
@@ -293,11 +336,14 @@ def simulate_serving(trace: ServeTrace, *, policy: str | ServePolicy, concurrenc
     if concurrency < 1 or total < 1:
         raise ValueError(f"serve.concurrency={concurrency} and num_requests={total} must be >= 1")
     if max_new_tokens is not None and max_new_tokens < 2:
-        raise ValueError(f"serve.max_new_tokens={max_new_tokens} must be >= 2 to simulate rounds (the first token "
-                         "comes from the prefill)")
+        raise ValueError(
+            f"serve.max_new_tokens={max_new_tokens} must be >= 2 to simulate rounds (the first token "
+            "comes from the prefill)"
+        )
     if isinstance(policy, str):
-        policy = build_serve_policy(policy, static_k=static_k, threshold=threshold, sps=sps,
-                                    scheduler_cost=scheduler_cost)
+        policy = build_serve_policy(
+            policy, static_k=static_k, threshold=threshold, sps=sps, scheduler_cost=scheduler_cost
+        )
     costs = costs if costs is not None else StepCosts()
     order = torch.randperm(count, generator=torch.Generator().manual_seed(seed)).tolist()
     queue = [trace.requests[order[i % count]] for i in range(total)]
@@ -308,20 +354,37 @@ def simulate_serving(trace: ServeTrace, *, policy: str | ServePolicy, concurrenc
     steps: list[ServeStep] = []
     clock = 0.0
     while True:
-        joins = _join(slots, queue=queue, started=len(requests) + sum(a is not None for a in slots),
-                      max_new_tokens=max_new_tokens, clock=clock)
+        joins = _join(
+            slots,
+            queue=queue,
+            started=len(requests) + sum(a is not None for a in slots),
+            max_new_tokens=max_new_tokens,
+            clock=clock,
+        )
         active = [a for a in slots if a is not None]
         if not active:
             break
-        steps.append(_step(active, policy=policy, sps=sps, costs=costs, joins=joins, index=len(steps),
-                           block_size=block_size, source=source, pad_to_longest=pad_to_longest))
+        steps.append(
+            _step(
+                active,
+                policy=policy,
+                sps=sps,
+                costs=costs,
+                joins=joins,
+                index=len(steps),
+                block_size=block_size,
+                source=source,
+                pad_to_longest=pad_to_longest,
+            )
+        )
         clock += steps[-1].seconds
         requests += _leave(slots, clock=clock)
     return SimResult(requests, steps, clock, policy=policy.name, concurrency=concurrency)
 
 
-def _join(slots: list[_Active | None], *, queue: list[TraceRequest], started: int, max_new_tokens: int | None,
-          clock: float) -> int:
+def _join(
+    slots: list[_Active | None], *, queue: list[TraceRequest], started: int, max_new_tokens: int | None, clock: float
+) -> int:
     """Fill free slots with the next queued requests (closed loop); returns how many joined."""
     joins = 0
     for index, item in enumerate(slots):
@@ -338,14 +401,34 @@ def _leave(slots: list[_Active | None], *, clock: float) -> list[RequestResult]:
     finished = []
     for index, item in enumerate(slots):
         if item is not None and item.tokens >= item.length:
-            finished.append(RequestResult(item.request_id, [], [0] * item.length, "max_new_tokens", None,
-                                          joined_at=item.joined_at, finished_at=clock, num_rounds=item.rounds))
+            finished.append(
+                RequestResult(
+                    item.request_id,
+                    [],
+                    [0] * item.length,
+                    "max_new_tokens",
+                    None,
+                    joined_at=item.joined_at,
+                    finished_at=clock,
+                    num_rounds=item.rounds,
+                )
+            )
             slots[index] = None
     return finished
 
 
-def _step(active: list[_Active], *, policy: ServePolicy, sps: SPSTable, costs: StepCosts, joins: int, index: int,
-          block_size: int, source: str | None, pad_to_longest: bool) -> ServeStep:
+def _step(
+    active: list[_Active],
+    *,
+    policy: ServePolicy,
+    sps: SPSTable,
+    costs: StepCosts,
+    joins: int,
+    index: int,
+    block_size: int,
+    source: str | None,
+    pad_to_longest: bool,
+) -> ServeStep:
     """One engine step over the active requests: choose ℓ, apply the coupling, advance them, time it."""
     rounds = [a.next_round() for a in active]
     confidences, num_drafts = _policy_inputs(rounds, block_size=block_size, source=source)
@@ -359,20 +442,35 @@ def _step(active: list[_Active], *, policy: ServePolicy, sps: SPSTable, costs: S
     for item, round_, verified, drafted in zip(active, rounds, lengths, num_drafts.tolist()):
         accepted, committed = round_.outcome(verified)
         cut = drafted < round_.num_drafted
-        records.append(ServeRound(item.request_id, index, anchor_position=-1, num_drafted=drafted,
-                                  confidences=_cut(round_.confidences, drafted),
-                                  calibrated=_cut(round_.calibrated, drafted),
-                                  num_verified=int(verified), num_accepted=accepted, committed=committed,
-                                  accept_if_all=round_.accept_if_all if verified == drafted and not cut else None))
+        records.append(
+            ServeRound(
+                item.request_id,
+                index,
+                anchor_position=-1,
+                num_drafted=drafted,
+                confidences=_cut(round_.confidences, drafted),
+                calibrated=_cut(round_.calibrated, drafted),
+                num_verified=int(verified),
+                num_accepted=accepted,
+                committed=committed,
+                accept_if_all=round_.accept_if_all if verified == drafted and not cut else None,
+            )
+        )
         item.tokens, item.rounds = item.tokens + committed, item.rounds + 1
     batch_tokens = len(active) + sum(int(v) for v in lengths)
     forward_tokens = len(active) * (1 + max(int(v) for v in lengths)) if pad_to_longest else batch_tokens
-    return ServeStep(step=index, num_active=len(active), batch_tokens=batch_tokens,
-                     committed=sum(r.committed for r in records),
-                     seconds_draft=costs.draft_seconds(len(active), slots), seconds_verify=1.0 / sps(forward_tokens),
-                     seconds_other=costs.other_seconds(len(active)),
-                     seconds_prefill=joins * costs.prefill_per_request,
-                     seconds_draft_sequential=slots * costs.slot_seconds(len(active)), rounds=records)
+    return ServeStep(
+        step=index,
+        num_active=len(active),
+        batch_tokens=batch_tokens,
+        committed=sum(r.committed for r in records),
+        seconds_draft=costs.draft_seconds(len(active), slots),
+        seconds_verify=1.0 / sps(forward_tokens),
+        seconds_other=costs.other_seconds(len(active)),
+        seconds_prefill=joins * costs.prefill_per_request,
+        seconds_draft_sequential=slots * costs.slot_seconds(len(active)),
+        rounds=records,
+    )
 
 
 # ---- the hindsight bound ----
@@ -396,11 +494,21 @@ class HindsightChooser:
     reads = "raw"
     max_drafts = None
 
-    def __init__(self, *, sps: SPSTable, costs: StepCosts, pad_to_longest: bool, rate: float | None = None,
-                 columns: int | None = None, exact: bool = False) -> None:
+    def __init__(
+        self,
+        *,
+        sps: SPSTable,
+        costs: StepCosts,
+        pad_to_longest: bool,
+        rate: float | None = None,
+        columns: int | None = None,
+        exact: bool = False,
+    ) -> None:
         if sum((rate is not None, columns is not None, bool(exact))) != 1:
-            raise ValueError("HindsightChooser: give exactly one of rate (tokens per second), columns (a fixed k) "
-                             "or exact=True (R = 1)")
+            raise ValueError(
+                "HindsightChooser: give exactly one of rate (tokens per second), columns (a fixed k) "
+                "or exact=True (R = 1)"
+            )
         self.sps, self.costs, self.pad = sps, costs, bool(pad_to_longest)
         self.rate, self.columns, self.exact = rate, columns, bool(exact)
         self.name = HINDSIGHT if columns is None else f"{HINDSIGHT}-k{columns}"
@@ -411,8 +519,9 @@ class HindsightChooser:
         self._chosen = 0
         self._plans = {}
 
-    def step_value(self, rounds: Sequence[TraceRound], k: int, remaining: Sequence[int] | None = None
-                   ) -> tuple[int, float]:
+    def step_value(
+        self, rounds: Sequence[TraceRound], k: int, remaining: Sequence[int] | None = None
+    ) -> tuple[int, float]:
         """(tokens, seconds besides prefill) of a step over `rounds` verifying k columns; with `remaining`, tokens
         past each request's remaining length are not counted."""
         rows, longest = len(rounds), max(r.num_drafted for r in rounds)
@@ -421,8 +530,9 @@ class HindsightChooser:
         if remaining is not None:
             gained = [min(g, max(0, int(left))) for g, left in zip(gained, remaining)]
         forward = rows * (1 + max(verified)) if self.pad else rows + sum(verified)
-        seconds = (1.0 / self.sps(forward) + self.costs.draft_seconds(rows, min(k, longest))
-                   + self.costs.other_seconds(rows))
+        seconds = (
+            1.0 / self.sps(forward) + self.costs.draft_seconds(rows, min(k, longest)) + self.costs.other_seconds(rows)
+        )
         return sum(gained), seconds
 
     def columns_for(self, active: Sequence[_Active]) -> int:
@@ -436,8 +546,10 @@ class HindsightChooser:
                 raise ValueError("HindsightChooser(exact=True) plans one request at a time: use it at R = 1")
             item = active[0]
             if item.request_id not in self._plans:
-                self._plans[item.request_id] = (item.rounds, self.plan(item.source.rounds, start=item.rounds,
-                                                                       tokens=item.tokens, length=item.length))
+                self._plans[item.request_id] = (
+                    item.rounds,
+                    self.plan(item.source.rounds, start=item.rounds, tokens=item.tokens, length=item.length),
+                )
             start, plan = self._plans[item.request_id]
             self._chosen = min(plan[item.rounds - start], longest)
         else:
@@ -475,9 +587,18 @@ class HindsightChooser:
         return torch.as_tensor(num_drafts, dtype=torch.long).clamp(max=self._chosen)
 
 
-def simulate_hindsight(trace: ServeTrace, *, concurrency: int, sps: SPSTable, costs: StepCosts | None = None,
-                       max_new_tokens: int | None = None, num_requests: int | None = None, seed: int = 0,
-                       pad_to_longest: bool = True, iterations: int = 20) -> SimResult:
+def simulate_hindsight(
+    trace: ServeTrace,
+    *,
+    concurrency: int,
+    sps: SPSTable,
+    costs: StepCosts | None = None,
+    max_new_tokens: int | None = None,
+    num_requests: int | None = None,
+    seed: int = 0,
+    pad_to_longest: bool = True,
+    iterations: int = 20,
+) -> SimResult:
     """The hindsight policy at concurrency R: how fast a verify-length policy that knew every round's outcome could
     serve this trace here — an upper estimate for the scheduler and every causal policy (`HindsightChooser`).
 
@@ -489,8 +610,15 @@ def simulate_hindsight(trace: ServeTrace, *, concurrency: int, sps: SPSTable, co
     `simulate_serving` times them (pad_to_longest: R rows of k + 1 tokens, the BatchedEngine's forward).
     """
     costs = costs if costs is not None else StepCosts()
-    options = {"concurrency": concurrency, "sps": sps, "costs": costs, "max_new_tokens": max_new_tokens,
-               "num_requests": num_requests, "seed": seed, "pad_to_longest": pad_to_longest}
+    options = {
+        "concurrency": concurrency,
+        "sps": sps,
+        "costs": costs,
+        "max_new_tokens": max_new_tokens,
+        "num_requests": num_requests,
+        "seed": seed,
+        "pad_to_longest": pad_to_longest,
+    }
     chooser = {"sps": sps, "costs": costs, "pad_to_longest": pad_to_longest}
     if concurrency == 1:
         best = simulate_serving(trace, policy=HindsightChooser(exact=True, **chooser), **options)
@@ -501,8 +629,10 @@ def simulate_hindsight(trace: ServeTrace, *, concurrency: int, sps: SPSTable, co
         seconds = sum(s.seconds - s.seconds_prefill for s in result.steps)
         return sum(s.committed for s in result.steps) / seconds if seconds > 0 else 0.0
 
-    candidates = [simulate_serving(trace, policy=HindsightChooser(columns=k, **chooser), **options)
-                  for k in range(trace.block_size + 1)]
+    candidates = [
+        simulate_serving(trace, policy=HindsightChooser(columns=k, **chooser), **options)
+        for k in range(trace.block_size + 1)
+    ]
     scored = [(r.summary().throughput, r) for r in candidates]
     best_throughput, best = max(scored, key=lambda item: item[0])
     rate = max(step_rate(r) for r in candidates)
@@ -537,21 +667,41 @@ def _cut(values: tuple[float, ...] | None, count: int) -> list[float] | None:
     return None if values is None else list(values[:count])
 
 
-def simulate_frontier(trace: ServeTrace, *, policies: Sequence[str], concurrency_levels: Sequence[int],
-                      sps: SPSTable | Mapping[int, SPSTable], costs: StepCosts | None = None,
-                      max_new_tokens: int | None = None, seed: int = 0, static_k: int = 2,
-                      threshold: float = 0.5, calibrated: bool | None = None,
-                      pad_to_longest: bool = False, scheduler_cost: str = "tokens") -> list[ServeSummary]:
+def simulate_frontier(
+    trace: ServeTrace,
+    *,
+    policies: Sequence[str],
+    concurrency_levels: Sequence[int],
+    sps: SPSTable | Mapping[int, SPSTable],
+    costs: StepCosts | None = None,
+    max_new_tokens: int | None = None,
+    seed: int = 0,
+    static_k: int = 2,
+    threshold: float = 0.5,
+    calibrated: bool | None = None,
+    pad_to_longest: bool = False,
+    scheduler_cost: str = "tokens",
+) -> list[ServeSummary]:
     """Simulated `ServeSummary` for every (policy, R); `sps` may map R to the table profiled with R rows (the
     closest R is used when a level has no table of its own)."""
     summaries = []
     for concurrency in concurrency_levels:
         table = _table_for(sps, concurrency)
         for name in policies:
-            result = simulate_serving(trace, policy=name, concurrency=concurrency, sps=table, costs=costs,
-                                      max_new_tokens=max_new_tokens, seed=seed, static_k=static_k,
-                                      threshold=threshold, calibrated=calibrated, pad_to_longest=pad_to_longest,
-                                      scheduler_cost=scheduler_cost)
+            result = simulate_serving(
+                trace,
+                policy=name,
+                concurrency=concurrency,
+                sps=table,
+                costs=costs,
+                max_new_tokens=max_new_tokens,
+                seed=seed,
+                static_k=static_k,
+                threshold=threshold,
+                calibrated=calibrated,
+                pad_to_longest=pad_to_longest,
+                scheduler_cost=scheduler_cost,
+            )
             summaries.append(result.summary())
     return summaries
 

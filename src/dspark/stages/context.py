@@ -1,4 +1,5 @@
 """What every stage shares: the resolved config, output paths, the tracking run and the loaded target."""
+
 from __future__ import annotations
 
 import hashlib
@@ -26,10 +27,16 @@ TRAINING_GROUPS = ("target", "drafter", "seed", "model", "loss", "data", "optim"
 # resumed sweep never mixes them with cells trained on the fixed caches (docs/LOG.md has the measurement).
 SUPERVISION_VERSION = 2
 # (group, key, default) of training keys added after runs were cached: left out of the hash at their default
-HASH_NEUTRAL_DEFAULTS = (("model", "confidence_with_markov", True), ("model", "import_from", ""),
-                         ("loss", "kind", "paper"), ("loss", "dpard_alpha", 0.5), ("data", "regen_precision", "auto"),
-                         ("data", "seed", None), ("data", "sampling.sampler", "generate"),
-                         ("model", "init_layers", []))
+HASH_NEUTRAL_DEFAULTS = (
+    ("model", "confidence_with_markov", True),
+    ("model", "import_from", ""),
+    ("loss", "kind", "paper"),
+    ("loss", "dpard_alpha", 0.5),
+    ("data", "regen_precision", "auto"),
+    ("data", "seed", None),
+    ("data", "sampling.sampler", "generate"),
+    ("model", "init_layers", []),
+)
 
 
 @dataclass
@@ -96,9 +103,15 @@ class StageContext:
         """Load (once) the frozen target named by `target=`."""
         if self.target is None:
             self.target = self.load_target_in(self.cfg.target_options.dtype)
-            log.info("target %s: %d layers, d=%d, V=%d, feature layers %s, MASK id %d", self.target.name,
-                     self.target.num_layers, self.target.hidden_size, self.target.vocab_size,
-                     self.target.feature_layer_ids, self.target.mask_token_id)
+            log.info(
+                "target %s: %d layers, d=%d, V=%d, feature layers %s, MASK id %d",
+                self.target.name,
+                self.target.num_layers,
+                self.target.hidden_size,
+                self.target.vocab_size,
+                self.target.feature_layer_ids,
+                self.target.mask_token_id,
+            )
         return self.target
 
     def load_target_in(self, dtype: str) -> Target:
@@ -107,10 +120,16 @@ class StageContext:
         from dspark.targets import load_target
 
         cfg = self.cfg
-        return load_target(cfg.target, cache_dir=self.paths.cache, feature_layers=cfg.model.feature_layers or None,
-                           trust_remote_code=cfg.target_options.trust_remote_code, dtype=dtype, seed=cfg.seed,
-                           mask_token_id=cfg.target_options.mask_token_id,
-                           num_feature_layers=cfg.model.num_feature_layers)
+        return load_target(
+            cfg.target,
+            cache_dir=self.paths.cache,
+            feature_layers=cfg.model.feature_layers or None,
+            trust_remote_code=cfg.target_options.trust_remote_code,
+            dtype=dtype,
+            seed=cfg.seed,
+            mask_token_id=cfg.target_options.mask_token_id,
+            num_feature_layers=cfg.model.num_feature_layers,
+        )
 
     def load_prompts(self, name: str, **options: Any) -> list:
         """The prompt set `name` (`dspark.data.prompts.load_prompts` options): from data.local_dir when it has the
@@ -118,14 +137,25 @@ class StageContext:
         from dspark.data.prompts import load_prompts
 
         local = self.cfg.data.local_dir
-        return load_prompts(name, local_dir=Path(local).expanduser() if local else None,
-                            cache_dir=self.paths.cache / "datasets", **options)
+        return load_prompts(
+            name,
+            local_dir=Path(local).expanduser() if local else None,
+            cache_dir=self.paths.cache / "datasets",
+            **options,
+        )
 
     def run_tags(self) -> dict[str, str]:
         cfg = self.cfg
-        tags = {"drafter": cfg.drafter, "model.head": cfg.model.head, "target": cfg.target, "budget": cfg.budget,
-                "seed": str(cfg.seed), "stage": cfg.stage, "training.key": training_key(cfg),
-                "command": public_command(self.rc.argv)}
+        tags = {
+            "drafter": cfg.drafter,
+            "model.head": cfg.model.head,
+            "target": cfg.target,
+            "budget": cfg.budget,
+            "seed": str(cfg.seed),
+            "stage": cfg.stage,
+            "training.key": training_key(cfg),
+            "command": public_command(self.rc.argv),
+        }
         return tags | git_provenance(repo_root())
 
 

@@ -1,5 +1,6 @@
 """What `stage=eval` and `stage=serve` open with: the target and the trained drafter on its device, and the
 drafter's STS calibration at `decode.temperature` (fitted once on held-out prompts, then reused from drafter.pt)."""
+
 from __future__ import annotations
 
 import logging
@@ -44,19 +45,37 @@ def open_trained_drafter(ctx: StageContext, drafter_path: str | Path) -> Trained
     return TrainedDrafter(target=target, drafter=drafter.to(target.device), spec=spec, payload=payload, path=path)
 
 
-def calibrate(ctx: StageContext, trained: TrainedDrafter, *, prepared: PreparedData | None, proposer: Any = None,
-              plot_path: Path | None = None) -> tuple[CalibrationReport, str]:
+def calibrate(
+    ctx: StageContext,
+    trained: TrainedDrafter,
+    *,
+    prepared: PreparedData | None,
+    proposer: Any = None,
+    plot_path: Path | None = None,
+) -> tuple[CalibrationReport, str]:
     """STS at decode.temperature on decode.prompts_per_set × len(decode.eval_sets) held-out prompts (the calibration
     split of `prepared`, topped up with unseen synthetic ones); returns the fit and where its prompts came from."""
     from dspark.decoding.proposers import build_proposer
     from dspark.evaluation.calibrate import calibrate_drafter, calibration_prompt_ids
 
     decode = ctx.cfg.decode
-    prompt_ids, source = calibration_prompt_ids(trained.target, held_out=held_out_prompts(ctx, prepared),
-                                                limit=decode.prompts_per_set * len(decode.eval_sets),
-                                                seed=ctx.cfg.data_seed, data=ctx.cfg.data)
-    report = calibrate_drafter(target=trained.target, proposer=proposer or build_proposer(trained.drafter),
-                               drafter_path=trained.path, payload=trained.payload, prompt_ids=prompt_ids,
-                               temperature=decode.temperature, max_new_tokens=decode.max_new_tokens,
-                               seed=ctx.cfg.seed, block_size=trained.spec.block_size, plot_path=plot_path)
+    prompt_ids, source = calibration_prompt_ids(
+        trained.target,
+        held_out=held_out_prompts(ctx, prepared),
+        limit=decode.prompts_per_set * len(decode.eval_sets),
+        seed=ctx.cfg.data_seed,
+        data=ctx.cfg.data,
+    )
+    report = calibrate_drafter(
+        target=trained.target,
+        proposer=proposer or build_proposer(trained.drafter),
+        drafter_path=trained.path,
+        payload=trained.payload,
+        prompt_ids=prompt_ids,
+        temperature=decode.temperature,
+        max_new_tokens=decode.max_new_tokens,
+        seed=ctx.cfg.seed,
+        block_size=trained.spec.block_size,
+        plot_path=plot_path,
+    )
     return report, source

@@ -16,6 +16,7 @@ Nothing written holds an absolute path of the machine: paths in meta.json and th
 paths.root (`portable_path`), and the command drops its `paths.*` arguments.
 `run_report` rebuilds that report from the latest saved records of this config; `run_profile` re-measures SPS(B).
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -96,10 +97,16 @@ def report_stem(ctx: StageContext) -> str:
     seed), so neither another drafter nor the same drafter evaluated on other prompts (sweep=main's nine sets vs
     sweep=head's three) overwrites a report."""
     decode = ctx.cfg.decode
-    threshold = (f"-th{decode.threshold:g}" if "threshold" in decode.policy else
-                 f"-k{decode.static_k}" if decode.policy == "static" else "")
-    prompts = json.dumps([list(decode.eval_sets), int(decode.prompts_per_set), int(decode.max_new_tokens),
-                          int(ctx.cfg.seed)])
+    threshold = (
+        f"-th{decode.threshold:g}"
+        if "threshold" in decode.policy
+        else f"-k{decode.static_k}"
+        if decode.policy == "static"
+        else ""
+    )
+    prompts = json.dumps(
+        [list(decode.eval_sets), int(decode.prompts_per_set), int(decode.max_new_tokens), int(ctx.cfg.seed)]
+    )
     digest = hashlib.sha1(prompts.encode()).hexdigest()[:6]
     return f"eval-{ctx.run_dir.name}-{decode.policy}{threshold}-T{decode.temperature:g}-{digest}"
 
@@ -108,8 +115,11 @@ def report_paths(ctx: StageContext) -> dict[str, Path]:
     """Where the report and its figures go: `<reports>/<report_stem>{.md,-cond.png,-reliability.png}`."""
     stem = report_stem(ctx)
     reports = Path(ctx.paths.reports)
-    return {"report": reports / f"{stem}.md", "cond": reports / f"{stem}-cond.png",
-            "reliability": reports / f"{stem}-reliability.png"}
+    return {
+        "report": reports / f"{stem}.md",
+        "cond": reports / f"{stem}-cond.png",
+        "reliability": reports / f"{stem}-reliability.png",
+    }
 
 
 def load_eval_prompts(ctx: StageContext, target: Target) -> list:
@@ -134,8 +144,14 @@ def plan_speed(decode: Any, trained: TrainedDrafter) -> SpeedPlan:
     return SpeedPlan(True, count, "")
 
 
-def maybe_calibrate(ctx: StageContext, trained: TrainedDrafter, *, proposer: Any, prepared: PreparedData | None,
-                    speed: SpeedPlan | None = None) -> tuple[CalibrationReport | None, str]:
+def maybe_calibrate(
+    ctx: StageContext,
+    trained: TrainedDrafter,
+    *,
+    proposer: Any,
+    prepared: PreparedData | None,
+    speed: SpeedPlan | None = None,
+) -> tuple[CalibrationReport | None, str]:
     """STS at decode.temperature when decode.calibrate and a policy of this evaluation (decode.policy, or the speed
     pass's scheduler) reads confidences the drafter has."""
     decode = ctx.cfg.decode
@@ -143,8 +159,10 @@ def maybe_calibrate(ctx: StageContext, trained: TrainedDrafter, *, proposer: Any
     if not decode.calibrate or (decode.policy not in CONFIDENCE_POLICIES and not speed_reads):
         return None, "not used (decode.policy reads no confidences or decode.calibrate=false)"
     if not trained.has_confidence:
-        raise ValueError(f"decode.policy={decode.policy} needs a drafter with a confidence head (drafter=dspark); "
-                         "use decode.policy=fixed for dflash / eagle3")
+        raise ValueError(
+            f"decode.policy={decode.policy} needs a drafter with a confidence head (drafter=dspark); "
+            "use decode.policy=fixed for dflash / eagle3"
+        )
     return calibrate(ctx, trained, prepared=prepared, proposer=proposer, plot_path=report_paths(ctx)["reliability"])
 
 
@@ -166,7 +184,7 @@ def speed_subset(prompts: list, count: int) -> list:
         by_set.setdefault(prompt.dataset, []).append(prompt)
     chosen, depth = [], 0
     while len(chosen) < min(count, len(prompts)):
-        chosen += [group[depth] for group in by_set.values() if depth < len(group)][:count - len(chosen)]
+        chosen += [group[depth] for group in by_set.values() if depth < len(group)][: count - len(chosen)]
         depth += 1
     return chosen
 
@@ -195,30 +213,56 @@ def run_eval(ctx: StageContext, drafter_path: str | Path, *, prepared: PreparedD
         common = {"target": target, "temperature": decode.temperature, "max_new_tokens": decode.max_new_tokens}
         if policy is None:
             return SpeculativeEngine(proposer=None, policy=build_policy("fixed"), **common)
-        return SpeculativeEngine(proposer=proposer, policy=build_policy(policy, threshold=decode.threshold,
-                                                                        static_k=decode.static_k, sps=sps),
-                                 calibration=sts if policy in CONFIDENCE_POLICIES else None,
-                                 step_costs=decode.step_costs, **common)
+        return SpeculativeEngine(
+            proposer=proposer,
+            policy=build_policy(policy, threshold=decode.threshold, static_k=decode.static_k, sps=sps),
+            calibration=sts if policy in CONFIDENCE_POLICIES else None,
+            step_costs=decode.step_costs,
+            **common,
+        )
 
     prompts = load_eval_prompts(ctx, target)
-    log.info("evaluating %s on %d prompts (%s), policy %s, temperature %g", portable_path(trained.path, ctx=ctx),
-             len(prompts), ", ".join(decode.eval_sets), decode.policy, decode.temperature)
+    log.info(
+        "evaluating %s on %d prompts (%s), policy %s, temperature %g",
+        portable_path(trained.path, ctx=ctx),
+        len(prompts),
+        ", ".join(decode.eval_sets),
+        decode.policy,
+        decode.temperature,
+    )
     engines = {"speculative": engine(decode.policy)} | ({"target": engine(None)} if decode.baseline else {})
-    rollouts = run_rollouts(engines, prompts, seed=cfg.seed,
-                            desc="eval (speculative + target-only)" if decode.baseline else "eval (speculative)")
+    rollouts = run_rollouts(
+        engines,
+        prompts,
+        seed=cfg.seed,
+        desc="eval (speculative + target-only)" if decode.baseline else "eval (speculative)",
+    )
     speed_rollouts = None
     if speed.separate:
         subset = speed_subset(prompts, speed.prompts)
-        log.info("speed-up: decode.policy=%s against target-only decoding on %d of the prompts", SPEED_POLICY,
-                 len(subset))
-        speed_rollouts = run_rollouts({"speculative": engine(SPEED_POLICY), "target": engine(None)}, subset,
-                                      seed=cfg.seed, desc=f"speed ({SPEED_POLICY} + target-only)")
+        log.info(
+            "speed-up: decode.policy=%s against target-only decoding on %d of the prompts", SPEED_POLICY, len(subset)
+        )
+        speed_rollouts = run_rollouts(
+            {"speculative": engine(SPEED_POLICY), "target": engine(None)},
+            subset,
+            seed=cfg.seed,
+            desc=f"speed ({SPEED_POLICY} + target-only)",
+        )
     out_dir = new_eval_dir(ctx)
     write_rollouts_jsonl(out_dir / ROUNDS_FILE, rollouts)
     if speed_rollouts is not None:
         write_rollouts_jsonl(out_dir / SPEED_ROUNDS_FILE, speed_rollouts)
-    meta = eval_meta(ctx, spec=spec, drafter_path=trained.path, out_dir=out_dir, sps_path=sps_path,
-                     calibration=calibration, calibration_source=calibration_source, speed=speed_rollouts is not None)
+    meta = eval_meta(
+        ctx,
+        spec=spec,
+        drafter_path=trained.path,
+        out_dir=out_dir,
+        sps_path=sps_path,
+        calibration=calibration,
+        calibration_source=calibration_source,
+        speed=speed_rollouts is not None,
+    )
     summary = summarize(rollouts, block_size=spec.block_size)
     speed_summary = summarize(speed_rollouts, block_size=spec.block_size) if speed_rollouts else None
     meta["headline"] = headline(decode, summary, speed_summary, note=speed.note, block_size=spec.block_size)
@@ -233,19 +277,24 @@ def run_eval(ctx: StageContext, drafter_path: str | Path, *, prepared: PreparedD
     return EvalResult(report=report, headline=meta["headline"])
 
 
-def coverage_metrics(*, target: Target, trained: TrainedDrafter, prompts: list, rollouts: list, decode: Any
-                     ) -> dict[str, float]:
+def coverage_metrics(
+    *, target: Target, trained: TrainedDrafter, prompts: list, rollouts: list, decode: Any
+) -> dict[str, float]:
     """`eval/vocab_coverage` (and per domain): the draft vocabulary's share of the target's own generations."""
     from dspark.evaluation.coverage import draft_vocab_coverage
 
-    coverage = draft_vocab_coverage(target=target, drafter=trained.drafter, prompts=prompts, rollouts=rollouts,
-                                    temperature=decode.temperature)
+    coverage = draft_vocab_coverage(
+        target=target, drafter=trained.drafter, prompts=prompts, rollouts=rollouts, temperature=decode.temperature
+    )
     if not coverage:
         return {}
-    log.info("draft-vocabulary coverage of the target's own generations: %s",
-             ", ".join(f"{d} {v:.3f}" for d, v in sorted(coverage.items())))
-    return {("eval/vocab_coverage" if d == "all" else f"eval/domain/{d}/vocab_coverage"): v
-            for d, v in coverage.items()}
+    log.info(
+        "draft-vocabulary coverage of the target's own generations: %s",
+        ", ".join(f"{d} {v:.3f}" for d, v in sorted(coverage.items())),
+    )
+    return {
+        ("eval/vocab_coverage" if d == "all" else f"eval/domain/{d}/vocab_coverage"): v for d, v in coverage.items()
+    }
 
 
 def tau_setting(decode: Any, *, block_size: int) -> str:
@@ -300,19 +349,35 @@ def portable_command(argv: list[str], *, ctx: StageContext) -> str:
     return " ".join(["python experiments/run.py", *kept])
 
 
-def eval_meta(ctx: StageContext, *, spec: DrafterSpec, drafter_path: Path, out_dir: Path, sps_path: Path | None,
-              calibration: CalibrationReport | None, calibration_source: str, speed: bool = False) -> dict:
+def eval_meta(
+    ctx: StageContext,
+    *,
+    spec: DrafterSpec,
+    drafter_path: Path,
+    out_dir: Path,
+    sps_path: Path | None,
+    calibration: CalibrationReport | None,
+    calibration_source: str,
+    speed: bool = False,
+) -> dict:
     """What ran, for the report and for rebuilding it (`run_report`); paths relative to paths.root."""
     tags = ctx.run_tags()
     target = ctx.load_target()
     speed_meta = {"policy": SPEED_POLICY, "rounds_file": portable_path(out_dir / SPEED_ROUNDS_FILE, ctx=ctx)}
     return {
-        "run_name": run_name(ctx.cfg), "command": portable_command(ctx.rc.argv, ctx=ctx),
-        "git_commit": tags.get("git.commit", ""), "mlflow_run_id": ctx.run_id,
+        "run_name": run_name(ctx.cfg),
+        "command": portable_command(ctx.rc.argv, ctx=ctx),
+        "git_commit": tags.get("git.commit", ""),
+        "mlflow_run_id": ctx.run_id,
         "target": portable_path(target.name, ctx=ctx),
-        "target_fingerprint": target.fingerprint, "drafter_kind": spec.kind, "spec": spec.to_dict(),
-        "drafter_path": portable_path(drafter_path, ctx=ctx), "paths_relative_to": "paths.root",
-        "decode": to_dict(ctx.cfg.decode), "seed": ctx.cfg.seed, "eval_dir": portable_path(out_dir, ctx=ctx),
+        "target_fingerprint": target.fingerprint,
+        "drafter_kind": spec.kind,
+        "spec": spec.to_dict(),
+        "drafter_path": portable_path(drafter_path, ctx=ctx),
+        "paths_relative_to": "paths.root",
+        "decode": to_dict(ctx.cfg.decode),
+        "seed": ctx.cfg.seed,
+        "eval_dir": portable_path(out_dir, ctx=ctx),
         "rounds_file": portable_path(out_dir / ROUNDS_FILE, ctx=ctx),
         "speed": speed_meta if speed else None,
         "sps_table": portable_path(sps_path, ctx=ctx),
@@ -323,8 +388,8 @@ def eval_meta(ctx: StageContext, *, spec: DrafterSpec, drafter_path: Path, out_d
         # where the speeds were measured: reports of one config name from two machines are otherwise alike
         "machine": machine_summary(),
         "precision": f"target {str(target.dtype).removeprefix('torch.')}, drafter parallel stage "
-                     f"{precision_name(ctx.cfg.decode.drafter_precision, target.device)} "
-                     f"(decode.drafter_precision={ctx.cfg.decode.drafter_precision})",
+        f"{precision_name(ctx.cfg.decode.drafter_precision, target.device)} "
+        f"(decode.drafter_precision={ctx.cfg.decode.drafter_precision})",
     }
 
 
@@ -333,16 +398,27 @@ def write_report(ctx: StageContext, meta: dict, summary: Any, *, speed: EvalSumm
     reliability figure, the round records) to the MLflow run."""
     paths = report_paths(ctx)
     paths["report"].parent.mkdir(parents=True, exist_ok=True)
-    plot_conditional_acceptance(summary, paths["cond"], title=f"cond@k — {meta['run_name']}, "
-                                f"policy {meta['decode']['policy']}, T={meta['decode']['temperature']:g}")
+    plot_conditional_acceptance(
+        summary,
+        paths["cond"],
+        title=f"cond@k — {meta['run_name']}, policy {meta['decode']['policy']}, T={meta['decode']['temperature']:g}",
+    )
     reliability = meta.get("reliability_plot") if paths["reliability"].exists() else None
     calibration_md = meta.get("calibration_md")
     if calibration_md:
         calibration_md = f"Held-out prompts: {meta['calibration_source']}.\n\n{calibration_md}"
-    atomic_write_text(paths["report"], report_markdown(meta, summary, cond_plot=paths["cond"].name,
-                                                       calibration_md=calibration_md, reliability_plot=reliability,
-                                                       speed=speed),
-                      key="paths.reports")
+    atomic_write_text(
+        paths["report"],
+        report_markdown(
+            meta,
+            summary,
+            cond_plot=paths["cond"].name,
+            calibration_md=calibration_md,
+            reliability_plot=reliability,
+            speed=speed,
+        ),
+        key="paths.reports",
+    )
     if ctx.store is not None:
         figures = [paths["cond"]] + ([paths["reliability"]] if reliability else [])
         log_report(ctx.store, ctx.run_id, paths["report"], figures, artifact_path="eval")
@@ -364,8 +440,10 @@ def run_report(ctx: StageContext) -> Path:
     """Rebuild the markdown report of this config's latest evaluation from its saved round records (no decoding)."""
     latest = latest_eval_dir(ctx)
     if latest is None:
-        raise ValueError(f"No saved evaluation of this config under {ctx.run_dir / EVALS_DIR}: run stage=eval (or "
-                         "stage=all) with the same training config first, then stage=report.")
+        raise ValueError(
+            f"No saved evaluation of this config under {ctx.run_dir / EVALS_DIR}: run stage=eval (or "
+            "stage=all) with the same training config first, then stage=report."
+        )
     meta = json.loads((latest / META_FILE).read_text())
     block_size = int(meta["spec"]["block_size"])
     summary = summarize(read_rollouts_jsonl(latest / ROUNDS_FILE), block_size=block_size)
@@ -382,11 +460,13 @@ def run_report(ctx: StageContext) -> Path:
 def run_profile(ctx: StageContext) -> Path:
     """Re-measure the target's SPS(B) for B = 1..γ+1 on this machine, save it to the cache and print it."""
     target = ctx.load_target()
-    table, path = load_or_profile_sps(target=target, cache_dir=ctx.paths.cache, block_size=ctx.cfg.model.block_size,
-                                      refresh=True)
+    table, path = load_or_profile_sps(
+        target=target, cache_dir=ctx.paths.cache, block_size=ctx.cfg.model.block_size, refresh=True
+    )
     if ctx.store is not None:
-        ctx.store.log_metrics(ctx.run_id, {f"profile/sps/B{b}": s for b, s in
-                                           zip(table.batch_tokens, table.steps_per_second)})
+        ctx.store.log_metrics(
+            ctx.run_id, {f"profile/sps/B{b}": s for b, s in zip(table.batch_tokens, table.steps_per_second)}
+        )
         ctx.store.client.log_artifact(ctx.run_id, str(path), artifact_path="profile")
     print(f"SPS table of {target.name} on {table.machine}\n{path}\n\n{sps_markdown(table)}")
     return path

@@ -8,6 +8,7 @@ could not be opened (nothing ran). Ctrl-C marks the run KILLED and raises `RunIn
 A run of its own (not a sweep's cell) prints where to see it in the MLflow UI when it starts and again at the end
 (`dspark.tracking.ui`), and then, as its last line, the evaluation's headline: τ and the speed-up.
 """
+
 from __future__ import annotations
 
 import logging
@@ -49,13 +50,20 @@ def preflight(rc: ResolvedConfig) -> None:
     from dspark.targets.checks import check_target
 
     if cfg.data.local_dir and not Path(cfg.data.local_dir).expanduser().is_dir():
-        errors.append(f"data.local_dir={cfg.data.local_dir} does not exist; point it at a directory of JSONL prompt "
-                      "files (schema: id, domain, prompt, ...).")
+        errors.append(
+            f"data.local_dir={cfg.data.local_dir} does not exist; point it at a directory of JSONL prompt "
+            "files (schema: id, domain, prompt, ...)."
+        )
     else:  # every prompt set the run may read, resolved (not read) now rather than after regeneration and training
         errors += prompt_set_errors(
-            {"data.train_sets": cfg.data.train_sets, "decode.eval_sets": cfg.decode.eval_sets,
-             "serve.prompt_sets": cfg.serve.prompt_sets},
-            local_dir=cfg.data.local_dir, cache_dir=Path(cfg.paths.root) / "cache" / "datasets")
+            {
+                "data.train_sets": cfg.data.train_sets,
+                "decode.eval_sets": cfg.decode.eval_sets,
+                "serve.prompt_sets": cfg.serve.prompt_sets,
+            },
+            local_dir=cfg.data.local_dir,
+            cache_dir=Path(cfg.paths.root) / "cache" / "datasets",
+        )
     from dspark.stages.export import preflight_errors as interop_errors
 
     errors += interop_errors(cfg)  # export.* and model.import_from
@@ -64,8 +72,10 @@ def preflight(rc: ResolvedConfig) -> None:
     except ValueError as err:
         errors.append(str(err))
     if cfg.serve.sps_table and not Path(cfg.serve.sps_table).expanduser().is_file():
-        errors.append(f"serve.sps_table={cfg.serve.sps_table}: no such file; give an SPS(B) JSON written by "
-                      "dspark.serving.profile (e.g. profiled on a GPU), or drop the key to use this machine's table.")
+        errors.append(
+            f"serve.sps_table={cfg.serve.sps_table}: no such file; give an SPS(B) JSON written by "
+            "dspark.serving.profile (e.g. profiled on a GPU), or drop the key to use this machine's table."
+        )
     _raise(errors)
 
 
@@ -74,8 +84,13 @@ def _raise(errors: list[str]) -> None:
         raise ConfigError("Invalid configuration:\n  - " + "\n  - ".join(errors))
 
 
-def run_experiment(rc: ResolvedConfig, *, parent_run_id: str | None = None, extra_tags: dict | None = None,
-                   trainer_callbacks: list | None = None) -> int:
+def run_experiment(
+    rc: ResolvedConfig,
+    *,
+    parent_run_id: str | None = None,
+    extra_tags: dict | None = None,
+    trainer_callbacks: list | None = None,
+) -> int:
     """Run the stages of one config inside one MLflow run; returns an exit code. `trainer_callbacks` are added to
     the training stage's Lightning Trainer (the sweep driver's Optuna pruning uses it)."""
     from dspark.stages.context import RunPaths, StageContext, seed_everything
@@ -136,10 +151,20 @@ def mlflow_run_name(rc: ResolvedConfig, tags: dict) -> str:
     return cell_run_name(tags["cell"], name) if tags.get("cell") else name
 
 
-UI_COLUMNS = ("params.drafter", "params.model.head", "params.model.depth", "params.model.block_size",
-              "params.budget", "params.decode.policy", "metrics.summary/tau", "metrics.eval/all/tau_prompt_mean",
-              "metrics.speed/speedup_prompt_mean", "metrics.summary/speedup", "metrics.val/tau_prob",
-              "metrics.summary/wall_seconds")
+UI_COLUMNS = (
+    "params.drafter",
+    "params.model.head",
+    "params.model.depth",
+    "params.model.block_size",
+    "params.budget",
+    "params.decode.policy",
+    "metrics.summary/tau",
+    "metrics.eval/all/tau_prompt_mean",
+    "metrics.speed/speedup_prompt_mean",
+    "metrics.summary/speedup",
+    "metrics.val/tau_prob",
+    "metrics.summary/wall_seconds",
+)
 
 
 def print_ui_links(ctx: StageContext) -> list[str]:
@@ -184,8 +209,11 @@ def run_stages(ctx: StageContext) -> str | None:
 
         return _evaluate_or_serve(ctx, import_to_run_dir(ctx), prepared=None)
     data = run_prepare(ctx)
-    ctx.store.log_metrics(ctx.run_id, {"data/sequences": data.num_sequences} | {
-        f"data/{k}": float(v) for k, v in data.stats.items() if isinstance(v, (int, float))})
+    ctx.store.log_metrics(
+        ctx.run_id,
+        {"data/sequences": data.num_sequences}
+        | {f"data/{k}": float(v) for k, v in data.stats.items() if isinstance(v, (int, float))},
+    )
     if stage == "prepare":
         return None
     drafter_path = run_train(ctx, data)
@@ -213,8 +241,13 @@ def kept_after_interrupt(ctx: StageContext) -> str:
     from dspark.drafters.checkpoint import DRAFTER_FILE
 
     drafter, last = ctx.run_dir / DRAFTER_FILE, ctx.run_dir / "checkpoints" / "last.ckpt"
-    kept = [f"the trained drafter {drafter}" if drafter.exists() else
-            f"the training checkpoint {last}" if last.exists() else "no training checkpoint yet"]
+    kept = [
+        f"the trained drafter {drafter}"
+        if drafter.exists()
+        else f"the training checkpoint {last}"
+        if last.exists()
+        else "no training checkpoint yet"
+    ]
     return " and ".join(kept + [f"the caches under {ctx.paths.cache}"])
 
 

@@ -9,6 +9,7 @@ into `export.out_dir` (default `<run_dir>/export-<layout>`) and attaches the dir
 artifact `export/<layout>`. `model.import_from` turns such a directory (or an official DeepSpec / speculators
 checkpoint) into this run's `drafter.pt` once, so evaluation, calibration caching and serving run unchanged.
 """
+
 from __future__ import annotations
 
 import logging
@@ -32,8 +33,10 @@ def preflight_errors(cfg: Any) -> list[str]:
         if cfg.export.layout not in LAYOUTS:
             errors.append(f"export.layout={cfg.export.layout!r} is not one of {', '.join(LAYOUTS)}")
         if cfg.export.run_dir and not (Path(cfg.export.run_dir).expanduser() / DRAFTER_FILE).is_file():
-            errors.append(f"export.run_dir={cfg.export.run_dir} holds no {DRAFTER_FILE}; point it at a trained run "
-                          "directory (<paths.root>/runs/<run>) or drop it to export this config's own run")
+            errors.append(
+                f"export.run_dir={cfg.export.run_dir} holds no {DRAFTER_FILE}; point it at a trained run "
+                "directory (<paths.root>/runs/<run>) or drop it to export this config's own run"
+            )
     if cfg.model.import_from:
         try:
             path = Path(cfg.model.import_from).expanduser()
@@ -41,7 +44,6 @@ def preflight_errors(cfg: Any) -> list[str]:
         except (ValueError, OSError) as err:
             errors.append(str(err))
     return errors
-
 
 
 def _run_context(ctx: StageContext, run_dir: Path) -> StageContext:
@@ -66,14 +68,17 @@ def run_export(ctx: StageContext) -> Path:
     run_dir = Path(cfg.run_dir).expanduser() if cfg.run_dir else ctx.run_dir
     drafter_path = run_dir / DRAFTER_FILE
     if not drafter_path.is_file():
-        raise ValueError(f"No trained drafter at {drafter_path}; run stage=train with the same overrides first, or "
-                         "set export.run_dir=<a run directory with drafter.pt>")
+        raise ValueError(
+            f"No trained drafter at {drafter_path}; run stage=train with the same overrides first, or "
+            "set export.run_dir=<a run directory with drafter.pt>"
+        )
     run_ctx = _run_context(ctx, run_dir) if cfg.run_dir else ctx
     target = run_ctx.load_target()
     drafter, spec, _ = load_drafter(drafter_path, target)
     out_dir = Path(cfg.out_dir).expanduser() if cfg.out_dir else run_dir / f"export-{cfg.layout}"
-    export_drafter(drafter, spec, target, out_dir, layout=cfg.layout, dtype=cfg.dtype,
-                   num_anchors=run_ctx.cfg.data.max_anchors)
+    export_drafter(
+        drafter, spec, target, out_dir, layout=cfg.layout, dtype=cfg.dtype, num_anchors=run_ctx.cfg.data.max_anchors
+    )
     log.info("exported %s (%s, %s) to %s", drafter_path, cfg.layout, cfg.dtype, out_dir)
     if ctx.store is not None and ctx.run_id is not None:
         ctx.store.client.log_artifacts(ctx.run_id, str(out_dir), artifact_path=f"export/{cfg.layout}")
@@ -94,11 +99,22 @@ def import_to_run_dir(ctx: StageContext) -> Path:
         drafter, spec = import_drafter(source, ctx.load_target(), block_size=ctx.cfg.model.block_size)
         ctx.run_dir.mkdir(parents=True, exist_ok=True)
         save_drafter(path, spec=spec, state_dict=drafter.state_dict(), metrics={}, calibration=None)
-        log.info("imported %s as %s (%s, head %s, depth %d, γ %d)", source, path, spec.kind, spec.head, spec.depth,
-                 spec.block_size)
+        log.info(
+            "imported %s as %s (%s, head %s, depth %d, γ %d)",
+            source,
+            path,
+            spec.kind,
+            spec.head,
+            spec.depth,
+            spec.block_size,
+        )
     if ctx.store is not None and ctx.run_id is not None:  # what was imported (the model.* tags describe the config)
         spec = read_checkpoint(path)["spec"]
-        for key, value in (("import.from", source), ("import.kind", spec["kind"]), ("import.head", spec["head"]),
-                           ("import.depth", spec["depth"])):
+        for key, value in (
+            ("import.from", source),
+            ("import.kind", spec["kind"]),
+            ("import.head", spec["head"]),
+            ("import.depth", spec["depth"]),
+        ):
             ctx.store.client.set_tag(ctx.run_id, key, str(value))
     return path

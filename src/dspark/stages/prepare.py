@@ -1,4 +1,5 @@
 """Stage `prepare`: training prompts → target-regenerated responses (cached, resumable) → optional feature cache."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -96,22 +97,40 @@ def run_prepare(ctx: StageContext) -> PreparedData:
     target = ctx.load_target()
     data = ctx.cfg.data
     prompts = collect_train_prompts(ctx)
-    regen_prompts, reference_prompts = _split_by_mode(prompts, mode=data.responses,
-                                                      num_regen=data.num_regen_prompts, has_reference=has_reference)
+    regen_prompts, reference_prompts = _split_by_mode(
+        prompts, mode=data.responses, num_regen=data.num_regen_prompts, has_reference=has_reference
+    )
     parts = []
     if reference_prompts:
-        log.info("building %d sequences from the reference responses of %s", len(reference_prompts),
-                 ", ".join(data.train_sets))
-        parts.append(build_reference_dataset(target, reference_prompts, cache_dir=ctx.paths.cache,
-                                             max_length=data.max_length, system_prompt=data.sampling.system_prompt))
+        log.info(
+            "building %d sequences from the reference responses of %s",
+            len(reference_prompts),
+            ", ".join(data.train_sets),
+        )
+        parts.append(
+            build_reference_dataset(
+                target,
+                reference_prompts,
+                cache_dir=ctx.paths.cache,
+                max_length=data.max_length,
+                system_prompt=data.sampling.system_prompt,
+            )
+        )
     if regen_prompts:
         log.info("regenerating responses to %d prompts from %s", len(regen_prompts), ", ".join(data.train_sets))
         # batched by prompt length: left padding to a batch's longest prompt is wasted work
         regen_prompts = sorted(regen_prompts, key=lambda p: (len(p.prompt), p.id))
-        parts.append(regenerate_responses(target, regen_prompts, sampling=sampling_config(ctx),
-                                          cache_dir=ctx.paths.cache, seed=ctx.cfg.data_seed, max_length=data.max_length,
-                                          precision=resolve_prefill_precision(data.regen_precision, target,
-                                                                              key="data.regen_precision")))
+        parts.append(
+            regenerate_responses(
+                target,
+                regen_prompts,
+                sampling=sampling_config(ctx),
+                cache_dir=ctx.paths.cache,
+                seed=ctx.cfg.data_seed,
+                max_length=data.max_length,
+                precision=resolve_prefill_precision(data.regen_precision, target, key="data.regen_precision"),
+            )
+        )
     regen_dir = combine_datasets(parts, cache_dir=ctx.paths.cache)
     dataset = load_regenerated(regen_dir)
     check_mask_token_absent(dataset["input_ids"], mask_token_id=target.mask_token_id)
@@ -119,25 +138,33 @@ def run_prepare(ctx: StageContext) -> PreparedData:
     if data.cache_features:
         from dspark.data.features import cache_features
 
-        feature_dir = cache_features(target, regen_dir, cache_dir=ctx.paths.cache, batch_size=max(8, data.batch_size),
-                                     precision=data.feature_precision)
+        feature_dir = cache_features(
+            target,
+            regen_dir,
+            cache_dir=ctx.paths.cache,
+            batch_size=max(8, data.batch_size),
+            precision=data.feature_precision,
+        )
     stats = read_manifest(regen_dir).get("stats", {})
     log.info("prepared %d sequences under %s", len(dataset), regen_dir)
     return PreparedData(regen_dir=regen_dir, feature_dir=feature_dir, num_sequences=len(dataset), stats=stats)
 
 
-def _split_by_mode(prompts: list[PromptRecord], *, mode: str, num_regen: int,
-                   has_reference) -> tuple[list[PromptRecord], list[PromptRecord]]:
+def _split_by_mode(
+    prompts: list[PromptRecord], *, mode: str, num_regen: int, has_reference
+) -> tuple[list[PromptRecord], list[PromptRecord]]:
     """(prompts to regenerate, prompts to take with their reference response) for `data.responses`."""
     if mode == "regenerate":
         return prompts, []
     if mode == "reference":
         missing = sorted({p.domain + ":" + p.id.split("-")[0] for p in prompts if not has_reference(p)})
         if missing:
-            raise ValueError(f"data.responses=reference: {sum(not has_reference(p) for p in prompts)} of the "
-                             f"{len(prompts)} training prompts have no reference response (e.g. {missing[0]}); drop "
-                             "those sets from data.train_sets (math-train and synthetic hold none) or use "
-                             "data.responses=mix / regenerate")
+            raise ValueError(
+                f"data.responses=reference: {sum(not has_reference(p) for p in prompts)} of the "
+                f"{len(prompts)} training prompts have no reference response (e.g. {missing[0]}); drop "
+                "those sets from data.train_sets (math-train and synthetic hold none) or use "
+                "data.responses=mix / regenerate"
+            )
         return [], prompts
     regen = prompts[:num_regen]
     reference = [p for p in prompts[num_regen:] if has_reference(p)]
@@ -151,13 +178,16 @@ def held_out_prompts(ctx: StageContext, prepared: PreparedData | None) -> list[P
 
     if prepared is None or ctx.cfg.data.calib_fraction <= 0:
         return []
-    return regenerated_calibration_split(collect_train_prompts(ctx), prepared.regen_dir, data=ctx.cfg.data,
-                                         seed=ctx.cfg.data_seed)
+    return regenerated_calibration_split(
+        collect_train_prompts(ctx), prepared.regen_dir, data=ctx.cfg.data, seed=ctx.cfg.data_seed
+    )
 
 
 def check_mask_token_absent(sequences, *, mask_token_id: int) -> None:
     """The MASK row must never occur in the data (METHOD §2.1); a scan proves it for this dataset."""
     for i, ids in enumerate(sequences):
         if mask_token_id in ids:
-            raise ValueError(f"The reserved MASK id {mask_token_id} occurs in regenerated sequence {i}; choose "
-                             "another unused token with target_options.mask_token_id=<id>.")
+            raise ValueError(
+                f"The reserved MASK id {mask_token_id} occurs in regenerated sequence {i}; choose "
+                "another unused token with target_options.mask_token_id=<id>."
+            )

@@ -17,6 +17,7 @@ MLflow: `serve/{throughput,user_speed,budget,tau,num_requests,rejected,steps,wal
 `sim/R{R}/{throughput,user_speed,budget,tau}` (simulated) and `sim/validation/<metric>_rel_err`; the step records
 are attached as JSONL. `reports/serving.md` (`sweep=serving`) is built from these metrics alone.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -52,11 +53,19 @@ def serve_requests(ctx: StageContext, target: Target) -> list:
         name = serve.prompt_sets[index % len(serve.prompt_sets)]
         pool = pools[name]
         if not pool:
-            raise ValueError(f"serve.prompt_sets: prompt set '{name}' is empty; drop it or point data.local_dir at "
-                             "a directory that has it")
+            raise ValueError(
+                f"serve.prompt_sets: prompt set '{name}' is empty; drop it or point data.local_dir at "
+                "a directory that has it"
+            )
         record = pool[(index // len(serve.prompt_sets)) % len(pool)]
-        requests.append(ServeRequest(request_id=index, prompt_ids=target.chat_prompt_ids(record.prompt),
-                                     domain=record.domain, max_new_tokens=serve.max_new_tokens))
+        requests.append(
+            ServeRequest(
+                request_id=index,
+                prompt_ids=target.chat_prompt_ids(record.prompt),
+                domain=record.domain,
+                max_new_tokens=serve.max_new_tokens,
+            )
+        )
     return requests
 
 
@@ -81,8 +90,11 @@ def serving_target(ctx: StageContext, target: Target) -> Target:
     dtype = ctx.cfg.serve.target_dtype or ctx.cfg.target_options.dtype
     if dtype == ctx.cfg.target_options.dtype:
         return target
-    log.info("serving with the target in %s (serve.target_dtype; trained and calibrated in %s)", dtype,
-             ctx.cfg.target_options.dtype)
+    log.info(
+        "serving with the target in %s (serve.target_dtype; trained and calibrated in %s)",
+        dtype,
+        ctx.cfg.target_options.dtype,
+    )
     return ctx.load_target_in(dtype)
 
 
@@ -93,8 +105,13 @@ def serving_sps(ctx: StageContext, target: Target, *, block_size: int, rows: int
     from dspark.serving.profile import load_or_profile_sps_of
 
     rows = ctx.cfg.serve.concurrency if rows is None else int(rows)
-    table, path = load_or_profile_sps_of(ctx.cfg.serve.sps_forward, target, cache_dir=ctx.paths.cache, num_rows=rows,
-                                         max_batch_tokens=rows * (block_size + 1))
+    table, path = load_or_profile_sps_of(
+        ctx.cfg.serve.sps_forward,
+        target,
+        cache_dir=ctx.paths.cache,
+        num_rows=rows,
+        max_batch_tokens=rows * (block_size + 1),
+    )
     log.info("serving SPS(B) table: %s", path)
     if ctx.store is not None:
         ctx.store.client.log_artifact(ctx.run_id, str(path), artifact_path="serve")
@@ -122,8 +139,7 @@ def read_steps(path: Path) -> list:
     return [ServeStep.from_dict(json.loads(line)) for line in path.read_text().splitlines() if line.strip()]
 
 
-def run_serve(ctx: StageContext, drafter_path: str | Path, *, prepared: PreparedData | None = None
-              ) -> dict[str, float]:
+def run_serve(ctx: StageContext, drafter_path: str | Path, *, prepared: PreparedData | None = None) -> dict[str, float]:
     """Serve with the real engine, then simulate; logs and returns the metrics (module docstring). `prepared`
     (the data this invocation regenerated) supplies the held-out calibration prompts."""
     from dspark.serving import BatchedEngine, build_serve_policy
@@ -135,40 +151,79 @@ def run_serve(ctx: StageContext, drafter_path: str | Path, *, prepared: Prepared
     target = serving_target(ctx, trained.target)
     sps = serving_sps(ctx, target, block_size=spec.block_size)
     requests = serve_requests(ctx, target)
-    policy = build_serve_policy(serve.policy, static_k=serve.static_k, threshold=serve.threshold, sps=sps,
-                                scheduler_cost=serve.scheduler_cost)
-    engine = BatchedEngine(target=target, drafter=drafter, policy=policy, temperature=cfg.decode.temperature,
-                           max_new_tokens=serve.max_new_tokens, calibration=calibration,
-                           precision=cfg.decode.drafter_precision, step_overhead=serve.step_overhead)
-    log.info("serving %d requests (%s) with serve.policy=%s at concurrency %d", len(requests),
-             ", ".join(serve.prompt_sets), serve.policy, serve.concurrency)
+    policy = build_serve_policy(
+        serve.policy, static_k=serve.static_k, threshold=serve.threshold, sps=sps, scheduler_cost=serve.scheduler_cost
+    )
+    engine = BatchedEngine(
+        target=target,
+        drafter=drafter,
+        policy=policy,
+        temperature=cfg.decode.temperature,
+        max_new_tokens=serve.max_new_tokens,
+        calibration=calibration,
+        precision=cfg.decode.drafter_precision,
+        step_overhead=serve.step_overhead,
+    )
+    log.info(
+        "serving %d requests (%s) with serve.policy=%s at concurrency %d",
+        len(requests),
+        ", ".join(serve.prompt_sets),
+        serve.policy,
+        serve.concurrency,
+    )
     result = engine.serve(requests, concurrency=serve.concurrency, seed=cfg.seed)
     summary = result.summary(serve.policy)
     out_dir = ctx.run_dir / SERVE_DIR / f"{time.strftime('%Y%m%d-%H%M%S')}-{serve.policy}-R{serve.concurrency}"
     steps_path = write_steps(out_dir / "steps.jsonl", result)
     rejected = sum(1 for r in result.requests if r.stop_reason == "rejected")
     metrics = metrics_of(summary, "serve") | {
-        "serve/num_requests": float(summary.num_requests), "serve/rejected": float(rejected),
-        "serve/steps": float(summary.num_steps), "serve/wall_seconds": float(summary.wall_seconds)}
-    metrics |= simulate_levels(ctx, engine_args={"target": target, "drafter": drafter, "calibration": calibration,
-                                                   "precision": cfg.decode.drafter_precision},
-                               requests=requests, real=result, real_summary=summary, sps=sps)
+        "serve/num_requests": float(summary.num_requests),
+        "serve/rejected": float(rejected),
+        "serve/steps": float(summary.num_steps),
+        "serve/wall_seconds": float(summary.wall_seconds),
+    }
+    metrics |= simulate_levels(
+        ctx,
+        engine_args={
+            "target": target,
+            "drafter": drafter,
+            "calibration": calibration,
+            "precision": cfg.decode.drafter_precision,
+        },
+        requests=requests,
+        real=result,
+        real_summary=summary,
+        sps=sps,
+    )
     if ctx.store is not None:
         ctx.store.log_metrics(ctx.run_id, metrics)
         ctx.store.client.log_artifact(ctx.run_id, str(steps_path), artifact_path="serve")
-    log.info("serve: %.2f tok/s aggregate, %.2f tok/s/user, budget %.2f, τ %.3f (%s, R=%d)", summary.throughput,
-             summary.user_speed, summary.budget, summary.tau, serve.policy, serve.concurrency)
+    log.info(
+        "serve: %.2f tok/s aggregate, %.2f tok/s/user, budget %.2f, τ %.3f (%s, R=%d)",
+        summary.throughput,
+        summary.user_speed,
+        summary.budget,
+        summary.tau,
+        serve.policy,
+        serve.concurrency,
+    )
     return metrics
 
 
 def trace_key(ctx: StageContext) -> str:
     """What a policy=fixed trace depends on besides the drafter (whose run directory holds it)."""
     cfg = ctx.cfg
-    payload = {"requests": cfg.serve.num_requests, "max_new_tokens": cfg.serve.max_new_tokens,
-               "sets": cfg.serve.prompt_sets, "concurrency": cfg.serve.trace_concurrency,
-               "temperature": cfg.decode.temperature, "seed": cfg.seed, "calibrated": True,
-               "precision": cfg.decode.drafter_precision,  # older traces lacked c̃
-               "target_dtype": cfg.serve.target_dtype or cfg.target_options.dtype}
+    payload = {
+        "requests": cfg.serve.num_requests,
+        "max_new_tokens": cfg.serve.max_new_tokens,
+        "sets": cfg.serve.prompt_sets,
+        "concurrency": cfg.serve.trace_concurrency,
+        "temperature": cfg.decode.temperature,
+        "seed": cfg.seed,
+        "calibrated": True,
+        "precision": cfg.decode.drafter_precision,  # older traces lacked c̃
+        "target_dtype": cfg.serve.target_dtype or cfg.target_options.dtype,
+    }
     return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:12]
 
 
@@ -183,8 +238,12 @@ def fixed_trace_steps(ctx: StageContext, *, engine_args: dict, requests: list, r
     if path.exists():
         return read_steps(path)
     log.info("recording the simulator's trace: policy=fixed at concurrency %d → %s", serve.trace_concurrency, path)
-    engine = BatchedEngine(policy=build_serve_policy("fixed"), temperature=ctx.cfg.decode.temperature,
-                           max_new_tokens=serve.max_new_tokens, **engine_args)
+    engine = BatchedEngine(
+        policy=build_serve_policy("fixed"),
+        temperature=ctx.cfg.decode.temperature,
+        max_new_tokens=serve.max_new_tokens,
+        **engine_args,
+    )
     result = engine.serve(requests, concurrency=serve.trace_concurrency, seed=ctx.cfg.seed)
     write_steps(path, result)
     return result.steps
@@ -202,8 +261,9 @@ def simulation_sps(ctx: StageContext, target: Target, *, level: int, block_size:
     return serving_sps(ctx, target, block_size=block_size, rows=level), f"this machine's batched SPS(B) at R = {level}"
 
 
-def simulate_levels(ctx: StageContext, *, engine_args: dict, requests: list, real: Any, real_summary: Any,
-                    sps: Any) -> dict[str, float]:
+def simulate_levels(
+    ctx: StageContext, *, engine_args: dict, requests: list, real: Any, real_summary: Any, sps: Any
+) -> dict[str, float]:
     """Replay the policy=fixed trace with this cell's policy: at its own R (validation against the real engine,
     on this machine's SPS) and at every serve.simulate_concurrency level. Returns `sim/...` metrics."""
     from dspark.serving.simulator import fit_step_costs, simulate_serving, trace_from_steps, validate
@@ -212,20 +272,35 @@ def simulate_levels(ctx: StageContext, *, engine_args: dict, requests: list, rea
     trace_steps = fixed_trace_steps(ctx, engine_args=engine_args, requests=requests, real=real)
     trace = trace_from_steps(trace_steps)
     costs = fit_step_costs(list(real.steps) + ([] if trace_steps is real.steps else list(trace_steps)))
-    options = {"policy": serve.policy, "costs": costs, "seed": ctx.cfg.seed, "static_k": serve.static_k,
-               "threshold": serve.threshold, "pad_to_longest": True, "scheduler_cost": serve.scheduler_cost}
-    own = simulate_serving(trace, concurrency=serve.concurrency, sps=sps, num_requests=len(requests),
-                           **options).summary()
+    options = {
+        "policy": serve.policy,
+        "costs": costs,
+        "seed": ctx.cfg.seed,
+        "static_k": serve.static_k,
+        "threshold": serve.threshold,
+        "pad_to_longest": True,
+        "scheduler_cost": serve.scheduler_cost,
+    }
+    own = simulate_serving(
+        trace, concurrency=serve.concurrency, sps=sps, num_requests=len(requests), **options
+    ).summary()
     metrics = {f"sim/validation/{k}_rel_err": float(v) for k, v in validate(real_summary, own).items()}
     sources = []
     for level in serve.simulate_concurrency:
-        table, source = simulation_sps(ctx, engine_args["target"], level=int(level),
-                                       block_size=engine_args["drafter"].block_size)
+        table, source = simulation_sps(
+            ctx, engine_args["target"], level=int(level), block_size=engine_args["drafter"].block_size
+        )
         sources.append(source)
-        summary = simulate_serving(trace, concurrency=int(level), sps=table, max_new_tokens=serve.max_new_tokens,
-                                   **options).summary()
+        summary = simulate_serving(
+            trace, concurrency=int(level), sps=table, max_new_tokens=serve.max_new_tokens, **options
+        ).summary()
         metrics |= metrics_of(summary, f"sim/R{int(level)}")
-    log.info("simulated %s at R = %s on %s; validation at R=%d: %s", serve.policy, serve.simulate_concurrency,
-             "; ".join(sources) or "no level", serve.concurrency,
-             ", ".join(f"{k.split('/')[-1]} {v:+.1%}" for k, v in metrics.items() if k.startswith("sim/validation/")))
+    log.info(
+        "simulated %s at R = %s on %s; validation at R=%d: %s",
+        serve.policy,
+        serve.simulate_concurrency,
+        "; ".join(sources) or "no level",
+        serve.concurrency,
+        ", ".join(f"{k.split('/')[-1]} {v:+.1%}" for k, v in metrics.items() if k.startswith("sim/validation/")),
+    )
     return metrics

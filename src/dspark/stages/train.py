@@ -5,6 +5,7 @@ a finished drafter, and an interrupted one resumes from `checkpoints/last.ckpt` 
 `trainer.checkpoint_every_min` minutes inside an epoch, with the position in the epoch: the resumed run trains on the
 batches the uninterrupted one would have).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -30,10 +31,17 @@ def build_datamodule(ctx: StageContext, data: PreparedData):
     from dspark.data.datamodule import DrafterDataModule
 
     d = ctx.cfg.data
-    return DrafterDataModule(data.regen_dir, batch_size=d.batch_size, max_anchors=d.max_anchors,
-                             block_size=ctx.cfg.model.block_size, val_fraction=d.val_fraction,
-                             calibration_fraction=d.calib_fraction, seed=ctx.cfg.seed, split_seed=ctx.cfg.data_seed,
-                             feature_dir=data.feature_dir)
+    return DrafterDataModule(
+        data.regen_dir,
+        batch_size=d.batch_size,
+        max_anchors=d.max_anchors,
+        block_size=ctx.cfg.model.block_size,
+        val_fraction=d.val_fraction,
+        calibration_fraction=d.calib_fraction,
+        seed=ctx.cfg.seed,
+        split_seed=ctx.cfg.data_seed,
+        feature_dir=data.feature_dir,
+    )
 
 
 def build_module(ctx: StageContext, spec: DrafterSpec, *, draft_vocab_ids=None) -> DrafterModule:
@@ -45,8 +53,15 @@ def build_module(ctx: StageContext, spec: DrafterSpec, *, draft_vocab_ids=None) 
 
         copy_target_layers(drafter.backbone.layers, target, init_layers)
         log.info("draft layers initialised from target layers %s (model.init_layers)", init_layers)
-    return DrafterModule(drafter=drafter, target=target, drafter_kind=spec.kind, block_size=spec.block_size,
-                         loss=ctx.cfg.loss, optim=ctx.cfg.optim, drafter_config=spec.to_dict())
+    return DrafterModule(
+        drafter=drafter,
+        target=target,
+        drafter_kind=spec.kind,
+        block_size=spec.block_size,
+        loss=ctx.cfg.loss,
+        optim=ctx.cfg.optim,
+        drafter_config=spec.to_dict(),
+    )
 
 
 def training_progress_bar(log_every_n_steps: int, *, stream: Any = None):
@@ -71,24 +86,42 @@ def build_trainer(ctx: StageContext, run_dir: Path):
     if ctx.store is not None:
         from lightning.pytorch.loggers import MLFlowLogger
 
-        loggers = MLFlowLogger(experiment_name=cfg.tracking.experiment, tracking_uri=ctx.store.uri,
-                               run_id=ctx.run_id, log_model=False)
+        loggers = MLFlowLogger(
+            experiment_name=cfg.tracking.experiment, tracking_uri=ctx.store.uri, run_id=ctx.run_id, log_model=False
+        )
     # the latest checkpoint only (an epoch end or, mid-epoch, every trainer.checkpoint_every_min); last.ckpt links it
-    checkpoint = EpochAndTimeCheckpoint(run_dir / "checkpoints",
-                                        every_seconds=checkpoint_interval(cfg.trainer.checkpoint_every_min))
+    checkpoint = EpochAndTimeCheckpoint(
+        run_dir / "checkpoints", every_seconds=checkpoint_interval(cfg.trainer.checkpoint_every_min)
+    )
     from dspark.hardware import resolve_precision
 
     t, o = cfg.trainer, cfg.optim
     precision = resolve_precision(t.precision, accelerator=t.accelerator)
     log.info("training precision: %s (trainer.precision=%s)", precision, t.precision)
-    return L.Trainer(accelerator=t.accelerator, devices=t.devices, strategy=t.strategy, num_nodes=t.num_nodes,
-                     precision=precision, max_epochs=o.epochs, max_steps=o.max_steps,
-                     accumulate_grad_batches=o.accumulate_grad_batches, gradient_clip_val=o.grad_clip,
-                     log_every_n_steps=t.log_every_n_steps, val_check_interval=t.val_check_interval,
-                     logger=loggers, default_root_dir=str(run_dir),
-                     callbacks=[checkpoint, ResumeLoaderPosition(), training_progress_bar(t.log_every_n_steps),
-                                *ctx.trainer_callbacks],
-                     enable_model_summary=False, num_sanity_val_steps=0, deterministic=False)
+    return L.Trainer(
+        accelerator=t.accelerator,
+        devices=t.devices,
+        strategy=t.strategy,
+        num_nodes=t.num_nodes,
+        precision=precision,
+        max_epochs=o.epochs,
+        max_steps=o.max_steps,
+        accumulate_grad_batches=o.accumulate_grad_batches,
+        gradient_clip_val=o.grad_clip,
+        log_every_n_steps=t.log_every_n_steps,
+        val_check_interval=t.val_check_interval,
+        logger=loggers,
+        default_root_dir=str(run_dir),
+        callbacks=[
+            checkpoint,
+            ResumeLoaderPosition(),
+            training_progress_bar(t.log_every_n_steps),
+            *ctx.trainer_callbacks,
+        ],
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        deterministic=False,
+    )
 
 
 def run_train(ctx: StageContext, data: PreparedData) -> Path:
@@ -138,11 +171,21 @@ def _train_or_reuse(ctx: StageContext, data: PreparedData) -> Path:
         datamodule.setup("fit")
         from dspark.data.draft_vocab import draft_vocab_from_data
 
-        vocab_ids = draft_vocab_from_data(data.regen_dir, datamodule.split_index["train"], target=target,
-                                          size=spec.draft_vocab_size, feature_dir=data.feature_dir)
+        vocab_ids = draft_vocab_from_data(
+            data.regen_dir,
+            datamodule.split_index["train"],
+            target=target,
+            size=spec.draft_vocab_size,
+            feature_dir=data.feature_dir,
+        )
     module = build_module(ctx, spec, draft_vocab_ids=vocab_ids)
-    log.info("training %s: %.2fM trainable parameters, draft vocabulary %d of %d", spec.kind,
-             count_parameters(module.drafter) / 1e6, module.drafter.draft_vocab_size, target.vocab_size)
+    log.info(
+        "training %s: %.2fM trainable parameters, draft vocabulary %d of %d",
+        spec.kind,
+        count_parameters(module.drafter) / 1e6,
+        module.drafter.draft_vocab_size,
+        target.vocab_size,
+    )
     trainer = build_trainer(ctx, run_dir)
     last = resumable_checkpoint(run_dir / "checkpoints" / "last.ckpt")
     fit_interruptibly(trainer, module, datamodule=datamodule, ckpt_path=None if last is None else str(last))
@@ -152,9 +195,14 @@ def _train_or_reuse(ctx: StageContext, data: PreparedData) -> Path:
         trainer.validate(module, datamodule=datamodule, verbose=False)
     if trainer.global_rank == 0:
         metrics = {k: float(v) for k, v in trainer.callback_metrics.items() if v.numel() == 1}
-        log.info("trained: held-out teacher-forced τ_prob %s, slot-1 acceptance %s, slot-2 %s, draft-vocabulary "
-                 "coverage of p_t %s", *(_fmt(metrics.get(k)) for k in ("val/tau_prob", "val/accept/pos1",
-                                                                        "val/accept/pos2", "val/vocab_coverage")))
+        log.info(
+            "trained: held-out teacher-forced τ_prob %s, slot-1 acceptance %s, slot-2 %s, draft-vocabulary "
+            "coverage of p_t %s",
+            *(
+                _fmt(metrics.get(k))
+                for k in ("val/tau_prob", "val/accept/pos1", "val/accept/pos2", "val/vocab_coverage")
+            ),
+        )
         save_drafter(exported, spec=spec, state_dict=module.drafter.state_dict(), metrics=metrics)
     return exported
 
@@ -184,8 +232,9 @@ def resumable_checkpoint(last: Path) -> Path | None:
     os.replace(real, kept)
     if last.is_symlink():
         last.unlink()
-    log.warning("checkpoint %s is damaged (bad member: %s); training from the start, the file is kept as %s",
-                real, damage, kept)
+    log.warning(
+        "checkpoint %s is damaged (bad member: %s); training from the start, the file is kept as %s", real, damage, kept
+    )
     return None
 
 

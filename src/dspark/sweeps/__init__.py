@@ -1,5 +1,6 @@
 """Ablation sweeps: `python experiments/run.py sweep=NAME` expands `sweeps/NAME.yaml` (a grid or an Optuna
 search) into cells, runs them one by one under one MLflow parent run, resumes, and writes the report."""
+
 from dspark.sweeps.spec import Cell, SweepSpec, load_sweep, parse_sweep
 
 __all__ = ["Cell", "SweepSpec", "load_sweep", "parse_sweep", "run_sweep"]

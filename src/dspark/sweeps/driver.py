@@ -25,6 +25,7 @@ report), 130 interrupted (rerun to resume). `stage=report` only regenerates the 
 with an empty one. `regenerate_from_ledger` rebuilds a committed report from its ledger alone (`make results`). `max_cells=` (or the environment variable DSPARK_SWEEP_MAX_CELLS)
 runs only the first cells: a debugging aid, kept out of the config schema.
 """
+
 from __future__ import annotations
 
 import datetime
@@ -40,8 +41,16 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator
 from dspark.config import ConfigError, ResolvedConfig, parse_overrides, repo_root, resolve_config, to_dict
 from dspark.hardware import release_freed_memory
 from dspark.sweeps import runs as sweep_runs
-from dspark.sweeps.identity import (arg_key, drifted_keys, identity_hash, parent_tags, recorded_config, sweep_command,
-                                    sweep_dir, sweep_identity)
+from dspark.sweeps.identity import (
+    arg_key,
+    drifted_keys,
+    identity_hash,
+    parent_tags,
+    recorded_config,
+    sweep_command,
+    sweep_dir,
+    sweep_identity,
+)
 from dspark.sweeps.spec import Cell, SweepSpec, coerce_value, load_sweep
 from dspark.tracking import ledger as cell_ledger
 from dspark.tracking import runs as run_tree
@@ -66,18 +75,20 @@ class PlannedCell:
 class SweepPlan:
     spec: SweepSpec
     cells: list[PlannedCell]  # the cells this invocation runs (after command-line selection), in order
-    sweep_hash: str           # the identity's hash (selection and grid excluded: a subset or a growth shares the parent)
-    total: int                # cells in the whole sweep
+    sweep_hash: str  # the identity's hash (selection and grid excluded: a subset or a growth shares the parent)
+    total: int  # cells in the whole sweep
     identity: dict[str, Any] = field(default_factory=dict)
-    every_cell: list[PlannedCell] = field(default_factory=list)  # the whole grid, resolved today (drift is judged on it)
+    every_cell: list[PlannedCell] = field(
+        default_factory=list
+    )  # the whole grid, resolved today (drift is judged on it)
 
 
 @dataclass
 class CellStates:
     """What the store holds for a sweep's cells, judged against today's resolution of each cell."""
 
-    done: dict[str, str]                          # cell → run id of its run under today's recipe
-    drifted: dict[str, tuple[str, list[str]]]     # cell → (run id of its newest record, the keys that differ)
+    done: dict[str, str]  # cell → run id of its run under today's recipe
+    drifted: dict[str, tuple[str, list[str]]]  # cell → (run id of its newest record, the keys that differ)
 
     @property
     def run_ids(self) -> set[str]:
@@ -113,8 +124,9 @@ def ledger_of(rc: ResolvedConfig, spec: SweepSpec, sweep_hash: str, *, check: bo
     `LedgerError` here, before any work."""
     if not rc.cfg.tracking.sweep_ledger:
         return None
-    path = cell_ledger.ledger_path(rc.cfg.paths.root, experiment=rc.cfg.tracking.experiment, sweep=spec.name,
-                                   sweep_hash=sweep_hash)
+    path = cell_ledger.ledger_path(
+        rc.cfg.paths.root, experiment=rc.cfg.tracking.experiment, sweep=spec.name, sweep_hash=sweep_hash
+    )
     if check:
         cell_ledger.read_ledger(path, sweep=spec.name, sweep_hash=sweep_hash)
         committed_ledger(rc, spec, sweep_hash)
@@ -137,8 +149,13 @@ def committed_ledger(rc: ResolvedConfig, spec: SweepSpec, sweep_hash: str) -> Pa
         return None
     if data.get("sweep") == spec.name and data.get("sweep_hash") == sweep_hash:
         return path
-    log.info("sweep %s: %s records another identity (%s), not this command's (hash %s): its cells are not imported",
-             spec.name, path.relative_to(repo_root()), _identity_text(data.get("identity") or {}), sweep_hash)
+    log.info(
+        "sweep %s: %s records another identity (%s), not this command's (hash %s): its cells are not imported",
+        spec.name,
+        path.relative_to(repo_root()),
+        _identity_text(data.get("identity") or {}),
+        sweep_hash,
+    )
     return None
 
 
@@ -153,8 +170,14 @@ def import_ledger(store: TrackingStore, parent_id: str, path: Path | None, *, sw
         return 0
     imported = cell_ledger.import_cells(store, parent_id, path, sweep=sweep, sweep_hash=sweep_hash)
     if imported:
-        log.info("sweep %s: %d finished cell(s) imported from %s (they are not run again; pass "
-                 "tracking.sweep_ledger=false to rerun them): %s", sweep, len(imported), path, "; ".join(imported))
+        log.info(
+            "sweep %s: %d finished cell(s) imported from %s (they are not run again; pass "
+            "tracking.sweep_ledger=false to rerun them): %s",
+            sweep,
+            len(imported),
+            path,
+            "; ".join(imported),
+        )
     return len(imported)
 
 
@@ -166,8 +189,13 @@ def record_ledger(store: TrackingStore, parent_id: str, path: Path | None, *, pl
     kids = run_tree.children(store, parent_id)
     keep = cell_states(plan, kids).run_ids
     try:
-        count = cell_ledger.record_cells([r for r in kids if r.info.run_id in keep], path, sweep=plan.spec.name,
-                                         sweep_hash=plan.sweep_hash, identity=plan.identity)
+        count = cell_ledger.record_cells(
+            [r for r in kids if r.info.run_id in keep],
+            path,
+            sweep=plan.spec.name,
+            sweep_hash=plan.sweep_hash,
+            identity=plan.identity,
+        )
     except (OSError, cell_ledger.LedgerError) as err:
         log.warning("sweep %s: could not record finished cells in %s (%s)", plan.spec.name, path, err)
         return
@@ -185,8 +213,11 @@ def cell_states(plan: SweepPlan, kids: list[Any], *, redo_dirty: bool = False) -
     newest completed run (nothing to judge them against). `redo_dirty` (a sweep run from a committed tree): a record
     made from a tree with uncommitted changes counts as drifted too, so the committed tree replaces it."""
     today = {pc.cell.key: recorded_config(pc.rc) for pc in plan.every_cell or plan.cells}
-    complete = [r for r in kids if r.info.status == "FINISHED" and r.data.tags.get(run_tree.COMPLETE_TAG) == "true"
-                and "cell" in r.data.tags]
+    complete = [
+        r
+        for r in kids
+        if r.info.status == "FINISHED" and r.data.tags.get(run_tree.COMPLETE_TAG) == "true" and "cell" in r.data.tags
+    ]
     done: dict[str, str] = {}
     drifted: dict[str, tuple[str, list[str]]] = {}
     for run in sorted(complete, key=lambda r: r.info.start_time or 0, reverse=True):
@@ -214,24 +245,32 @@ def _max_cells(value: int | None) -> int | None:
     return max(1, limit)
 
 
-def plan_grid(rc: ResolvedConfig, spec: SweepSpec, *, ignore: tuple[str, ...] = (), check: bool = True
-              ) -> SweepPlan:
+def plan_grid(rc: ResolvedConfig, spec: SweepSpec, *, ignore: tuple[str, ...] = (), check: bool = True) -> SweepPlan:
     """Resolve every cell (the sweep grown by `sweep.axes.*` / `sweep.seeds`); select by command-line axis values;
     name the sweep by its identity (keys in `ignore` dropped from the command line).
 
     `check` runs the CLI's name/path checks on every cell (skipped when only the identity is wanted, for reports)."""
     spec = spec.with_args(rc.sweep_args)
     axis_keys = set(spec.axis_keys())
-    argv = [a for a in rc.argv if arg_key(a) not in axis_keys and arg_key(a) not in ignore
-            and not arg_key(a).startswith("sweep.")]
+    argv = [
+        a
+        for a in rc.argv
+        if arg_key(a) not in axis_keys and arg_key(a) not in ignore and not arg_key(a).startswith("sweep.")
+    ]
     planned = [PlannedCell(cell, _resolve_cell(spec, cell, argv, check=check)) for cell in spec.cells(rc.cfg.budget)]
     for pc in planned:
         check_one_device(spec, pc)
     identity = sweep_identity(rc, spec, ignore=ignore)
     cli = parse_overrides(a for a in rc.argv if arg_key(a) not in ignore and not arg_key(a).startswith("sweep."))
     selected = select_cells(spec, planned, cli)
-    return SweepPlan(spec=spec, cells=selected, sweep_hash=identity_hash(identity), total=len(planned),
-                     identity=identity, every_cell=planned)
+    return SweepPlan(
+        spec=spec,
+        cells=selected,
+        sweep_hash=identity_hash(identity),
+        total=len(planned),
+        identity=identity,
+        every_cell=planned,
+    )
 
 
 def _resolve_cell(spec: SweepSpec, cell: Cell, argv: list[str], *, check: bool) -> ResolvedConfig:
@@ -251,9 +290,11 @@ def check_one_device(spec: SweepSpec, pc: PlannedCell) -> None:
     """Cells run one by one in the sweep process: DDP would relaunch the whole sweep in every worker."""
     t = pc.rc.cfg.trainer
     if t.devices != 1 or t.num_nodes != 1 or "ddp" in t.strategy or "fsdp" in t.strategy:
-        raise ConfigError(f"sweep={spec.name}: cells run one at a time on one device, but trainer.devices="
-                          f"{t.devices}, trainer.num_nodes={t.num_nodes}, trainer.strategy={t.strategy}. Drop "
-                          "those keys, or run a multi-device experiment without sweep=.")
+        raise ConfigError(
+            f"sweep={spec.name}: cells run one at a time on one device, but trainer.devices="
+            f"{t.devices}, trainer.num_nodes={t.num_nodes}, trainer.strategy={t.strategy}. Drop "
+            "those keys, or run a multi-device experiment without sweep=."
+        )
 
 
 def select_cells(spec: SweepSpec, planned: list[PlannedCell], cli: dict[str, Any]) -> list[PlannedCell]:
@@ -264,16 +305,23 @@ def select_cells(spec: SweepSpec, planned: list[PlannedCell], cli: dict[str, Any
         kept = [pc for pc in kept if key not in pc.cell.axes or pc.cell.axes[key] == value]
         if not kept:
             values = sorted({str(pc.cell.axes[key]) for pc in planned if key in pc.cell.axes})
-            raise ConfigError(f"{key}={value} selects no cell of sweep {spec.name}: its {key} values are "
-                              f"{', '.join(values)}.")
+            raise ConfigError(
+                f"{key}={value} selects no cell of sweep {spec.name}: its {key} values are {', '.join(values)}."
+            )
     return kept
 
 
 def cell_record(pc: PlannedCell) -> dict[str, Any]:
     from dspark.stages.context import run_name, training_key
 
-    return {"index": pc.cell.index, "cell": pc.cell.key, "axes": pc.cell.axes, "run_name": run_name(pc.rc.cfg),
-            "training_key": training_key(pc.rc.cfg), "config": to_dict(pc.rc.cfg)}
+    return {
+        "index": pc.cell.index,
+        "cell": pc.cell.key,
+        "axes": pc.cell.axes,
+        "run_name": run_name(pc.rc.cfg),
+        "training_key": training_key(pc.rc.cfg),
+        "config": to_dict(pc.rc.cfg),
+    }
 
 
 def execute_grid(plan: SweepPlan, *, rc: ResolvedConfig, store: TrackingStore, max_cells: int | None = None) -> int:
@@ -281,28 +329,46 @@ def execute_grid(plan: SweepPlan, *, rc: ResolvedConfig, store: TrackingStore, m
     spec = plan.spec
     shared = sweep_lock(rc, plan.sweep_hash)
     with shared:  # a second process of this sweep finds the parent this one created, and imports nothing twice
-        parent_id, reused = run_tree.open_parent(store, sweep=spec.name, sweep_hash=plan.sweep_hash,
-                                                   tags=parent_tags(rc, spec, total=plan.total, identity=plan.identity))
+        parent_id, reused = run_tree.open_parent(
+            store,
+            sweep=spec.name,
+            sweep_hash=plan.sweep_hash,
+            tags=parent_tags(rc, spec, total=plan.total, identity=plan.identity),
+        )
         parent_id = settle_parent(store, parent_id, sweep=spec.name, sweep_hash=plan.sweep_hash, created=not reused)
         store.client.set_tag(parent_id, "sweep.cells", str(plan.total))  # a grown sweep has more cells
         out_dir = sweep_dir(rc, spec, plan.sweep_hash)
-        sweep_runs.log_parent_record(store, parent_id, spec_text=spec.text, out_dir=out_dir,
-                                     cells=[cell_record(pc) for pc in plan.cells])
+        sweep_runs.log_parent_record(
+            store, parent_id, spec_text=spec.text, out_dir=out_dir, cells=[cell_record(pc) for pc in plan.cells]
+        )
         ledger = ledger_of(rc, spec, plan.sweep_hash)
-        import_ledger(store, parent_id, committed_ledger(rc, spec, plan.sweep_hash), sweep=spec.name,
-                      sweep_hash=plan.sweep_hash)
+        import_ledger(
+            store, parent_id, committed_ledger(rc, spec, plan.sweep_hash), sweep=spec.name, sweep_hash=plan.sweep_hash
+        )
         import_ledger(store, parent_id, ledger, sweep=spec.name, sweep_hash=plan.sweep_hash)
     redo_dirty = committed_tree()
     states = cell_states(plan, run_tree.children(store, parent_id), redo_dirty=redo_dirty)
     done = states.done
     todo = plan.cells[:max_cells] if max_cells else plan.cells
     redo = [pc.cell.key for pc in todo if pc.cell.key in states.drifted]
-    log.info("sweep %s: %d of %d cells selected, %d already done, %d recorded under an older recipe (run again); "
-             "parent run %s (%s)", spec.name, len(todo), plan.total, sum(pc.cell.key in done for pc in todo),
-             len(redo), parent_id, "resumed" if reused else "new")
+    log.info(
+        "sweep %s: %d of %d cells selected, %d already done, %d recorded under an older recipe (run again); "
+        "parent run %s (%s)",
+        spec.name,
+        len(todo),
+        plan.total,
+        sum(pc.cell.key in done for pc in todo),
+        len(redo),
+        parent_id,
+        "resumed" if reused else "new",
+    )
     for key in redo:
-        log.info("sweep %s: cell %s was recorded under an older recipe (%s differ from today's): running it again",
-                 spec.name, key, ", ".join(states.drifted[key][1]))
+        log.info(
+            "sweep %s: cell %s was recorded under an older recipe (%s differ from today's): running it again",
+            spec.name,
+            key,
+            ", ".join(states.drifted[key][1]),
+        )
     print_runs_table(store, plan, budget=rc.cfg.budget)
     outcomes: list[sweep_runs.CellOutcome] = []
     attempt, current = "", ""
@@ -312,12 +378,31 @@ def execute_grid(plan: SweepPlan, *, rc: ResolvedConfig, store: TrackingStore, m
                 outcomes.append(sweep_runs.CellOutcome(key=pc.cell.key, status="SKIPPED", run_id=done[pc.cell.key]))
                 continue
             attempt, current = uuid.uuid4().hex, pc.cell.key
-            outcomes.append(run_claimed(pc, claim, plan=plan, store=store, parent_id=parent_id, attempt=attempt,
-                                        ledger=ledger, shared=shared, redo_dirty=redo_dirty))
+            outcomes.append(
+                run_claimed(
+                    pc,
+                    claim,
+                    plan=plan,
+                    store=store,
+                    parent_id=parent_id,
+                    attempt=attempt,
+                    ledger=ledger,
+                    shared=shared,
+                    redo_dirty=redo_dirty,
+                )
+            )
             current = ""
     except (KeyboardInterrupt, SystemExit) as err:  # SystemExit: a cell that called sys.exit
-        return interrupted(store, parent_id, attempt=attempt, cell=current, name=spec.name, outcomes=outcomes,
-                           kept=getattr(err, "kept", ""), out_dir=out_dir)
+        return interrupted(
+            store,
+            parent_id,
+            attempt=attempt,
+            cell=current,
+            name=spec.name,
+            outcomes=outcomes,
+            kept=getattr(err, "kept", ""),
+            out_dir=out_dir,
+        )
     with shared:
         code = finish_sweep(rc, plan, store=store, parent_id=parent_id, outcomes=outcomes, out_dir=out_dir)
     print_runs_table(store, plan, budget=rc.cfg.budget)
@@ -325,29 +410,43 @@ def execute_grid(plan: SweepPlan, *, rc: ResolvedConfig, store: TrackingStore, m
 
 
 #: the columns a sweep's runs table shows besides its axes (README: comparing a sweep in the MLflow UI)
-SWEEP_COLUMNS = ("metrics.summary/tau", "metrics.eval/all/tau_prompt_mean", "metrics.val/tau_prob",
-                 "metrics.speed/speedup_prompt_mean")
+SWEEP_COLUMNS = (
+    "metrics.summary/tau",
+    "metrics.eval/all/tau_prompt_mean",
+    "metrics.val/tau_prob",
+    "metrics.speed/speedup_prompt_mean",
+)
 
 
 def print_runs_table(store: TrackingStore, plan: SweepPlan, *, budget: str) -> None:
     """Print the URL of the sweep's cells in MLflow's runs table, with its axes and headline metrics as columns."""
     from dspark.tracking.ui import runs_table_url, ui_lines
 
-    cells = run_tree.tag_filter(**{"sweep.name": plan.spec.name, "sweep.hash": plan.sweep_hash,
-                                   "sweep.role": run_tree.CELL})
+    cells = run_tree.tag_filter(
+        **{"sweep.name": plan.spec.name, "sweep.hash": plan.sweep_hash, "sweep.role": run_tree.CELL}
+    )
     try:
-        url = runs_table_url(store, filter_string=cells,
-                             columns=[f"params.{k}" for k in plan.spec.axis_keys()] + list(SWEEP_COLUMNS),
-                             view_name=f"sweep {plan.spec.name} {budget} {plan.sweep_hash}")
+        url = runs_table_url(
+            store,
+            filter_string=cells,
+            columns=[f"params.{k}" for k in plan.spec.axis_keys()] + list(SWEEP_COLUMNS),
+            view_name=f"sweep {plan.spec.name} {budget} {plan.sweep_hash}",
+        )
     except Exception as err:  # a link is a convenience: never the end of a sweep
         log.warning("sweep %s: no MLflow link (%s)", plan.spec.name, err)
         return
     print("\n".join(ui_lines(store, url=url)))
 
 
-def claimed_in_turn(rc: ResolvedConfig, plan: SweepPlan, todo: list[PlannedCell], done: dict[str, str], *,
-                    store: TrackingStore | None = None, parent_id: str | None = None
-                    ) -> Iterator[tuple[PlannedCell, CellClaim | None]]:
+def claimed_in_turn(
+    rc: ResolvedConfig,
+    plan: SweepPlan,
+    todo: list[PlannedCell],
+    done: dict[str, str],
+    *,
+    store: TrackingStore | None = None,
+    parent_id: str | None = None,
+) -> Iterator[tuple[PlannedCell, CellClaim | None]]:
     """The cells in the order this process runs them, each with its claim held (None: finished before we started).
 
     A cell another worker of this sweep holds is passed over, then waited for after the others: its claim is
@@ -358,13 +457,18 @@ def claimed_in_turn(rc: ResolvedConfig, plan: SweepPlan, todo: list[PlannedCell]
         if pc.cell.key in done:
             yield pc, None
             continue
-        claim = CellClaim(cell_claim(rc, plan.sweep_hash, pc.cell.index),
-                          StoreClaim(store.client, parent_id, pc.cell.index, worker) if store and parent_id else None)
+        claim = CellClaim(
+            cell_claim(rc, plan.sweep_hash, pc.cell.index),
+            StoreClaim(store.client, parent_id, pc.cell.index, worker) if store and parent_id else None,
+        )
         if claim.try_acquire():
             yield pc, claim
             continue
-        log.info("sweep %s: cell %s is being run by another worker of this sweep; coming back to it",
-                 plan.spec.name, pc.cell.key)
+        log.info(
+            "sweep %s: cell %s is being run by another worker of this sweep; coming back to it",
+            plan.spec.name,
+            pc.cell.key,
+        )
         deferred.append((pc, claim))
     for pc, claim in deferred:
         if not claim.try_acquire():
@@ -416,8 +520,9 @@ def committed_tree() -> bool:
 def settle_parent(store: TrackingStore, parent_id: str, *, sweep: str, sweep_hash: str, created: bool) -> str:
     """Workers on two machines that created this sweep's parent at the same moment agree on the oldest; a parent
     this worker created and lost is deleted (it has no cells yet)."""
-    parents = run_tree.search_all(store, run_tree.tag_filter(**{"sweep.name": sweep, "sweep.hash": sweep_hash,
-                                                                 "sweep.role": run_tree.PARENT}))
+    parents = run_tree.search_all(
+        store, run_tree.tag_filter(**{"sweep.name": sweep, "sweep.hash": sweep_hash, "sweep.role": run_tree.PARENT})
+    )
     if len(parents) < 2:
         return parent_id
     keep = oldest_run(parents).info.run_id
@@ -457,9 +562,18 @@ def _try_acquire(lock: FileLock) -> bool:
     return True
 
 
-def run_claimed(pc: PlannedCell, claim: CellClaim, *, plan: SweepPlan, store: TrackingStore, parent_id: str,
-                attempt: str, ledger: Path | None, shared: FileLock, redo_dirty: bool = False
-                ) -> sweep_runs.CellOutcome:
+def run_claimed(
+    pc: PlannedCell,
+    claim: CellClaim,
+    *,
+    plan: SweepPlan,
+    store: TrackingStore,
+    parent_id: str,
+    attempt: str,
+    ledger: Path | None,
+    shared: FileLock,
+    redo_dirty: bool = False,
+) -> sweep_runs.CellOutcome:
     """Run a cell whose claim this process holds (and release it): skipped when another process finished it
     meanwhile; attempts left RUNNING by a dead process are closed first; a finished cell is recorded at once."""
     try:
@@ -478,13 +592,21 @@ def run_claimed(pc: PlannedCell, claim: CellClaim, *, plan: SweepPlan, store: Tr
         claim.release()
 
 
-def run_cell(pc: PlannedCell, *, plan: SweepPlan, store: TrackingStore, parent_id: str, attempt: str
-             ) -> sweep_runs.CellOutcome:
+def run_cell(
+    pc: PlannedCell, *, plan: SweepPlan, store: TrackingStore, parent_id: str, attempt: str
+) -> sweep_runs.CellOutcome:
     """One cell in its own child run; exceptions become a FAILED cell, never the end of the sweep."""
     spec, cell = plan.spec, pc.cell
     started = time.perf_counter()
-    tags = run_tree.cell_tags(sweep=spec.name, sweep_hash=plan.sweep_hash, paper_ref=spec.paper_ref,
-                                index=cell.index, key=cell.key, axes=cell.axes, attempt=attempt)
+    tags = run_tree.cell_tags(
+        sweep=spec.name,
+        sweep_hash=plan.sweep_hash,
+        paper_ref=spec.paper_ref,
+        index=cell.index,
+        key=cell.key,
+        axes=cell.axes,
+        attempt=attempt,
+    )
     runner = cell_runner(spec)
     log.info("sweep %s: cell %d/%d %s", spec.name, cell.index + 1, plan.total, cell.key)
     work_start = time.perf_counter()
@@ -499,8 +621,9 @@ def run_cell(pc: PlannedCell, *, plan: SweepPlan, store: TrackingStore, parent_i
     if code == 0 and run_id and spec.runner == "experiment":
         backfill_training_metrics(store, run_id, pc.rc)
     status = "FINISHED" if code == 0 else "FAILED"
-    return sweep_runs.CellOutcome(key=cell.key, status=status, run_id=run_id,
-                                  seconds=time.perf_counter() - started, work_seconds=work)
+    return sweep_runs.CellOutcome(
+        key=cell.key, status=status, run_id=run_id, seconds=time.perf_counter() - started, work_seconds=work
+    )
 
 
 def backfill_training_metrics(store: TrackingStore, run_id: str, rc: ResolvedConfig) -> None:
@@ -524,8 +647,9 @@ def cell_runner(spec: SweepSpec) -> Callable[..., int]:
         from dspark.sweeps.latency import run_latency_cell
 
         def latency(rc: ResolvedConfig, *, parent_run_id: str, extra_tags: dict) -> int:
-            return run_latency_cell(rc, parent_run_id=parent_run_id, extra_tags=extra_tags,
-                                    options=spec.latency_options(rc.cfg.budget))
+            return run_latency_cell(
+                rc, parent_run_id=parent_run_id, extra_tags=extra_tags, options=spec.latency_options(rc.cfg.budget)
+            )
 
         return latency
     from dspark.stages.experiment import run_experiment
@@ -533,27 +657,47 @@ def cell_runner(spec: SweepSpec) -> Callable[..., int]:
     return run_experiment
 
 
-def interrupted(store: TrackingStore, parent_id: str, *, attempt: str, cell: str, name: str,
-                outcomes: list[sweep_runs.CellOutcome], kept: str, out_dir: Path) -> int:
+def interrupted(
+    store: TrackingStore,
+    parent_id: str,
+    *,
+    attempt: str,
+    cell: str,
+    name: str,
+    outcomes: list[sweep_runs.CellOutcome],
+    kept: str,
+    out_dir: Path,
+) -> int:
     """Ctrl-C: the running cell (unless it had completed) and the parent become KILLED, the outcomes so far are
     logged, one line says what was kept; the next run of the same command resumes."""
     if cell:
         run = run_tree.find_attempt(store, attempt)
         if run is not None and run.data.tags.get(run_tree.COMPLETE_TAG) != "true":
             store.finish(run.info.run_id, status="KILLED")  # whatever Lightning's logger set (FAILED) before
-        outcomes = outcomes + [sweep_runs.CellOutcome(key=cell, status="KILLED",
-                                                      run_id=run.info.run_id if run is not None else None)]
+        outcomes = outcomes + [
+            sweep_runs.CellOutcome(key=cell, status="KILLED", run_id=run.info.run_id if run is not None else None)
+        ]
     sweep_runs.log_outcomes(store, parent_id, outcomes, out_dir=out_dir)
     store.finish(parent_id, status="KILLED")
     finished = sum(o.status in ("FINISHED", "SKIPPED") for o in outcomes)
     running = f"; cell {cell} is marked KILLED" + (f" (kept: {kept})" if kept else "") if cell else ""
-    print(f"sweep {name} interrupted: {finished} finished cells are kept{running}. Rerun the same command to resume "
-          "(finished cells are skipped).", file=sys.stderr)
+    print(
+        f"sweep {name} interrupted: {finished} finished cells are kept{running}. Rerun the same command to resume "
+        "(finished cells are skipped).",
+        file=sys.stderr,
+    )
     return 130
 
 
-def finish_sweep(rc: ResolvedConfig, plan: SweepPlan, *, store: TrackingStore, parent_id: str,
-                 outcomes: list[sweep_runs.CellOutcome], out_dir: Path) -> int:
+def finish_sweep(
+    rc: ResolvedConfig,
+    plan: SweepPlan,
+    *,
+    store: TrackingStore,
+    parent_id: str,
+    outcomes: list[sweep_runs.CellOutcome],
+    out_dir: Path,
+) -> int:
     """Log outcomes, write the report, close the parent; 0 when every cell passed."""
     failed = [o.key for o in outcomes if o.status == "FAILED"]
     sweep_runs.log_outcomes(store, parent_id, outcomes, out_dir=out_dir)
@@ -563,8 +707,9 @@ def finish_sweep(rc: ResolvedConfig, plan: SweepPlan, *, store: TrackingStore, p
         from dspark.reports import NoFinishedRuns, write_sweep_report
 
         states = cell_states(plan, run_tree.children(store, parent_id))
-        path = write_sweep_report(rc, plan.spec, store=store, parent_id=parent_id, run_ids=states.run_ids,
-                                  drift=drift_notes(states, plan))
+        path = write_sweep_report(
+            rc, plan.spec, store=store, parent_id=parent_id, run_ids=states.run_ids, drift=drift_notes(states, plan)
+        )
         print(f"report: {path}")
     except NoFinishedRuns as err:
         print(f"sweep {plan.spec.name}: no report written: {err}", file=sys.stderr)
@@ -575,8 +720,10 @@ def finish_sweep(rc: ResolvedConfig, plan: SweepPlan, *, store: TrackingStore, p
         code = 1
     store.finish(parent_id, status="FAILED" if failed else "FINISHED")
     if failed:
-        print(f"sweep {plan.spec.name}: {len(failed)} of {len(outcomes)} cells failed: {'; '.join(failed)}",
-              file=sys.stderr)
+        print(
+            f"sweep {plan.spec.name}: {len(failed)} of {len(outcomes)} cells failed: {'; '.join(failed)}",
+            file=sys.stderr,
+        )
     return code
 
 
@@ -620,8 +767,15 @@ def report_sweep(rc: ResolvedConfig, spec: SweepSpec) -> int:
             path = write_sweep_report(rc, spec, store=store, sweep_hash=digest)
         else:
             states = cell_states(plan, run_tree.children(store, parent_id)) if parent_id else CellStates({}, {})
-            path = write_sweep_report(rc, spec, store=store, parent_id=parent_id, run_ids=states.run_ids,
-                                      drift=drift_notes(states, plan), sweep_hash=digest)
+            path = write_sweep_report(
+                rc,
+                spec,
+                store=store,
+                parent_id=parent_id,
+                run_ids=states.run_ids,
+                drift=drift_notes(states, plan),
+                sweep_hash=digest,
+            )
     except NoFinishedRuns as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
@@ -631,16 +785,22 @@ def report_sweep(rc: ResolvedConfig, spec: SweepSpec) -> int:
 
 def _report_parent(rc: ResolvedConfig, spec: SweepSpec, plan: SweepPlan, *, store: TrackingStore) -> str | None:
     """The parent of this identity, with the cells of its ledgers imported (created when only a ledger has them)."""
-    ledgers = [p for p in (committed_ledger(rc, spec, plan.sweep_hash), ledger_of(rc, spec, plan.sweep_hash, check=True))
-               if p is not None and p.exists()]
+    ledgers = [
+        p
+        for p in (committed_ledger(rc, spec, plan.sweep_hash), ledger_of(rc, spec, plan.sweep_hash, check=True))
+        if p is not None and p.exists()
+    ]
     parent = run_tree.find_parent(store, sweep=spec.name, sweep_hash=plan.sweep_hash)
     if parent is None and not ledgers:
         return None
     with sweep_lock(rc, plan.sweep_hash):
         if parent is None:
-            parent_id, _ = run_tree.open_parent(store, sweep=spec.name, sweep_hash=plan.sweep_hash,
-                                                tags=parent_tags(rc, spec, total=plan.total, identity=plan.identity)
-                                                | ledger_provenance(ledgers[0]))
+            parent_id, _ = run_tree.open_parent(
+                store,
+                sweep=spec.name,
+                sweep_hash=plan.sweep_hash,
+                tags=parent_tags(rc, spec, total=plan.total, identity=plan.identity) | ledger_provenance(ledgers[0]),
+            )
             store.finish(parent_id)
         else:
             parent_id = parent.info.run_id
@@ -657,24 +817,32 @@ def ledger_provenance(path: Path) -> dict[str, str]:
     every machine and at every later commit."""
     data = cell_ledger.load_ledger(path) or {}
     identity = data.get("identity") or {}
-    command = sweep_command([f"sweep={data.get('sweep')}", f"budget={identity.get('budget')}",
-                             *(identity.get("overrides") or [])])
+    command = sweep_command(
+        [f"sweep={data.get('sweep')}", f"budget={identity.get('budget')}", *(identity.get("overrides") or [])]
+    )
     commits: dict[str, int] = {}
     for cell in data.get("cells") or []:
         commit = cell["tags"].get("git.commit", "–")
         commits[commit] = commits.get(commit, 0) + 1
     dirty = any(c["tags"].get("git.dirty") == "True" for c in data.get("cells") or [])
     commit = max(commits, key=lambda c: (commits[c], c)) if commits else "–"
-    return {"command": command, "git.commit": commit, "git.dirty": str(dirty),
-            "machine": "", "target": _first_tag(data, "target"), "budget": str(identity.get("budget", "–"))}
+    return {
+        "command": command,
+        "git.commit": commit,
+        "git.dirty": str(dirty),
+        "machine": "",
+        "target": _first_tag(data, "target"),
+        "budget": str(identity.get("budget", "–")),
+    }
 
 
 def _first_tag(data: dict[str, Any], name: str) -> str:
     return next((c["tags"][name] for c in data.get("cells") or [] if name in c["tags"]), "–")
 
 
-def regenerate_from_ledger(ledger: Path, *, out_dir: Path, work_dir: Path,
-                           now: datetime.datetime | None = None) -> Path:
+def regenerate_from_ledger(
+    ledger: Path, *, out_dir: Path, work_dir: Path, now: datetime.datetime | None = None
+) -> Path:
     """Rebuild a sweep's report from its ledger alone: import the cells into a throwaway store under `work_dir`,
     write `<out_dir>/<sweep>.md`, its figures and `<sweep>.claims.json`; returns the report's path.
 
@@ -689,19 +857,38 @@ def regenerate_from_ledger(ledger: Path, *, out_dir: Path, work_dir: Path,
     if data is None:
         raise cell_ledger.LedgerError(f"{ledger}: no such ledger")
     identity = data["identity"]
-    argv = [f"sweep={data['sweep']}", f"budget={identity['budget']}", *identity.get("overrides", []),
-            "stage=report", f"paths.root={Path(work_dir)}", f"paths.reports={Path(out_dir)}",
-            "tracking.uri=", "tracking.sweep_ledger=true"]
+    argv = [
+        f"sweep={data['sweep']}",
+        f"budget={identity['budget']}",
+        *identity.get("overrides", []),
+        "stage=report",
+        f"paths.root={Path(work_dir)}",
+        f"paths.reports={Path(out_dir)}",
+        "tracking.uri=",
+        "tracking.sweep_ledger=true",
+    ]
     rc = resolve_config(argv)
     spec = load_sweep(data["sweep"])
     plan = plan_grid(rc, spec, ignore=("stage",), check=False)
     store = open_store(rc.cfg)
     digest = data["sweep_hash"]  # the recorded identity's, even when today's recipe version names another
-    parent_id, _ = run_tree.open_parent(store, sweep=spec.name, sweep_hash=digest,
-                                        tags=parent_tags(rc, spec, total=plan.total, identity=identity)
-                                        | ledger_provenance(ledger))
+    parent_id, _ = run_tree.open_parent(
+        store,
+        sweep=spec.name,
+        sweep_hash=digest,
+        tags=parent_tags(rc, spec, total=plan.total, identity=identity) | ledger_provenance(ledger),
+    )
     cell_ledger.import_cells(store, parent_id, ledger, sweep=spec.name, sweep_hash=digest)
     store.finish(parent_id)
     states = cell_states(plan, run_tree.children(store, parent_id))
-    return write_sweep_report(rc, spec, store=store, parent_id=parent_id, run_ids=states.run_ids,
-                              drift=drift_notes(states, plan), now=now, attach=False, notes_dir=ledger.parent)
+    return write_sweep_report(
+        rc,
+        spec,
+        store=store,
+        parent_id=parent_id,
+        run_ids=states.run_ids,
+        drift=drift_notes(states, plan),
+        now=now,
+        attach=False,
+        notes_dir=ledger.parent,
+    )

@@ -9,6 +9,7 @@ What a default change does is judged per cell instead: every cell's resolved con
 flat params), and a finished cell whose record differs from what today's defaults resolve, on a key its stages read,
 is *drifted*: the report lists it as "recorded under an older recipe" and a rerun redoes only those cells.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -28,8 +29,13 @@ RECIPE_VERSION = 1
 HASH_EXCLUDED = ("paths", "tracking", "optuna", "sweep", "trainer.checkpoint_every_min")
 
 #: keys a cell's stages never read, by stage: a difference there is not drift (`drifted_keys`)
-_UNREAD_BY_STAGE = {"prepare": ("decode.", "serve.", "export."), "train": ("decode.", "serve.", "export."),
-                    "eval": ("serve.", "export."), "all": ("serve.", "export."), "serve": ("export.",)}
+_UNREAD_BY_STAGE = {
+    "prepare": ("decode.", "serve.", "export."),
+    "train": ("decode.", "serve.", "export."),
+    "eval": ("serve.", "export."),
+    "all": ("serve.", "export."),
+    "serve": ("export.",),
+}
 #: the keys that say how the cell ran, not what it computed
 _NEVER_DRIFT = ("stage", "budget", "sweep_tag")
 
@@ -44,8 +50,7 @@ def arg_key(arg: str) -> str:
     return arg.split("=", 1)[0].strip()
 
 
-def explicit_overrides(argv: Iterable[str], *, axis_keys: Iterable[str] = (), ignore: Iterable[str] = ()
-                       ) -> list[str]:
+def explicit_overrides(argv: Iterable[str], *, axis_keys: Iterable[str] = (), ignore: Iterable[str] = ()) -> list[str]:
     """The command line's `key=value` overrides that apply to every cell, normalised (`key=<JSON value>`, sorted):
     without `sweep=`, `budget=`, `stage=`, axis selections, the `sweep.*` grow arguments and excluded groups."""
     skip = set(axis_keys) | set(ignore) | {"budget", "stage", "seed"}
@@ -66,9 +71,14 @@ def supervision_identity() -> dict[str, Any]:
 def sweep_identity(rc: ResolvedConfig, spec: SweepSpec, *, ignore: Iterable[str] = ()) -> dict[str, Any]:
     """What names this sweep: name, budget, explicit overrides, runner options, recipe and supervision versions."""
     axis_keys = spec.axis_keys() if spec.kind == "grid" else [p.key for p in spec.optuna.params]
-    identity = {"sweep": spec.name, "budget": rc.cfg.budget, "runner": spec.runner,
-                "overrides": explicit_overrides(rc.argv, axis_keys=axis_keys, ignore=ignore),
-                "recipe": RECIPE_VERSION, **supervision_identity()}
+    identity = {
+        "sweep": spec.name,
+        "budget": rc.cfg.budget,
+        "runner": spec.runner,
+        "overrides": explicit_overrides(rc.argv, axis_keys=axis_keys, ignore=ignore),
+        "recipe": RECIPE_VERSION,
+        **supervision_identity(),
+    }
     if spec.runner == "latency":
         identity["latency"] = spec.latency_options(rc.cfg.budget)
     if spec.kind == "optuna":
@@ -97,19 +107,29 @@ def drifted_keys(recorded: dict[str, str], today: dict[str, str]) -> list[str]:
     Only keys the cell's stages read count (`_UNREAD_BY_STAGE`); a key the record lacks was added after the cell
     ran, and a new key's default is by rule what the code did before it existed, so it is not drift."""
     unread = _UNREAD_BY_STAGE.get(today.get("stage", "all"), ())
-    return sorted(k for k, v in today.items()
-                  if k in recorded and recorded[k] != v and not k.startswith(unread) and k not in _NEVER_DRIFT)
+    return sorted(
+        k
+        for k, v in today.items()
+        if k in recorded and recorded[k] != v and not k.startswith(unread) and k not in _NEVER_DRIFT
+    )
 
 
-def parent_tags(rc: ResolvedConfig, spec: SweepSpec, *, total: int, identity: dict[str, Any] | None = None
-                ) -> dict[str, str]:
+def parent_tags(
+    rc: ResolvedConfig, spec: SweepSpec, *, total: int, identity: dict[str, Any] | None = None
+) -> dict[str, str]:
     """Provenance of the parent run (the report header reads these)."""
     from dspark.tracking import git_provenance
 
     cfg = rc.cfg
-    tags = {"sweep.kind": spec.kind, "paper.ref": spec.paper_ref, "sweep.description": spec.description,
-            "sweep.cells": str(total), "budget": cfg.budget, "target": cfg.target,
-            "command": sweep_command(rc.argv)} | git_provenance(repo_root())
+    tags = {
+        "sweep.kind": spec.kind,
+        "paper.ref": spec.paper_ref,
+        "sweep.description": spec.description,
+        "sweep.cells": str(total),
+        "budget": cfg.budget,
+        "target": cfg.target,
+        "command": sweep_command(rc.argv),
+    } | git_provenance(repo_root())
     if identity is not None:
         tags["sweep.identity"] = json.dumps(identity, sort_keys=True, default=str)
     return tags

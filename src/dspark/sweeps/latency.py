@@ -6,6 +6,7 @@ around the target and lets `dspark.evaluation.diagnostics.latency_breakdown` run
 `latency/ctx{L}/{verify_ms,draft_parallel_ms,draft_sequential_ms,other_ms,round_ms,sequential_share}`, and the means
 over context lengths as `summary/round_ms`, `summary/sequential_share`.
 """
+
 from __future__ import annotations
 
 import logging
@@ -32,8 +33,9 @@ def latency_metrics(rows: list[dict[str, Any]]) -> dict[str, float]:
     return out
 
 
-def run_latency_cell(rc: ResolvedConfig, *, parent_run_id: str, extra_tags: dict[str, str],
-                     options: dict[str, Any]) -> int:
+def run_latency_cell(
+    rc: ResolvedConfig, *, parent_run_id: str, extra_tags: dict[str, str], options: dict[str, Any]
+) -> int:
     """Create the cell's child run, time the drafter, log the metrics; returns an exit code (0 ok, 1 failed)."""
     from dspark.evaluation.diagnostics import latency_breakdown
     from dspark.stages.context import RunPaths, StageContext, seed_everything
@@ -53,10 +55,17 @@ def run_latency_cell(rc: ResolvedConfig, *, parent_run_id: str, extra_tags: dict
     ctx.store.log_config(ctx.run_id, cfg, run_dir=ctx.paths.root / "latency" / name)
     started = time.time()
     try:
-        rows = latency_breakdown(target=ctx.load_target(), heads=[cfg.model.head], block_sizes=[cfg.model.block_size],
-                                 context_lengths=[int(c) for c in opts["context_lengths"]], rounds=int(opts["rounds"]),
-                                 depth=cfg.model.depth, markov_rank=cfg.model.markov_rank, seed=cfg.seed,
-                                 show_progress=False)
+        rows = latency_breakdown(
+            target=ctx.load_target(),
+            heads=[cfg.model.head],
+            block_sizes=[cfg.model.block_size],
+            context_lengths=[int(c) for c in opts["context_lengths"]],
+            rounds=int(opts["rounds"]),
+            depth=cfg.model.depth,
+            markov_rank=cfg.model.markov_rank,
+            seed=cfg.seed,
+            show_progress=False,
+        )
         ctx.store.log_metrics(ctx.run_id, latency_metrics(rows) | {"summary/wall_seconds": time.time() - started})
     except Exception as err:  # the cell is FAILED; the sweep goes on
         log.exception("latency cell failed")

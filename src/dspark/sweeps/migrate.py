@@ -7,6 +7,7 @@ selections, output paths and tracking keys left out, as `dspark.sweeps.identity`
 and supervision versions. Params that name a machine's paths or a tracking server are dropped. NEW.json defaults to
 `<OLD stem>.v2.json` beside OLD; an existing NEW.json is never overwritten.
 """
+
 from __future__ import annotations
 
 import json
@@ -29,16 +30,29 @@ def upgrade(data: dict[str, Any]) -> dict[str, Any]:
     if data.get("version") != 1 or not cells:
         raise ValueError("not a version-1 sweep ledger with cells")
     argv = shlex.split(cells[0]["tags"]["command"])
-    argv = [a for a in argv[argv.index("experiments/run.py") + 1:]
-            if not a.startswith(("paths.", "tracking.", "optuna."))] if "experiments/run.py" in argv else []
+    argv = (
+        [
+            a
+            for a in argv[argv.index("experiments/run.py") + 1 :]
+            if not a.startswith(("paths.", "tracking.", "optuna."))
+        ]
+        if "experiments/run.py" in argv
+        else []
+    )
     spec = load_sweep(data["sweep"])
     plan = plan_grid(resolve_config(argv), spec, check=False)
     local = ("paths.", "tracking.", "optuna.")
-    entries = [c | {"params": {k: v for k, v in (c.get("params") or {}).items() if not k.startswith(local)}}
-               for c in cells]
-    return {"format": cell_ledger.LEDGER_FORMAT, "version": cell_ledger.LEDGER_VERSION, "sweep": data["sweep"],
-            "sweep_hash": plan.sweep_hash, "identity": plan.identity,
-            "cells": sorted(entries, key=cell_ledger._index)}
+    entries = [
+        c | {"params": {k: v for k, v in (c.get("params") or {}).items() if not k.startswith(local)}} for c in cells
+    ]
+    return {
+        "format": cell_ledger.LEDGER_FORMAT,
+        "version": cell_ledger.LEDGER_VERSION,
+        "sweep": data["sweep"],
+        "sweep_hash": plan.sweep_hash,
+        "identity": plan.identity,
+        "cells": sorted(entries, key=cell_ledger._index),
+    }
 
 
 def main(argv: list[str]) -> int:
@@ -56,8 +70,13 @@ def main(argv: list[str]) -> int:
     except (OSError, ValueError, KeyError) as err:
         print(f"error: {old}: {err}", file=sys.stderr)
         return 2
-    cell_ledger.write_ledger(new, sweep=payload["sweep"], sweep_hash=payload["sweep_hash"],
-                             identity=payload["identity"], entries=payload["cells"])
+    cell_ledger.write_ledger(
+        new,
+        sweep=payload["sweep"],
+        sweep_hash=payload["sweep_hash"],
+        identity=payload["identity"],
+        entries=payload["cells"],
+    )
     print(f"{new}: {len(payload['cells'])} cells, sweep {payload['sweep']} hash {payload['sweep_hash']}")
     return 0
 

@@ -12,6 +12,7 @@ pointing at one `optuna.storage`) does:
    when the median rule says so (the child is tagged `optuna.state=PRUNED`, its MLflow status stays FAILED);
 4. log the best params, best value and parameter importances (≥ 2 completed trials) to the parent; write the report.
 """
+
 from __future__ import annotations
 
 import json
@@ -52,14 +53,17 @@ class PruningCallback(L.Callback):
             return
         value = trainer.callback_metrics.get(self.monitor)
         if value is None:
-            raise ValueError(f"Optuna pruning monitors '{self.monitor}' (optuna.prune_on in the sweep file), but the "
-                             f"run logged no such metric; logged: {', '.join(sorted(trainer.callback_metrics))}. "
-                             "Fix prune_on or set optuna.prune=false.")
+            raise ValueError(
+                f"Optuna pruning monitors '{self.monitor}' (optuna.prune_on in the sweep file), but the "
+                f"run logged no such metric; logged: {', '.join(sorted(trainer.callback_metrics))}. "
+                "Fix prune_on or set optuna.prune=false."
+            )
         self.trial.report(float(value), step=trainer.current_epoch)
         if self.trial.should_prune():
             self.pruned = True
-            raise optuna.TrialPruned(f"trial {self.trial.number} pruned at epoch {trainer.current_epoch} "
-                                     f"({self.monitor}={float(value):.4f})")
+            raise optuna.TrialPruned(
+                f"trial {self.trial.number} pruned at epoch {trainer.current_epoch} ({self.monitor}={float(value):.4f})"
+            )
 
 
 def searched_keys(spec: SweepSpec) -> list[str]:
@@ -70,8 +74,10 @@ def fixed_argv(rc: ResolvedConfig, spec: SweepSpec, *, ignore: tuple[str, ...] =
     """The command line minus keys to ignore; a searched key on the command line is an error."""
     clash = [a for a in rc.argv if arg_key(a) in searched_keys(spec)]
     if clash:
-        raise ConfigError(f"sweep={spec.name} searches {', '.join(searched_keys(spec))}: remove {', '.join(clash)} "
-                          "from the command line (or run without sweep= to set them).")
+        raise ConfigError(
+            f"sweep={spec.name} searches {', '.join(searched_keys(spec))}: remove {', '.join(clash)} "
+            "from the command line (or run without sweep= to set them)."
+        )
     return [a for a in rc.argv if arg_key(a) not in ignore]
 
 
@@ -88,9 +94,16 @@ def open_search(rc: ResolvedConfig, spec: SweepSpec) -> tuple[StudyHandle, str]:
     digest = search_hash(rc, spec)
     opt = rc.cfg.optuna
     name = opt.study or f"{spec.name}-{digest}"
-    handle = setup_study(storage=opt.storage or default_storage(rc.cfg.paths.root), name=name,
-                         direction=spec.optuna.direction, seed=rc.cfg.seed, startup_trials=opt.startup_trials,
-                         prune=opt.prune, defaults=spec.optuna.defaults, root=rc.cfg.paths.root)
+    handle = setup_study(
+        storage=opt.storage or default_storage(rc.cfg.paths.root),
+        name=name,
+        direction=spec.optuna.direction,
+        seed=rc.cfg.seed,
+        startup_trials=opt.startup_trials,
+        prune=opt.prune,
+        defaults=spec.optuna.defaults,
+        root=rc.cfg.paths.root,
+    )
     return handle, digest
 
 
@@ -105,44 +118,81 @@ def run_search(rc: ResolvedConfig, spec: SweepSpec, *, max_trials: int | None = 
     store = open_store(rc.cfg)
     with handle.locked():  # racing workers on one machine share one parent
         tags = parent_tags(rc, spec, total=rc.cfg.optuna.n_trials) | {
-            "optuna.study": handle.study.study_name, "optuna.storage": mask(handle.storage)}
+            "optuna.study": handle.study.study_name,
+            "optuna.storage": mask(handle.storage),
+        }
         parent_id, _ = run_tree.open_parent(store, sweep=spec.name, sweep_hash=digest, tags=tags)
-    sweep_runs.log_parent_record(store, parent_id, spec_text=spec.text, out_dir=sweep_dir(rc, spec, digest),
-                                 cells=[{"index": -1, "cell": "optuna search", "run_name": "-", "training_key": "-",
-                                         "study": handle.study.study_name, "fixed_argv": fixed_argv(rc, spec)}])
+    sweep_runs.log_parent_record(
+        store,
+        parent_id,
+        spec_text=spec.text,
+        out_dir=sweep_dir(rc, spec, digest),
+        cells=[
+            {
+                "index": -1,
+                "cell": "optuna search",
+                "run_name": "-",
+                "training_key": "-",
+                "study": handle.study.study_name,
+                "fixed_argv": fixed_argv(rc, spec),
+            }
+        ],
+    )
     states = []
     try:
         while max_trials is None or len(states) < max_trials:
             trial = claim_trial(handle, n_trials=rc.cfg.optuna.n_trials)
             if trial is None:
                 break
-            states.append(run_trial(trial, rc=rc, spec=spec, handle=handle, store=store, parent_id=parent_id,
-                                    digest=digest))
+            states.append(
+                run_trial(trial, rc=rc, spec=spec, handle=handle, store=store, parent_id=parent_id, digest=digest)
+            )
     except (KeyboardInterrupt, SystemExit) as err:  # SystemExit: a trial that called sys.exit
         store.finish(parent_id, status="KILLED")
         kept = f" (kept: {err.kept})" if getattr(err, "kept", "") else ""
-        print(f"search {spec.name} interrupted: the study {handle.study.study_name} keeps every finished trial "
-              f"({len(states)} of this worker); the running trial is marked KILLED{kept}. Rerun the same command "
-              "to continue the study.", file=sys.stderr)
+        print(
+            f"search {spec.name} interrupted: the study {handle.study.study_name} keeps every finished trial "
+            f"({len(states)} of this worker); the running trial is marked KILLED{kept}. Rerun the same command "
+            "to continue the study.",
+            file=sys.stderr,
+        )
         return 130
     return finish_search(rc, spec, handle=handle, store=store, parent_id=parent_id, states=states)
 
 
-def run_trial(trial: Any, *, rc: ResolvedConfig, spec: SweepSpec, handle: StudyHandle, store: TrackingStore,
-              parent_id: str, digest: str) -> str:
+def run_trial(
+    trial: Any,
+    *,
+    rc: ResolvedConfig,
+    spec: SweepSpec,
+    handle: StudyHandle,
+    store: TrackingStore,
+    parent_id: str,
+    digest: str,
+) -> str:
     """Run one trial as a sweep cell and tell the study how it ended; returns the Optuna state name."""
     from optuna.trial import TrialState
 
     params = {p.key: p.suggest(trial) for p in spec.optuna.params}
     attempt = uuid.uuid4().hex
-    tags = run_tree.cell_tags(sweep=spec.name, sweep_hash=digest, paper_ref=spec.paper_ref, index=trial.number,
-                                key=f"trial-{trial.number}", axes=params, attempt=attempt) | {
-        "optuna.trial": str(trial.number), "optuna.study": handle.study.study_name,
-        "optuna.defaults": str(trial_is_default(trial)).lower()}
+    tags = run_tree.cell_tags(
+        sweep=spec.name,
+        sweep_hash=digest,
+        paper_ref=spec.paper_ref,
+        index=trial.number,
+        key=f"trial-{trial.number}",
+        axes=params,
+        attempt=attempt,
+    ) | {
+        "optuna.trial": str(trial.number),
+        "optuna.study": handle.study.study_name,
+        "optuna.defaults": str(trial_is_default(trial)).lower(),
+    }
     log.info("search %s: trial %d %s", spec.name, trial.number, params)
     try:
-        state, value = evaluate_trial(trial, rc=rc, spec=spec, params=params, tags=tags, store=store,
-                                      parent_id=parent_id, attempt=attempt)
+        state, value = evaluate_trial(
+            trial, rc=rc, spec=spec, params=params, tags=tags, store=store, parent_id=parent_id, attempt=attempt
+        )
     except (KeyboardInterrupt, SystemExit):
         handle.study.tell(trial, state=TrialState.FAIL)
         run = run_tree.find_attempt(store, attempt)
@@ -158,8 +208,17 @@ def run_trial(trial: Any, *, rc: ResolvedConfig, spec: SweepSpec, handle: StudyH
     return state
 
 
-def evaluate_trial(trial: Any, *, rc: ResolvedConfig, spec: SweepSpec, params: dict, tags: dict, store: TrackingStore,
-                   parent_id: str, attempt: str) -> tuple[str, float | None]:
+def evaluate_trial(
+    trial: Any,
+    *,
+    rc: ResolvedConfig,
+    spec: SweepSpec,
+    params: dict,
+    tags: dict,
+    store: TrackingStore,
+    parent_id: str,
+    attempt: str,
+) -> tuple[str, float | None]:
     """Run the trial's cell; (COMPLETE, objective) | (PRUNED, None) | (FAIL, None)."""
     from dspark.stages.experiment import run_experiment
 
@@ -190,9 +249,14 @@ def objective_value(store: TrackingStore, *, attempt: str, metric: str, rc: Reso
         metrics.update(recorded_training_metrics(rc))
     if metric in metrics:
         return float(metrics[metric])
-    log.error("objective metric '%s' is missing from trial run %s; it logged: %s. Fix `objective` in "
-              "sweeps/%s.yaml or run a stage that produces it.", metric, run.info.run_id if run else "?",
-              ", ".join(sorted(metrics)) or "nothing", rc.cfg.sweep)
+    log.error(
+        "objective metric '%s' is missing from trial run %s; it logged: %s. Fix `objective` in "
+        "sweeps/%s.yaml or run a stage that produces it.",
+        metric,
+        run.info.run_id if run else "?",
+        ", ".join(sorted(metrics)) or "nothing",
+        rc.cfg.sweep,
+    )
     print(f"error: objective metric '{metric}' missing from the trial's run (see the log)", file=sys.stderr)
     return None
 
@@ -204,10 +268,20 @@ def log_study_summary(store: TrackingStore, parent_id: str, handle: StudyHandle,
 
     study = handle.study
     complete = study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
-    summary: dict[str, Any] = {"study": study.study_name, "storage": mask(handle.storage),
-                               "trials": [{"number": t.number, "state": t.state.name, "params": t.params,
-                                           "value": t.value, "paper_defaults": bool(t.user_attrs.get("paper_defaults"))}
-                                          for t in study.get_trials(deepcopy=False)]}
+    summary: dict[str, Any] = {
+        "study": study.study_name,
+        "storage": mask(handle.storage),
+        "trials": [
+            {
+                "number": t.number,
+                "state": t.state.name,
+                "params": t.params,
+                "value": t.value,
+                "paper_defaults": bool(t.user_attrs.get("paper_defaults")),
+            }
+            for t in study.get_trials(deepcopy=False)
+        ],
+    }
     metrics: dict[str, float] = {"optuna/trials_complete": float(len(complete))}
     if complete:
         best = study.best_trial
@@ -229,8 +303,9 @@ def log_study_summary(store: TrackingStore, parent_id: str, handle: StudyHandle,
     store.client.log_artifact(parent_id, str(out_dir / "study.json"), artifact_path="sweep")
 
 
-def finish_search(rc: ResolvedConfig, spec: SweepSpec, *, handle: StudyHandle, store: TrackingStore, parent_id: str,
-                  states: list[str]) -> int:
+def finish_search(
+    rc: ResolvedConfig, spec: SweepSpec, *, handle: StudyHandle, store: TrackingStore, parent_id: str, states: list[str]
+) -> int:
     """Summaries, report, parent status; 1 when a trial of this worker failed."""
     digest = store.client.get_run(parent_id).data.tags.get("sweep.hash", "")
     log_study_summary(store, parent_id, handle, out_dir=sweep_dir(rc, spec, digest))
@@ -245,6 +320,11 @@ def finish_search(rc: ResolvedConfig, spec: SweepSpec, *, handle: StudyHandle, s
         print(f"error: report for sweep {spec.name}: {type(err).__name__}: {err}", file=sys.stderr)
         code = 1
     store.finish(parent_id, status="FAILED" if failed else "FINISHED")
-    log.info("search %s: this worker ran %d trials (%s); study %s", spec.name, len(states),
-             ", ".join(f"{s} {states.count(s)}" for s in sorted(set(states))) or "none", handle.study.study_name)
+    log.info(
+        "search %s: this worker ran %d trials (%s); study %s",
+        spec.name,
+        len(states),
+        ", ".join(f"{s} {states.count(s)}" for s in sorted(set(states))) or "none",
+        handle.study.study_name,
+    )
     return code

@@ -14,6 +14,7 @@
   A storage reached over the network (PostgreSQL) from several machines has no shared lock: there the count is
   best-effort and a trial claimed past `n_trials` is told FAIL (tagged) without running.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -46,7 +47,7 @@ def mask(storage: str) -> str:
 def lock_path(storage: str, *, root: str | Path, study: str) -> Path:
     """A file lock beside a local storage file, else under paths.root (one machine)."""
     if storage.startswith("sqlite:///"):
-        return Path(storage[len("sqlite:///"):] + ".lock")
+        return Path(storage[len("sqlite:///") :] + ".lock")
     if not is_url(storage):
         return Path(storage).expanduser().resolve().with_suffix(".lock")
     digest = hashlib.sha256(f"{mask(storage)}|{study}".encode()).hexdigest()[:12]
@@ -66,14 +67,16 @@ def open_storage(storage: str) -> Any:
             return optuna.storages.JournalStorage(JournalFileBackend(str(path)))
         kwargs = {}
         if storage.startswith("sqlite:///"):
-            Path(storage[len("sqlite:///"):]).parent.mkdir(parents=True, exist_ok=True)
+            Path(storage[len("sqlite:///") :]).parent.mkdir(parents=True, exist_ok=True)
         elif storage.startswith("postgresql"):
             kwargs["engine_kwargs"] = {"connect_args": {"connect_timeout": 10}}
         return optuna.storages.RDBStorage(url=storage, **kwargs)
     except Exception as err:  # driver missing, host unreachable, bad path: all mean "fix optuna.storage"
-        raise ConfigError(f"optuna.storage={mask(storage)} cannot be opened ({type(err).__name__}: {err}). Use a "
-                          "sqlite:/// URL, a journal file path, or a reachable postgresql:// URL (with its driver "
-                          "installed); leave it empty for sqlite under paths.root.") from err
+        raise ConfigError(
+            f"optuna.storage={mask(storage)} cannot be opened ({type(err).__name__}: {err}). Use a "
+            "sqlite:/// URL, a journal file path, or a reachable postgresql:// URL (with its driver "
+            "installed); leave it empty for sqlite under paths.root."
+        ) from err
 
 
 def make_sampler(*, seed: int, offset: int, startup_trials: int) -> Any:
@@ -95,7 +98,7 @@ class StudyHandle:
     """A loaded study plus what workers need to share it safely."""
 
     study: Any
-    storage: str        # as configured (may hold credentials: show `mask(storage)`)
+    storage: str  # as configured (may hold credentials: show `mask(storage)`)
     lock_file: Path
     seed: int
     startup_trials: int
@@ -121,24 +124,45 @@ class StudyHandle:
         return bool(self.study.get_trials(deepcopy=False, states=(TrialState.WAITING,)))
 
 
-def setup_study(*, storage: str, name: str, direction: str, seed: int, startup_trials: int, prune: bool,
-                defaults: dict[str, Any], root: str | Path) -> StudyHandle:
+def setup_study(
+    *,
+    storage: str,
+    name: str,
+    direction: str,
+    seed: int,
+    startup_trials: int,
+    prune: bool,
+    defaults: dict[str, Any],
+    root: str | Path,
+) -> StudyHandle:
     """Open the storage, create or load the study, enqueue the defaults once; call before workers start."""
     import optuna
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)
-    handle = StudyHandle(study=None, storage=storage, lock_file=lock_path(storage, root=root, study=name),
-                         seed=seed, startup_trials=startup_trials)
+    handle = StudyHandle(
+        study=None,
+        storage=storage,
+        lock_file=lock_path(storage, root=root, study=name),
+        seed=seed,
+        startup_trials=startup_trials,
+    )
     try:
         handle.lock_file.parent.mkdir(parents=True, exist_ok=True)
     except OSError as err:
-        raise ConfigError(f"optuna.storage={mask(storage)}: cannot create {handle.lock_file.parent} ({err}); point "
-                          "it at a writable location.") from err
+        raise ConfigError(
+            f"optuna.storage={mask(storage)}: cannot create {handle.lock_file.parent} ({err}); point "
+            "it at a writable location."
+        ) from err
     with handle.locked():  # fresh sqlite files break when two processes run the migrations at once
         opened = open_storage(storage)
-        handle.study = optuna.create_study(storage=opened, study_name=name, direction=direction,
-                                           load_if_exists=True, pruner=make_pruner(prune),
-                                           sampler=make_sampler(seed=seed, offset=0, startup_trials=startup_trials))
+        handle.study = optuna.create_study(
+            storage=opened,
+            study_name=name,
+            direction=direction,
+            load_if_exists=True,
+            pruner=make_pruner(prune),
+            sampler=make_sampler(seed=seed, offset=0, startup_trials=startup_trials),
+        )
         if defaults:
             handle.study.enqueue_trial(dict(defaults), user_attrs={"paper_defaults": True}, skip_if_exists=True)
     return handle

@@ -1,5 +1,6 @@
 """What a sweep records on its parent run besides the run tree (`dspark.tracking.runs`): the sweep file, every
 cell's resolved config, and how each cell ended (`outcomes.json`, `sweep/cells_*` metrics)."""
+
 from __future__ import annotations
 
 import datetime
@@ -14,14 +15,17 @@ from dspark.markdown import markdown_table
 from dspark.tracking import TrackingStore
 
 
-def log_parent_record(store: TrackingStore, parent_id: str, *, spec_text: str, cells: list[dict],
-                      out_dir: Path) -> None:
+def log_parent_record(
+    store: TrackingStore, parent_id: str, *, spec_text: str, cells: list[dict], out_dir: Path
+) -> None:
     """Attach the sweep file and every cell's resolved config to the parent (before any cell runs)."""
     out_dir.mkdir(parents=True, exist_ok=True)
     atomic_write_text(out_dir / "sweep.yaml", spec_text)
     atomic_write_text(out_dir / "cells.yaml", yaml.safe_dump(cells, sort_keys=False, allow_unicode=True))
-    table = markdown_table(["#", "cell", "run name", "training key"],
-                           [[c["index"], c["cell"], c["run_name"], c["training_key"]] for c in cells])
+    table = markdown_table(
+        ["#", "cell", "run name", "training key"],
+        [[c["index"], c["cell"], c["run_name"], c["training_key"]] for c in cells],
+    )
     atomic_write_text(out_dir / "cells.md", table + "\n")
     for name in ("sweep.yaml", "cells.yaml", "cells.md"):
         store.client.log_artifact(parent_id, str(out_dir / name), artifact_path="sweep")

@@ -23,6 +23,7 @@ A sweep file is a mapping with these top-level keys (everything but `grid`/`optu
 Every key (fixed, budget overrides, axes, Optuna params) is checked against the config schema and every value
 coerced to the schema's type here, before anything runs; errors name the sweep file and the key.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -40,8 +41,18 @@ from dspark.config.loader import coerce, flatten, safe_load
 from dspark.config.resolve import available_sweeps, sweeps_dir
 from dspark.registry import unknown_name_message
 
-TOP_LEVEL = {"paper_ref", "description", "report", "runner", "fixed", "budget_overrides", "seeds", "grid",
-             "optuna", "latency"}
+TOP_LEVEL = {
+    "paper_ref",
+    "description",
+    "report",
+    "runner",
+    "fixed",
+    "budget_overrides",
+    "seeds",
+    "grid",
+    "optuna",
+    "latency",
+}
 RUNNERS = ("experiment", "latency")
 SWEEP_PLUMBING = ("paths.", "tracking.", "optuna.")  # the sweep's own settings, never a cell's choice
 OPTUNA_KEYS = {"direction", "objective", "prune_on", "params", "defaults"}
@@ -52,7 +63,7 @@ class Cell:
     """One grid point: `axes` (incl. `seed`) plus the fixed overrides give `overrides` (all coerced)."""
 
     index: int
-    key: str                  # stable id from the axis values, e.g. "drafter=dspark model.depth=1 seed=0"
+    key: str  # stable id from the axis values, e.g. "drafter=dspark model.depth=1 seed=0"
     axes: dict[str, Any]
     overrides: dict[str, Any]
 
@@ -62,7 +73,7 @@ class ParamSpec:
     """One Optuna search dimension over a config key."""
 
     key: str
-    kind: str                 # float | int | categorical
+    kind: str  # float | int | categorical
     low: float | None = None
     high: float | None = None
     log: bool = False
@@ -94,8 +105,10 @@ class OptunaSpec:
         """The metric a trial is scored by: training-only stages read the validation proxy."""
         group = "train" if stage in ("prepare", "train") else "all"
         if group not in self.objective:
-            raise ConfigError(f"stage={stage}: this search has no objective for it (objective: {self.objective}); "
-                              "run it with a stage its objective names.")
+            raise ConfigError(
+                f"stage={stage}: this search has no objective for it (objective: {self.objective}); "
+                "run it with a stage its objective names."
+            )
         return self.objective[group]
 
 
@@ -159,14 +172,18 @@ class SweepSpec:
                 if not seeds:
                     raise ConfigError(f"{arg}=[]: give at least one seed, e.g. {arg}=[0,1].")
                 continue
-            key = arg[len(AXES_ARG):] if arg.startswith(AXES_ARG) else ""
+            key = arg[len(AXES_ARG) :] if arg.startswith(AXES_ARG) else ""
             axes = [k for k in self.axis_keys() if k != "seed"]
             if self.kind != "grid" or key not in axes:
                 where = f"sweep={self.name}"
-                raise ConfigError(f"{arg}: {where} has no axis '{key or arg}' (its axes: {', '.join(axes) or 'none'};"
-                                  f" seeds: sweep.seeds=[...]). To set a key for every cell, pass {key or 'KEY'}=VALUE.")
+                raise ConfigError(
+                    f"{arg}: {where} has no axis '{key or arg}' (its axes: {', '.join(axes) or 'none'};"
+                    f" seeds: sweep.seeds=[...]). To set a key for every cell, pass {key or 'KEY'}=VALUE."
+                )
             if not values:
-                raise ConfigError(f"{arg}=[]: give at least one value, e.g. {arg}=[{_show(grid_values(grid, key)[0])}].")
+                raise ConfigError(
+                    f"{arg}=[]: give at least one value, e.g. {arg}=[{_show(grid_values(grid, key)[0])}]."
+                )
             coerced = [coerce_value(key, v, where=f"command line {arg}") for v in values]
             grid = [{k: (coerced if k == key else v) for k, v in block.items()} for block in grid]
         return dataclasses.replace(self, grid=grid, seeds=seeds)
@@ -177,9 +194,15 @@ class SweepSpec:
 
     def digest(self) -> str:
         """Hash of the parsed file (comments and formatting excluded)."""
-        payload = {"fixed": self.fixed, "budget_overrides": self.budget_overrides, "seeds": self.seeds,
-                   "grid": self.grid, "runner": self.runner, "latency": self.latency,
-                   "optuna": dataclasses.asdict(self.optuna) if self.optuna else None}
+        payload = {
+            "fixed": self.fixed,
+            "budget_overrides": self.budget_overrides,
+            "seeds": self.seeds,
+            "grid": self.grid,
+            "runner": self.runner,
+            "latency": self.latency,
+            "optuna": dataclasses.asdict(self.optuna) if self.optuna else None,
+        }
         return hashlib.sha256(json.dumps(payload, sort_keys=True, default=str).encode()).hexdigest()[:12]
 
 
@@ -262,8 +285,10 @@ def _parse_param(key: str, raw: Any, *, where: str) -> ParamSpec:
         return ParamSpec(key=key, kind="categorical", choices=choices)
     kind = raw.get("type", "int" if hint is int else "float")
     if kind not in ("int", "float") or hint not in (int, float) or {"low", "high"} - set(raw):
-        raise ConfigError(f"{where}: param '{key}' needs `choices: [...]` or numeric `low`/`high` (and optional "
-                          f"`type: int|float`, `log: true`) for a numeric key.")
+        raise ConfigError(
+            f"{where}: param '{key}' needs `choices: [...]` or numeric `low`/`high` (and optional "
+            f"`type: int|float`, `log: true`) for a numeric key."
+        )
     cast = int if kind == "int" else float
     low, high = (cast(coerce(raw[b], hint, key=f"{where}: {key}.{b}")) for b in ("low", "high"))
     if not low < high:
@@ -273,8 +298,10 @@ def _parse_param(key: str, raw: Any, *, where: str) -> ParamSpec:
 
 def _parse_optuna(raw: Any, *, where: str) -> OptunaSpec:
     if not isinstance(raw, dict) or set(raw) - OPTUNA_KEYS or "params" not in raw:
-        raise ConfigError(f"{where} optuna: expected a mapping with params (and direction, objective, prune_on, "
-                          f"defaults); got keys {sorted(raw) if isinstance(raw, dict) else raw!r}.")
+        raise ConfigError(
+            f"{where} optuna: expected a mapping with params (and direction, objective, prune_on, "
+            f"defaults); got keys {sorted(raw) if isinstance(raw, dict) else raw!r}."
+        )
     direction = raw.get("direction", "maximize")
     if direction not in ("maximize", "minimize"):
         raise ConfigError(f"{where} optuna.direction must be maximize or minimize (got {direction!r}).")
@@ -289,14 +316,16 @@ def _parse_optuna(raw: Any, *, where: str) -> OptunaSpec:
     defaults = {}
     for key, value in _mapping(raw.get("defaults"), where=f"{where} optuna.defaults").items():
         if key not in by_key:
-            raise ConfigError(f"{where} optuna.defaults: '{key}' is not one of the searched params "
-                              f"({', '.join(by_key)}).")
+            raise ConfigError(
+                f"{where} optuna.defaults: '{key}' is not one of the searched params ({', '.join(by_key)})."
+            )
         value = coerce_value(key, value, where=f"{where} optuna.defaults")
         if not by_key[key].contains(value):
             raise ConfigError(f"{where} optuna.defaults: {key}={value} lies outside its search space.")
         defaults[key] = value
-    return OptunaSpec(direction=direction, objective=objective, prune_on=raw.get("prune_on"), params=params,
-                      defaults=defaults)
+    return OptunaSpec(
+        direction=direction, objective=objective, prune_on=raw.get("prune_on"), params=params, defaults=defaults
+    )
 
 
 def load_sweep(name: str) -> SweepSpec:
@@ -325,11 +354,18 @@ def parse_sweep(name: str, text: str, *, path: Path | None = None) -> SweepSpec:
     seeds = [coerce(s, int, key=f"{where}: seeds") for s in (seeds if isinstance(seeds, list) else [seeds])]
     budgets = raw.get("budget_overrides") or {}
     spec = SweepSpec(
-        name=name, path=path or Path(where), text=text, paper_ref=str(raw.get("paper_ref", "")),
-        description=str(raw.get("description", "")), report=str(raw.get("report", name)), runner=runner,
+        name=name,
+        path=path or Path(where),
+        text=text,
+        paper_ref=str(raw.get("paper_ref", "")),
+        description=str(raw.get("description", "")),
+        report=str(raw.get("report", name)),
+        runner=runner,
         fixed=_parse_overrides(raw.get("fixed"), where=f"{where} fixed"),
         budget_overrides={b: _parse_overrides(v, where=f"{where} budget_overrides.{b}") for b, v in budgets.items()},
-        seeds=seeds or [0], latency=dict(raw.get("latency") or {}))
+        seeds=seeds or [0],
+        latency=dict(raw.get("latency") or {}),
+    )
     if "grid" in raw:
         spec.grid = _parse_grid(raw["grid"], where=where)
     else:

@@ -1,4 +1,5 @@
 """The frozen target LLM: `Target`, `load_target`, built-in targets (`tiny`, `smollm2-135m`). See base.py."""
+
 from dspark.targets.base import Target, TargetForward, default_feature_layer_ids, resolve_feature_layer_ids
 from dspark.targets.builtin import SMOLLM2_MASK_TOKEN, TARGETS, TargetSource
 from dspark.targets.loading import (

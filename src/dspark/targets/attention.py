@@ -17,6 +17,7 @@ this module's attention function, which takes the grouped path for CPU tensors w
 mask, and otherwise calls transformers' own `sdpa_attention_forward` unchanged (one query, no mask, other devices,
 position biases, soft-capping). `DSPARK_TARGET_ATTENTION=sdpa` keeps transformers' path (for side-by-side timing).
 """
+
 from __future__ import annotations
 
 import os
@@ -36,26 +37,43 @@ ATTENTION_CHOICES = ("auto", "sdpa")
 __all__ = ["ATTENTION_ENV", "GROUPED_SDPA", "grouped_sdpa_attention", "use_grouped_sdpa"]
 
 
-def grouped_sdpa_attention(module: torch.nn.Module, query: Tensor, key: Tensor, value: Tensor,
-                           attention_mask: Tensor | None, dropout: float = 0.0, scaling: float | None = None,
-                           is_causal: bool | None = None, **kwargs: Any) -> tuple[Tensor, None]:
+def grouped_sdpa_attention(
+    module: torch.nn.Module,
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    attention_mask: Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    is_causal: bool | None = None,
+    **kwargs: Any,
+) -> tuple[Tensor, None]:
     """transformers' attention-function contract: query [B, H_q, L, hd], key/value [B, H_kv, T, hd] (cache
     included), attention_mask as `sdpa_mask` builds it ([B, 1, L, T] bool or additive float, or None) → output
     [B, L, H_q, hd] and no attention weights. Grouped path where it applies (module docstring), else transformers'."""
     if _takes_grouped_path(module, query, attention_mask, kwargs):
-        out = F.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask, dropout_p=dropout,
-                                             scale=scaling, enable_gqa=True)
+        out = F.scaled_dot_product_attention(
+            query, key, value, attn_mask=attention_mask, dropout_p=dropout, scale=scaling, enable_gqa=True
+        )
         return out.transpose(1, 2).contiguous(), None
-    return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
-                                  is_causal=is_causal, **kwargs)
+    return sdpa_attention_forward(
+        module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, is_causal=is_causal, **kwargs
+    )
 
 
-def _takes_grouped_path(module: torch.nn.Module, query: Tensor, attention_mask: Tensor | None,
-                        kwargs: dict[str, Any]) -> bool:
+def _takes_grouped_path(
+    module: torch.nn.Module, query: Tensor, attention_mask: Tensor | None, kwargs: dict[str, Any]
+) -> bool:
     """Several queries, a mask, grouped heads, on the CPU, and nothing transformers adds to the mask itself."""
-    return (getattr(module, "num_key_value_groups", 1) > 1 and query.shape[2] > 1 and attention_mask is not None
-            and query.device.type == "cpu" and kwargs.get("position_bias") is None
-            and kwargs.get("softcap") is None and not kwargs.get("output_attentions", False))
+    return (
+        getattr(module, "num_key_value_groups", 1) > 1
+        and query.shape[2] > 1
+        and attention_mask is not None
+        and query.device.type == "cpu"
+        and kwargs.get("position_bias") is None
+        and kwargs.get("softcap") is None
+        and not kwargs.get("output_attentions", False)
+    )
 
 
 def _register() -> None:
@@ -69,9 +87,11 @@ def use_grouped_sdpa(model: Any) -> str:
     is not `sdpa`); returns the attention implementation the model runs afterwards."""
     choice = os.environ.get(ATTENTION_ENV, "auto").strip().lower() or "auto"
     if choice not in ATTENTION_CHOICES:
-        raise ValueError(f"{ATTENTION_ENV}={choice!r} is not one of {', '.join(ATTENTION_CHOICES)}: auto (grouped "
-                         "SDPA where the target runs transformers' sdpa with grouped-query heads) or sdpa "
-                         "(transformers' own path, for timing side by side)")
+        raise ValueError(
+            f"{ATTENTION_ENV}={choice!r} is not one of {', '.join(ATTENTION_CHOICES)}: auto (grouped "
+            "SDPA where the target runs transformers' sdpa with grouped-query heads) or sdpa "
+            "(transformers' own path, for timing side by side)"
+        )
     config = model.config
     current = getattr(config, "_attn_implementation", None)
     heads = getattr(config, "num_attention_heads", None)

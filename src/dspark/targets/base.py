@@ -6,6 +6,7 @@ Drafters read three things from the target: the raw outputs of `m` decoder layer
 hooks on the decoder layers, so any id `0..L-1` works; the last entry of HF `hidden_states` is post-norm and is
 never used as a feature (METHOD §10).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -139,8 +140,10 @@ class Target:
         """The frozen decoder layer `layer_id` (negative ids count from the end), e.g. to initialise a draft layer
         from (`dspark.drafters.init.copy_target_layers`)."""
         if not -self.num_layers <= layer_id < self.num_layers:
-            raise ValueError(f"target layer {layer_id} does not exist: the target has {self.num_layers} decoder layers "
-                             f"(ids 0..{self.num_layers - 1}, or -1..-{self.num_layers} from the end)")
+            raise ValueError(
+                f"target layer {layer_id} does not exist: the target has {self.num_layers} decoder layers "
+                f"(ids 0..{self.num_layers - 1}, or -1..-{self.num_layers} from the end)"
+            )
         return self._decoder.layers[layer_id]
 
     @torch.no_grad()

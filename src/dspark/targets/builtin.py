@@ -3,6 +3,7 @@
 Each entry turns a name into a `TargetSource` (a local directory or hub id to load, and the MASK token to use),
 materialising files under `<cache_dir>/targets/` on first use. Loading itself is generic (`loading.py`).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass

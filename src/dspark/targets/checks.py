@@ -6,6 +6,7 @@ at least 32 bytes`). These functions read headers and directory listings only, n
 `ValueError` naming `target`, the file and the fix. `check_target` is what preflight calls; `resolve_source`
 calls the same checks before converting or loading.
 """
+
 from __future__ import annotations
 
 import json
@@ -16,11 +17,16 @@ from pathlib import Path
 from dspark.targets.builtin import TARGET_KEY, TARGETS
 from dspark.targets.storage import gguf_cache_name, targets_cache_root
 
-WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
-                "pytorch_model.bin.index.json")
+WEIGHT_FILES = (
+    "model.safetensors",
+    "model.safetensors.index.json",
+    "pytorch_model.bin",
+    "pytorch_model.bin.index.json",
+)
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "vocab.json", "spiece.model")
-MODEL_DIR_HINT = ("a save_pretrained directory holds config.json, model.safetensors (or shards + index) and "
-                  "tokenizer files")
+MODEL_DIR_HINT = (
+    "a save_pretrained directory holds config.json, model.safetensors (or shards + index) and tokenizer files"
+)
 
 
 def check_target(name_or_path: str, *, cache_dir: Path | None = None) -> None:
@@ -37,13 +43,17 @@ def check_target(name_or_path: str, *, cache_dir: Path | None = None) -> None:
     elif path.is_dir():
         check_model_dir(path)
     elif path.exists():
-        raise ValueError(f"{TARGET_KEY}={name_or_path} is a file but not a .gguf; give a .gguf file or a model "
-                         f"directory ({MODEL_DIR_HINT}).")
+        raise ValueError(
+            f"{TARGET_KEY}={name_or_path} is a file but not a .gguf; give a .gguf file or a model "
+            f"directory ({MODEL_DIR_HINT})."
+        )
     elif not looks_like_path(name_or_path):
         check_hub_id_reachable(name_or_path)
     else:
-        raise ValueError(f"{TARGET_KEY}={name_or_path}: no such file or directory; give a local model directory, a "
-                         f".gguf file, a hub id, or a built-in name ({', '.join(TARGETS.names())}).")
+        raise ValueError(
+            f"{TARGET_KEY}={name_or_path}: no such file or directory; give a local model directory, a "
+            f".gguf file, a hub id, or a built-in name ({', '.join(TARGETS.names())})."
+        )
 
 
 def looks_like_path(text: str) -> bool:
@@ -56,26 +66,36 @@ def check_model_dir(path: Path) -> None:
     path = Path(path)
     config = path / "config.json"
     if not config.is_file():
-        raise ValueError(f"{TARGET_KEY}={path} is not a model directory: it has no config.json ({MODEL_DIR_HINT}); "
-                         "point target= at a save_pretrained directory or a .gguf file.")
+        raise ValueError(
+            f"{TARGET_KEY}={path} is not a model directory: it has no config.json ({MODEL_DIR_HINT}); "
+            "point target= at a save_pretrained directory or a .gguf file."
+        )
     try:
         data = json.loads(config.read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise ValueError(f"{TARGET_KEY}={path}: {config} is not valid JSON ({err}); restore it from the model's "
-                         "source (re-download or re-save the model).") from err
+        raise ValueError(
+            f"{TARGET_KEY}={path}: {config} is not valid JSON ({err}); restore it from the model's "
+            "source (re-download or re-save the model)."
+        ) from err
     if not isinstance(data, dict) or "model_type" not in data:
-        raise ValueError(f"{TARGET_KEY}={path}: {config} has no `model_type`, so transformers cannot tell which "
-                         "architecture to build; save the model with save_pretrained (it writes model_type).")
+        raise ValueError(
+            f"{TARGET_KEY}={path}: {config} has no `model_type`, so transformers cannot tell which "
+            "architecture to build; save the model with save_pretrained (it writes model_type)."
+        )
     weights = [path / name for name in WEIGHT_FILES if (path / name).is_file()] or sorted(path.glob("*.safetensors"))
     if not weights:
-        raise ValueError(f"{TARGET_KEY}={path} has a config.json but no weights (none of {', '.join(WEIGHT_FILES)} "
-                         "or *.safetensors); copy the weight files next to config.json.")
+        raise ValueError(
+            f"{TARGET_KEY}={path} has a config.json but no weights (none of {', '.join(WEIGHT_FILES)} "
+            "or *.safetensors); copy the weight files next to config.json."
+        )
     for shard in _weight_shards(weights[0]) if weights[0].name.endswith(".index.json") else weights:
         if shard.suffix == ".safetensors":
             check_safetensors_file(shard)
     if not any((path / name).is_file() for name in TOKENIZER_FILES):
-        raise ValueError(f"{TARGET_KEY}={path} has no tokenizer files (none of {', '.join(TOKENIZER_FILES)}); save "
-                         "the tokenizer into the same directory (tokenizer.save_pretrained).")
+        raise ValueError(
+            f"{TARGET_KEY}={path} has no tokenizer files (none of {', '.join(TOKENIZER_FILES)}); save "
+            "the tokenizer into the same directory (tokenizer.save_pretrained)."
+        )
 
 
 def _weight_shards(index: Path) -> list[Path]:
@@ -84,12 +104,16 @@ def _weight_shards(index: Path) -> list[Path]:
     try:
         shards = sorted(set(json.loads(first.read_text())["weight_map"].values()))
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as err:
-        raise ValueError(f"{TARGET_KEY}: {first} is not a valid weight index ({type(err).__name__}: {err}); "
-                         "re-save the model or remove the index if the weights are in one file.") from err
+        raise ValueError(
+            f"{TARGET_KEY}: {first} is not a valid weight index ({type(err).__name__}: {err}); "
+            "re-save the model or remove the index if the weights are in one file."
+        ) from err
     missing = [name for name in shards if not (first.parent / name).is_file()]
     if missing:
-        raise ValueError(f"{TARGET_KEY}: {first} names {len(missing)} missing shard(s) ({', '.join(missing[:3])}); "
-                         "copy every shard the index lists next to it.")
+        raise ValueError(
+            f"{TARGET_KEY}: {first} names {len(missing)} missing shard(s) ({', '.join(missing[:3])}); "
+            "copy every shard the index lists next to it."
+        )
     return [first.parent / name for name in shards]
 
 
@@ -105,11 +129,15 @@ def check_safetensors_file(path: Path) -> None:
             header = json.loads(handle.read(header_len))
         end = max((info["data_offsets"][1] for key, info in header.items() if key != "__metadata__"), default=0)
     except (struct.error, ValueError, KeyError, TypeError, UnicodeDecodeError) as err:
-        raise ValueError(f"{TARGET_KEY}: {path} is not a readable safetensors file ({err}); it is damaged or "
-                         "truncated: copy or download it again.") from err
+        raise ValueError(
+            f"{TARGET_KEY}: {path} is not a readable safetensors file ({err}); it is damaged or "
+            "truncated: copy or download it again."
+        ) from err
     if 8 + header_len + end > size:
-        raise ValueError(f"{TARGET_KEY}: {path} is truncated ({size:,} bytes, its header needs "
-                         f"{8 + header_len + end:,}); copy or download it again.")
+        raise ValueError(
+            f"{TARGET_KEY}: {path} is truncated ({size:,} bytes, its header needs "
+            f"{8 + header_len + end:,}); copy or download it again."
+        )
 
 
 def check_gguf_file(path: Path) -> None:
@@ -128,18 +156,22 @@ def check_gguf_file(path: Path) -> None:
             raise ValueError(f"it starts with {magic!r}, not the GGUF magic b'GGUF'")
         reader = GGUFReader(str(path))
     except Exception as err:  # the reader fails with struct/index/reshape errors on a cut-off file
-        raise ValueError(f"{TARGET_KEY}={path}: not a readable GGUF file ({type(err).__name__}: {err}); "
-                         f"{fix}.") from err
+        raise ValueError(
+            f"{TARGET_KEY}={path}: not a readable GGUF file ({type(err).__name__}: {err}); {fix}."
+        ) from err
     end = max((t.data_offset + int(t.n_bytes) for t in reader.tensors), default=0)
     if not reader.tensors or end > size:
-        raise ValueError(f"{TARGET_KEY}={path}: truncated GGUF ({size:,} bytes, its tensor table needs {end:,}); "
-                         f"{fix}.")
+        raise ValueError(
+            f"{TARGET_KEY}={path}: truncated GGUF ({size:,} bytes, its tensor table needs {end:,}); {fix}."
+        )
     field = reader.get_field("general.architecture")
     arch = bytes(field.parts[field.data[0]]).decode() if field is not None else "(none)"
     if arch not in GGUF_SUPPORTED_ARCHITECTURES:
-        raise ValueError(f"{TARGET_KEY}={path}: GGUF architecture '{arch}' cannot be converted by transformers "
-                         f"(supported: {', '.join(a for a in GGUF_SUPPORTED_ARCHITECTURES if a != 'general')}); "
-                         "convert it to a save_pretrained directory another way and point target= at that.")
+        raise ValueError(
+            f"{TARGET_KEY}={path}: GGUF architecture '{arch}' cannot be converted by transformers "
+            f"(supported: {', '.join(a for a in GGUF_SUPPORTED_ARCHITECTURES if a != 'general')}); "
+            "convert it to a save_pretrained directory another way and point target= at that."
+        )
 
 
 def check_hub_id_reachable(hub_id: str) -> None:
@@ -149,6 +181,8 @@ def check_hub_id_reachable(hub_id: str) -> None:
     from huggingface_hub import try_to_load_from_cache
 
     if not isinstance(try_to_load_from_cache(hub_id, "config.json"), str):
-        raise ValueError(f"{TARGET_KEY}={hub_id}: not a built-in name ({', '.join(TARGETS.names())}) or local path, "
-                         "and HF_HUB_OFFLINE=1 with no cached copy of it; download it once with the hub online, "
-                         "or give a local model directory or .gguf file.")
+        raise ValueError(
+            f"{TARGET_KEY}={hub_id}: not a built-in name ({', '.join(TARGETS.names())}) or local path, "
+            "and HF_HUB_OFFLINE=1 with no cached copy of it; download it once with the hub online, "
+            "or give a local model directory or .gguf file."
+        )

@@ -8,6 +8,7 @@ faster, `row_padding` which row counts are cheaper computed as more rows (the ex
 three at target load, keeping the measured choice in `few_row_decision_path` (benchmarks/bench_matmul_layout.py
 measures the same things side by side).
 """
+
 from __future__ import annotations
 
 import functools
@@ -46,8 +47,9 @@ ROW_PAD_ENV = "DSPARK_ROW_PADDING"
 RowPadding = dict[int, int]
 
 
-def few_row_product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
-                    row_padding: RowPadding | None = None) -> torch.Tensor:
+def few_row_product(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *, row_padding: RowPadding | None = None
+) -> torch.Tensor:
     """`F.linear(x, weight, bias)` for x [..., K], weight [N, K] → [..., N], computed as (W xᵀ)ᵀ when x has at most
     `FEW_ROWS` rows (the same numbers up to summation order), as `F.linear` otherwise. row_padding: an n-row x with
     n in the table is multiplied as `row_padding[n]` rows (the extra ones zero) and its n rows kept (`row_padding`
@@ -92,7 +94,7 @@ def _padded_rows(flat: torch.Tensor, padded_rows: int, weight: torch.Tensor) -> 
     buffer = buffers.get(key)
     if buffer is None:
         buffer = buffers[key] = flat.new_zeros(padded_rows, flat.shape[1])
-    buffer[:flat.shape[0]].copy_(flat)
+    buffer[: flat.shape[0]].copy_(flat)
     return buffer
 
 
@@ -109,8 +111,9 @@ def _median_ms(fn: Callable[[], object], reps: int) -> float:
 def worth_probing(weight: torch.Tensor) -> bool:
     """The few-row probes' scope: fp32 CPU weights of at least `FEW_ROW_PROBE_MIN_ELEMENTS` (smaller ones sit in cache,
     where the layouts cost the same; tiny test models keep `nn.Linear`)."""
-    return (weight.device.type == "cpu" and weight.dtype == torch.float32
-            and weight.numel() >= FEW_ROW_PROBE_MIN_ELEMENTS)
+    return (
+        weight.device.type == "cpu" and weight.dtype == torch.float32 and weight.numel() >= FEW_ROW_PROBE_MIN_ELEMENTS
+    )
 
 
 def few_row_layout(weight: torch.Tensor, *, rows: tuple[int, ...] = (2, 4), reps: int = 3) -> tuple[str, float]:
@@ -169,14 +172,15 @@ def padding_from_costs(costs: dict[int, float], *, margin: float = ROW_PAD_MARGI
     table: RowPadding = {}
     sizes = sorted(costs)
     for index, n in enumerate(sizes):
-        cheaper = [m for m in sizes[index + 1:] if costs[n] >= margin * costs[m]]
+        cheaper = [m for m in sizes[index + 1 :] if costs[n] >= margin * costs[m]]
         if cheaper:
             table[n] = cheaper[0]
     return table
 
 
-def row_padding(weight: torch.Tensor, *, max_rows: int = FEW_ROWS, rounds: int = 3, reps: int = 3
-                ) -> tuple[RowPadding, dict[int, float]]:
+def row_padding(
+    weight: torch.Tensor, *, max_rows: int = FEW_ROWS, rounds: int = 3, reps: int = 3
+) -> tuple[RowPadding, dict[int, float]]:
     """Which few-row (W xᵀ)ᵀ products should be computed with more rows on this machine: (the table,
     `padding_from_costs` of the measured costs; those costs {rows: ms}, empty when not probed).
 
@@ -237,8 +241,9 @@ def _read_decision(path: Path) -> tuple[str, RowPadding] | None:
     return (layout, padding) if layout in ("linear", "transposed") else None
 
 
-def choose_few_row_layout(model: nn.Module, head_weight: Tensor, decision_file: Path | None = None
-                          ) -> tuple[str, RowPadding]:
+def choose_few_row_layout(
+    model: nn.Module, head_weight: Tensor, decision_file: Path | None = None
+) -> tuple[str, RowPadding]:
     """Measure once whether this machine's few-row products (a verify forward's ℓ + 1 tokens) are faster in the
     (W xᵀ)ᵀ layout, and switch every `nn.Linear` of the frozen model to it if so (`few_row_layout`: fp32 CPU weights
     only, tiny models never); in that layout, also which row counts are faster computed as more rows
@@ -247,7 +252,7 @@ def choose_few_row_layout(model: nn.Module, head_weight: Tensor, decision_file: 
     decision_file: where a measured choice is kept and, when present, read instead of measuring again — the probe's
     choice can vary from load to load on a busy machine, and two runs on one machine must compare the same baseline.
     Delete the file to measure again; `DSPARK_FEW_ROW_LAYOUT` / `DSPARK_ROW_PADDING` still override it."""
-    forced = (os.environ.get(FEW_ROW_LAYOUT_ENV, "auto") != "auto" or os.environ.get(ROW_PAD_ENV, "auto") != "auto")
+    forced = os.environ.get(FEW_ROW_LAYOUT_ENV, "auto") != "auto" or os.environ.get(ROW_PAD_ENV, "auto") != "auto"
     kept = _read_decision(decision_file) if decision_file is not None and not forced else None
     if kept is not None:
         layout, padding = kept
@@ -257,12 +262,17 @@ def choose_few_row_layout(model: nn.Module, head_weight: Tensor, decision_file: 
         padding, costs = row_padding(head_weight.detach()) if layout == "transposed" else ({}, {})
         source = f"measured: {speedup:.1f}× x Wᵀ's speed on the LM head at 2–4 tokens"
         if costs:
-            source += ("; LM head ms " + ", ".join(f"{n} → {m} rows {costs[n]:.1f} → {costs[m]:.1f}"
-                                                  for n, m in sorted(padding.items())))
+            source += "; LM head ms " + ", ".join(
+                f"{n} → {m} rows {costs[n]:.1f} → {costs[m]:.1f}" for n, m in sorted(padding.items())
+            )
         # only a measured choice is kept: tiny, bf16 or GPU weights are never probed
         if decision_file is not None and not forced and worth_probing(head_weight):
-            record = {"layout": layout, "row_padding": format_row_padding(padding), "layout_speedup": speedup,
-                      "row_costs_ms": costs}
+            record = {
+                "layout": layout,
+                "row_padding": format_row_padding(padding),
+                "layout_speedup": speedup,
+                "row_costs_ms": costs,
+            }
             try:
                 atomic_write_text(decision_file, json.dumps(record, indent=1))
             except OSError as err:  # a convenience, not a result: a read-only cache only means measuring next time
@@ -270,6 +280,13 @@ def choose_few_row_layout(model: nn.Module, head_weight: Tensor, decision_file: 
     if layout != "transposed":
         return layout, {}
     count = use_few_row_products(model, row_padding=padding)
-    log.info("target: %d linear layers compute few-token products as (W xᵀ)ᵀ, row padding %s (%s; %s=linear, "
-             "%s=off turn these off)", count, format_row_padding(padding), source, FEW_ROW_LAYOUT_ENV, ROW_PAD_ENV)
+    log.info(
+        "target: %d linear layers compute few-token products as (W xᵀ)ᵀ, row padding %s (%s; %s=linear, "
+        "%s=off turn these off)",
+        count,
+        format_row_padding(padding),
+        source,
+        FEW_ROW_LAYOUT_ENV,
+        ROW_PAD_ENV,
+    )
     return layout, padding

@@ -4,6 +4,7 @@ Resolution order: a built-in name (`TARGETS`), else a local `.gguf` file (conver
 local `save_pretrained` directory, or a hub id. Anything that looks like a path but does not exist is refused
 before any loading work.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -57,8 +58,9 @@ def load_target(
         name=source.name,
         model=model,
         tokenizer=tokenizer,
-        feature_layer_ids=resolve_feature_layer_ids(feature_layers, num_layers=num_layers,
-                                                    num_default=num_feature_layers),
+        feature_layer_ids=resolve_feature_layer_ids(
+            feature_layers, num_layers=num_layers, num_default=num_feature_layers
+        ),
         mask_token_id=choose_mask_token_id(model, tokenizer, explicit=mask_token_id, token=source.mask_token),
         stop_token_ids=collect_stop_token_ids(model, tokenizer),
         fingerprint=fingerprint,
@@ -84,8 +86,10 @@ def resolve_source(name_or_path: str, *, cache_dir: Path, seed: int) -> TargetSo
         converted = materialize(targets_cache_root(cache_dir) / gguf_cache_name(path), lambda t: _convert(path, t))
         return TargetSource(name=str(path), location=str(converted))
     if not path.is_dir():
-        raise ValueError(f"{TARGET_KEY}: '{path}' is neither a .gguf file nor a model directory; point it at a "
-                         "save_pretrained directory (config.json, safetensors, tokenizer files) or a .gguf file")
+        raise ValueError(
+            f"{TARGET_KEY}: '{path}' is neither a .gguf file nor a model directory; point it at a "
+            "save_pretrained directory (config.json, safetensors, tokenizer files) or a .gguf file"
+        )
     check_model_dir(path)
     return TargetSource(name=str(path), location=str(path))
 
@@ -106,9 +110,7 @@ def _load_pretrained(source: TargetSource, *, dtype: torch.dtype, trust_remote_c
     """AutoTokenizer + AutoModelForCausalLM from the source; load failures become a ValueError with a hint."""
     try:
         tokenizer = AutoTokenizer.from_pretrained(source.location, trust_remote_code=trust_remote_code)
-        model = AutoModelForCausalLM.from_pretrained(
-            source.location, dtype=dtype, trust_remote_code=trust_remote_code
-        )
+        model = AutoModelForCausalLM.from_pretrained(source.location, dtype=dtype, trust_remote_code=trust_remote_code)
     except Exception as err:  # hub/network and file errors come in many types; keep the cause chained
         if not source.is_hub and not isinstance(err, OSError):
             raise

@@ -4,6 +4,7 @@ Everything a target needs is materialised once under `<cache_dir>/targets/<name>
 `save_pretrained` directory (safetensors + tokenizer + chat template), and every later load, including the first
 one, reads that directory, so a converted or generated target is bit-identical across loads.
 """
+
 from __future__ import annotations
 
 import hashlib

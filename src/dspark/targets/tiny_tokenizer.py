@@ -5,6 +5,7 @@ without touching the network. Byte-level BPE can encode any text (no unknown tok
 keeps the tiny model's embedding and LM head small. The corpus mixes English, arithmetic and Python so that
 every prompt domain the data module generates tokenizes into a reasonable number of pieces.
 """
+
 from __future__ import annotations
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers

@@ -1,4 +1,5 @@
 """MLflow tracking: one store per `paths.root` (sqlite) or a remote `mlflow server`; runs carry flat tags."""
+
 from dspark.tracking.store import (
     TrackingStore,
     git_provenance,

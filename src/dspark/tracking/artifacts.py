@@ -11,6 +11,7 @@ headings, paragraphs, `-`/`*`/`1.` lists (nested by indentation, items continued
 fenced code blocks, block quotes, and inline images, links, code spans, **bold** and *italic*. Everything else is
 escaped text, never raw HTML.
 """
+
 from __future__ import annotations
 
 import base64
@@ -24,31 +25,49 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from dspark.tracking.store import TrackingStore
 
-IMAGE_TYPES = {".png": "image/png", ".jpg": "image/jpeg", ".jpeg": "image/jpeg", ".gif": "image/gif",
-               ".svg": "image/svg+xml"}
-STYLE = ("body{font-family:-apple-system,'Segoe UI',Helvetica,Arial,sans-serif;font-size:14px;line-height:1.45;"
-         "margin:16px;max-width:1200px}table{border-collapse:collapse;margin:8px 0}th,td{border:1px solid #ccc;"
-         "padding:3px 8px;text-align:left}th{background:#f4f4f4}code{background:#f4f4f4;padding:0 3px}"
-         "pre{background:#f4f4f4;padding:8px;overflow-x:auto}img{max-width:100%}blockquote{color:#555;"
-         "border-left:3px solid #ccc;margin:0;padding-left:12px}")
+IMAGE_TYPES = {
+    ".png": "image/png",
+    ".jpg": "image/jpeg",
+    ".jpeg": "image/jpeg",
+    ".gif": "image/gif",
+    ".svg": "image/svg+xml",
+}
+STYLE = (
+    "body{font-family:-apple-system,'Segoe UI',Helvetica,Arial,sans-serif;font-size:14px;line-height:1.45;"
+    "margin:16px;max-width:1200px}table{border-collapse:collapse;margin:8px 0}th,td{border:1px solid #ccc;"
+    "padding:3px 8px;text-align:left}th{background:#f4f4f4}code{background:#f4f4f4;padding:0 3px}"
+    "pre{background:#f4f4f4;padding:8px;overflow-x:auto}img{max-width:100%}blockquote{color:#555;"
+    "border-left:3px solid #ccc;margin:0;padding-left:12px}"
+)
 
 _HEADING = re.compile(r"^(#{1,6})\s+(.*?)\s*#*\s*$")
 _ITEM = re.compile(r"^(\s*)([-*+]|\d+[.)])\s+(.*)$")
 _RULE = re.compile(r"^\s*\|?\s*:?-{3,}:?\s*(\|\s*:?-{3,}:?\s*)*\|?\s*$")
-_INLINE = re.compile(r"`([^`]+)`|!\[([^\]]*)\]\(([^)\s]+)\)|\[([^\]]+)\]\(([^)\s]+)\)|\*\*(.+?)\*\*"
-                     r"|(?<![\w*])\*(?![\s*])(.+?)(?<![\s*])\*(?![\w*])")
+_INLINE = re.compile(
+    r"`([^`]+)`|!\[([^\]]*)\]\(([^)\s]+)\)|\[([^\]]+)\]\(([^)\s]+)\)|\*\*(.+?)\*\*"
+    r"|(?<![\w*])\*(?![\s*])(.+?)(?<![\s*])\*(?![\w*])"
+)
 
 
-def log_report(store: TrackingStore, run_id: str, markdown_path: str | Path, figures: Iterable[str | Path] = (), *,
-               artifact_path: str) -> list[str]:
+def log_report(
+    store: TrackingStore,
+    run_id: str,
+    markdown_path: str | Path,
+    figures: Iterable[str | Path] = (),
+    *,
+    artifact_path: str,
+) -> list[str]:
     """Log `markdown_path`, its HTML rendering (`<stem>.html`, figures inlined) and each existing figure under
     `artifact_path` of the run; returns the artifact paths logged. Figures are found by the name the markdown
     uses (`![..](name.png)`), so pass the files the report refers to."""
     markdown_path = Path(markdown_path)
     figures = [Path(f) for f in figures if Path(f).is_file()]
     images = {f.name: data_uri(f) for f in figures}
-    page = markdown_to_html(markdown_path.read_text(encoding="utf-8"), title=markdown_path.stem,
-                            image_src=lambda src: images.get(Path(src).name, src))
+    page = markdown_to_html(
+        markdown_path.read_text(encoding="utf-8"),
+        title=markdown_path.stem,
+        image_src=lambda src: images.get(Path(src).name, src),
+    )
     logged = []
     with tempfile.TemporaryDirectory(prefix="dspark-report-") as tmp:  # the HTML exists only as an artifact
         rendered = Path(tmp) / f"{markdown_path.stem}.html"
@@ -69,15 +88,17 @@ def markdown_to_html(text: str, *, title: str = "", image_src: Callable[[str], s
     """A standalone HTML page of `text` (the subset of the module docstring); `image_src` maps each image's
     markdown target to its `src` (e.g. to a data URI)."""
     body = _Blocks(text.splitlines(), image_src=image_src).render()
-    return (f'<!DOCTYPE html>\n<html><head><meta charset="utf-8"><title>{html.escape(title)}</title>'
-            f"<style>{STYLE}</style></head>\n<body>\n{body}\n</body></html>\n")
+    return (
+        f'<!DOCTYPE html>\n<html><head><meta charset="utf-8"><title>{html.escape(title)}</title>'
+        f"<style>{STYLE}</style></head>\n<body>\n{body}\n</body></html>\n"
+    )
 
 
 def inline_html(text: str, *, image_src: Callable[[str], str] = lambda src: src) -> str:
     """One line of markdown → HTML: code spans, images, links, **bold**, *italic*; the rest escaped."""
     out, last = [], 0
     for match in _INLINE.finditer(text):
-        out.append(html.escape(text[last:match.start()], quote=False))
+        out.append(html.escape(text[last : match.start()], quote=False))
         code, alt, src, label, href, bold, italic = match.groups()
         if code is not None:
             out.append(f"<code>{html.escape(code, quote=False)}</code>")
@@ -133,12 +154,17 @@ class _Blocks:
         return "\n".join(out)
 
     def is_table(self, i: int) -> bool:
-        return (self.lines[i].lstrip().startswith("|") and i + 1 < len(self.lines)
-                and bool(_RULE.match(self.lines[i + 1])))
+        return (
+            self.lines[i].lstrip().startswith("|") and i + 1 < len(self.lines) and bool(_RULE.match(self.lines[i + 1]))
+        )
 
     def starts_block(self, line: str) -> bool:
-        return (not line.strip() or bool(_HEADING.match(line)) or bool(_ITEM.match(line))
-                or line.lstrip().startswith(("```", ">", "|")))
+        return (
+            not line.strip()
+            or bool(_HEADING.match(line))
+            or bool(_ITEM.match(line))
+            or line.lstrip().startswith(("```", ">", "|"))
+        )
 
     def paragraph(self) -> str:
         parts = [self.lines[self.i].strip()]

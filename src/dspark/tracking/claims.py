@@ -7,6 +7,7 @@ its own value survived (a racing worker's later write wins, and that worker sees
 a daemon thread renews the heartbeat every `beat` seconds; a claim whose heartbeat is older than `stale` seconds
 belongs to a dead worker and may be taken over. Releasing deletes the tag.
 """
+
 from __future__ import annotations
 
 import socket
@@ -30,7 +31,7 @@ def worker_id() -> str:
 class StoreClaim:
     """The claim of one worker on one cell of one parent run (see the module docstring)."""
 
-    client: Any                 # an MlflowClient
+    client: Any  # an MlflowClient
     parent_id: str
     index: int
     worker: str

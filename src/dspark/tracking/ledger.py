@@ -21,6 +21,7 @@ Contract:
 - A file that is not a ledger, or a ledger of another sweep or hash where one is required, is refused with the file
   named and the fix.
 """
+
 from __future__ import annotations
 
 import json
@@ -68,19 +69,23 @@ def load_ledger(path: str | Path) -> dict[str, Any] | None:
     except (OSError, json.JSONDecodeError) as err:
         raise LedgerError(f"sweep ledger {path} is unreadable ({err}): {fix}") from None
     if not isinstance(data, dict) or data.get("format") != LEDGER_FORMAT:
-        raise LedgerError(f"{path} is not a sweep ledger (no \"format\": \"{LEDGER_FORMAT}\"): {fix}")
+        raise LedgerError(f'{path} is not a sweep ledger (no "format": "{LEDGER_FORMAT}"): {fix}')
     if data.get("version") == 1:
-        raise LedgerError(f"sweep ledger {path} has version 1 (named by a hash of every default); convert it with "
-                          f"`python -m dspark.sweeps.migrate {path}` (it writes version {LEDGER_VERSION} beside it)")
+        raise LedgerError(
+            f"sweep ledger {path} has version 1 (named by a hash of every default); convert it with "
+            f"`python -m dspark.sweeps.migrate {path}` (it writes version {LEDGER_VERSION} beside it)"
+        )
     if data.get("version") != LEDGER_VERSION:
-        raise LedgerError(f"sweep ledger {path} has version {data.get('version')!r}; this code reads version "
-                          f"{LEDGER_VERSION}: {fix}")
+        raise LedgerError(
+            f"sweep ledger {path} has version {data.get('version')!r}; this code reads version {LEDGER_VERSION}: {fix}"
+        )
     cells = data.get("cells")
-    if not isinstance(cells, list) or not all(isinstance(c, dict) and isinstance(c.get("cell"), str)
-                                              and isinstance(c.get("tags"), dict) for c in cells):
-        raise LedgerError(f"sweep ledger {path}: \"cells\" must be a list of objects with \"cell\" and \"tags\": {fix}")
+    if not isinstance(cells, list) or not all(
+        isinstance(c, dict) and isinstance(c.get("cell"), str) and isinstance(c.get("tags"), dict) for c in cells
+    ):
+        raise LedgerError(f'sweep ledger {path}: "cells" must be a list of objects with "cell" and "tags": {fix}')
     if not isinstance(data.get("identity"), dict) or not isinstance(data.get("sweep_hash"), str):
-        raise LedgerError(f"sweep ledger {path} has no \"identity\" / \"sweep_hash\": {fix}")
+        raise LedgerError(f'sweep ledger {path} has no "identity" / "sweep_hash": {fix}')
     return data
 
 
@@ -91,9 +96,11 @@ def read_ledger(path: str | Path, *, sweep: str, sweep_hash: str) -> dict[str, d
     if data is None:
         return {}
     if data.get("sweep") != sweep or data.get("sweep_hash") != sweep_hash:
-        raise LedgerError(f"sweep ledger {path} records sweep {data.get('sweep')!r} hash {data.get('sweep_hash')!r}, "
-                          f"not {sweep!r} hash {sweep_hash!r}: delete it to run its cells again, or restore it "
-                          f"from git (`git checkout -- {path}`)")
+        raise LedgerError(
+            f"sweep ledger {path} records sweep {data.get('sweep')!r} hash {data.get('sweep_hash')!r}, "
+            f"not {sweep!r} hash {sweep_hash!r}: delete it to run its cells again, or restore it "
+            f"from git (`git checkout -- {path}`)"
+        )
     return {c["cell"]: c for c in data["cells"]}
 
 
@@ -106,10 +113,16 @@ def _entry(run: Any) -> dict[str, Any]:
     """A completed child run as a ledger entry."""
     tags = {k: v for k, v in sorted(run.data.tags.items()) if not k.startswith(_STORE_TAGS) and k not in _LOCAL_TAGS}
     params = {k: v for k, v in sorted(run.data.params.items()) if not k.startswith(_LOCAL_PARAMS)}
-    return {"cell": run.data.tags["cell"], "run_id": run.data.tags.get(RUN_ID_TAG, run.info.run_id),
-            "run_name": run.info.run_name or "", "start_time": run.info.start_time, "end_time": run.info.end_time,
-            "tags": tags, "params": params,
-            "metrics": {k: float(v) for k, v in sorted(run.data.metrics.items())}}
+    return {
+        "cell": run.data.tags["cell"],
+        "run_id": run.data.tags.get(RUN_ID_TAG, run.info.run_id),
+        "run_name": run.info.run_name or "",
+        "start_time": run.info.start_time,
+        "end_time": run.info.end_time,
+        "tags": tags,
+        "params": params,
+        "metrics": {k: float(v) for k, v in sorted(run.data.metrics.items())},
+    }
 
 
 def _index(entry: dict[str, Any]) -> tuple[int, str]:
@@ -119,8 +132,9 @@ def _index(entry: dict[str, Any]) -> tuple[int, str]:
         return 10**9, entry["cell"]
 
 
-def record_cells(runs: Iterable[Any], path: str | Path, *, sweep: str, sweep_hash: str,
-                 identity: dict[str, Any]) -> int:
+def record_cells(
+    runs: Iterable[Any], path: str | Path, *, sweep: str, sweep_hash: str, identity: dict[str, Any]
+) -> int:
     """Write the given completed child runs (one per cell: the cell's current run) merged with the file's cells to
     the ledger at `path`; returns the cell count. Nothing is written while no cell has completed."""
     path = Path(path)
@@ -137,11 +151,18 @@ def record_cells(runs: Iterable[Any], path: str | Path, *, sweep: str, sweep_has
     return len(entries)
 
 
-def write_ledger(path: str | Path, *, sweep: str, sweep_hash: str, identity: dict[str, Any],
-                 entries: Iterable[dict[str, Any]]) -> Path:
+def write_ledger(
+    path: str | Path, *, sweep: str, sweep_hash: str, identity: dict[str, Any], entries: Iterable[dict[str, Any]]
+) -> Path:
     """Replace the ledger at `path` atomically (sorted JSON, cells in grid order)."""
-    payload = {"format": LEDGER_FORMAT, "version": LEDGER_VERSION, "sweep": sweep, "sweep_hash": sweep_hash,
-               "identity": identity, "cells": sorted(entries, key=_index)}
+    payload = {
+        "format": LEDGER_FORMAT,
+        "version": LEDGER_VERSION,
+        "sweep": sweep,
+        "sweep_hash": sweep_hash,
+        "identity": identity,
+        "cells": sorted(entries, key=_index),
+    }
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     return atomic_write_text(path, json.dumps(payload, indent=1, sort_keys=True) + "\n")
@@ -154,8 +175,9 @@ def import_cells(store: TrackingStore, parent_id: str, path: str | Path, *, swee
     driver then picks, per cell, the run recorded under today's recipe (`dspark.sweeps.driver.cell_states`)."""
     path = Path(path)
     entries = read_ledger(path, sweep=sweep, sweep_hash=sweep_hash)
-    complete = [r for r in children(store, parent_id)
-                if r.info.status == "FINISHED" and r.data.tags.get(COMPLETE_TAG) == "true"]
+    complete = [
+        r for r in children(store, parent_id) if r.info.status == "FINISHED" and r.data.tags.get(COMPLETE_TAG) == "true"
+    ]
     imported = []
     for cell, entry in sorted(entries.items(), key=lambda item: _index(item[1])):
         if any(_same_record(run, entry) for run in complete if run.data.tags.get("cell") == cell):
@@ -179,14 +201,18 @@ def _add_run(store: TrackingStore, parent_id: str, entry: dict[str, Any], *, sou
     from mlflow.entities import Param
 
     tags = {k: str(v) for k, v in entry["tags"].items() if not k.startswith(_STORE_TAGS)}
-    tags |= {"sweep.role": CELL, "cell": entry["cell"], SOURCE_TAG: Path(source).name,
-             RUN_ID_TAG: str(entry.get("run_id")),
-             "sweep.attempt": uuid.uuid4().hex}  # a fresh attempt id: never confused with a cell running here
+    tags |= {
+        "sweep.role": CELL,
+        "cell": entry["cell"],
+        SOURCE_TAG: Path(source).name,
+        RUN_ID_TAG: str(entry.get("run_id")),
+        "sweep.attempt": uuid.uuid4().hex,
+    }  # a fresh attempt id: never confused with a cell running here
     tags.pop(COMPLETE_TAG, None)  # set last, once params and metrics are in: a crash mid-import leaves no done cell
     run_id = store.create_run(run_name=str(entry.get("run_name") or entry["cell"]), tags=tags, parent_run_id=parent_id)
     params = [Param(str(k), str(v)) for k, v in (entry.get("params") or {}).items()]
     for i in range(0, len(params), 100):
-        store.client.log_batch(run_id, params=params[i:i + 100])
+        store.client.log_batch(run_id, params=params[i : i + 100])
     store.log_metrics(run_id, {str(k): float(v) for k, v in (entry.get("metrics") or {}).items()})
     store.client.set_tag(run_id, COMPLETE_TAG, "true")
     store.finish(run_id)

@@ -15,6 +15,7 @@ A cell counts as done only with status FINISHED *and* `sweep.complete=true`: Lig
 FINISHED when training ends, so a process killed during evaluation would otherwise look finished. The sweep driver
 writes this tree and reports read it; neither needs the other.
 """
+
 from __future__ import annotations
 
 from typing import Any, Iterable
@@ -39,8 +40,9 @@ def search_all(store: TrackingStore, filter_string: str, *, order_by: list[str] 
     """Every run of the store's experiment matching the filter (all result pages)."""
     runs, token = [], None
     while True:
-        page = store.client.search_runs([store.experiment_id], filter_string=filter_string, max_results=1000,
-                                        order_by=order_by, page_token=token)
+        page = store.client.search_runs(
+            [store.experiment_id], filter_string=filter_string, max_results=1000, order_by=order_by, page_token=token
+        )
         runs.extend(page)
         token = page.token
         if not token:
@@ -83,8 +85,11 @@ def children(store: TrackingStore, parent_id: str) -> list[Any]:
 
 def done_cells(runs: Iterable[Any]) -> dict[str, str]:
     """cell key → run id of the children that completed (FINISHED and tagged complete)."""
-    return {r.data.tags["cell"]: r.info.run_id for r in runs
-            if r.info.status == "FINISHED" and r.data.tags.get(COMPLETE_TAG) == "true" and "cell" in r.data.tags}
+    return {
+        r.data.tags["cell"]: r.info.run_id
+        for r in runs
+        if r.info.status == "FINISHED" and r.data.tags.get(COMPLETE_TAG) == "true" and "cell" in r.data.tags
+    }
 
 
 def find_attempt(store: TrackingStore, attempt: str) -> Any | None:
@@ -99,11 +104,19 @@ def close_stale(store: TrackingStore, runs: Iterable[Any], *, cell: str) -> None
             store.finish(run.info.run_id, status="KILLED")
 
 
-def cell_tags(*, sweep: str, sweep_hash: str, paper_ref: str, index: int, key: str, axes: dict[str, Any],
-              attempt: str) -> dict[str, str]:
+def cell_tags(
+    *, sweep: str, sweep_hash: str, paper_ref: str, index: int, key: str, axes: dict[str, Any], attempt: str
+) -> dict[str, str]:
     """The flat tags of one cell's child run."""
-    tags = {"sweep.name": sweep, "sweep.hash": sweep_hash, "sweep.role": CELL, "cell": key,
-            "cell.index": str(index), "paper.ref": paper_ref, "sweep.attempt": attempt}
+    tags = {
+        "sweep.name": sweep,
+        "sweep.hash": sweep_hash,
+        "sweep.role": CELL,
+        "cell": key,
+        "cell.index": str(index),
+        "paper.ref": paper_ref,
+        "sweep.attempt": attempt,
+    }
     return tags | {f"axis.{k}": str(v) for k, v in axes.items()}
 
 

@@ -2,6 +2,7 @@
 with `MlflowClient` so Lightning's `MLFlowLogger(run_id=...)` attaches to them, flat tags, the resolved config as an
 artifact, `summary/*` metrics for reports.
 """
+
 from __future__ import annotations
 
 import os
@@ -37,9 +38,11 @@ def check_reachable(uri: str, *, timeout: float = 5.0) -> None:
             if resp.status == 200:
                 return
     except (urllib.error.URLError, socket.timeout, ConnectionError) as err:
-        raise ConfigError(f"tracking.uri={shown} is unreachable ({err}). Start it with `mlflow server --host 127.0.0.1 "
-                          "--port 5000 --backend-store-uri sqlite:///$PWD/outputs/mlflow.db`, or drop tracking.uri "
-                          "to use the local sqlite store.") from err
+        raise ConfigError(
+            f"tracking.uri={shown} is unreachable ({err}). Start it with `mlflow server --host 127.0.0.1 "
+            "--port 5000 --backend-store-uri sqlite:///$PWD/outputs/mlflow.db`, or drop tracking.uri "
+            "to use the local sqlite store."
+        ) from err
     raise ConfigError(f"tracking.uri={shown}: /health did not answer 200.")
 
 
@@ -78,7 +81,7 @@ class TrackingStore:
         now = int(time.time() * 1000)
         items = [Metric(k, float(v), now, step) for k, v in metrics.items()]
         for i in range(0, len(items), 500):
-            self.client.log_batch(run_id, metrics=items[i:i + 500])
+            self.client.log_batch(run_id, metrics=items[i : i + 500])
 
     def finish(self, run_id: str, *, status: str = "FINISHED") -> None:
         self.client.set_terminated(run_id, status=status)
@@ -99,8 +102,10 @@ def portable_config_yaml(cfg: RunConfig) -> str:
     """config.yaml of a run: the resolved config less `paths.*` (see `log_config`)."""
     import yaml
 
-    return ("# the resolved config of this run; paths.* are left out (they name one machine's directories)\n"
-            + yaml.safe_dump(_portable_tree(cfg), sort_keys=False))
+    return (
+        "# the resolved config of this run; paths.* are left out (they name one machine's directories)\n"
+        + yaml.safe_dump(_portable_tree(cfg), sort_keys=False)
+    )
 
 
 def _flat_params(cfg: RunConfig) -> dict[str, str]:

@@ -18,6 +18,7 @@ The URL format is MLflow 3's (checked against the UI bundle of the installed 3.1
 
 Credentials never leave here: an http(s) URI loses `user:password@`, a database URI's password becomes `***`.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -100,8 +101,10 @@ def ui_column(name: str) -> str:
     metrics, tags."""
     kind, _, key = name.partition(".")
     if kind not in COLUMN_KINDS or not key:
-        raise ValueError(f"column {name!r}: write KIND.KEY with KIND one of {', '.join(COLUMN_KINDS)} "
-                         "(e.g. params.model.depth, metrics.summary/tau)")
+        raise ValueError(
+            f"column {name!r}: write KIND.KEY with KIND one of {', '.join(COLUMN_KINDS)} "
+            "(e.g. params.model.depth, metrics.summary/tau)"
+        )
     return f"{kind}.`{key}`"
 
 
@@ -110,15 +113,21 @@ def _fragment(store: TrackingStore, params: dict[str, str]) -> str:
     return f"{ui_base(store.uri)}/#/experiments/{store.experiment_id}/runs?{query}"
 
 
-def runs_table_url(store: TrackingStore, *, filter_string: str | None = None,
-                   columns: Sequence[str] | None = None, view_name: str | None = None) -> str:
+def runs_table_url(
+    store: TrackingStore,
+    *,
+    filter_string: str | None = None,
+    columns: Sequence[str] | None = None,
+    view_name: str | None = None,
+) -> str:
     """The URL of the store's runs table in the model-training view, filtered by `filter_string` (an MLflow
     search filter, e.g. ``tags.`sweep.name` = 'depth'``). With `columns` (`params.…`, `metrics.…`, `tags.…`),
     the filter and those columns are saved as a shared view of the experiment (named `view_name`, default the
     filter) and the URL opens it; if the store refuses the tag, the URL carries the filter alone."""
     if columns:
-        key = share_view(store, filter_string=filter_string or "", columns=columns,
-                         name=view_name or filter_string or "dspark runs")
+        key = share_view(
+            store, filter_string=filter_string or "", columns=columns, name=view_name or filter_string or "dspark runs"
+        )
         if key:
             return _fragment(store, {"viewStateShareKey": key})
     return _fragment(store, {"searchFilter": filter_string} if filter_string else {})
@@ -132,8 +141,13 @@ def run_url(store: TrackingStore, run_id: str) -> str:
 
 def view_state(*, filter_string: str, columns: Sequence[str]) -> dict:
     """The view the UI restores from a share key: search facets and runs-table state (the UI's own key names)."""
-    return {"searchFilter": filter_string, "orderByKey": "attributes.start_time", "orderByAsc": False,
-            "selectedColumns": [ui_column(c) for c in columns], "runsHiddenMode": "SHOW_ALL"}
+    return {
+        "searchFilter": filter_string,
+        "orderByKey": "attributes.start_time",
+        "orderByAsc": False,
+        "selectedColumns": [ui_column(c) for c in columns],
+        "runsHiddenMode": "SHOW_ALL",
+    }
 
 
 def share_view(store: TrackingStore, *, filter_string: str, columns: Sequence[str], name: str) -> str | None:

@@ -6,6 +6,7 @@ a process killed near the end (a session's time limit, a reboot, Ctrl-C) lost th
 much; together with `ResumableLoader` (the position in the epoch travels with the checkpoint) and data that are a pure
 function of (seed, epoch, position), the resumed run ends with the same drafter as an uninterrupted one.
 """
+
 from __future__ import annotations
 
 import time
@@ -27,8 +28,9 @@ class EpochAndTimeCheckpoint(ModelCheckpoint):
     """
 
     def __init__(self, dirpath: Path | str, *, every_seconds: float | None) -> None:
-        super().__init__(dirpath=dirpath, save_last="link", save_top_k=1, every_n_epochs=1,
-                         save_on_train_epoch_end=True)
+        super().__init__(
+            dirpath=dirpath, save_last="link", save_top_k=1, every_n_epochs=1, save_on_train_epoch_end=True
+        )
         self.every_seconds = every_seconds
         self._since: float | None = None
 
@@ -67,15 +69,19 @@ class ResumeLoaderPosition(Callback):
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
         load = getattr(trainer.fit_loop, "_load_combined_loader_states", None)
         if load is None:  # a Lightning without it: resuming mid-epoch would silently repeat batches
-            raise RuntimeError("this Lightning version has no FitLoop._load_combined_loader_states: a run resumed "
-                               "mid-epoch cannot restore its data position; pin lightning<=2.6 or set "
-                               "trainer.checkpoint_every_min=0")
+            raise RuntimeError(
+                "this Lightning version has no FitLoop._load_combined_loader_states: a run resumed "
+                "mid-epoch cannot restore its data position; pin lightning<=2.6 or set "
+                "trainer.checkpoint_every_min=0"
+            )
         load()
 
 
 def checkpoint_interval(minutes: float) -> float | None:
     """`trainer.checkpoint_every_min` as the callback's interval in seconds: None for 0 (epoch ends only)."""
     if minutes < 0:
-        raise ValueError(f"trainer.checkpoint_every_min={minutes}: must be >= 0 (0 = checkpoints at epoch ends "
-                         "only), e.g. trainer.checkpoint_every_min=10")
+        raise ValueError(
+            f"trainer.checkpoint_every_min={minutes}: must be >= 0 (0 = checkpoints at epoch ends "
+            "only), e.g. trainer.checkpoint_every_min=10"
+        )
     return 60.0 * minutes if minutes > 0 else None

@@ -3,6 +3,7 @@ is a plain nn.Module, the batch→loss glue is a registered step function (`dspa
 torchmetrics objects (one per split). The frozen target lives outside the module's registered submodules, so
 checkpoints hold only the drafter's weights.
 """
+
 from __future__ import annotations
 
 from dataclasses import asdict
@@ -55,8 +56,17 @@ class NonFiniteLossError(FloatingPointError):
 class DrafterModule(L.LightningModule):
     """Train `drafter` against the frozen `target` with the loss of METHOD §3 (or §4 for EAGLE-3)."""
 
-    def __init__(self, *, drafter: nn.Module, target: Target, drafter_kind: str, block_size: int, loss: LossConfig,
-                 optim: OptimConfig, drafter_config: dict[str, Any]) -> None:
+    def __init__(
+        self,
+        *,
+        drafter: nn.Module,
+        target: Target,
+        drafter_kind: str,
+        block_size: int,
+        loss: LossConfig,
+        optim: OptimConfig,
+        drafter_config: dict[str, Any],
+    ) -> None:
         super().__init__()
         self.drafter = drafter
         self.__dict__["target"] = target  # plain attribute: never in state_dict, never trained
@@ -66,10 +76,17 @@ class DrafterModule(L.LightningModule):
         self.optim_cfg = asdict(optim)
         # kept in checkpoints, not logged: the run's params are the flattened config (`TrackingStore.log_config`),
         # and these copy it under other names (loss_weights/alpha_tv = loss.alpha_tv); `on_fit_start` logs the rest
-        self.save_hyperparameters({"drafter_kind": drafter_kind, "block_size": block_size,
-                                   "loss_weights": self.loss_weights, "optim": self.optim_cfg,
-                                   "drafter_config": drafter_config, "target_fingerprint": target.fingerprint},
-                                  logger=False)
+        self.save_hyperparameters(
+            {
+                "drafter_kind": drafter_kind,
+                "block_size": block_size,
+                "loss_weights": self.loss_weights,
+                "optim": self.optim_cfg,
+                "drafter_config": drafter_config,
+                "target_fingerprint": target.fingerprint,
+            },
+            logger=False,
+        )
         self.resolved_params = resolved_params(drafter_config, target_fingerprint=target.fingerprint)
         # keys are "<split>_metrics": a bare "train" would shadow nn.Module.train
         self.split_metrics = nn.ModuleDict({f"{s}_metrics": self._split_metrics() for s in ("train", "val")})
@@ -78,8 +95,14 @@ class DrafterModule(L.LightningModule):
     def _split_metrics(self) -> nn.ModuleDict:
         g = self.block_size
         # coverage: p_t's mass inside the draft vocabulary, the ceiling of every slot's acceptance
-        return nn.ModuleDict({"accept": TeacherForcedAcceptance(g), "ce": PositionCrossEntropy(g),
-                              "calib": CumulativeCalibration(g), "vocab_coverage": MeanMetric()})
+        return nn.ModuleDict(
+            {
+                "accept": TeacherForcedAcceptance(g),
+                "ce": PositionCrossEntropy(g),
+                "calib": CumulativeCalibration(g),
+                "vocab_coverage": MeanMetric(),
+            }
+        )
 
     def on_fit_start(self) -> None:
         self.target.model.to(self.device)  # the target follows the drafter's device (GPU runs)
@@ -94,20 +117,36 @@ class DrafterModule(L.LightningModule):
         # pooled denominators matter for the gradient only: validation's loss is a logged per-rank mean
         # (sync_dist averages it) and its metrics reduce exact sums, so it adds no collective per batch
         normalizer = pooled_weight_sum if split == "train" else None
-        result: StepResult = self.step_fn(drafter=self.drafter, target=self.target, batch=batch,
-                                          block_size=self.block_size, normalizer=normalizer, **self.loss_weights)
+        result: StepResult = self.step_fn(
+            drafter=self.drafter,
+            target=self.target,
+            batch=batch,
+            block_size=self.block_size,
+            normalizer=normalizer,
+            **self.loss_weights,
+        )
         if not torch.isfinite(result.loss.total):
             raise NonFiniteLossError(
                 f"{split} loss is {result.loss.total.item()} at step {self.global_step}: lower optim.lr, check the "
-                "data cache (stage=prepare), or set trainer.precision=32-true. The last good checkpoint is kept.")
+                "data cache (stage=prepare), or set trainer.precision=32-true. The last good checkpoint is kept."
+            )
         self._update_metrics(result, split)
-        parts = {f"{split}/loss": result.loss.total, f"{split}/loss_ce": result.loss.ce,
-                 f"{split}/loss_tv": result.loss.tv, f"{split}/loss_conf": result.loss.conf}
+        parts = {
+            f"{split}/loss": result.loss.total,
+            f"{split}/loss_ce": result.loss.ce,
+            f"{split}/loss_tv": result.loss.tv,
+            f"{split}/loss_conf": result.loss.conf,
+        }
         if result.loss.renyi is not None:  # loss.kind=dpard
             parts[f"{split}/loss_renyi"] = result.loss.renyi
-        self.log_dict({k: v.detach() for k, v in parts.items()}, prog_bar=(split == "train"),
-                      on_step=(split == "train"), on_epoch=(split == "val"), batch_size=result.num_blocks,
-                      sync_dist=(split == "val"))
+        self.log_dict(
+            {k: v.detach() for k, v in parts.items()},
+            prog_bar=(split == "train"),
+            on_step=(split == "train"),
+            on_epoch=(split == "val"),
+            batch_size=result.num_blocks,
+            sync_dist=(split == "val"),
+        )
         return result.loss.total
 
     def _update_metrics(self, result: StepResult, split: str) -> None:
@@ -166,7 +205,11 @@ class DrafterModule(L.LightningModule):
     def configure_optimizers(self):
         total = max(1, int(self.trainer.estimated_stepping_batches))
         optimizer, schedule = build_optimizer(
-            self.drafter.parameters(), lr=self.optim_cfg["lr"], betas=(self.optim_cfg["beta1"], self.optim_cfg["beta2"]),
-            weight_decay=self.optim_cfg["weight_decay"], total_steps=total,
-            warmup_fraction=self.optim_cfg["warmup_fraction"])
+            self.drafter.parameters(),
+            lr=self.optim_cfg["lr"],
+            betas=(self.optim_cfg["beta1"], self.optim_cfg["beta2"]),
+            weight_decay=self.optim_cfg["weight_decay"],
+            total_steps=total,
+            warmup_fraction=self.optim_cfg["warmup_fraction"],
+        )
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}

@@ -1,5 +1,6 @@
 """The paper's optimiser recipe (METHOD §3): AdamW (weight decay 0), linear warm-up over a fraction of the steps,
 then cosine to 0; gradient clipping is the Trainer's (`gradient_clip_val`)."""
+
 from __future__ import annotations
 
 import math
@@ -16,8 +17,9 @@ def warmup_cosine(step: int, *, total_steps: int, warmup_steps: int) -> float:
     return 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
 
 
-def build_optimizer(params, *, lr: float, betas: tuple[float, float], weight_decay: float, total_steps: int,
-                    warmup_fraction: float) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LambdaLR]:
+def build_optimizer(
+    params, *, lr: float, betas: tuple[float, float], weight_decay: float, total_steps: int, warmup_fraction: float
+) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LambdaLR]:
     """AdamW + per-step warm-up/cosine schedule over `total_steps` optimiser steps."""
     params = [p for p in params if p.requires_grad]
     if not params:
@@ -30,7 +32,8 @@ def build_optimizer(params, *, lr: float, betas: tuple[float, float], weight_dec
     optimizer = torch.optim.AdamW(params, lr=lr, betas=betas, weight_decay=weight_decay, fused=fused or None)
     warmup = int(round(warmup_fraction * total_steps))
     schedule = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda s: warmup_cosine(s, total_steps=total_steps, warmup_steps=warmup))
+        optimizer, lambda s: warmup_cosine(s, total_steps=total_steps, warmup_steps=warmup)
+    )
     return optimizer, schedule
 
 

@@ -1,4 +1,5 @@
 """The training progress bar: Lightning's tqdm bar, drawn right when a run resumes inside an epoch."""
+
 from __future__ import annotations
 
 from typing import Any

@@ -4,6 +4,7 @@ Each step returns a `StepResult` with the loss parts for logging and the teacher
 (c*, validity, per-slot NLL, confidence probabilities), all shaped [B, N, γ] ("blocks" × slots; for EAGLE-3 a
 "block" is a sequence position and slot k is TTT step k-1).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -48,8 +49,14 @@ class TargetDistribution:
     coverage: Tensor  # [...] fp32 Σ_{x ∈ Vd} p_t(x)
 
 
-def target_distribution(drafter, target: Any, batch: dict[str, Tensor], final_hidden: Tensor,
-                        positions: Tensor, select: Tensor | None = None) -> TargetDistribution:
+def target_distribution(
+    drafter,
+    target: Any,
+    batch: dict[str, Tensor],
+    final_hidden: Tensor,
+    positions: Tensor,
+    select: Tensor | None = None,
+) -> TargetDistribution:
     """p_t over the draft vocabulary at `positions` [B, N, γ] (indices into final_hidden [B, T, d]).
 
     `select` [B, N, γ] bool (optional): return `probs` only at the selected slots, [M, Vd] in `probs[select]`
@@ -118,31 +125,67 @@ def block_forward(*, drafter, target, batch: dict[str, Tensor], block_size: int)
     """The DSpark/DFlash drafter's teacher-forced forward over a batch's anchored blocks: (drafter output, the blocks
     of `build_blocks`, the target's final-norm hidden [B, T, d] whose LM-head image is p_t)."""
     features, final_hidden = target_features(target, batch)
-    blocks = build_blocks(batch["input_ids"], batch["loss_mask"], batch["anchors"], batch["anchor_valid"],
-                          block_size=block_size, mask_token_id=target.mask_token_id)
-    out = drafter(context_features=features, context_valid=batch["attention_mask"].bool(),
-                  block_input_ids=blocks.block_input_ids, anchor_positions=batch["anchors"],
-                  prev_tokens=blocks.prev_tokens)
+    blocks = build_blocks(
+        batch["input_ids"],
+        batch["loss_mask"],
+        batch["anchors"],
+        batch["anchor_valid"],
+        block_size=block_size,
+        mask_token_id=target.mask_token_id,
+    )
+    out = drafter(
+        context_features=features,
+        context_valid=batch["attention_mask"].bool(),
+        block_input_ids=blocks.block_input_ids,
+        anchor_positions=batch["anchors"],
+        prev_tokens=blocks.prev_tokens,
+    )
     return out, blocks, final_hidden
 
 
-def dspark_step(*, drafter, target, batch: dict[str, Tensor], block_size: int, alpha_ce: float, alpha_tv: float,
-                alpha_conf: float, decay: float, kind: str = "paper", dpard_alpha: float = 0.5,
-                normalizer: Callable[[Tensor], Tensor] | None = None) -> StepResult:
+def dspark_step(
+    *,
+    drafter,
+    target,
+    batch: dict[str, Tensor],
+    block_size: int,
+    alpha_ce: float,
+    alpha_tv: float,
+    alpha_conf: float,
+    decay: float,
+    kind: str = "paper",
+    dpard_alpha: float = 0.5,
+    normalizer: Callable[[Tensor], Tensor] | None = None,
+) -> StepResult:
     """DSpark / DFlash (METHOD §2.1 table, §3): blocks from anchors, p_t from the target's final-norm hidden;
     `kind` picks the objective (`loss.kind`: paper | dpard); `normalizer` (Σ w → denominator) pools the paper
     objective's denominators across data-parallel ranks (D-PARD keeps its per-rank block count)."""
     out, blocks, final_hidden = block_forward(drafter=drafter, target=target, batch=batch, block_size=block_size)
     with torch.no_grad():  # the paper objective reads p_t at its supervised slots only: gather just those
-        p_t = target_distribution(drafter, target, batch, final_hidden, blocks.target_positions,
-                                  select=blocks.label_valid if kind == "paper" else None)
+        p_t = target_distribution(
+            drafter,
+            target,
+            batch,
+            final_hidden,
+            blocks.target_positions,
+            select=blocks.label_valid if kind == "paper" else None,
+        )
     labels, in_vocab = drafter.draft_head.to_draft_ids(blocks.labels)
     extra = {"dpard_alpha": dpard_alpha} if kind == "dpard" else {"normalizer": normalizer}
     # the paper's objective through this module's name: tests (NaN loss, Ctrl-C) patch steps.compute_dspark_loss
     objective = compute_dspark_loss if kind == "paper" else BLOCK_OBJECTIVES.resolve(kind)
-    loss = objective(out, labels=labels, label_valid=blocks.label_valid, target_probs=p_t.probs,
-                     label_in_vocab=in_vocab, alpha_ce=alpha_ce, alpha_tv=alpha_tv, alpha_conf=alpha_conf, decay=decay,
-                     **extra)
+    loss = objective(
+        out,
+        labels=labels,
+        label_valid=blocks.label_valid,
+        target_probs=p_t.probs,
+        label_in_vocab=in_vocab,
+        alpha_ce=alpha_ce,
+        alpha_tv=alpha_tv,
+        alpha_conf=alpha_conf,
+        decay=decay,
+        **extra,
+    )
     with torch.no_grad():
         nll = loss.nll  # the paper objective's own −log p_d(label) on the supervised slots (the metrics read no other)
         if nll is None or loss.c_star is None:
@@ -150,14 +193,29 @@ def dspark_step(*, drafter, target, batch: dict[str, Tensor], block_size: int, a
             # −log p_d(label) = logsumexp − the label's logit: one reduction pass, no [B, N, γ, Vd] log-softmax copy
             nll = torch.logsumexp(logits, dim=-1) - logits.gather(-1, labels.unsqueeze(-1)).squeeze(-1)
         conf = torch.sigmoid(out.confidence_logits.float()) if out.confidence_logits is not None else None
-        c_star = loss.c_star if loss.c_star is not None else _analytic_acceptance(
-            torch.log_softmax(logits, dim=-1), p_t.probs)
+        c_star = (
+            loss.c_star
+            if loss.c_star is not None
+            else _analytic_acceptance(torch.log_softmax(logits, dim=-1), p_t.probs)
+        )
     zero = _zero(loss.total)
-    parts = LossParts(total=loss.total, ce=_or(loss.ce, zero), tv=_or(loss.tv, zero), conf=_or(loss.conf, zero),
-                      renyi=None if loss.renyi is None else loss.renyi.detach())
-    return StepResult(loss=parts, c_star=c_star.detach(), label_valid=blocks.label_valid, nll=nll,
-                      confidence=conf, num_blocks=int(batch["anchor_valid"].sum()),
-                      nll_valid=blocks.label_valid & in_vocab, coverage=p_t.coverage)
+    parts = LossParts(
+        total=loss.total,
+        ce=_or(loss.ce, zero),
+        tv=_or(loss.tv, zero),
+        conf=_or(loss.conf, zero),
+        renyi=None if loss.renyi is None else loss.renyi.detach(),
+    )
+    return StepResult(
+        loss=parts,
+        c_star=c_star.detach(),
+        label_valid=blocks.label_valid,
+        nll=nll,
+        confidence=conf,
+        num_blocks=int(batch["anchor_valid"].sum()),
+        nll_valid=blocks.label_valid & in_vocab,
+        coverage=p_t.coverage,
+    )
 
 
 def _analytic_acceptance(draft_logp: Tensor, target_probs: Tensor) -> Tensor:
@@ -173,9 +231,20 @@ TRAINING_STEPS.add("dspark", dspark_step)
 TRAINING_STEPS.add("dflash", dspark_step)
 
 
-def eagle3_step(*, drafter, target, batch: dict[str, Tensor], block_size: int, alpha_ce: float = 0.0,
-                alpha_tv: float = 0.0, alpha_conf: float = 0.0, decay: float = 4.0, kind: str = "paper",
-                dpard_alpha: float = 0.5, normalizer: Callable[[Tensor], Tensor] | None = None) -> StepResult:
+def eagle3_step(
+    *,
+    drafter,
+    target,
+    batch: dict[str, Tensor],
+    block_size: int,
+    alpha_ce: float = 0.0,
+    alpha_tv: float = 0.0,
+    alpha_conf: float = 0.0,
+    decay: float = 4.0,
+    kind: str = "paper",
+    dpard_alpha: float = 0.5,
+    normalizer: Callable[[Tensor], Tensor] | None = None,
+) -> StepResult:
     """EAGLE-3 training-time test (METHOD §4): soft CE against p_t with step weights 0.8^k.
 
     Supervised at the batch's sampled anchors, like DSpark: anchor a (the last committed token x_a) is TTT
@@ -189,31 +258,53 @@ def eagle3_step(*, drafter, target, batch: dict[str, Tensor], block_size: int, a
     """
     if kind != "paper":  # loss.kind is the block drafters' objective; config validation refuses it for EAGLE-3
         raise ValueError(f"loss.kind={kind} is for drafter=dspark/dflash; EAGLE-3 trains with its TTT loss")
-    from dspark.losses.eagle3 import (compute_eagle3_sampled_acceptance, compute_eagle3_sampled_loss,
-                                      sampled_step_targets)
+    from dspark.losses.eagle3 import (
+        compute_eagle3_sampled_acceptance,
+        compute_eagle3_sampled_loss,
+        sampled_step_targets,
+    )
 
     features, final_hidden = target_features(target, batch)
     positions = (batch["anchors"] - 1).clamp_min(0)
     position_valid = batch["anchor_valid"] & (batch["anchors"] >= 1)
-    out = drafter(features=features, input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
-                  logit_positions=positions)
-    target_index, supervised = sampled_step_targets(positions, position_valid, loss_mask=batch["loss_mask"],
-                                                    attention_mask=batch["attention_mask"], num_steps=block_size)
+    out = drafter(
+        features=features,
+        input_ids=batch["input_ids"],
+        attention_mask=batch["attention_mask"],
+        logit_positions=positions,
+    )
+    target_index, supervised = sampled_step_targets(
+        positions,
+        position_valid,
+        loss_mask=batch["loss_mask"],
+        attention_mask=batch["attention_mask"],
+        num_steps=block_size,
+    )
     with torch.no_grad():
         p_t = target_distribution(drafter, target, batch, final_hidden, target_index)
     loss = compute_eagle3_sampled_loss(out.logits, target_probs=p_t.probs, supervised=supervised)
     with torch.no_grad():
         proxy = compute_eagle3_sampled_acceptance(out.logits, target_probs=p_t.probs, supervised=supervised)
-        labels = batch["input_ids"].gather(1, (target_index + 1).clamp(max=batch["input_ids"].shape[1] - 1)
-                                           .flatten(1)).view_as(target_index)
+        labels = (
+            batch["input_ids"]
+            .gather(1, (target_index + 1).clamp(max=batch["input_ids"].shape[1] - 1).flatten(1))
+            .view_as(target_index)
+        )
         labels, in_vocab = drafter.draft_head.to_draft_ids(labels)
         logp = torch.stack([torch.log_softmax(lg.float(), dim=-1) for lg in out.logits], dim=2)  # [B, N, γ, Vd]
         nll = -logp.gather(-1, labels.unsqueeze(-1)).squeeze(-1)
     zero = _zero(loss.total)
     parts = LossParts(total=loss.total, ce=loss.total.detach(), tv=zero, conf=zero)
-    return StepResult(loss=parts, c_star=proxy.c_star, label_valid=proxy.valid, nll=nll, confidence=None,
-                      num_blocks=int(proxy.valid[..., 0].sum()), nll_valid=proxy.valid & in_vocab,
-                      coverage=p_t.coverage)
+    return StepResult(
+        loss=parts,
+        c_star=proxy.c_star,
+        label_valid=proxy.valid,
+        nll=nll,
+        confidence=None,
+        num_blocks=int(proxy.valid[..., 0].sum()),
+        nll_valid=proxy.valid & in_vocab,
+        coverage=p_t.coverage,
+    )
 
 
 TRAINING_STEPS.add("eagle3", eagle3_step)
