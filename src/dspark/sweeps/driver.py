@@ -91,6 +91,11 @@ class CellStates:
     drifted: dict[str, tuple[str, list[str]]]  # cell → (run id of its newest record, the keys that differ)
 
     @property
+    def drift(self) -> dict[str, list[str]]:
+        """cell → the keys on which its reported record differs from today's recipe (cells with a current run: none)."""
+        return {cell: keys for cell, (_, keys) in self.drifted.items()}
+
+    @property
     def run_ids(self) -> set[str]:
         """The runs a report shows: each cell's current run, else its newest record under an older recipe."""
         return set(self.done.values()) | {run_id for run_id, _ in self.drifted.values()}
@@ -708,7 +713,7 @@ def finish_sweep(
 
         states = cell_states(plan, run_tree.children(store, parent_id))
         path = write_sweep_report(
-            rc, plan.spec, store=store, parent_id=parent_id, run_ids=states.run_ids, drift=drift_notes(states, plan)
+            rc, plan.spec, store=store, parent_id=parent_id, run_ids=states.run_ids, drift=states.drift
         )
         print(f"report: {path}")
     except NoFinishedRuns as err:
@@ -725,11 +730,6 @@ def finish_sweep(
             file=sys.stderr,
         )
     return code
-
-
-def drift_notes(states: CellStates, plan: SweepPlan) -> dict[str, list[str]]:
-    """cell → the keys on which its reported run differs from today's recipe (cells with a current run: none)."""
-    return {cell: keys for cell, (_, keys) in states.drifted.items()}
 
 
 def sweep_hash_of(rc: ResolvedConfig, spec: SweepSpec) -> str:
@@ -773,7 +773,7 @@ def report_sweep(rc: ResolvedConfig, spec: SweepSpec) -> int:
                 store=store,
                 parent_id=parent_id,
                 run_ids=states.run_ids,
-                drift=drift_notes(states, plan),
+                drift=states.drift,
                 sweep_hash=digest,
             )
     except NoFinishedRuns as err:
@@ -887,7 +887,7 @@ def regenerate_from_ledger(
         store=store,
         parent_id=parent_id,
         run_ids=states.run_ids,
-        drift=drift_notes(states, plan),
+        drift=states.drift,
         now=now,
         attach=False,
         notes_dir=ledger.parent,
