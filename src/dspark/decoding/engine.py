@@ -42,7 +42,7 @@ from torch import Tensor
 from dspark.calibration.sts import STSCalibration
 from dspark.config.schema import STEP_COSTS
 from dspark.decoding.policies import VerificationPolicy, build_policy
-from dspark.decoding.proposers import PolicyHook, Proposal, Proposer
+from dspark.decoding.proposers import Proposal, Proposer
 from dspark.decoding.records import GenerationResult, RoundRecord
 from dspark.decoding.shared import (
     STOP_EOS,

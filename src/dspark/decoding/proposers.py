@@ -365,6 +365,28 @@ class Eagle3Proposer:
         self._tokens.extend(int(t) for t in token_ids)
 
     @torch.no_grad()
+    def step0(self, anchor_token: int, anchor_position: int) -> Tensor:
+        """Run step 0 over the positions committed since the last round (the anchor is the last one's next token)
+        and return the last position's step-0 output [1, 1, d]; `context` then holds every position's keys/values."""
+        if anchor_position != self.context_length:
+            raise ValueError(
+                f"Eagle3Proposer: anchor at position {anchor_position} but the context holds "
+                f"{self.context_length} positions; it must hold exactly the positions before the anchor"
+            )
+        pending = self._pending.view()
+        cached = self.context_length - pending.shape[1]
+        next_ids = torch.tensor([[*self._tokens[cached + 1 :], anchor_token]], device=pending.device)
+        self._context, last = self.drafter.extend_context(self._context, features=pending, next_ids=next_ids)
+        self._pending = GrowingBuffer(dim=1)
+        synchronize(pending.device)
+        return last
+
+    @property
+    def context(self) -> tuple[Tensor, Tensor] | None:
+        """Step-0 keys/values [1, H_kv, S, hd] of the positions run so far (`step0` brings them up to date)."""
+        return self._context
+
+    @torch.no_grad()
     def propose(
         self,
         *,
@@ -378,18 +400,9 @@ class Eagle3Proposer:
     ) -> Proposal:
         """`policy_hook` is unused: EAGLE-3 has no confidences; the chain runs at most `max_drafts` steps. Sampling is over the draft vocabulary; a step with
         unusable logits ends the chain before it (`drafting` module)."""
-        if anchor_position != self.context_length:
-            raise ValueError(
-                f"Eagle3Proposer: anchor at position {anchor_position} but the context holds "
-                f"{self.context_length} positions; it must hold exactly the positions before the anchor"
-            )
         start = time.perf_counter()
-        pending = self._pending.view()
-        cached = self.context_length - pending.shape[1]
-        next_ids = torch.tensor([[*self._tokens[cached + 1 :], anchor_token]], device=pending.device)
-        self._context, last = self.drafter.extend_context(self._context, features=pending, next_ids=next_ids)
-        self._pending = GrowingBuffer(dim=1)
-        synchronize(pending.device)
+        last = self.step0(anchor_token, anchor_position)
+        device = last.device
         chain_start = time.perf_counter()
         tokens, probs = [], []
         count = draft_count(self.block_size, max_drafts)
@@ -407,8 +420,8 @@ class Eagle3Proposer:
                 self.drafter.draft_from(self._context, last, num_tokens=count, sample_fn=sample, stop_ids=stop_ids)
         except _UnusableSlot:
             pass  # the drafts before the faulty step stand (each was sampled from its own, usable p_d)
-        synchronize(pending.device)
-        tokens_, probs_ = _stack_proposal(tokens, probs, self._draft_vocab, pending.device)
+        synchronize(device)
+        tokens_, probs_ = _stack_proposal(tokens, probs, self._draft_vocab, device)
         return Proposal(
             tokens_,
             to_target_probs(probs_.float(), self._ids, self.vocab_size),

@@ -210,6 +210,24 @@ class Target:
         if keep < length:
             cache.crop(keep - length)
 
+    def keep_positions(self, cache: DynamicCache, *, prefix: int, rows: list[int]) -> None:
+        """Keep the first `prefix` cached positions and then the cache rows `rows` (each ≥ prefix, increasing), in
+        that order; drop the rest. After a tree verify forward this keeps the context, the anchor and the accepted
+        path's keys/values (rows of the forward's accepted nodes), so the cache again holds one causal sequence."""
+        length = cache.get_seq_length()
+        if not 0 <= prefix <= length or any(not prefix <= r < length for r in rows) or rows != sorted(set(rows)):
+            raise ValueError(
+                f"keep_positions: prefix={prefix} and rows={rows} must satisfy 0 <= prefix <= rows (increasing) "
+                f"< {length}, the cached positions"
+            )
+        if rows == list(range(prefix, prefix + len(rows))):  # the accepted path is already contiguous: a crop
+            self.rollback(cache, keep=prefix + len(rows))
+            return
+        for layer in cache.layers:
+            index = torch.tensor(rows, dtype=torch.long, device=layer.keys.device)
+            layer.keys = torch.cat([layer.keys[:, :, :prefix], layer.keys.index_select(2, index)], dim=2)
+            layer.values = torch.cat([layer.values[:, :, :prefix], layer.values.index_select(2, index)], dim=2)
+
     def chat_prompt_ids(self, user_text: str, *, system_prompt: str | None = None) -> list[int]:
         """Token ids of one user turn under the chat template, ending with the assistant header.
 

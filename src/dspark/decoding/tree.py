@@ -1,0 +1,228 @@
+"""Draft trees: many candidate continuations of one anchor, verified by the target in one forward (METHOD §5.3).
+
+A tree holds N nodes after the anchor x_0. Node i carries a target token id, its parent (−1 = the anchor) and its depth
+(1 = a candidate for slot 1); nodes are in topological order (a parent before its children, depths non-decreasing), and
+the children of a node are kept in the order they were drawn. The target verifies the anchor and every node in one
+forward over N + 1 tokens: each attends to the context and to its own ancestors (`tree_attention`), at position
+p + depth (`tree_positions`), so row 0 of the target's output is p_t after the anchor and row i + 1 is p_t after node
+i's path.
+
+Shapes (`TreeShape`, `decode.tree.*`) — how many nodes, and which:
+
+    widths     nodes per depth, e.g. [4, 2, 2, 1, 1, 1, 1]: at each depth the w_d candidates of highest path score among
+               the children of the previous depth (a beam; the chain is [1] * γ)
+    branching  children per node at each depth, e.g. [2, 2, 1]: every node at depth d has b_d children (2 + 4 + 4 nodes);
+               at T > 0 they are *drawn* without replacement from the node's draft distribution, so the tree is a
+               sample the `rrsw` verifier is exact for
+    dynamic    the beam [beam] * depth, then only the N nodes of highest path score, N ≤ `nodes` chosen per round
+               (`choose_node_budget`: expected accepted tokens per second from this machine's SPS(B) table)
+
+The path score of a node is the product of the draft probabilities (at T = 1) of the tokens on its path: the drafter's
+estimate of the chance the target accepts the whole path. Scores never grow along a path, so the N best nodes
+(ties broken toward shallower nodes) always form a tree.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from dspark.registry import Registry
+
+TREE_KEY = "decode.tree"
+TREE_SHAPES: Registry[str] = Registry(f"{TREE_KEY}.shape")
+for _name, _about in (
+    ("chain", "one path of γ drafts: today's chain engine (decode.policy chooses ℓ)"),
+    ("widths", "nodes per depth (decode.tree.widths), the best path scores among the previous depth's children"),
+    ("branching", "children per node at each depth (decode.tree.branching); sampled without replacement at T > 0"),
+    ("dynamic", "the best decode.tree.nodes path scores of a [decode.tree.beam] * depth beam, N sized per round"),
+):
+    TREE_SHAPES.register(_name, label=_about)(_name)
+
+
+@dataclass
+class DraftTree:
+    """N drafted nodes after one anchor (module docstring). Shape symbols: N nodes, V the target's vocabulary."""
+
+    tokens: Tensor  # [N] long, target ids
+    parents: Tensor  # [N] long, −1 = the anchor, else an earlier node
+    depths: Tensor  # [N] long, 1..D
+    scores: Tensor  # [N] float64, path scores (product of the draft probabilities at T = 1 along the path)
+    #: parent (−1 = anchor) → [V] float32 distribution its children were drawn from, without replacement, in node order;
+    #: set only for sampled trees (`branching` at T > 0), which the `rrsw` verifier needs
+    child_probs: dict[int, Tensor] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        n = self.tokens.shape[0]
+        if not (self.parents.shape == self.depths.shape == self.scores.shape == (n,)):
+            raise ValueError(
+                f"DraftTree: tokens, parents, depths and scores must all be [N], got {tuple(self.tokens.shape)}, "
+                f"{tuple(self.parents.shape)}, {tuple(self.depths.shape)}, {tuple(self.scores.shape)}"
+            )
+        parents, depths = self.parents.tolist(), self.depths.tolist()
+        for i, (parent, depth) in enumerate(zip(parents, depths)):
+            expected = 1 if parent < 0 else depths[parent] + 1 if parent < i else None
+            if expected is None or depth != expected:
+                raise ValueError(
+                    f"DraftTree: node {i} has parent {parent} and depth {depth}; a parent must be an earlier node "
+                    "(or −1, the anchor) and a depth one more than its parent's"
+                )
+        self._parent_list, self._depth_list = parents, depths
+
+    @property
+    def size(self) -> int:
+        return self.tokens.shape[0]
+
+    @property
+    def depth(self) -> int:
+        """The deepest node's depth (0 for an empty tree)."""
+        return max(self._depth_list, default=0)
+
+    @property
+    def sampled(self) -> bool:
+        return bool(self.child_probs)
+
+    def children(self, node: int) -> list[int]:
+        """Nodes whose parent is `node` (−1 = the anchor), in draw order."""
+        return [i for i, parent in enumerate(self._parent_list) if parent == node]
+
+    def path(self, node: int) -> list[int]:
+        """Nodes from depth 1 down to `node` (empty for −1)."""
+        out = []
+        while node >= 0:
+            out.append(node)
+            node = self._parent_list[node]
+        return out[::-1]
+
+    def is_chain(self) -> bool:
+        return all(parent == i - 1 for i, parent in enumerate(self._parent_list))
+
+    def subtree(self, keep: list[int]) -> DraftTree:
+        """The tree of the nodes `keep` (each node's parent kept too; any order), renumbered in their tree order."""
+        keep = sorted(set(keep))
+        index = {old: new for new, old in enumerate(keep)}
+        missing = [i for i in keep if self._parent_list[i] >= 0 and self._parent_list[i] not in index]
+        if missing:
+            raise ValueError(f"DraftTree.subtree: nodes {missing} are kept without their parents")
+        rows = torch.tensor(keep, dtype=torch.long, device=self.tokens.device)
+        parents = torch.tensor(
+            [index[self._parent_list[i]] if self._parent_list[i] >= 0 else -1 for i in keep],
+            dtype=torch.long,
+            device=self.tokens.device,
+        )
+        child_probs = {
+            index.get(p, -1) if p >= 0 else -1: q for p, q in self.child_probs.items() if p < 0 or p in index
+        }
+        return DraftTree(self.tokens[rows], parents, self.depths[rows], self.scores[rows], child_probs)
+
+
+def empty_tree(device: torch.device | str = "cpu") -> DraftTree:
+    none = torch.zeros(0, dtype=torch.long, device=device)
+    return DraftTree(none, none.clone(), none.clone(), torch.zeros(0, dtype=torch.float64, device=device))
+
+
+def tree_attention(tree: DraftTree, *, context: int) -> Tensor:
+    """[1, 1, N+1, context+N+1] bool: row 0 (the anchor) and each node row see the `context` cached positions, the
+    anchor and the node's ancestors and itself (True = attend), the mask of one verify forward."""
+    n = tree.size
+    device = tree.tokens.device
+    ancestors = torch.zeros(n + 1, n + 1, dtype=torch.bool, device=device)
+    ancestors[:, 0] = True
+    parents = tree._parent_list
+    for i in range(n):
+        row = i + 1
+        parent_row = parents[i] + 1
+        ancestors[row] = ancestors[parent_row]
+        ancestors[row, row] = True
+    past = torch.ones(n + 1, context, dtype=torch.bool, device=device)
+    return torch.cat([past, ancestors], dim=1)[None, None]
+
+
+def tree_positions(tree: DraftTree, *, anchor_position: int) -> Tensor:
+    """[1, N+1] long: p for the anchor, p + depth for each node."""
+    depths = torch.cat([tree.depths.new_zeros(1), tree.depths])
+    return (depths + anchor_position).unsqueeze(0)
+
+
+@dataclass(frozen=True)
+class TreeShape:
+    """What tree a round drafts (module docstring; config `decode.tree`)."""
+
+    kind: str = "chain"
+    widths: tuple[int, ...] = ()
+    branching: tuple[int, ...] = ()
+    nodes: int = 16  # dynamic: the most nodes a round may verify
+    beam: int = 4  # dynamic: nodes expanded (and kept) per depth
+    depth: int = 0  # dynamic: deepest level drafted (0 = the drafter's γ)
+
+    def __post_init__(self) -> None:
+        if self.kind not in TREE_SHAPES:
+            raise ValueError(f"{TREE_KEY}.shape={self.kind!r}: choose one of {', '.join(TREE_SHAPES.ordered())}")
+        for key, values in (("widths", self.widths), ("branching", self.branching)):
+            if any(int(v) < 1 for v in values):
+                raise ValueError(f"{TREE_KEY}.{key}={list(values)}: every entry must be >= 1")
+        if self.kind == "widths" and not self.widths:
+            raise ValueError(f"{TREE_KEY}.shape=widths needs {TREE_KEY}.widths, e.g. [4,2,2,1,1,1,1]")
+        if self.kind == "branching" and not self.branching:
+            raise ValueError(f"{TREE_KEY}.shape=branching needs {TREE_KEY}.branching, e.g. [2,2,1,1]")
+        if self.kind == "dynamic" and (self.nodes < 1 or self.beam < 1 or self.depth < 0):
+            raise ValueError(
+                f"{TREE_KEY}: dynamic needs nodes >= 1, beam >= 1 and depth >= 0 (0 = γ); got nodes={self.nodes}, "
+                f"beam={self.beam}, depth={self.depth}"
+            )
+
+    def levels(self, gamma: int) -> list[int]:
+        """Per-depth counts the growth uses: nodes per depth (widths, dynamic's beam) or children per node
+        (branching), cut to the drafter's γ slots."""
+        if self.kind == "chain":
+            return [1] * gamma
+        if self.kind == "widths":
+            return list(self.widths)[:gamma]
+        if self.kind == "branching":
+            return list(self.branching)[:gamma]
+        return [self.beam] * min(gamma, self.depth or gamma)
+
+    def max_nodes(self, gamma: int) -> int:
+        """The most nodes a round of this shape drafts for a drafter of γ slots."""
+        levels = self.levels(gamma)
+        if self.kind == "branching":
+            total, width = 0, 1
+            for b in levels:
+                width *= b
+                total += width
+            return total
+        total = sum(levels)
+        return min(total, self.nodes) if self.kind == "dynamic" else total
+
+
+def best_nodes(tree: DraftTree, count: int) -> list[int]:
+    """The `count` nodes of highest path score, ties toward shallower then earlier nodes: a tree (module docstring)."""
+    order = sorted(range(tree.size), key=lambda i: (-float(tree.scores[i]), tree._depth_list[i], i))
+    chosen: set[int] = set()
+    for i in order:
+        if len(chosen) == count:
+            break
+        if tree._parent_list[i] < 0 or tree._parent_list[i] in chosen:
+            chosen.add(i)
+    return sorted(chosen)
+
+
+def expected_accepted(scores: Tensor) -> Tensor:
+    """[N] path scores sorted descending → [N+1] expected tokens per round with the best 0..N nodes: 1 + Σ scores."""
+    return torch.cat([scores.new_ones(1), 1 + scores.cumsum(0)])
+
+
+def choose_node_budget(scores: Tensor, *, step_seconds, draft_seconds: float = 0.0, max_nodes: int) -> int:
+    """The paper's Algorithm 1 with a node budget instead of a prefix length: N* = argmax over N ≤ max_nodes of
+    (1 + Σ_{i ≤ N} s_(i)) / (draft_seconds + step_seconds(N + 1)), s_(i) the path scores in descending order (the
+    best N nodes form a tree) and step_seconds(B) this machine's target step at B tokens (1 / SPS(B))."""
+    ranked = scores.sort(descending=True).values[:max_nodes].double()
+    gains = expected_accepted(ranked)
+    best, best_rate = 0, -1.0
+    for n in range(ranked.shape[0] + 1):
+        rate = float(gains[n]) / (draft_seconds + float(step_seconds(n + 1)))
+        if rate > best_rate:
+            best, best_rate = n, rate
+    return best
