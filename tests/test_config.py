@@ -102,6 +102,11 @@ def test_dflash_means_no_head_and_ce_only():
         (["sweep=no_such_sweep"], ["sweep", "no_such_sweep"]),
         (["serve.scheduler_cost=bogus"], ["serve.scheduler_cost", "bogus", "tokens", "columns"]),
         (["model"], ["key=value"]),
+        (["decode.tree.shape=star"], ["decode.tree.shape", "star", "dynamic", "branching"]),
+        (["decode.tree.shape=widths", "decode.tree.widths=[2,0]"], ["decode.tree.widths", "≥ 1"]),
+        (["decode.tree.shape=dynamic", "decode.tree.nodes=0"], ["decode.tree.nodes"]),
+        (["decode.tree.shape=widths", "decode.tree.scheme=rrsw"], ["decode.tree.scheme=rrsw", "branching"]),
+        (["decode.tree.shape=dynamic", "decode.policy=scheduler"], ["decode.policy=scheduler", "decode.tree.shape"]),
     ],
 )
 def test_bad_input_names_the_problem(argv, needles):

@@ -17,6 +17,8 @@ from torch import Tensor, nn
 
 from dspark.config import schema
 from dspark.decoding.policies import POLICIES
+from dspark.decoding.tree import TREE_SHAPES
+from dspark.decoding.tree_verify import TREE_SCHEMES
 from dspark.drafters.factory import DRAFTER_BUILDERS
 from dspark.drafters.heads import SEQUENTIAL_HEADS, SequentialHead
 from dspark.interop.layouts import LAYOUTS, markov_head_type
@@ -202,6 +204,8 @@ def test_the_config_schema_accepts_every_registered_name():
         )
         assert kind in TRAINING_STEPS, f"drafter={kind!r}: register its training step in training.steps"
     assert set(schema.POLICIES) == set(POLICIES.names()), "config.schema.POLICIES must list every registered policy"
+    assert set(schema.TREE_SHAPES) == set(TREE_SHAPES.names()), "config.schema.TREE_SHAPES: every registered shape"
+    assert set(schema.TREE_SCHEMES) == set(TREE_SCHEMES.names()), "config.schema.TREE_SCHEMES: every tree scheme"
 
 
 # ---- claims as data ----

@@ -35,6 +35,8 @@ from dspark.config.schema import (
     STEP_COSTS,
     STEP_OVERHEADS,
     TARGET_DTYPES,
+    TREE_SCHEMES,
+    TREE_SHAPES,
     RunConfig,
 )
 from dspark.registry import unknown_name_message
@@ -141,6 +143,7 @@ def validate_config(cfg: RunConfig, *, explicit_keys: set[str] = frozenset()) ->
         + _range_errors(cfg)
         + _drafter_errors(cfg, explicit_keys)
         + _policy_errors(cfg)
+        + _tree_errors(cfg)
         if e
     ]
     if errors:
@@ -182,6 +185,8 @@ def _name_errors(cfg: RunConfig) -> list[str]:
         ("serve.scheduler_cost", cfg.serve.scheduler_cost, SCHEDULER_COSTS),
         ("serve.sps_forward", cfg.serve.sps_forward, SPS_FORWARDS),
         ("decode.drafter_precision", cfg.decode.drafter_precision, PRECISIONS),
+        ("decode.tree.shape", cfg.decode.tree.shape, TREE_SHAPES),
+        ("decode.tree.scheme", cfg.decode.tree.scheme, TREE_SCHEMES),
     ]
     errors = [unknown_name_message(key, value, list(valid)) for key, value, valid in checks if value not in valid]
     if cfg.sweep and cfg.sweep not in available_sweeps():
@@ -296,6 +301,44 @@ def _drafter_errors(cfg: RunConfig, explicit: set[str]) -> list[str]:
             "with its TTT loss: drop loss.kind."
         ]
     return []
+
+
+def _tree_errors(cfg: RunConfig) -> list[str]:
+    """decode.tree: sizes in range, a scheme that is exact for the shape, and no chain policy on a tree."""
+    tree, decode = cfg.decode.tree, cfg.decode
+    if tree.shape not in TREE_SHAPES or tree.scheme not in TREE_SCHEMES:
+        return []  # reported by the name check
+    errors = [
+        f"decode.tree.{key}={list(values)}: every entry must be an int ≥ 1, e.g. decode.tree.{key}={example}"
+        for key, values, example in (
+            ("widths", tree.widths, "[4,2,2,1,1,1,1]"),
+            ("branching", tree.branching, "[2,2,1,1]"),
+        )
+        if not values or any(not isinstance(v, int) or v < 1 for v in values)
+    ]
+    errors += [
+        message
+        for ok, message in (
+            (tree.nodes >= 1, f"decode.tree.nodes must be ≥ 1 (got {tree.nodes})."),
+            (tree.beam >= 1, f"decode.tree.beam must be ≥ 1 (got {tree.beam})."),
+            (tree.depth >= 0, f"decode.tree.depth must be ≥ 0 (got {tree.depth}); 0 = the drafter's γ."),
+        )
+        if not ok
+    ]
+    if tree.shape == "chain":
+        return errors
+    if tree.scheme == "rrsw" and decode.temperature > 0 and tree.shape != "branching":
+        errors.append(
+            f"decode.tree.scheme=rrsw is exact only on sampled trees (decode.tree.shape=branching at T > 0), not "
+            f"shape={tree.shape}; use decode.tree.scheme=descent, or decode.tree.shape=branching."
+        )
+    if decode.policy != "fixed":
+        errors.append(
+            f"decode.policy={decode.policy} chooses how much of a chain to verify; with decode.tree.shape="
+            f"{tree.shape} the tree's shape decides (dynamic sizes it on SPS(B)): use decode.policy=fixed, or "
+            "decode.tree.shape=chain."
+        )
+    return errors
 
 
 def _policy_errors(cfg: RunConfig) -> list[str]:

@@ -33,6 +33,8 @@ SCHEDULER_COSTS = ("tokens", "columns")  # serve.scheduler_cost (dspark.decoding
 SPS_FORWARDS = ("plain", "engine")  # serve.sps_forward (dspark.serving.profile)
 # the policies that read the confidence head's c_k (their classes say needs_confidences = True; a test pins this);
 # only drafters with CONFIDENCE_HEAD can run them, offline (decode.policy) or served (serve.policy)
+TREE_SHAPES = ("chain", "widths", "branching", "dynamic")  # decode.tree.shape (dspark.decoding.tree.TREE_SHAPES)
+TREE_SCHEMES = ("descent", "rrsw")  # decode.tree.scheme (dspark.decoding.tree_verify.TREE_SCHEMES)
 CONFIDENCE_POLICIES = ("threshold", "calibrated_threshold", "scheduler", "async")
 SERVE_CONFIDENCE_POLICIES = CONFIDENCE_POLICIES
 
@@ -185,6 +187,24 @@ class TrainerConfig:
 
 
 @dataclass
+class TreeConfig:
+    """Draft trees (METHOD §5.3): what a round drafts and how the target's one forward over it is accepted."""
+
+    #: chain (one path; decode.policy chooses ℓ) | widths (nodes per depth: the best path scores among the previous
+    #: depth's children) | branching (children per node at each depth; drawn without replacement at T > 0) | dynamic
+    #: (the best decode.tree.nodes path scores of a beam, N sized per round on this machine's SPS(B) table)
+    shape: str = "chain"
+    widths: list[int] = field(default_factory=lambda: [4, 2, 2, 1, 1, 1, 1])  #: shape=widths: nodes at depth 1, 2, ...
+    branching: list[int] = field(default_factory=lambda: [2, 2, 1, 1, 1, 1, 1])  #: shape=branching: children per node
+    nodes: int = 16  #: shape=dynamic: the most nodes a round verifies (N ≤ nodes, chosen per round)
+    beam: int = 4  #: shape=dynamic: nodes kept (and expanded) per depth
+    depth: int = 0  #: shape=dynamic: deepest level drafted (0 = the drafter's γ)
+    #: descent (sample p_t at each node, descend when the token is a child: exact for any tree) | rrsw (recursive
+    #: rejection sampling without replacement: exact for sampled trees, i.e. shape=branching at T > 0)
+    scheme: str = "descent"
+
+
+@dataclass
 class DecodeConfig:
     #: fixed | mtp1 | static | threshold (raw c_k) | calibrated_threshold (c̃_k) | scheduler | async (METHOD §6)
     policy: str = "fixed"
@@ -209,6 +229,7 @@ class DecodeConfig:
     #: also decode every prompt target-only, for the speed-up; false = τ and acceptance only (the lossless output is
     #: the target's either way), which the reference sweeps use: it saves a third of their evaluation time
     baseline: bool = True
+    tree: TreeConfig = field(default_factory=TreeConfig)  #: draft trees instead of chains (decode.tree.shape)
 
 
 @dataclass

@@ -23,7 +23,8 @@ class RoundRecord:
     # the policy had already excluded slot k (threshold: c_k < θ)
     confidences: list[float] | None  # raw c_k per drafted slot; None without a confidence head
     calibrated: list[float] | None  # STS-calibrated c̃_k when the engine has a calibration
-    num_verified: int  # ℓ_eff: drafts sent to the target (after the policy, EOS truncation)
+    num_verified: int  # ℓ_eff: drafts sent to the target (after the policy, EOS truncation); a tree: its depth
+    # (the most drafts one round could accept, so per-slot acceptance means the same for chains and trees)
     num_accepted: int  # A
     committed: int  # τ: tokens committed this round (extra token included; EOS rule §5)
     extra_token: int | None  # the target's correction or bonus; None when an accepted draft was a stop id
@@ -31,6 +32,7 @@ class RoundRecord:
     seconds_draft_sequential: float = 0.0  # drafter's sequential sampling loop (all of EAGLE-3's chain)
     seconds_verify: float = 0.0  # the target's verify forward and its probabilities
     seconds_other: float = 0.0  # the rest of the round: policy, verifier, commit, rollback (overhead)
+    tree_nodes: int | None = None  # a tree round: N, the nodes the target verified (`drafts` holds their tokens)
 
     @property
     def seconds(self) -> float:

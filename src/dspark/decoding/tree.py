@@ -25,6 +25,7 @@ estimate of the chance the target accepts the whole path. Scores never grow alon
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -172,6 +173,28 @@ class TreeShape:
                 f"{TREE_KEY}: dynamic needs nodes >= 1, beam >= 1 and depth >= 0 (0 = γ); got nodes={self.nodes}, "
                 f"beam={self.beam}, depth={self.depth}"
             )
+
+    @classmethod
+    def from_config(cls, tree: Any) -> TreeShape:
+        """From the `decode.tree` config group (`config.schema.TreeConfig`)."""
+        return cls(
+            kind=tree.shape,
+            widths=tuple(int(w) for w in tree.widths),
+            branching=tuple(int(b) for b in tree.branching),
+            nodes=int(tree.nodes),
+            beam=int(tree.beam),
+            depth=int(tree.depth),
+        )
+
+    def label(self) -> str:
+        """A short name for reports and file names: chain, widths[4,2,2], branching[2,2,1], dynamic16b4."""
+        if self.kind == "widths":
+            return "widths[" + ",".join(map(str, self.widths)) + "]"
+        if self.kind == "branching":
+            return "branching[" + ",".join(map(str, self.branching)) + "]"
+        if self.kind == "dynamic":
+            return f"dynamic{self.nodes}b{self.beam}" + (f"d{self.depth}" if self.depth else "")
+        return "chain"
 
     def levels(self, gamma: int) -> list[int]:
         """Per-depth counts the growth uses: nodes per depth (widths, dynamic's beam) or children per node

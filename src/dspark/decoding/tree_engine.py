@@ -12,7 +12,8 @@ Per round, anchor x_0 at position p (the target's cache holds positions 0..p−1
     6  keep the target's KV of the context, the anchor and the accepted path (`Target.keep_positions`)
     7  extend the proposer with the features of the anchor and the accepted path; y anchors at p + A + 1
 
-Round records: `drafts` are the tree's tokens in node order (`num_verified` = N), `num_accepted` = A the path length;
+Round records: `drafts` are the tree's tokens in node order, `tree_nodes` = N, `num_verified` = the tree's depth (the
+most drafts the round could accept), `num_accepted` = A the path length;
 the tree's drafting time is `seconds_draft_parallel`. The prefill, first token, prompt checks and stop rules are the
 chain engine's (`SpeculativeEngine`, which this extends).
 """
@@ -128,7 +129,7 @@ class TreeEngine(SpeculativeEngine):
             drafts=tree.tokens.tolist(),
             confidences=None,
             calibrated=None,
-            num_verified=tree.size,
+            num_verified=tree.depth,
             num_accepted=len(accepted),
             committed=len(committed),
             extra_token=extra,
@@ -136,6 +137,7 @@ class TreeEngine(SpeculativeEngine):
             seconds_draft_sequential=0.0,
             seconds_verify=verify_seconds,
             seconds_other=max(0.0, total - draft_seconds - extend_seconds - verify_seconds),
+            tree_nodes=tree.size,
         )
 
     def _sized(self, tree: DraftTree, draft_seconds: float) -> DraftTree:

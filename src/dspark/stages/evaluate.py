@@ -108,7 +108,18 @@ def report_stem(ctx: StageContext) -> str:
         [list(decode.eval_sets), int(decode.prompts_per_set), int(decode.max_new_tokens), int(ctx.cfg.seed)]
     )
     digest = hashlib.sha1(prompts.encode()).hexdigest()[:6]
-    return f"eval-{ctx.run_dir.name}-{decode.policy}{threshold}-T{decode.temperature:g}-{digest}"
+    policy = decode.policy if decode.tree.shape == "chain" else f"tree-{tree_name(decode)}"
+    return f"eval-{ctx.run_dir.name}-{policy}{threshold}-T{decode.temperature:g}-{digest}"
+
+
+def tree_name(decode: Any) -> str:
+    """decode.tree as a file-name-safe word: `dynamic16b4-descent`, `branching2-2-1-rrsw` (chain: `chain`)."""
+    from dspark.decoding.tree import TreeShape
+
+    label = TreeShape.from_config(decode.tree).label()
+    if label == "chain":
+        return label
+    return f"{label.replace('[', '').replace(']', '').replace(',', '-')}-{decode.tree.scheme}"
 
 
 def report_paths(ctx: StageContext) -> dict[str, Path]:
@@ -135,7 +146,7 @@ def plan_speed(decode: Any, trained: TrainedDrafter) -> SpeedPlan:
     count = decode.speed_prompts
     if not decode.baseline:
         return SpeedPlan(False, 0, "not measured (decode.baseline=false)")
-    if decode.policy == SPEED_POLICY:
+    if decode.policy == SPEED_POLICY or decode.tree.shape != "chain":  # its own pass (with target-only) is timed
         return SpeedPlan(False, 0, "")
     if count < 1:
         return SpeedPlan(False, 0, "not measured (decode.speed_prompts=0)")
@@ -196,6 +207,8 @@ def run_eval(ctx: StageContext, drafter_path: str | Path, *, prepared: PreparedD
     from dspark.decoding.engine import SpeculativeEngine
     from dspark.decoding.policies import build_policy
     from dspark.decoding.proposers import build_proposer
+    from dspark.decoding.tree import TreeShape
+    from dspark.decoding.tree_engine import TreeEngine
 
     cfg, decode = ctx.cfg, ctx.cfg.decode
     check_decode_config(decode)
@@ -209,10 +222,18 @@ def run_eval(ctx: StageContext, drafter_path: str | Path, *, prepared: PreparedD
     if decode.policy in SPS_POLICIES or speed.separate:
         sps, sps_path = load_or_profile_sps(target=target, cache_dir=ctx.paths.cache, block_size=spec.block_size)
 
+    tree = TreeShape.from_config(decode.tree)
+    if tree.kind == "dynamic":  # N is sized on SPS(B) up to B = nodes + 1
+        sps, sps_path = load_or_profile_sps(
+            target=target, cache_dir=ctx.paths.cache, block_size=max(spec.block_size, tree.nodes)
+        )
+
     def engine(policy: str | None) -> Any:  # None: target-only decoding, the speed-up's baseline
         common = {"target": target, "temperature": decode.temperature, "max_new_tokens": decode.max_new_tokens}
         if policy is None:
             return SpeculativeEngine(proposer=None, policy=build_policy("fixed"), **common)
+        if tree.kind != "chain":
+            return TreeEngine(proposer=proposer, shape=tree, scheme=decode.tree.scheme, sps=sps, **common)
         return SpeculativeEngine(
             proposer=proposer,
             policy=build_policy(policy, threshold=decode.threshold, static_k=decode.static_k, sps=sps),
@@ -300,6 +321,8 @@ def coverage_metrics(
 def tau_setting(decode: Any, *, block_size: int) -> str:
     """How τ was measured, in the paper's words when it is the paper's setting (fixed ℓ = γ, T = 1)."""
     temperature = f"T={decode.temperature:g}" + (" (greedy)" if decode.temperature == 0 else "")
+    if decode.tree.shape != "chain":
+        return f"tree {tree_name(decode)}, {temperature}"
     if decode.policy == "fixed":
         return f"fixed ℓ=γ={block_size}, {temperature}"
     return f"decode.policy={decode.policy}, {temperature}"
@@ -312,6 +335,8 @@ def headline(decode: Any, summary: EvalSummary, speed: EvalSummary | None, *, no
     against = "vs target-only on this machine"
     if speed is not None:
         return f"{tau} · {speedup_phrase(speed, setting=f'with decode.policy={SPEED_POLICY} {against}')}"
+    if decode.baseline and decode.tree.shape != "chain":
+        return f"{tau} · {speedup_phrase(summary, setting=f'with decode.tree {tree_name(decode)} {against}')}"
     if decode.baseline and (decode.policy == SPEED_POLICY or note):
         reason = f"; {note}" if note else ""
         return f"{tau} · {speedup_phrase(summary, setting=f'with decode.policy={decode.policy} {against}{reason}')}"
