@@ -108,6 +108,33 @@ class BatchedKVCache:
         self.valid, self._block = mask, int(input_ids.shape[1])
         return forward
 
+    def forward_tree(self, input_ids: Tensor, *, position_ids: Tensor, input_valid: Tensor, block_mask: Tensor):
+        """Append R draft trees as one block: input_ids [R, Q] ([x_0, nodes…, pad…] per row), position_ids [R, Q]
+        (p + depth), input_valid [R, Q] False on padding, block_mask [R, Q, Q] bool (query j sees block column i: the
+        anchor, its ancestors and itself). Every query also sees its row's valid cache columns; a padding query sees
+        itself only (its output is never read). Returns the `TargetForward`; keep the accepted columns with
+        `keep_columns`."""
+        if input_ids.shape[0] != self.num_rows:
+            raise ValueError(f"BatchedKVCache.forward_tree: {input_ids.shape[0]} input rows for {self.num_rows} rows")
+        rows, queries = input_ids.shape
+        valid = input_valid.to(torch.bool)
+        eye = torch.eye(queries, dtype=torch.bool, device=valid.device).unsqueeze(0)
+        block = (block_mask.to(torch.bool) & valid.unsqueeze(1) & valid.unsqueeze(2)) | eye
+        past = self.valid.unsqueeze(1).expand(rows, queries, self.width)
+        mask = torch.cat([past, block], dim=2).unsqueeze(1)  # [R, 1, Q, W + Q]
+        forward = self.target.forward(input_ids, attention_mask=mask, position_ids=position_ids, cache=self.cache)
+        self.valid, self._block = torch.cat([self.valid, valid], dim=1), int(queries)
+        return forward
+
+    def keep_columns(self, keep: Tensor) -> None:
+        """Of the last forward's Q columns keep those with keep[r, j] ([R, Q] bool) per row (the anchor and the
+        accepted path of a tree, in node order: chronological); the rest become holes."""
+        if self._block == 0:
+            return
+        block = self.valid[:, -self._block :] & keep.to(device=self.valid.device, dtype=torch.bool)
+        self.valid = torch.cat([self.valid[:, : -self._block], block], dim=1)
+        self._block = 0
+
     def keep_new(self, keep: Tensor) -> None:
         """Of the last forward's Q columns keep the first keep[r] ([R] long) per row; the rest become holes."""
         if self._block == 0:
