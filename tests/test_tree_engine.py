@@ -1,4 +1,4 @@
-"""Tree decoding end to end on the tiny target (METHOD §5.3): the tree forward, the cache after a tree round, and
+"""Tree decoding end to end on the tiny target (METHOD §5.1): the tree forward, the cache after a tree round, and
 lossless output for every drafter at T = 1 (PIT chi-square, as tests/test_lossless.py) and T = 0 (HF's greedy tokens),
 the draft vocabulary included, with a planted biased verifier that the distribution test catches.
 

@@ -1,4 +1,4 @@
-"""Draft trees and their verifier (METHOD §5.3): tree structure, sizing, and exact distribution tests.
+"""Draft trees and their verifier (METHOD §5.1): tree structure, sizing, and exact distribution tests.
 
 Exact test. The "target" is a Markov chain over a 5-token vocabulary (p_t(· | path) = P[last token]), the drafter
 another one (Q). A round's committed tokens are extended with draws from P until two tokens exist; under losslessness

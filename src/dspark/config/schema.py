@@ -188,7 +188,7 @@ class TrainerConfig:
 
 @dataclass
 class TreeConfig:
-    """Draft trees (METHOD §5.3): what a round drafts and how the target's one forward over it is accepted."""
+    """Draft trees (METHOD §5.1): what a round drafts and how the target's one forward over it is accepted."""
 
     #: chain (one path; decode.policy chooses ℓ) | widths (nodes per depth: the best path scores among the previous
     #: depth's children) | branching (children per node at each depth; drawn without replacement at T > 0) | dynamic

@@ -1,4 +1,4 @@
-"""Draft trees: many candidate continuations of one anchor, verified by the target in one forward (METHOD §5.3).
+"""Draft trees: many candidate continuations of one anchor, verified by the target in one forward (METHOD §5.1).
 
 A tree holds N nodes after the anchor x_0. Node i carries a target token id, its parent (−1 = the anchor) and its depth
 (1 = a candidate for slot 1); nodes are in topological order (a parent before its children, depths non-decreasing), and

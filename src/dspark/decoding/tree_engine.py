@@ -1,4 +1,4 @@
-"""Speculative decoding with draft trees: the chain engine's loop with a tree round (METHOD §5.3).
+"""Speculative decoding with draft trees: the chain engine's loop with a tree round (METHOD §5.1).
 
 Per round, anchor x_0 at position p (the target's cache holds positions 0..p−1, so does the proposer's context):
 

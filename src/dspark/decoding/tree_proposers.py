@@ -1,4 +1,4 @@
-"""Tree proposals: every drafter grows a `DraftTree` through one small interface, an expander (METHOD §5.3).
+"""Tree proposals: every drafter grows a `DraftTree` through one small interface, an expander (METHOD §5.1).
 
 An expander answers one question — the draft logits over the draft vocabulary [F, Vd] for the children of F nodes
 of one depth — and keeps whatever per-node state that needs. `grow_tree` does the rest for every drafter alike:

@@ -1,5 +1,5 @@
 """R requests decoded together with draft trees: each request drafts its own tree, one target forward verifies them
-all (METHOD §5.3; the single-request loop is `decoding.tree_engine.TreeEngine`).
+all (METHOD §5.1; the single-request loop is `decoding.tree_engine.TreeEngine`).
 
 Per step, for the R requests still active (row r of the `BatchedKVCache`):
 
