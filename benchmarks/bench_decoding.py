@@ -1,5 +1,5 @@
 """Decoding speed side by side on this machine, in one run: our engine with each drafter under every policy vs
-target-only vs transformers' own decoding (issue 11).
+target-only vs transformers' own decoding (issue 11), and each drafter with draft trees (issue 53).
 
 Modes, on the same chat-templated prompts (the first `--prompts` of each default eval set), interleaved prompt by
 prompt (so load drift hits all alike), each after one warm-up call, at every `--temperatures` value:
@@ -11,15 +11,23 @@ prompt (so load drift hits all alike), each after one warm-up call, at every `--
   `fixed` (ℓ = γ), every static ℓ = 1..γ−1 and `scheduler` (this machine's SPS(B) profile, cached, and the STS
   calibration stored in the drafter.pt at that temperature when there is one; raw confidences otherwise), once on
   the profile and once re-priced after every round from the rounds' own costs (`--step-costs`,
-  `decode.step_costs=measured`, `dspark.scheduling.measured`; its final prices are listed).
-Columns: tokens/s (prefill included), ratio to target-only with its paired bootstrap 95% CI over prompts, τ, mean ℓ,
-and ms per round split into verify (target forward, p_t and the verifier's rejection sampling) / draft parallel
-(block forward + LM head + context update) / draft sequential (Markov loop with the policy's drafting stop; all of
-EAGLE-3's chain) / other (calibration, policy, commit, rollback, records: the engine's Python overhead). Each
-scheduler row is compared with its drafter's fixed and static rows (ratio, paired 95% CI, ahead / behind / not
-distinguishable). The round-cost section reads the γ = 7 DSpark rows: the sequential loop's share of a round and the
-drafter's round against one plain target step. The headroom section replays static ℓ and the hindsight policy (each
-round's ℓ chosen knowing its accepted count) on each drafter's fixed-ℓ = γ rounds with this run's verify cost per ℓ
+  `decode.step_costs=measured`, `dspark.scheduling.measured`; its final prices are listed);
+- each drafter with draft trees (`TreeEngine`, METHOD §5.1; `--trees`, on by default, `--no-trees` skips them), one
+  row per `--tree-shapes` entry: by default `widths[4,2,2,1,1,1,1]` (descent), `branching[3,1,1,1]` (rrsw at T > 0,
+  descent at T = 0, where every scheme is greedy), `dynamic12b4` and `dynamic32b6` (descent; N sized per round on
+  the same SPS(B) table as the scheduler rows, which is then profiled up to B = nodes + 1).
+Columns: tokens/s (prefill included), ratio to target-only with its paired bootstrap 95% CI over prompts, the same
+against the faster of target-only and `HF generate` at that temperature (the issue's speed targets are stated against
+the faster of the two), τ, mean ℓ (a tree: its depth), mean tree nodes N, and ms per round split into verify (target
+forward, p_t and the verifier's rejection sampling) / draft parallel (block forward + LM head + context update; a
+tree: its whole drafting) / draft sequential (Markov loop with the policy's drafting stop; all of EAGLE-3's chain) /
+other (calibration, policy, commit, rollback, records; a tree: sizing, KV compaction: the engine's Python overhead).
+Each scheduler row is compared with its drafter's fixed and static rows (ratio, paired 95% CI, ahead / behind / not
+distinguishable); each tree row with its drafter's fixed ℓ = γ and scheduler chains the same way. The round-cost
+section reads the γ = 7 DSpark rows: the sequential loop's share of a round and the drafter's round against one plain
+target step, and every tree row's drafting and Python overhead (issue 53's targets: ≤ 15% of a plain step for a
+32-node tree, ≤ 1 ms). The headroom section replays static ℓ and the hindsight policy (each round's ℓ chosen knowing
+its accepted count) on each drafter's fixed-ℓ = γ rounds with this run's verify cost per ℓ
 (`dspark.evaluation.headroom`): the most any verify-length policy, the scheduler included, could be ahead of the best
 static ℓ — read the scheduler's paired CIs against it.
 Writes `--output` (default outputs/benchmarks/decoding.md) with the command, machine (CPU model, its bf16
@@ -27,6 +35,9 @@ instructions, drafter precision), load averages and git commit. The target cache
 ($DSPARK_BENCH_CACHE overrides it).
 
     .venv/bin/python benchmarks/bench_decoding.py --quick                                  # minutes: round costs
+    .venv/bin/python benchmarks/bench_decoding.py --quick --no-trees                       # chains only
+    .venv/bin/python benchmarks/bench_decoding.py --quick --tree-shapes 'widths[4,2,1]' dynamic16b4 \\
+        'branching[2,2,1]@descent'                                                          # other trees
     .venv/bin/python benchmarks/bench_decoding.py --drafter dspark=outputs/runs/<run> --drafter dflash=... \\
         --drafter eagle3=...                                                                # the full comparison
 """
@@ -36,6 +47,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import re
 import sys
 import time
 from pathlib import Path
@@ -65,6 +77,59 @@ PHASES = (
     ("seconds_draft_sequential", "draft sequential"),
     ("seconds_other", "other"),
 )
+TARGET_ONLY = "target-only (our engine)"
+HF_GENERATE = "HF generate"
+DEFAULT_TREE_SHAPES = ["widths[4,2,2,1,1,1,1]", "branching[3,1,1,1]", "dynamic12b4", "dynamic32b6"]
+
+
+@dataclasses.dataclass(frozen=True)
+class TreeRow:
+    """One `--tree-shapes` entry: the shape and its verifier at T > 0 (at T = 0 every tree runs `descent`)."""
+
+    shape: object  # dspark.decoding.tree.TreeShape
+    scheme: str
+
+    def scheme_at(self, temperature: float) -> str:
+        return self.scheme if temperature > 0 else "descent"
+
+    def label(self, temperature: float) -> str:
+        return f"tree {self.shape.label()} {self.scheme_at(temperature)}"
+
+
+_TREE_SPEC = re.compile(
+    r"(?P<kind>widths|branching)(?:\[(?P<list1>\d+(?:,\d+)*)\]|:(?P<list2>\d+(?:,\d+)*))"
+    r"|dynamic(?P<nodes>\d+)(?:b(?P<beam>\d+))?(?:d(?P<depth>\d+))?"
+)
+
+
+def parse_tree_shape(text: str) -> TreeRow:
+    """`widths[4,2,2]` / `widths:4,2,2`, `branching[3,1,1]`, `dynamicNbBdD` (b, d optional: beam 4, depth γ), each
+    optionally `@descent` / `@rrsw` (default: rrsw for branching, descent otherwise) — `TreeShape.label()`'s syntax."""
+    from dspark.decoding.tree import TreeShape
+
+    spec, _, scheme = text.replace(" ", "").partition("@")
+    match = _TREE_SPEC.fullmatch(spec)
+    if match is None:
+        raise argparse.ArgumentTypeError(
+            f"--tree-shapes {text!r}: expected widths[4,2,2,1], branching[3,1,1], dynamicNbB[dD] (e.g. dynamic12b4), "
+            "optionally followed by @descent or @rrsw"
+        )
+    if match["kind"]:
+        values = tuple(int(v) for v in (match["list1"] or match["list2"]).split(","))
+        shape_args = {"widths": values} if match["kind"] == "widths" else {"branching": values}
+        kind = match["kind"]
+    else:
+        kind = "dynamic"
+        shape_args = {"nodes": int(match["nodes"]), "beam": int(match["beam"] or 4), "depth": int(match["depth"] or 0)}
+    scheme = scheme or ("rrsw" if kind == "branching" else "descent")
+    if scheme not in ("descent", "rrsw") or (scheme == "rrsw" and kind != "branching"):
+        raise argparse.ArgumentTypeError(
+            f"--tree-shapes {text!r}: scheme must be descent or rrsw, and rrsw needs a branching (sampled) tree"
+        )
+    try:
+        return TreeRow(TreeShape(kind=kind, **shape_args), scheme)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(f"--tree-shapes {text!r}: {error}") from error
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -85,6 +150,22 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--temperatures", type=float, nargs="+", default=[1.0, 0.0])
     parser.add_argument("--static", type=int, nargs="*", default=None, help="static ℓ values (default 1..γ-1)")
     parser.add_argument("--no-scheduler", action="store_true")
+    parser.add_argument(
+        "--trees",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="tree rows (TreeEngine) for every drafter, one per --tree-shapes entry (--no-trees: chains only)",
+    )
+    parser.add_argument(
+        "--tree-shapes",
+        nargs="+",
+        type=parse_tree_shape,
+        default=None,
+        metavar="SHAPE",
+        help="tree shapes: widths[4,2,2,1,1,1,1] | branching[3,1,1,1] | dynamicNbB[dD] (N nodes at most, sized on "
+        "SPS(B); beam B, depth D = γ by default), each optionally @descent | @rrsw (default: rrsw for branching at "
+        f"T > 0, descent otherwise; T = 0 always descent). Default: {' '.join(DEFAULT_TREE_SHAPES)}",
+    )
     parser.add_argument(
         "--step-costs",
         nargs="+",
@@ -134,6 +215,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     )
     parser.add_argument("--output", type=Path, default=RESULTS / "decoding.md")
     args = parser.parse_args(argv)
+    if args.tree_shapes is None:
+        args.tree_shapes = [parse_tree_shape(text) for text in DEFAULT_TREE_SHAPES]
+    if not args.trees:
+        args.tree_shapes = []
     if args.quick:
         args.prompts, args.max_new_tokens, args.temperatures = min(args.prompts, 2), min(args.max_new_tokens, 24), [1.0]
         args.static = [1, 3] if args.static is None else args.static
@@ -166,7 +251,6 @@ def engine_mode(
     step_costs: str = "profile",
 ) -> Mode:
     from dspark.decoding import SpeculativeEngine, build_policy, build_proposer
-    from dspark.evaluation.rollouts import prompt_generator
 
     calibration = calibration_for(drafter, temperature) if drafter is not None and policy == "scheduler" else None
     engine = SpeculativeEngine(
@@ -181,6 +265,13 @@ def engine_mode(
         step_costs=step_costs,
     )
 
+    return engine_run(engine, target, args)
+
+
+def engine_run(engine, target, args) -> Mode:
+    """The mode of one engine (`SpeculativeEngine` or `TreeEngine`): a generation per prompt, its own seed."""
+    from dspark.evaluation.rollouts import prompt_generator
+
     def run(prompt, max_new_tokens=None):
         result = engine.generate(
             prompt.input_ids,
@@ -191,6 +282,23 @@ def engine_mode(
 
     run.engine = engine
     return run
+
+
+def tree_mode(target, drafter: Drafter, row: TreeRow, *, temperature: float, args, sps) -> Mode:
+    """The drafter with draft trees of `row`'s shape (`TreeEngine`); dynamic trees sized on `sps` (up to N + 1)."""
+    from dspark.decoding import build_proposer
+    from dspark.decoding.tree_engine import TreeEngine
+
+    engine = TreeEngine(
+        target=target,
+        proposer=build_proposer(drafter.module, precision=drafter.precision or args.precision),
+        shape=row.shape,
+        scheme=row.scheme_at(temperature),
+        temperature=temperature,
+        max_new_tokens=args.max_new_tokens,
+        sps=sps if row.shape.kind == "dynamic" else None,
+    )
+    return engine_run(engine, target, args)
 
 
 def measured_cost_lines(modes: dict[str, Mode]) -> list[str]:
@@ -241,8 +349,8 @@ def hf_mode(target, *, temperature: float, lookup: int | None, args) -> Mode:
 
 def build_modes(target, drafters: list[Drafter], *, temperature: float, args, sps) -> dict[str, Mode]:
     modes = {
-        "target-only (our engine)": engine_mode(target, None, "fixed", temperature=temperature, args=args),
-        "HF generate": hf_mode(target, temperature=temperature, lookup=None, args=args),
+        TARGET_ONLY: engine_mode(target, None, "fixed", temperature=temperature, args=args),
+        HF_GENERATE: hf_mode(target, temperature=temperature, lookup=None, args=args),
         f"HF prompt lookup ({args.block_size})": hf_mode(
             target, temperature=temperature, lookup=args.block_size, args=args
         ),
@@ -266,6 +374,10 @@ def build_modes(target, drafters: list[Drafter], *, temperature: float, args, sp
                 modes[label] = engine_mode(
                     target, drafter, "scheduler", sps=sps, temperature=temperature, args=args, step_costs=step_costs
                 )
+        for row in args.tree_shapes:
+            modes[f"{drafter.name} · {row.label(temperature)}"] = tree_mode(
+                target, drafter, row, temperature=temperature, args=args, sps=sps
+            )
     return modes
 
 
@@ -309,7 +421,7 @@ def scheduler_comparison(totals: dict[str, dict]) -> list[str]:
     """Each drafter's scheduler rows against its own fixed, static and other scheduler rows (not those of another
     drafter or of its [int8] copy) and against transformers' rows (prompt lookup, generate): tok/s ratio with its
     paired 95% CI (the issue's "ahead of every static ℓ" and "ahead of prompt lookup", judged by whether the
-    interval lies above 1)."""
+    interval lies above 1). Tree rows are left to `tree_comparison`."""
     lines = []
     for name, t in totals.items():
         if "· scheduler" not in name:
@@ -320,14 +432,56 @@ def scheduler_comparison(totals: dict[str, dict]) -> list[str]:
         others = [
             (other[len(drafter) + 2 :], o)
             for other, o in totals.items()
-            if other != name and other.startswith(drafter + "· ")
+            if other != name and other.startswith(drafter + "· ") and not is_tree(other)
         ]
         others += [(other, o) for other, o in totals.items() if other.startswith("HF ") and o.get("per_prompt")]
         for label, o in others:
             low, high = paired_ratio_ci(t["per_prompt"], o["per_prompt"])
-            verdict = "ahead" if low > 1 else ("behind" if high < 1 else "not distinguishable")
             ratio = rate / (o["tokens"] / o["seconds"])
-            lines.append(f"  - vs {label}: {ratio:.3f}× [{low:.3f}, {high:.3f}] → {verdict}")
+            lines.append(f"  - vs {label}: {ratio:.3f}× [{low:.3f}, {high:.3f}] → {verdict_of(low, high)}")
+    return lines
+
+
+def is_tree(name: str) -> bool:
+    return "· tree " in name
+
+
+def verdict_of(low: float, high: float) -> str:
+    return "ahead" if low > 1 else ("behind" if high < 1 else "not distinguishable")
+
+
+def tau_of(rounds) -> float:
+    return sum(r.committed for r in rounds) / len(rounds) if rounds else float("nan")
+
+
+def mean_nodes(rounds) -> float:
+    nodes = [r.tree_nodes for r in rounds if r.tree_nodes is not None]
+    return sum(nodes) / len(nodes) if nodes else float("nan")
+
+
+def tree_comparison(totals: dict[str, dict]) -> list[str]:
+    """Each tree row against its own drafter's chains (fixed ℓ = γ and every scheduler row; not another drafter's,
+    nor its [int8] copy's): tok/s ratio with its paired 95% CI and τ of both — whether the tree's extra verified nodes
+    and drafting pay for themselves against the chain the drafter would otherwise run."""
+    lines = []
+    for name, t in totals.items():
+        if not is_tree(name):
+            continue
+        drafter = name[: name.index("· tree ")]
+        rate = t["tokens"] / t["seconds"]
+        lines.append(f"- {name} (τ {fmt(tau_of(t['rounds']))}, {fmt(mean_nodes(t['rounds']), 1)} nodes per round):")
+        chains = [
+            (other[len(drafter) + 2 :], o)
+            for other, o in totals.items()
+            if other.startswith(drafter + "· ") and ("· fixed" in other or "· scheduler" in other)
+        ]
+        for label, o in chains:
+            low, high = paired_ratio_ci(t["per_prompt"], o["per_prompt"])
+            ratio = rate / (o["tokens"] / o["seconds"])
+            lines.append(
+                f"  - vs {label}: {ratio:.3f}× [{low:.3f}, {high:.3f}] → {verdict_of(low, high)} "
+                f"(τ {fmt(tau_of(o['rounds']))})"
+            )
     return lines
 
 
@@ -364,7 +518,7 @@ def headroom_lines(totals: dict[str, dict]) -> list[str]:
 
     from dspark.evaluation.headroom import policy_headroom
 
-    plain = totals["target-only (our engine)"]["rounds"]
+    plain = totals[TARGET_ONLY]["rounds"]
     lines = []
     for name, t in totals.items():
         if "· fixed" not in name or not t["rounds"] or not plain:
@@ -377,6 +531,9 @@ def headroom_lines(totals: dict[str, dict]) -> list[str]:
                     by_length[r.num_verified].append(r.seconds_verify)
         verify = {0: sum(r.seconds_verify for r in plain) / len(plain)}
         verify |= {ell: sum(v) / len(v) for ell, v in by_length.items() if ell > 0 and len(v) >= 5}
+        if len(verify) < 2:  # a short run: no verify length ≥ 1 measured in 5 rounds or more
+            lines.append(f"- {name}: too few rounds at any verify length ≥ 1 (5 needed) for the replay")
+            continue
         gamma = max(r.num_verified for r in t["rounds"])
         head = policy_headroom(t["rounds"], verify_seconds=verify, block_size=gamma)
         measured = ", ".join(f"{ell}: {1000 * verify[ell]:.1f}" for ell in sorted(verify))
@@ -401,23 +558,46 @@ def fmt(value: float, digits: int = 2) -> str:
     return "–" if value != value else f"{value:.{digits}f}"
 
 
-def speed_table(totals: dict[str, dict]) -> str:
-    base = totals["target-only (our engine)"]
-    base_rate = base["tokens"] / base["seconds"]
-    head = (
-        "| mode | tokens | tok/s | × target-only | 95% CI | τ | mean ℓ | rounds | ms / round | verify | "
-        "draft parallel | draft sequential | other |"
+def rate_of(t: dict) -> float:
+    return t["tokens"] / t["seconds"]
+
+
+def faster_baseline(totals: dict[str, dict]) -> str:
+    """The faster (tok/s) of target-only (our engine) and `HF generate` in this section: the issue's speed targets
+    are stated against the faster of the two."""
+    return max((name for name in (TARGET_ONLY, HF_GENERATE) if name in totals), key=lambda n: rate_of(totals[n]))
+
+
+def baseline_line(totals: dict[str, dict]) -> str:
+    fastest = faster_baseline(totals)
+    rates = ", ".join(f"{name} {rate_of(totals[name]):.1f} tok/s" for name in (TARGET_ONLY, HF_GENERATE))
+    return (
+        f"Faster baseline here (the × faster columns): **{fastest}** ({rates}); every speed ratio below is also stated "
+        "against it."
     )
-    lines = [head, "|" + "---|" * 13]
+
+
+def ratio_cells(t: dict, base: dict) -> str:
+    """`ratio× | [low, high]` of `t`'s tok/s over `base`'s (paired bootstrap CI; 1 exactly for the row itself)."""
+    low, high = paired_ratio_ci(t["per_prompt"], base["per_prompt"]) if t is not base else (1.0, 1.0)
+    return f"{rate_of(t) / rate_of(base):.2f}× | [{fmt(low)}, {fmt(high)}]"
+
+
+def speed_table(totals: dict[str, dict]) -> str:
+    base = totals[TARGET_ONLY]
+    fastest = totals[faster_baseline(totals)]
+    head = (
+        "| mode | tokens | tok/s | × target-only | 95% CI | × faster baseline | 95% CI | τ | mean ℓ (tree: depth) | "
+        "tree nodes | rounds | ms / round | verify | draft parallel | draft sequential | other |"
+    )
+    lines = [head, "|" + "---|" * 16]
     for name, t in totals.items():
-        rate, rounds = t["tokens"] / t["seconds"], t["rounds"]
-        tau = sum(r.committed for r in rounds) / len(rounds) if rounds else float("nan")
+        rate, rounds = rate_of(t), t["rounds"]
         ell = sum(r.num_verified for r in rounds) / len(rounds) if rounds else float("nan")
         phases = " | ".join(fmt(mean_ms(rounds, attribute)) for attribute, _ in PHASES)
-        low, high = paired_ratio_ci(t["per_prompt"], base["per_prompt"]) if t is not base else (1.0, 1.0)
         lines.append(
-            f"| {name} | {t['tokens']} | {rate:.1f} | {rate / base_rate:.2f}× | [{fmt(low)}, {fmt(high)}] | "
-            f"{fmt(tau)} | {fmt(ell)} | "
+            f"| {name} | {t['tokens']} | {rate:.1f} | {ratio_cells(t, base)} | {ratio_cells(t, fastest)} | "
+            f"{fmt(tau_of(rounds))} | {fmt(ell)} | {fmt(mean_nodes(rounds), 1)} | "
             f"{len(rounds) or '–'} | {fmt(mean_ms(rounds, 'seconds'), 1)} | {phases} |"
         )
     return "\n".join(lines)
@@ -425,7 +605,7 @@ def speed_table(totals: dict[str, dict]) -> str:
 
 def round_costs(totals: dict[str, dict]) -> list[str]:
     """The issue's two targets on the fixed-ℓ = γ rounds of every drafter: sequential share, drafter vs target step."""
-    plain = totals["target-only (our engine)"]["rounds"]
+    plain = totals[TARGET_ONLY]["rounds"]
     step_ms = mean_ms(plain, "seconds")
     lines = [
         f"- one plain target step (target-only round, our engine): {step_ms:.1f} ms "
@@ -442,6 +622,17 @@ def round_costs(totals: dict[str, dict]) -> list[str]:
             f"{100 * sequential / total:.1f}% of the round (target ≤ 5%); drafter round {drafting:.1f} ms = "
             f"{100 * drafting / step_ms:.0f}% of a plain target step (target ≤ 20%); Python overhead "
             f"{mean_ms(rounds, 'seconds_other'):.2f} ms per round (target ≤ 1 ms)"
+        )
+    for name, t in totals.items():
+        if not is_tree(name) or not t["rounds"]:
+            continue
+        rounds = t["rounds"]
+        drafting = mean_ms(rounds, "seconds_draft_parallel")
+        lines.append(
+            f"- {name}: round {mean_ms(rounds, 'seconds'):.1f} ms over {fmt(mean_nodes(rounds), 1)} nodes; tree "
+            f"drafting with the context update {drafting:.1f} ms = {100 * drafting / step_ms:.0f}% of a plain target "
+            f"step (target ≤ 15% for a 32-node tree); verify {mean_ms(rounds, 'seconds_verify'):.1f} ms; Python "
+            f"overhead {mean_ms(rounds, 'seconds_other'):.2f} ms per round (target ≤ 1 ms)"
         )
     return lines
 
@@ -483,17 +674,22 @@ def main(argv: list[str]) -> int:
         for d in list(drafters)
     ]
     gamma = max(d.module.block_size for d in drafters)
+    # one table for the scheduler and the dynamic trees (sized on SPS(B) up to B = nodes + 1)
+    tree_nodes = max((row.shape.nodes for row in args.tree_shapes if row.shape.kind == "dynamic"), default=0)
     sps, sps_path = load_or_profile_sps(
-        target=target, cache_dir=args.cache_dir, block_size=gamma, refresh=not args.reuse_sps
+        target=target, cache_dir=args.cache_dir, block_size=max(gamma, tree_nodes), refresh=not args.reuse_sps
     )
     sections = []
     for temperature in args.temperatures:
         modes = build_modes(target, drafters, temperature=temperature, args=args, sps=sps)
         totals = run_interleaved(modes, prompts, label=f"T={temperature:g}")
         comparison = scheduler_comparison(totals)
+        trees = tree_comparison(totals)
         by_precision = precision_comparison(totals, args.also_precision)
         sections += [
             f"## Temperature {temperature:g}",
+            "",
+            baseline_line(totals),
             "",
             speed_table(totals),
             "",
@@ -506,6 +702,17 @@ def main(argv: list[str]) -> int:
                     "",
                 ]
                 if comparison
+                else []
+            ),
+            *(
+                [
+                    "Draft trees against the same drafter's chains (tok/s ratio, paired bootstrap 95% CI over "
+                    "prompts):",
+                    "",
+                    *trees,
+                    "",
+                ]
+                if trees
                 else []
             ),
             *(
@@ -529,7 +736,7 @@ def main(argv: list[str]) -> int:
                 if (measured := measured_cost_lines(modes))
                 else []
             ),
-            "Round costs (fixed ℓ = γ):",
+            "Round costs (fixed ℓ = γ; tree rows):",
             "",
             *round_costs(totals),
             "",
@@ -573,6 +780,23 @@ def main(argv: list[str]) -> int:
             f"max_new_tokens {args.max_new_tokens}; modes interleaved per prompt after a warm-up call; tok/s include "
             f"prefill. Drafters: {note}.",
             "",
+            *(
+                [
+                    "Tree rows (`dspark.decoding.tree_engine.TreeEngine`): "
+                    + ", ".join(
+                        f"{row.shape.label()} ({row.scheme}{' at T > 0, descent at T = 0' * (row.scheme != 'descent')})"
+                        for row in args.tree_shapes
+                    )
+                    + (
+                        "; dynamic trees sized per round on the SPS(B) table below (up to B = nodes + 1)."
+                        if any(row.shape.kind == "dynamic" for row in args.tree_shapes)
+                        else "."
+                    ),
+                    "",
+                ]
+                if args.tree_shapes
+                else []
+            ),
             *([f"Confidences the scheduler reads: {'; '.join(sts_lines)}.", ""] if sts_lines else []),
             *sections,
             f"SPS(B) used by the scheduler (`{repo_path(sps_path)}`; R = 1, 256-token cache; {sps_origin}):",

@@ -21,12 +21,15 @@ from dspark.decoding.tree import (
     TreeShape,
     best_nodes,
     choose_node_budget,
+    min_worthwhile_score,
+    step_cost_table,
     tree_attention,
     tree_positions,
 )
 from dspark.decoding.tree_proposers import gumbel_order
 from dspark.decoding.tree_verify import TREE_SCHEMES, TreeVerifyResult, verify_tree, verify_trees_batched
 from dspark.decoding.verify import sample_from_probs
+from dspark.scheduling import SPSTable
 
 V = 5
 ANCHOR = 0
@@ -288,11 +291,27 @@ def test_node_budget_maximises_expected_tokens_per_second():
     def step(tokens):  # flat until 3 tokens, then +40% per token
         return 1.0 + max(0, tokens - 3) * 0.4
 
-    chosen = choose_node_budget(scores, step_seconds=step, max_nodes=5)
+    costs = torch.tensor([step(b) for b in range(1, 7)], dtype=torch.float64)
+    chosen = choose_node_budget(scores, step_costs=costs)
     rates = [(1 + float(scores[:n].sum())) / step(n + 1) for n in range(6)]
     assert chosen == int(np.argmax(rates))
-    assert choose_node_budget(scores, step_seconds=lambda b: 1.0, max_nodes=3) == 3  # free verification: the cap
-    assert choose_node_budget(scores, step_seconds=lambda b: float(b), max_nodes=5) == 0  # time ∝ tokens: none pays
+    flat = torch.ones(4, dtype=torch.float64)
+    assert choose_node_budget(scores, step_costs=flat) == 3  # free verification: the cap (3 nodes)
+    assert choose_node_budget(scores, step_costs=torch.arange(1, 7, dtype=torch.float64)) == 0  # none pays
+    # the table: seconds per forward at B = 1..N+1, from any SPS(B)
+    sps = SPSTable(batch_tokens=[1, 2, 4], steps_per_second=[10.0, 9.0, 5.0])
+    table = step_cost_table(sps, 3)
+    torch.testing.assert_close(table, torch.tensor([0.1, 1 / 9, 1 / 7, 0.2], dtype=torch.float64))
+
+
+def test_growth_stops_where_no_node_can_pay_for_itself():
+    costs = torch.tensor([1.0, 1.1, 1.3, 1.6], dtype=torch.float64)  # +10%, +18%, +23% per extra token
+    threshold = min_worthwhile_score(costs)
+    assert threshold == pytest.approx(0.1)
+    for count in range(1, 4):  # below the threshold no node of any score raises the rate, at any N
+        base = torch.tensor([0.9, 0.5, 0.3], dtype=torch.float64)[: count - 1]
+        with_weak = torch.cat([base, torch.tensor([threshold * 0.99], dtype=torch.float64)])
+        assert choose_node_budget(with_weak, step_costs=costs) <= count - 1
 
 
 def test_shapes_are_registered_and_checked():

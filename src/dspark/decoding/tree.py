@@ -237,15 +237,31 @@ def expected_accepted(scores: Tensor) -> Tensor:
     return torch.cat([scores.new_ones(1), 1 + scores.cumsum(0)])
 
 
-def choose_node_budget(scores: Tensor, *, step_seconds, draft_seconds: float = 0.0, max_nodes: int) -> int:
+def step_cost_table(sps, max_nodes: int) -> Tensor:
+    """[max_nodes + 1] float64: seconds of one target forward at B = 1..max_nodes + 1 tokens (1 / SPS(B)), computed
+    once per engine so that sizing a round is one vector expression, not a table look-up per candidate N."""
+    tokens = torch.arange(1, max_nodes + 2, dtype=torch.float64)
+    return 1.0 / torch.as_tensor(sps(tokens), dtype=torch.float64)
+
+
+def choose_node_budget(scores: Tensor, *, step_costs: Tensor, draft_seconds: float = 0.0) -> int:
     """The paper's Algorithm 1 with a node budget instead of a prefix length: N* = argmax over N ≤ max_nodes of
-    (1 + Σ_{i ≤ N} s_(i)) / (draft_seconds + step_seconds(N + 1)), s_(i) the path scores in descending order (the
-    best N nodes form a tree) and step_seconds(B) this machine's target step at B tokens (1 / SPS(B))."""
-    ranked = scores.sort(descending=True).values[:max_nodes].double()
+    (1 + Σ_{i ≤ N} s_(i)) / (draft_seconds + step_costs[N]), s_(i) the path scores in descending order (the best N
+    nodes form a tree) and step_costs[N] this machine's target step at B = N + 1 tokens (`step_cost_table`, whose
+    length − 1 is max_nodes). Ties go to the smaller N."""
+    max_nodes = step_costs.shape[0] - 1
+    ranked = scores.double().sort(descending=True).values[:max_nodes]
     gains = expected_accepted(ranked)
-    best, best_rate = 0, -1.0
-    for n in range(ranked.shape[0] + 1):
-        rate = float(gains[n]) / (draft_seconds + float(step_seconds(n + 1)))
-        if rate > best_rate:
-            best, best_rate = n, rate
-    return best
+    rates = gains / (draft_seconds + step_costs[: gains.shape[0]].to(gains))
+    return int(rates.argmax())
+
+
+def min_worthwhile_score(step_costs: Tensor, *, draft_seconds: float = 0.0) -> float:
+    """A node whose path score is below this never raises expected tokens per second, whatever else is verified:
+    adding score s to E ≥ 1 expected tokens at cost D + T pays only if s > E·ΔT/(D + T) ≥ min over B of
+    ΔT(B)/(D + T(B)). Path scores never grow downwards, so growth can stop once every frontier node is below it (the
+    engine passes the previous round's drafting time as D: a growth heuristic; the sizing itself is exact)."""
+    if step_costs.shape[0] < 2:
+        return float("inf")
+    relative = (step_costs[1:] - step_costs[:-1]) / (draft_seconds + step_costs[:-1])
+    return max(0.0, float(relative.min()))

@@ -29,7 +29,16 @@ from dspark.decoding.engine import SpeculativeEngine, _Decoding
 from dspark.decoding.proposers import Proposer
 from dspark.decoding.records import RoundRecord
 from dspark.decoding.shared import commit_verified, is_done
-from dspark.decoding.tree import DraftTree, TreeShape, best_nodes, choose_node_budget, tree_attention, tree_positions
+from dspark.decoding.tree import (
+    DraftTree,
+    TreeShape,
+    best_nodes,
+    choose_node_budget,
+    min_worthwhile_score,
+    step_cost_table,
+    tree_attention,
+    tree_positions,
+)
 from dspark.decoding.tree_proposers import propose_tree
 from dspark.decoding.tree_verify import LazyRows, check_scheme, verify_tree
 from dspark.scheduling.sps import SPSTable
@@ -68,6 +77,10 @@ class TreeEngine(SpeculativeEngine):
             )
         check_scheme(scheme, _no_tree(), temperature)
         self.shape, self.scheme, self.sps = shape, scheme, sps
+        # dynamic trees: the step cost of every candidate N once, and the score below which no node pays for itself
+        sized = shape.kind == "dynamic" and sps is not None
+        self._step_costs = step_cost_table(sps, shape.nodes) if sized else None
+        self._draft_seconds = 0.0  # the previous round's drafting time (growth stops on `min_worthwhile_score`)
 
     @torch.no_grad()
     def _round(self, state: _Decoding, generator: torch.Generator | None) -> RoundRecord:
@@ -81,7 +94,11 @@ class TreeEngine(SpeculativeEngine):
             temperature=self.temperature,
             generator=generator,
             stop_ids=self.stop_ids,
+            min_score=0.0
+            if self._step_costs is None
+            else min_worthwhile_score(self._step_costs, draft_seconds=self._draft_seconds),
         )
+        self._draft_seconds = draft_seconds
         tree = self._sized(tree, draft_seconds)
         # 2. Nothing past the target's context.
         if self.max_positions is not None and tree.depth > self.max_positions - 1 - position:
@@ -142,15 +159,9 @@ class TreeEngine(SpeculativeEngine):
 
     def _sized(self, tree: DraftTree, draft_seconds: float) -> DraftTree:
         """Dynamic trees: the N* best nodes by expected accepted tokens per second (`choose_node_budget`)."""
-        if self.shape.kind != "dynamic" or self.sps is None or tree.size == 0:
+        if self._step_costs is None or tree.size == 0:
             return tree
-        sps = self.sps
-        count = choose_node_budget(
-            tree.scores,
-            step_seconds=lambda tokens: 1.0 / float(sps(tokens)),
-            draft_seconds=draft_seconds,
-            max_nodes=self.shape.nodes,
-        )
+        count = choose_node_budget(tree.scores, step_costs=self._step_costs, draft_seconds=draft_seconds)
         return tree.subtree(best_nodes(tree, count))
 
 

@@ -21,6 +21,7 @@ logits are unusable (NaN, +inf, all −inf) gets no children; a node whose token
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Collection
 from typing import Protocol
@@ -159,8 +160,11 @@ def grow_tree(
     temperature: float,
     generator: torch.Generator | None,
     stop_ids: Collection[int],
+    min_score: float = 0.0,
 ) -> DraftTree:
-    """Grow one round's tree (module docstring); the dynamic shape is returned whole (its N is chosen later)."""
+    """Grow one round's tree (module docstring); the dynamic shape is returned whole (its N is chosen later), except
+    that growth stops once every node of the last depth has a path score below `min_score` (none deeper could pay
+    for itself: `tree.min_worthwhile_score`)."""
     levels = shape.levels(gamma)
     sampled = shape.kind == "branching" and temperature > 0
     if sampled and generator is None:
@@ -173,6 +177,7 @@ def grow_tree(
     scores: list[float] = []
     child_probs: dict[int, Tensor] = {}
     frontier = [-1]
+    log_min_score = math.log(min_score) if min_score > 0 else -math.inf  # scores are kept as log-probabilities
     for depth, count in enumerate(levels, start=1):
         open_nodes = [u for u in frontier if u < 0 or tokens[u] not in stop_ids]
         if not open_nodes:
@@ -192,11 +197,12 @@ def grow_tree(
             base = 0.0 if node < 0 else scores[node]
             if sampled:
                 q = torch.softmax(logits[row].double() / temperature, dim=-1)
-                drawn = gumbel_order(q, count, generator).tolist()
+                drawn = gumbel_order(q, count, generator)
                 child_probs[node] = to_target_probs(q.float().unsqueeze(0), ids, expander.vocab_size)[0]
             else:
-                drawn = logits[row].topk(min(count, logits.shape[-1])).indices.tolist()
-            candidates.extend((base + float(scoring[row, j]), node, j) for j in drawn)
+                drawn = logits[row].topk(min(count, logits.shape[-1])).indices
+            # one read of the drawn children's log-probabilities (not one host sync per child)
+            candidates.extend((base + s, node, j) for s, j in zip(scoring[row, drawn].tolist(), drawn.tolist()))
         if not sampled:  # a beam: the `count` best children of the whole depth (stable: ties keep draw order)
             candidates = sorted(candidates, key=lambda c: -c[0])[:count]
             candidates.sort(key=lambda c: open_nodes.index(c[1]))  # children grouped under their parents, in order
@@ -207,7 +213,7 @@ def grow_tree(
             parents.append(parent)
             depths.append(depth)
             scores.append(score)
-        if not frontier:
+        if not frontier or max(scores[i] for i in frontier) < log_min_score:
             break
     device = expander_device(expander)
     tree = DraftTree(
@@ -225,6 +231,7 @@ def expander_device(expander: TreeExpander) -> torch.device:
     return next(drafter.parameters()).device if drafter is not None else torch.device("cpu")
 
 
+@torch.no_grad()
 def propose_tree(
     proposer,
     shape: TreeShape,
@@ -234,6 +241,7 @@ def propose_tree(
     temperature: float,
     generator: torch.Generator | None,
     stop_ids: Collection[int],
+    min_score: float = 0.0,
 ) -> tuple[DraftTree, float]:
     """One round's tree from a chain proposer and the seconds it took to draft (block forward and growth)."""
     start = time.perf_counter()
@@ -248,6 +256,7 @@ def propose_tree(
         temperature=temperature,
         generator=generator,
         stop_ids=stop_ids,
+        min_score=min_score if shape.kind == "dynamic" else 0.0,
     )
     if shape.kind == "dynamic" and tree.size > shape.nodes:
         tree = tree.subtree(best_nodes(tree, shape.nodes))

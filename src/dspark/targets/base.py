@@ -223,10 +223,13 @@ class Target:
         if rows == list(range(prefix, prefix + len(rows))):  # the accepted path is already contiguous: a crop
             self.rollback(cache, keep=prefix + len(rows))
             return
+        # Move the kept rows down into place (a copy of those rows only), then crop: cost ∝ the path, not the cache.
         for layer in cache.layers:
             index = torch.tensor(rows, dtype=torch.long, device=layer.keys.device)
-            layer.keys = torch.cat([layer.keys[:, :, :prefix], layer.keys.index_select(2, index)], dim=2)
-            layer.values = torch.cat([layer.values[:, :, :prefix], layer.values.index_select(2, index)], dim=2)
+            for name in ("keys", "values"):
+                states = getattr(layer, name)
+                states[:, :, prefix : prefix + len(rows)] = states.index_select(2, index)
+        self.rollback(cache, keep=prefix + len(rows))
 
     def chat_prompt_ids(self, user_text: str, *, system_prompt: str | None = None) -> list[int]:
         """Token ids of one user turn under the chat template, ending with the assistant header.
