@@ -27,6 +27,7 @@ ALL_SWEEPS = [
     "rank",
     "serving",
     "objective",
+    "tree",
 ]
 # optim.epochs=1: faster, and a training key of its own (drafters of other test files are never reused here)
 FAST = ["budget=smoke", "optim.epochs=1", "decode.prompts_per_set=1", "decode.max_new_tokens=8"]

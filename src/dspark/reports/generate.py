@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from dspark.config import ResolvedConfig
 from dspark.files import atomic_write_text
-from dspark.reports import ablations, diagnostics, search, sequential, serving  # noqa: F401  (register the builders)
+from dspark.reports import ablations, diagnostics, search, sequential, serving, trees  # noqa: F401  (register the builders)
 from dspark.reports.collect import SweepRuns, collect_sweep_runs, runs_frame
 from dspark.reports.context import REPORT_BUILDERS, ReportContext
 from dspark.reports.writer import Provenance, Section, render_report
