@@ -105,7 +105,6 @@ def test_dflash_means_no_head_and_ce_only():
         (["decode.tree.shape=star"], ["decode.tree.shape", "star", "dynamic", "branching"]),
         (["decode.tree.shape=widths", "decode.tree.widths=[2,0]"], ["decode.tree.widths", "≥ 1"]),
         (["decode.tree.shape=dynamic", "decode.tree.nodes=0"], ["decode.tree.nodes"]),
-        (["decode.tree.shape=widths", "decode.tree.scheme=rrsw"], ["decode.tree.scheme=rrsw", "branching"]),
         (["decode.tree.shape=dynamic", "decode.policy=scheduler"], ["decode.policy=scheduler", "decode.tree.shape"]),
     ],
 )

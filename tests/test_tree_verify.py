@@ -48,14 +48,19 @@ P = markov(1, 0.7)  # the target
 Q = markov(2, 0.7)  # the drafter: a different chain, so there are rejections, corrections and acceptances
 
 
-def tree_from(tokens, parents, child_probs=None) -> DraftTree:
+def tree_from(tokens, parents, child_probs=None, sampled=None) -> DraftTree:
     tokens_t = torch.tensor(tokens, dtype=torch.long)
     parents_t = torch.tensor(parents, dtype=torch.long)
     depths = []
     for parent in parents:
         depths.append(1 if parent < 0 else depths[parent] + 1)
     return DraftTree(
-        tokens_t, parents_t, torch.tensor(depths), torch.ones(len(tokens), dtype=torch.float64), child_probs or {}
+        tokens_t,
+        parents_t,
+        torch.tensor(depths),
+        torch.ones(len(tokens), dtype=torch.float64),
+        child_probs or {},
+        sampled or {},
     )
 
 
@@ -75,18 +80,38 @@ def deterministic_tree(branching) -> DraftTree:
 
 def sampled_tree(branching, generator) -> DraftTree:
     """Children drawn without replacement from Q[parent] (Gumbel-top-k), Q recorded per parent."""
-    tokens, parents, frontier, child_probs = [], [], [(-1, ANCHOR)], {}
+    tokens, parents, frontier, child_probs, sampled = [], [], [(-1, ANCHOR)], {}, {}
     for k in branching:
         nxt = []
         for node, token in frontier:
             q = Q[token].float()
             child_probs[node] = q
+            sampled[node] = k
             for child in gumbel_order(q, k, generator).tolist():
                 nxt.append((len(tokens), child))
                 tokens.append(child)
                 parents.append(node)
         frontier = nxt
-    return tree_from(tokens, parents, child_probs)
+    return tree_from(tokens, parents, child_probs, sampled)
+
+
+def mixed_tree(branching, generator) -> DraftTree:
+    """Each node's first child drawn from Q[parent], the others Q's top tokens besides it (widths / dynamic with
+    decode.tree.scheme=rrsw)."""
+    tokens, parents, frontier, child_probs, sampled = [], [], [(-1, ANCHOR)], {}, {}
+    for k in branching:
+        nxt = []
+        for node, token in frontier:
+            q = Q[token].float()
+            child_probs[node], sampled[node] = q, 1
+            drawn = int(gumbel_order(q, 1, generator))
+            extras = [t for t in q.topk(k).indices.tolist() if t != drawn][: k - 1]
+            for child in [drawn, *extras]:
+                nxt.append((len(tokens), child))
+                tokens.append(child)
+                parents.append(node)
+        frontier = nxt
+    return tree_from(tokens, parents, child_probs, sampled)
 
 
 def target_logits(tree: DraftTree) -> torch.Tensor:
@@ -145,6 +170,7 @@ CASES = {
     "rrsw/sampled [2,2]": (lambda g: sampled_tree([2, 2], g), "rrsw"),
     "rrsw/sampled [3,1]": (lambda g: sampled_tree([3, 1], g), "rrsw"),
     "rrsw/sampled chain [1,1]": (lambda g: sampled_tree([1, 1], g), "rrsw"),
+    "rrsw/drawn first + top-k [3,2]": (lambda g: mixed_tree([3, 2], g), "rrsw"),
 }
 
 
@@ -152,7 +178,11 @@ def test_every_registered_scheme_is_tested():
     assert {scheme for _, scheme in CASES.values()} == set(TREE_SCHEMES.names())
 
 
-BATCHED = ("descent/top-k [2,2]", "rrsw/sampled [2,2]")  # one per scheme: the batched call is the singles in turn
+BATCHED = (
+    "descent/top-k [2,2]",
+    "rrsw/sampled [2,2]",
+    "rrsw/drawn first + top-k [3,2]",
+)  # one per scheme: the batched call is the singles in turn
 
 
 @pytest.mark.parametrize(
@@ -209,9 +239,36 @@ def with_replacement_rrsw(*, tree, target_logits, temperature, scheme, generator
         node = chosen
 
 
+def residual_ignoring_descent(*, tree, target_logits, temperature, scheme, generator):
+    """A plausible bug in rrsw's second half: after the drawn child is rejected, descend with a fresh y ~ p_t instead
+    of a draw from the residual (the rejection's information is thrown away)."""
+    node, path = -1, []
+    tokens = tree.tokens.tolist()
+    while True:
+        p = torch.softmax(target_logits[node + 1].double(), -1)
+        kids = tree.children(node)
+        chosen = None
+        if kids and tree.sampled.get(node):
+            q = tree.child_probs[node].double()
+            token = tokens[kids[0]]
+            if float(torch.rand((), generator=generator, dtype=torch.float64)) * float(q[token]) < float(p[token]):
+                chosen = kids[0]
+        if chosen is None:
+            y = int(sample_from_probs(p, generator))
+            chosen = next((c for c in kids[1:] if tokens[c] == y), None)
+            if chosen is None:
+                return TreeVerifyResult(path, tree.tokens[path], y)
+        path.append(chosen)
+        node = chosen
+
+
 @pytest.mark.parametrize(
     ("case", "planted"),
-    [("descent/top-k [3,1,1]", naive_sequential_verifier), ("rrsw/sampled [2,2]", with_replacement_rrsw)],
+    [
+        ("descent/top-k [3,1,1]", naive_sequential_verifier),
+        ("rrsw/sampled [2,2]", with_replacement_rrsw),
+        ("rrsw/drawn first + top-k [3,2]", residual_ignoring_descent),
+    ],
 )
 def test_the_test_can_fail(case, planted):
     make_tree, scheme = CASES[case]
@@ -234,12 +291,28 @@ def test_greedy_walk_follows_the_targets_argmax():
     assert result.tokens == expected
 
 
-def test_rrsw_on_a_deterministic_tree_is_refused():
-    tree = deterministic_tree([2])
-    with pytest.raises(ValueError, match="sampled tree"):
-        verify_tree(
-            tree=tree, target_logits=target_logits(tree), temperature=1.0, scheme="rrsw", generator=torch.Generator()
-        )
+def test_rrsw_on_a_tree_without_drawn_children_is_descent():
+    tree = deterministic_tree([2, 2])
+    for seed in range(20):
+        results = [
+            verify_tree(
+                tree=tree,
+                target_logits=target_logits(tree),
+                temperature=1.0,
+                scheme=scheme,
+                generator=torch.Generator().manual_seed(seed),
+            )
+            for scheme in ("descent", "rrsw")
+        ]
+        assert results[0].tokens == results[1].tokens
+
+
+def test_a_subtree_keeps_only_a_leading_run_of_drawn_children():
+    tree = sampled_tree([3], torch.Generator().manual_seed(0))
+    assert tree.sampled == {-1: 3}
+    assert tree.subtree([0, 1]).sampled == {-1: 2}
+    assert tree.subtree([1, 2]).sampled == {}  # the first draw is gone: the others are plain candidates now
+    assert tree.subtree([0, 2]).sampled == {-1: 1}
 
 
 # ---- structure and sizing ----

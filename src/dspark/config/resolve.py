@@ -327,11 +327,6 @@ def _tree_errors(cfg: RunConfig) -> list[str]:
     ]
     if tree.shape == "chain":
         return errors
-    if tree.scheme == "rrsw" and decode.temperature > 0 and tree.shape != "branching":
-        errors.append(
-            f"decode.tree.scheme=rrsw is exact only on sampled trees (decode.tree.shape=branching at T > 0), not "
-            f"shape={tree.shape}; use decode.tree.scheme=descent, or decode.tree.shape=branching."
-        )
     if decode.policy != "fixed":
         errors.append(
             f"decode.policy={decode.policy} chooses how much of a chain to verify; with decode.tree.shape="

@@ -199,8 +199,10 @@ class TreeConfig:
     nodes: int = 16  #: shape=dynamic: the most nodes a round verifies (N ≤ nodes, chosen per round)
     beam: int = 4  #: shape=dynamic: nodes kept (and expanded) per depth
     depth: int = 0  #: shape=dynamic: deepest level drafted (0 = the drafter's γ)
-    #: descent (sample p_t at each node, descend when the token is a child: exact for any tree) | rrsw (recursive
-    #: rejection sampling without replacement: exact for sampled trees, i.e. shape=branching at T > 0)
+    #: descent (sample p_t at each node, descend when the token is a child: exact for any tree, deterministic top-k
+    #: children) | rrsw (children drawn from the draft distribution at T > 0 — every child with branching, the first
+    #: of each expanded node with widths / dynamic — accepted by rejection sampling without replacement, then descent
+    #: on the residual over the other children: at least a chain's acceptance at every node)
     scheme: str = "descent"
 
 

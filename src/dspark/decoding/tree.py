@@ -12,10 +12,15 @@ Shapes (`TreeShape`, `decode.tree.*`) — how many nodes, and which:
     widths     nodes per depth, e.g. [4, 2, 2, 1, 1, 1, 1]: at each depth the w_d candidates of highest path score among
                the children of the previous depth (a beam; the chain is [1] * γ)
     branching  children per node at each depth, e.g. [2, 2, 1]: every node at depth d has b_d children (2 + 4 + 4 nodes);
-               at T > 0 they are *drawn* without replacement from the node's draft distribution, so the tree is a
-               sample the `rrsw` verifier is exact for
+               at T > 0 they are *drawn* without replacement from the node's draft distribution (`rrsw` accepts them
+               by rejection sampling)
     dynamic    the beam [beam] * depth, then only the N nodes of highest path score, N ≤ `nodes` chosen per round
                (`choose_node_budget`: expected accepted tokens per second from this machine's SPS(B) table)
+
+With `decode.tree.scheme=rrsw` at T > 0, the widths and dynamic shapes draw the first child of every node they expand
+from the draft distribution (kept whatever the beam says) and fill the rest of the depth's width with the best
+deterministic candidates: each node then accepts at least what a chain's rejection sampling would, plus the target's
+residual mass on its other children (`tree_verify`).
 
 The path score of a node is the product of the draft probabilities (at T = 1) of the tokens on its path: the drafter's
 estimate of the chance the target accepts the whole path. Scores never grow along a path, so the N best nodes
@@ -51,9 +56,11 @@ class DraftTree:
     parents: Tensor  # [N] long, −1 = the anchor, else an earlier node
     depths: Tensor  # [N] long, 1..D
     scores: Tensor  # [N] float64, path scores (product of the draft probabilities at T = 1 along the path)
-    #: parent (−1 = anchor) → [V] float32 distribution its children were drawn from, without replacement, in node order;
-    #: set only for sampled trees (`branching` at T > 0), which the `rrsw` verifier needs
+    #: parent (−1 = anchor) → [V] float32 distribution q its sampled children were drawn from (the `rrsw` verifier's)
     child_probs: dict[int, Tensor] = field(default_factory=dict)
+    #: parent → how many of its first children (in node order) were drawn in that order without replacement from
+    #: child_probs[parent]; its other children are any further candidates (deterministic top-k). Absent = none sampled
+    sampled: dict[int, int] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         n = self.tokens.shape[0]
@@ -80,10 +87,6 @@ class DraftTree:
     def depth(self) -> int:
         """The deepest node's depth (0 for an empty tree)."""
         return max(self._depth_list, default=0)
-
-    @property
-    def sampled(self) -> bool:
-        return bool(self.child_probs)
 
     def children(self, node: int) -> list[int]:
         """Nodes whose parent is `node` (−1 = the anchor), in draw order."""
@@ -113,10 +116,21 @@ class DraftTree:
             dtype=torch.long,
             device=self.tokens.device,
         )
-        child_probs = {
-            index.get(p, -1) if p >= 0 else -1: q for p, q in self.child_probs.items() if p < 0 or p in index
-        }
-        return DraftTree(self.tokens[rows], parents, self.depths[rows], self.scores[rows], child_probs)
+        # A parent keeps its sampled children only as the same leading run of draws: dropping the first draw leaves
+        # the later ones conditioned on it, so they count as plain candidates (its node is then verified by descent).
+        kept = set(keep)
+        sampled, child_probs = {}, {}
+        for parent, count in self.sampled.items():
+            if parent >= 0 and parent not in index:
+                continue
+            children = self.children(parent)
+            run = 0
+            while run < count and children[run] in kept:
+                run += 1
+            new_parent = index[parent] if parent >= 0 else -1
+            if run:
+                sampled[new_parent], child_probs[new_parent] = run, self.child_probs[parent]
+        return DraftTree(self.tokens[rows], parents, self.depths[rows], self.scores[rows], child_probs, sampled)
 
 
 def empty_tree(device: torch.device | str = "cpu") -> DraftTree:

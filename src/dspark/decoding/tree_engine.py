@@ -70,12 +70,7 @@ class TreeEngine(SpeculativeEngine):
         super().__init__(
             target=target, proposer=proposer, policy=None, temperature=temperature, max_new_tokens=max_new_tokens
         )
-        if scheme == "rrsw" and temperature > 0 and shape.kind != "branching":
-            raise ValueError(
-                f"decode.tree.scheme=rrsw needs decode.tree.shape=branching (a sampled tree); shape={shape.kind} "
-                "builds a deterministic tree: use decode.tree.scheme=descent"
-            )
-        check_scheme(scheme, _no_tree(), temperature)
+        check_scheme(scheme)
         self.shape, self.scheme, self.sps = shape, scheme, sps
         # dynamic trees: the step cost of every candidate N once, and the score below which no node pays for itself
         sized = shape.kind == "dynamic" and sps is not None
@@ -94,6 +89,7 @@ class TreeEngine(SpeculativeEngine):
             temperature=self.temperature,
             generator=generator,
             stop_ids=self.stop_ids,
+            sample=self.scheme == "rrsw",
             min_score=0.0
             if self._step_costs is None
             else min_worthwhile_score(self._step_costs, draft_seconds=self._draft_seconds),
@@ -163,9 +159,3 @@ class TreeEngine(SpeculativeEngine):
             return tree
         count = choose_node_budget(tree.scores, step_costs=self._step_costs, draft_seconds=draft_seconds)
         return tree.subtree(best_nodes(tree, count))
-
-
-def _no_tree() -> DraftTree:
-    from dspark.decoding.tree import empty_tree
-
-    return empty_tree()

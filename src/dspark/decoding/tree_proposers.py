@@ -161,14 +161,17 @@ def grow_tree(
     generator: torch.Generator | None,
     stop_ids: Collection[int],
     min_score: float = 0.0,
+    sample: bool = False,
 ) -> DraftTree:
     """Grow one round's tree (module docstring); the dynamic shape is returned whole (its N is chosen later), except
     that growth stops once every node of the last depth has a path score below `min_score` (none deeper could pay
-    for itself: `tree.min_worthwhile_score`)."""
+    for itself: `tree.min_worthwhile_score`). `sample` (at T > 0): widths and dynamic draw the first child of every
+    node they expand (`decode.tree.scheme=rrsw`); branching draws every child at T > 0 either way."""
     levels = shape.levels(gamma)
-    sampled = shape.kind == "branching" and temperature > 0
-    if sampled and generator is None:
-        raise ValueError("grow_tree: a sampled tree (decode.tree.shape=branching at T > 0) needs a torch.Generator")
+    draw_all = shape.kind == "branching" and temperature > 0
+    draw_first = sample and temperature > 0 and not draw_all
+    if (draw_all or draw_first) and generator is None:
+        raise ValueError("grow_tree: a tree with drawn children (T > 0) needs a torch.Generator")
     ids = expander.draft_ids
     to_target = None if ids is None else ids.tolist()
     tokens: list[int] = []
@@ -176,6 +179,7 @@ def grow_tree(
     depths: list[int] = []
     scores: list[float] = []
     child_probs: dict[int, Tensor] = {}
+    sampled: dict[int, int] = {}
     frontier = [-1]
     log_min_score = math.log(min_score) if min_score > 0 else -math.inf  # scores are kept as log-probabilities
     for depth, count in enumerate(levels, start=1):
@@ -190,24 +194,29 @@ def grow_tree(
         )
         usable = usable_logits(logits).tolist()
         scoring = torch.log_softmax(logits.double(), dim=-1)  # path scores at T = 1
-        candidates: list[tuple[float, int, int]] = []  # (score, parent, draft id)
-        for row, node in enumerate(open_nodes):
-            if not usable[row]:
-                continue
-            base = 0.0 if node < 0 else scores[node]
-            if sampled:
-                q = torch.softmax(logits[row].double() / temperature, dim=-1)
-                drawn = gumbel_order(q, count, generator)
-                child_probs[node] = to_target_probs(q.float().unsqueeze(0), ids, expander.vocab_size)[0]
-            else:
-                drawn = logits[row].topk(min(count, logits.shape[-1])).indices
-            # one read of the drawn children's log-probabilities (not one host sync per child)
-            candidates.extend((base + s, node, j) for s, j in zip(scoring[row, drawn].tolist(), drawn.tolist()))
-        if not sampled:  # a beam: the `count` best children of the whole depth (stable: ties keep draw order)
-            candidates = sorted(candidates, key=lambda c: -c[0])[:count]
-            candidates.sort(key=lambda c: open_nodes.index(c[1]))  # children grouped under their parents, in order
+        rows = [(row, node, 0.0 if node < 0 else scores[node]) for row, node in enumerate(open_nodes) if usable[row]]
+        if draw_all:
+            chosen = []
+            for row, node, base in rows:
+                drawn = _draw(logits[row], temperature, count, generator, child_probs, node, ids, expander.vocab_size)
+                sampled[node] = len(drawn)
+                chosen += _scored(scoring[row], drawn, base, node)
+        else:
+            chosen = _beam(
+                rows,
+                logits,
+                scoring,
+                count,
+                draw_first,
+                temperature,
+                generator,
+                child_probs,
+                sampled,
+                ids,
+                expander.vocab_size,
+            )
         frontier = []
-        for score, parent, j in candidates:
+        for score, parent, j in chosen:
             frontier.append(len(tokens))
             tokens.append(j if to_target is None else to_target[j])
             parents.append(parent)
@@ -216,14 +225,49 @@ def grow_tree(
         if not frontier or max(scores[i] for i in frontier) < log_min_score:
             break
     device = expander_device(expander)
-    tree = DraftTree(
+    return DraftTree(
         torch.tensor(tokens, dtype=torch.long, device=device),
         torch.tensor(parents, dtype=torch.long, device=device),
         torch.tensor(depths, dtype=torch.long, device=device),
         torch.tensor(scores, dtype=torch.float64, device=device).exp(),
         child_probs,
+        sampled,
     )
-    return tree
+
+
+def _draw(logits, temperature, count, generator, child_probs, node, ids, vocab_size) -> Tensor:
+    """`count` children of `node` drawn without replacement from q = softmax(logits / T); q recorded over V."""
+    q = torch.softmax(logits.double() / temperature, dim=-1)
+    child_probs[node] = to_target_probs(q.float().unsqueeze(0), ids, vocab_size)[0]
+    return gumbel_order(q, count, generator)
+
+
+def _scored(scoring_row: Tensor, drawn: Tensor, base: float, node: int) -> list[tuple[float, int, int]]:
+    """(path score, parent, draft id) of the children `drawn` (one read of their log-probabilities)."""
+    return [(base + s, node, j) for s, j in zip(scoring_row[drawn].tolist(), drawn.tolist())]
+
+
+def _beam(rows, logits, scoring, count, draw_first, temperature, generator, child_probs, sampled, ids, vocab_size):
+    """One depth of a widths / dynamic tree: the `count` best children of the depth by path score (ties keep draw
+    order), grouped under their parents in order. With `draw_first`, each of the `count` best parents first gets one
+    child drawn from its q — kept whatever its score, so that it is a real draw — and the best deterministic
+    candidates fill the rest."""
+    forced: list[tuple[float, int, int]] = []
+    if draw_first:
+        for row, node, base in sorted(rows, key=lambda r: -r[2])[:count]:
+            drawn = _draw(logits[row], temperature, 1, generator, child_probs, node, ids, vocab_size)
+            if drawn.numel():
+                sampled[node] = 1
+                forced += _scored(scoring[row], drawn, base, node)
+    taken = {(node, j) for _, node, j in forced}
+    candidates = []
+    for row, node, base in rows:
+        top = logits[row].topk(min(count + 1, logits.shape[-1])).indices
+        candidates += [c for c in _scored(scoring[row], top, base, node) if (node, c[2]) not in taken][:count]
+    chosen = forced + sorted(candidates, key=lambda c: -c[0])[: max(0, count - len(forced))]
+    order = {node: i for i, (_, node, _) in enumerate(rows)}
+    # children grouped under their parents, the drawn child first (the sampled prefix `rrsw` relies on)
+    return sorted(chosen, key=lambda c: (order[c[1]], (c[1], c[2]) not in taken))
 
 
 def expander_device(expander: TreeExpander) -> torch.device:
@@ -242,6 +286,7 @@ def propose_tree(
     generator: torch.Generator | None,
     stop_ids: Collection[int],
     min_score: float = 0.0,
+    sample: bool = False,
 ) -> tuple[DraftTree, float]:
     """One round's tree from a chain proposer and the seconds it took to draft (block forward and growth)."""
     start = time.perf_counter()
@@ -257,6 +302,7 @@ def propose_tree(
         generator=generator,
         stop_ids=stop_ids,
         min_score=min_score if shape.kind == "dynamic" else 0.0,
+        sample=sample,
     )
     if shape.kind == "dynamic" and tree.size > shape.nodes:
         tree = tree.subtree(best_nodes(tree, shape.nodes))

@@ -9,17 +9,19 @@ accepted path then y, as with a chain (τ = path length + 1). Two schemes (`TREE
               else stop and emit y. Exact for *any* set of candidates, drafted however (a deterministic top-k tree
               included): every committed token is a sample of p_t, the candidates only decide how far one forward
               goes. Acceptance at u is the target's mass on u's children, Σ_c p_t(c | u).
-    rrsw      recursive rejection sampling without replacement (Jeon et al. 2024; SpecTr's k-sequential case) for a
-              *sampled* tree, whose children c_1..c_k of u were drawn in that order without replacement from q_u:
-              p ← p_t(· | u), q ← q_u; for i = 1..k accept c_i with probability min(1, p(c_i) / q(c_i)); on a
-              rejection p ← norm(max(0, p − q)) and q ← q with c_i removed, renormalised; when every child is
-              rejected emit y ~ p. Exact because c_i is a draw from the current q (the draws before it removed);
-              with k = 1 it is the chain's rejection sampling (`verify.verify_drafts`). Acceptance at u exceeds
-              descent's when q_u is close to p_t (the chain's Σ min(p, q) ≥ p_t of one fixed token).
+    rrsw      recursive rejection sampling without replacement (Jeon et al. 2024; SpecTr's k-sequential case) on the
+              children of u that were *drawn* c_1..c_k in that order without replacement from q_u (`tree.sampled`),
+              then descent on what is left: p ← p_t(· | u), q ← q_u; for i = 1..k accept c_i with probability
+              min(1, p(c_i) / q(c_i)); on a rejection p ← norm(max(0, p − q)) and q ← q with c_i removed,
+              renormalised; when every drawn child is rejected, draw y ~ p and descend if y is one of u's other
+              (deterministic) children, else emit y. Exact: each c_i is a draw from the current q, and the emitted or
+              descended token after the rejections is a draw from the residual, which is the target's conditional
+              given those rejections. With k = 1 and no other child it is the chain's rejection sampling
+              (`verify.verify_drafts`); a node with no drawn child is plain descent. Acceptance at u is at least
+              Σ min(p_t, q_u) (the chain's) plus the residual's mass on the other children.
 
 At T = 0 both are greedy descent: accept the child whose token is argmax p_t(· | u), else emit that argmax — the
-target's greedy tokens. A sampled scheme on a deterministic tree (or rrsw on a tree whose children were not drawn from
-the recorded q) is refused, since its output would not be the target's.
+target's greedy tokens.
 
 Random numbers: one float64 uniform per test and per emitted token, drawn from the generator as the walk needs them
 (so a batched call reproduces the single calls made in the same order with the same generator). Stop handling is the
@@ -39,7 +41,7 @@ from dspark.registry import Registry
 
 TREE_SCHEMES: Registry[str] = Registry("decode.tree.scheme")
 TREE_SCHEMES.register("descent", label="sample p_t at each node, descend when it is a child (any tree)")("descent")
-TREE_SCHEMES.register("rrsw", label="recursive rejection sampling without replacement (sampled trees)")("rrsw")
+TREE_SCHEMES.register("rrsw", label="rejection sampling on drawn children, then descent on the residual")("rrsw")
 
 
 @dataclass
@@ -65,15 +67,9 @@ def _uniform(generator: torch.Generator | None, device: torch.device) -> Tensor:
     return draw_uniforms((), generator, device)
 
 
-def check_scheme(scheme: str, tree: DraftTree, temperature: float) -> None:
-    """Refuse a scheme that would not be exact on this tree (module docstring)."""
+def check_scheme(scheme: str) -> None:
+    """Refuse an unknown scheme (naming the valid ones)."""
     TREE_SCHEMES.resolve(scheme)
-    if temperature > 0 and scheme == "rrsw" and tree.size and not tree.sampled:
-        raise ValueError(
-            "decode.tree.scheme=rrsw needs a sampled tree (decode.tree.shape=branching at temperature > 0: children "
-            "drawn without replacement from the draft distribution); use decode.tree.scheme=descent for widths, "
-            "dynamic and greedy-built trees"
-        )
 
 
 class LazyRows:
@@ -114,7 +110,7 @@ def verify_tree(
             f"verify_tree: target_logits must be [N+1, V] = [{tree.size + 1}, V] for a tree of {tree.size} nodes, "
             f"got {rows.num_rows} rows"
         )
-    check_scheme(scheme, tree, temperature)
+    check_scheme(scheme)
     tokens = tree.tokens.tolist()
     children = _children_lists(tree)
     node, path = -1, []
@@ -131,12 +127,15 @@ def verify_tree(
     while True:
         p_t = probs_from_logits(rows.row(node + 1).unsqueeze(0), temperature)[0]
         kids = children[node + 1]
-        if scheme == "descent" or not kids:
-            y = int(sample_from_probs(p_t, uniforms=_uniform(generator, device), trusted=True))
-            chosen = next((c for c in kids if tokens[c] == y), None)
-        else:
-            chosen, y = _rrsw_step(p_t, tree.child_probs[node], [tokens[c] for c in kids], generator, device)
+        drawn = tree.sampled.get(node, 0) if scheme == "rrsw" else 0
+        if drawn:
+            chosen, p_t = _rrsw_step(p_t, tree.child_probs[node], [tokens[c] for c in kids[:drawn]], generator, device)
             chosen = None if chosen is None else kids[chosen]
+        else:
+            chosen = None
+        if chosen is None:  # descent on the (residual) distribution over the remaining children
+            y = int(sample_from_probs(p_t, uniforms=_uniform(generator, device), trusted=True))
+            chosen = next((c for c in kids[drawn:] if tokens[c] == y), None)
         if chosen is None:
             return _result(tree, path, y)
         path.append(chosen)
@@ -145,8 +144,9 @@ def verify_tree(
 
 def _rrsw_step(
     p_t: Tensor, q: Tensor, candidates: list[int], generator: torch.Generator | None, device: torch.device
-) -> tuple[int | None, int]:
-    """One node of `rrsw`: (index of the accepted candidate or None, the emitted token when none is accepted)."""
+) -> tuple[int | None, Tensor]:
+    """The drawn children of one node under `rrsw`: (index of the accepted candidate, or None and the residual
+    distribution [V] float64 the node's extra token or descent is then drawn from)."""
     p = p_t.to(torch.float64, copy=True)
     q = q.to(torch.float64, copy=True)
     for i, token in enumerate(candidates):
@@ -154,15 +154,14 @@ def _rrsw_step(
         q_token = float(q[token]) / q_total if q_total > 0 else 0.0
         u = float(_uniform(generator, device))
         if q_token > 0 and u * q_token < float(p[token]):
-            return i, token
+            return i, p
         if q_token <= 0:
-            continue  # a candidate the proposal could not have drawn: skip it (it is never accepted)
-        q_norm = q / q_total
-        residual = (p - q_norm).clamp_min_(0.0)
+            continue  # a candidate the proposal could not have drawn: never accepted
+        residual = (p - q / q_total).clamp_min_(0.0)
         mass = float(residual.sum())
         p = residual / mass if mass >= RESIDUAL_MIN_MASS else p
         q[token] = 0.0
-    return None, int(sample_from_probs(p, uniforms=_uniform(generator, device), trusted=True))
+    return None, p
 
 
 def _children_lists(tree: DraftTree) -> list[list[int]]:

@@ -35,7 +35,7 @@ from dspark.decoding.shared import (
     sample_first,
     stop_reason,
 )
-from dspark.decoding.tree import DraftTree, TreeShape, tree_attention
+from dspark.decoding.tree import TreeShape, tree_attention
 from dspark.decoding.tree_proposers import propose_tree
 from dspark.decoding.tree_verify import check_scheme, verify_trees_batched
 from dspark.decoding.verify import probs_from_logits
@@ -81,13 +81,8 @@ class BatchedTreeEngine:
             raise ValueError("decode.tree.shape=chain is the chain engines' (BatchedEngine, SpeculativeEngine)")
         self.temperature = check_temperature(temperature, KEY)
         self.max_new_tokens = check_max_new_tokens(max_new_tokens, KEY)
-        if scheme == "rrsw" and temperature > 0 and shape.kind != "branching":
-            raise ValueError(
-                f"decode.tree.scheme=rrsw needs decode.tree.shape=branching (a sampled tree); shape={shape.kind} "
-                "builds a deterministic tree: use decode.tree.scheme=descent"
-            )
         self.target, self.proposer, self.shape, self.scheme = target, proposer, shape, scheme
-        check_scheme(scheme, _empty(), temperature)
+        check_scheme(scheme)
         self.stop_ids = frozenset(int(t) for t in target.stop_token_ids)
         self.max_positions = getattr(target.hf_config, "max_position_embeddings", None)
 
@@ -159,6 +154,7 @@ class BatchedTreeEngine:
                 temperature=self.temperature,
                 generator=generator,
                 stop_ids=self.stop_ids,
+                sample=self.scheme == "rrsw",
             )
             if self.max_positions is not None and tree.depth > self.max_positions - 1 - request.position:
                 room = self.max_positions - 1 - request.position
@@ -225,9 +221,3 @@ class BatchedTreeEngine:
         for request in active:  # the step's remaining time is every request's overhead
             record = request.rounds[-1]
             record.seconds_other = max(0.0, total - sum(draft_seconds) - verify_seconds)
-
-
-def _empty() -> DraftTree:
-    from dspark.decoding.tree import empty_tree
-
-    return empty_tree()
