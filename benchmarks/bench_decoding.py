@@ -13,9 +13,10 @@ prompt (so load drift hits all alike), each after one warm-up call, at every `--
   the profile and once re-priced after every round from the rounds' own costs (`--step-costs`,
   `decode.step_costs=measured`, `dspark.scheduling.measured`; its final prices are listed);
 - each drafter with draft trees (`TreeEngine`, METHOD §5.1; `--trees`, on by default, `--no-trees` skips them), one
-  row per `--tree-shapes` entry: by default `widths[4,2,2,1,1,1,1]` (descent), `branching[3,1,1,1]` (rrsw at T > 0,
-  descent at T = 0, where every scheme is greedy), `dynamic12b4` and `dynamic32b6` (descent; N sized per round on
-  the same SPS(B) table as the scheduler rows, which is then profiled up to B = nodes + 1).
+  row per `--tree-shapes` entry: by default `widths[4,2,2,1,1,1,1]` with rrsw (each expanded node's first child drawn
+  from the draft distribution, then the best others) and with descent (deterministic top-k), `branching[3,1,1,1]`,
+  `dynamic12b4` and `dynamic32b6` (rrsw; N sized per round on the same SPS(B) table as the scheduler rows, which is
+  then profiled up to B = nodes + 1). At T = 0 every scheme is greedy descent.
 Columns: tokens/s (prefill included), ratio to target-only with its paired bootstrap 95% CI over prompts, the same
 against the faster of target-only and `HF generate` at that temperature (the issue's speed targets are stated against
 the faster of the two), τ, mean ℓ (a tree: its depth), mean tree nodes N, and ms per round split into verify (target
@@ -79,7 +80,13 @@ PHASES = (
 )
 TARGET_ONLY = "target-only (our engine)"
 HF_GENERATE = "HF generate"
-DEFAULT_TREE_SHAPES = ["widths[4,2,2,1,1,1,1]", "branching[3,1,1,1]", "dynamic12b4", "dynamic32b6"]
+DEFAULT_TREE_SHAPES = [
+    "widths[4,2,2,1,1,1,1]",
+    "widths[4,2,2,1,1,1,1]@descent",
+    "branching[3,1,1,1]",
+    "dynamic12b4",
+    "dynamic32b6",
+]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -104,7 +111,8 @@ _TREE_SPEC = re.compile(
 
 def parse_tree_shape(text: str) -> TreeRow:
     """`widths[4,2,2]` / `widths:4,2,2`, `branching[3,1,1]`, `dynamicNbBdD` (b, d optional: beam 4, depth γ), each
-    optionally `@descent` / `@rrsw` (default: rrsw for branching, descent otherwise) — `TreeShape.label()`'s syntax."""
+    optionally `@descent` / `@rrsw` (default rrsw: drawn children accepted by rejection sampling, then descent on the
+    residual; METHOD §5.1) — `TreeShape.label()`'s syntax."""
     from dspark.decoding.tree import TreeShape
 
     spec, _, scheme = text.replace(" ", "").partition("@")
@@ -121,11 +129,9 @@ def parse_tree_shape(text: str) -> TreeRow:
     else:
         kind = "dynamic"
         shape_args = {"nodes": int(match["nodes"]), "beam": int(match["beam"] or 4), "depth": int(match["depth"] or 0)}
-    scheme = scheme or ("rrsw" if kind == "branching" else "descent")
-    if scheme not in ("descent", "rrsw") or (scheme == "rrsw" and kind != "branching"):
-        raise argparse.ArgumentTypeError(
-            f"--tree-shapes {text!r}: scheme must be descent or rrsw, and rrsw needs a branching (sampled) tree"
-        )
+    scheme = scheme or "rrsw"
+    if scheme not in ("descent", "rrsw"):
+        raise argparse.ArgumentTypeError(f"--tree-shapes {text!r}: scheme must be descent or rrsw")
     try:
         return TreeRow(TreeShape(kind=kind, **shape_args), scheme)
     except ValueError as error:
@@ -163,8 +169,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         default=None,
         metavar="SHAPE",
         help="tree shapes: widths[4,2,2,1,1,1,1] | branching[3,1,1,1] | dynamicNbB[dD] (N nodes at most, sized on "
-        "SPS(B); beam B, depth D = γ by default), each optionally @descent | @rrsw (default: rrsw for branching at "
-        f"T > 0, descent otherwise; T = 0 always descent). Default: {' '.join(DEFAULT_TREE_SHAPES)}",
+        "SPS(B); beam B, depth D = γ by default), each optionally @descent | @rrsw (default rrsw; at T = 0 both are "
+        f"greedy descent). Default: {' '.join(DEFAULT_TREE_SHAPES)}",
     )
     parser.add_argument(
         "--step-costs",
