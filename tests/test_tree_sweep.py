@@ -23,16 +23,31 @@ from dspark.stages.context import training_key
 from dspark.sweeps import load_sweep
 from dspark.sweeps.driver import plan_grid
 
-SHAPES = {  # the sweep's four cells per drafter: their axes beside drafter and seed
+SHAPES = {  # the sweep's five cells per drafter: their axes beside drafter and seed
     "chain": {"decode.tree.shape": "chain"},
-    "widths": {"decode.tree.shape": "widths", "decode.tree.widths": "[4, 2, 2, 1, 1, 1, 1]"},
+    "widths": {
+        "decode.tree.shape": "widths",
+        "decode.tree.widths": "[4, 2, 2, 1, 1, 1, 1]",
+        "decode.tree.scheme": "descent",
+    },
+    "widths-rrsw": {
+        "decode.tree.shape": "widths",
+        "decode.tree.widths": "[4, 2, 2, 1, 1, 1, 1]",
+        "decode.tree.scheme": "rrsw",
+    },
     "branching": {
         "decode.tree.shape": "branching",
         "decode.tree.branching": "[3, 1, 1, 1]",
         "decode.tree.scheme": "rrsw",
     },
-    "dynamic": {"decode.tree.shape": "dynamic", "decode.tree.nodes": 12, "decode.tree.beam": 4},
+    "dynamic": {
+        "decode.tree.shape": "dynamic",
+        "decode.tree.nodes": 12,
+        "decode.tree.beam": 4,
+        "decode.tree.scheme": "rrsw",
+    },
 }
+CELL_SCHEMES = {(a["decode.tree.shape"], a.get("decode.tree.scheme", "descent")) for a in SHAPES.values()}
 
 
 # ---- the sweep file ----
@@ -45,19 +60,23 @@ def plan():
     return plan_grid(resolve_config(["budget=smoke", "sweep=tree"]), spec, check=False)
 
 
-def test_the_sweep_has_four_shapes_per_drafter_and_seed():
+def test_the_sweep_has_five_shapes_per_drafter_and_seed():
     cells = load_sweep("tree").cells("smoke")
-    assert len(cells) == 24 and cells[0].key == "drafter=dspark decode.tree.shape=chain seed=0"  # the smoke test's
-    found = {(c.axes["drafter"], c.axes["decode.tree.shape"], c.axes["seed"]) for c in cells}
-    assert found == {(d, s, seed) for d in ("dspark", "dflash", "eagle3") for s in SHAPES for seed in (0, 1)}
+    assert len(cells) == 30 and cells[0].key == "drafter=dspark decode.tree.shape=chain seed=0"  # the smoke test's
+    found = {
+        (c.axes["drafter"], c.axes["decode.tree.shape"], c.axes.get("decode.tree.scheme", "descent"), c.axes["seed"])
+        for c in cells
+    }
+    expected = {(d, s, k, seed) for d in ("dspark", "dflash", "eagle3") for s, k in CELL_SCHEMES for seed in (0, 1)}
+    assert found == expected
 
 
 def test_every_tree_has_the_12_node_budget_and_its_exact_scheme(plan):
-    assert len(plan.cells) == 12
+    assert len(plan.cells) == 15
     for pc in plan.cells:
         decode, shape = pc.rc.cfg.decode, pc.cell.axes["decode.tree.shape"]
         assert decode.policy == "fixed" and decode.temperature == 1.0 and decode.tree.shape == shape
-        assert decode.tree.scheme == ("rrsw" if shape == "branching" else "descent")
+        assert (shape, decode.tree.scheme) in CELL_SCHEMES
         gamma = pc.rc.cfg.model.block_size
         nodes = TreeShape.from_config(decode.tree).max_nodes(gamma)
         assert nodes == (gamma if shape == "chain" else 12), (shape, nodes)
@@ -76,7 +95,7 @@ def test_the_override_lines_resolve():
     greedy = resolve_config(["budget=smoke", "decode.temperature=0"], cell_overrides=branching.overrides)
     assert greedy.cfg.decode.temperature == 0.0 and greedy.cfg.decode.tree.scheme == "rrsw"
     grown = spec.with_args({"sweep.axes.decode.tree.nodes": [8, 12]}).cells("smoke")
-    assert len(grown) == 30 and {c.axes.get("decode.tree.nodes") for c in grown} == {None, 8, 12}
+    assert len(grown) == 36 and {c.axes.get("decode.tree.nodes") for c in grown} == {None, 8, 12}
 
 
 # ---- the report on synthetic runs ----
@@ -152,7 +171,12 @@ def test_the_report_tables_every_shape_and_judges_each_drafter(tmp_path):
     assert dspark.mean == pytest.approx(2.605 / 2.005 - 1)
     table = [line for line in text.splitlines() if line.startswith("| ")]
     assert len(table) == 1 + 12 and "speed-up vs target-only" in table[0]
-    for label in ("| chain |", "| widths [4,2,2,1,1,1,1] |", "| branching [3,1,1,1] rrsw |", "| dynamic N≤12 beam 4 |"):
+    for label in (
+        "| chain |",
+        "| widths [4,2,2,1,1,1,1] |",
+        "| branching [3,1,1,1] rrsw |",
+        "| dynamic N≤12 beam 4 rrsw |",
+    ):
         assert sum(label in line for line in table) == 3, label
     assert "| 12 (shape) |" in text and "| ≤ 12 (shape) |" in text and "≈ 7.0 ± 0.0 (n=2) (τ / verify rate)" in text
     assert (tmp_path / "tree-tau.png").stat().st_size > 1000 and "![τ per tree shape](tree-tau.png)" in text
