@@ -78,6 +78,9 @@ class DraftTree:
                     "(or −1, the anchor) and a depth one more than its parent's"
                 )
         self._parent_list, self._depth_list = parents, depths
+        self._children: list[list[int]] = [[] for _ in range(n + 1)]  # [u + 1]: the children of u, in node order
+        for i, parent in enumerate(parents):
+            self._children[parent + 1].append(i)
 
     @property
     def size(self) -> int:
@@ -90,7 +93,7 @@ class DraftTree:
 
     def children(self, node: int) -> list[int]:
         """Nodes whose parent is `node` (−1 = the anchor), in draw order."""
-        return [i for i, parent in enumerate(self._parent_list) if parent == node]
+        return self._children[node + 1]
 
     def path(self, node: int) -> list[int]:
         """Nodes from depth 1 down to `node` (empty for −1)."""
@@ -99,6 +102,12 @@ class DraftTree:
             out.append(node)
             node = self._parent_list[node]
         return out[::-1]
+
+    def cut_to_depth(self, room: int | None) -> DraftTree:
+        """The nodes of depth ≤ `room` (the positions left in the target's context; None: no limit)."""
+        if room is None or self.depth <= room:
+            return self
+        return self.subtree([i for i, depth in enumerate(self._depth_list) if depth <= room])
 
     def is_chain(self) -> bool:
         return all(parent == i - 1 for i, parent in enumerate(self._parent_list))

@@ -97,9 +97,7 @@ class TreeEngine(SpeculativeEngine):
         self._draft_seconds = draft_seconds
         tree = self._sized(tree, draft_seconds)
         # 2. Nothing past the target's context.
-        if self.max_positions is not None and tree.depth > self.max_positions - 1 - position:
-            room = self.max_positions - 1 - position
-            tree = tree.subtree([i for i in range(tree.size) if int(tree.depths[i]) <= room])
+        tree = tree.cut_to_depth(None if self.max_positions is None else self.max_positions - 1 - position)
         # 3. One forward over the anchor and every node, each seeing the context and its ancestors.
         verify_start = time.perf_counter()
         device = self.target.device

@@ -85,7 +85,7 @@ class Eagle3TreeExpander:
         self._context = proposer.context
         self._seq_len = self._context[0].shape[2]
         self.draft_ids, self.vocab_size = proposer._ids, proposer.vocab_size
-        self._hidden: dict[int, Tensor] = {-1: self._last[0, 0]}  # node → its step output h [d]
+        self._hidden: dict[int, Tensor] = {-1: self._last[0, 0]}  # node → its step output h [d] (−1: the anchor's)
         self._columns: list[int] = []  # node of each tree key column, in the order its keys were appended
         self._keys: Tensor | None = None  # [1, H_kv, M, hd]
         self._values: Tensor | None = None
@@ -98,7 +98,7 @@ class Eagle3TreeExpander:
         device = self._last.device
         for node, parent in zip(nodes, parents):
             self._parent[node] = parent
-        hidden = torch.stack([self._hidden[self._parent_of(node)] for node in nodes]).unsqueeze(0)  # [1, F, d]
+        hidden = torch.stack([self._hidden[self._parent[node]] for node in nodes]).unsqueeze(0)  # [1, F, d]
         embeds = drafter.embed_tokens(torch.tensor([tokens], device=device)).to(hidden.dtype)
         position = self._seq_len - 1 + depth - 1  # a depth-(d−1) node runs at the chain step d − 1
         cos, sin = drafter.rotary(torch.full((len(nodes),), position, device=device))
@@ -111,11 +111,6 @@ class Eagle3TreeExpander:
         for i, node in enumerate(nodes):
             self._hidden[node] = out[0, i]
         return drafter.draft_head(drafter.norm(out))[0].float()
-
-    def _parent_of(self, node: int) -> int:
-        """The node whose step output feeds `node`'s step: its parent (the anchor's row for depth-1 nodes)."""
-        parent = self._parent[node]
-        return -1 if parent < 0 else parent
 
     def _mask(self, nodes: list[int], device: torch.device) -> Tensor:
         """[1, 1, F, S + M + F] bool: the context, each query's ancestors among the tree columns, and itself."""

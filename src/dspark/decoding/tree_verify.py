@@ -112,12 +112,11 @@ def verify_tree(
         )
     check_scheme(scheme)
     tokens = tree.tokens.tolist()
-    children = _children_lists(tree)
     node, path = -1, []
     if temperature == 0:
         while True:
             best = int(rows.row(node + 1).argmax())
-            by_token = {tokens[c]: c for c in children[node + 1]}
+            by_token = {tokens[c]: c for c in tree.children(node)}
             chosen = by_token.get(best)
             if chosen is None:
                 return _result(tree, path, best)
@@ -126,7 +125,7 @@ def verify_tree(
     device = rows.device
     while True:
         p_t = probs_from_logits(rows.row(node + 1).unsqueeze(0), temperature)[0]
-        kids = children[node + 1]
+        kids = tree.children(node)
         drawn = tree.sampled.get(node, 0) if scheme == "rrsw" else 0
         if drawn:
             chosen, p_t = _rrsw_step(p_t, tree.child_probs[node], [tokens[c] for c in kids[:drawn]], generator, device)
@@ -162,14 +161,6 @@ def _rrsw_step(
         p = residual / mass if mass >= RESIDUAL_MIN_MASS else p
         q[token] = 0.0
     return None, p
-
-
-def _children_lists(tree: DraftTree) -> list[list[int]]:
-    """children[u + 1] = the nodes whose parent is u (u = −1: the anchor), in node order."""
-    out: list[list[int]] = [[] for _ in range(tree.size + 1)]
-    for i, parent in enumerate(tree.parents.tolist()):
-        out[parent + 1].append(i)
-    return out
 
 
 def _result(tree: DraftTree, path: list[int], next_token: int) -> TreeVerifyResult:

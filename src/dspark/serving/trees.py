@@ -156,9 +156,7 @@ class BatchedTreeEngine:
                 stop_ids=self.stop_ids,
                 sample=self.scheme == "rrsw",
             )
-            if self.max_positions is not None and tree.depth > self.max_positions - 1 - request.position:
-                room = self.max_positions - 1 - request.position
-                tree = tree.subtree([i for i in range(tree.size) if int(tree.depths[i]) <= room])
+            tree = tree.cut_to_depth(None if self.max_positions is None else self.max_positions - 1 - request.position)
             trees.append(tree)
             draft_seconds.append(seconds)
         # 2. One forward over every row's padded tree.
