@@ -5,12 +5,17 @@ Every default path is derived from the repository root at run time (`REPO`): res
 targets and SPS tables to `outputs/cache` (or $DSPARK_BENCH_CACHE). What a script writes names paths relative to that
 root (`repo_path`, `command_line`), so no result file carries one machine's checkout path. The scripts run as
 `python benchmarks/<script>.py`, which puts this directory on sys.path: they `import common`.
+
+Importing this module from such a script checks the paths its command line writes to before any work
+(`check_output_arguments`): `--output` must be new or a result file of ours (and so its `.png` figure beside it),
+`--cache-dir` (or $DSPARK_BENCH_CACHE) new, empty or a cache of ours; otherwise the script exits 2 naming it.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import re
 import shlex
 import subprocess
 import sys
@@ -81,12 +86,58 @@ def add_target_arguments(parser: argparse.ArgumentParser, *, target: str = "smol
 
 
 def write_result(text: str, output: Path) -> Path:
-    """Write a results file all-or-nothing (its folder made) and echo it."""
-    from dspark.files import atomic_write_text
+    """Echo a results file, then write it all-or-nothing (its folder made); a file there that is not one of our
+    results is left as it is (`ForeignOutputError`, after the echo: the numbers are on the console)."""
+    from dspark.files import atomic_write_text, check_output_file
 
-    atomic_write_text(output, text, key="--output")
     print(text)
+    check_output_file(output, key="--output", ours=is_benchmark_result)
+    atomic_write_text(output, text, key="--output")
     return output
+
+
+# ---- what the command line may write over ----
+
+#: A result file of ours names the script that wrote it (`command_line`) in its opening lines.
+SCRIPT_NAMED = re.compile(r"benchmarks/[\w-]+\.py")
+
+
+def is_benchmark_result(path: Path) -> bool:
+    """A result file a benchmark script wrote: markdown naming its `benchmarks/<script>.py` command near the top,
+    or a figure matplotlib drew."""
+    from dspark.files import head_text, is_our_figure
+
+    return is_our_figure(path) if path.suffix == ".png" else bool(SCRIPT_NAMED.search(head_text(path)))
+
+
+def _flag_values(argv: list[str], flag: str) -> list[str]:
+    """The values of `flag` in `argv`, written `--flag VALUE` or `--flag=VALUE`."""
+    values = [a.split("=", 1)[1] for a in argv if a.startswith(f"{flag}=")]
+    return values + [argv[i + 1] for i, a in enumerate(argv[:-1]) if a == flag]
+
+
+def output_argument_errors(argv: list[str]) -> list[str]:
+    """Refusals for what `argv` points a script's writes at: `--output` (and its `.png` figure) must be new or ours,
+    `--cache-dir` / $DSPARK_BENCH_CACHE new, empty or a cache of ours (`dspark.stages.outputs.is_cache_entry`)."""
+    from dspark.files import output_dir_error, output_file_error
+    from dspark.stages.outputs import is_cache_entry
+
+    errors = []
+    for value in _flag_values(argv, "--output"):
+        output = Path(value)
+        for path in (output, output.with_suffix(".png")) if output.suffix != ".png" else (output,):
+            errors.append(output_file_error(path, key="--output", ours=is_benchmark_result))
+    caches = _flag_values(argv, "--cache-dir") + ([os.environ[CACHE_ENV]] if os.environ.get(CACHE_ENV) else [])
+    errors += [output_dir_error(cache, key="--cache-dir", ours=is_cache_entry) for cache in caches]
+    return [e for e in errors if e]
+
+
+def check_output_arguments(argv: list[str]) -> None:
+    """Exit 2 (before any work) when `output_argument_errors` refuses something."""
+    errors = output_argument_errors(argv)
+    if errors:
+        print("error: " + "\n  - ".join(["refused before any work:", *errors]), file=sys.stderr)
+        raise SystemExit(2)
 
 
 # ---- provenance: the code, the machine, the load ----
@@ -302,3 +353,7 @@ def reference_count(regen_dir: Path) -> int:
         part = json.loads((regen_dir.parent / key / "manifest.json").read_text())
         count += int(part["stats"]["sequences"])
     return count
+
+
+if Path(sys.argv[0]).resolve().parent == Path(__file__).resolve().parent:  # run as python benchmarks/<script>.py
+    check_output_arguments(sys.argv[1:])

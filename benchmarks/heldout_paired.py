@@ -129,7 +129,7 @@ def cell_sums(overrides: list[str]) -> tuple[SequenceSums, dict, Path, list[str]
     """(per-sequence sums, logged val/ metrics, run dir, domain per sequence index, reference rows) of one cell,
     from the cache beside its drafter when that drafter has not changed since."""
     from dspark.data.regenerate import load_regenerated
-    from dspark.drafters.checkpoint import read_checkpoint
+    from dspark.drafters.checkpoint import load_weights_only, read_checkpoint
 
     ctx, prepared = locate_run(overrides)
     drafter_path = ctx.run_dir / "drafter.pt"
@@ -137,7 +137,8 @@ def cell_sums(overrides: list[str]) -> tuple[SequenceSums, dict, Path, list[str]
     cache = ctx.run_dir / CACHE_NAME
     sums, payload = None, None
     if cache.exists():
-        saved = torch.load(cache, weights_only=True)  # tensors only: never unpickles objects
+        # tensors only: a file holding anything else is refused (never unpickled) and named
+        saved = load_weights_only(cache, fix=f"Delete {cache}: this benchmark recomputes it from the run's drafter.")
         if torch.equal(saved["stamp"], stamp):
             sums = SequenceSums(saved["index"], saved["tau_sum"], saved["blocks"])
     if sums is None:  # only now load the drafter, the target and the held-out data

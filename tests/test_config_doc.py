@@ -49,4 +49,4 @@ def test_comments_above_and_after_a_field_are_both_read():
     # model.draft_vocab_size: a `#:` line above the field; model.depth: a `#:` comment after it; a `|` is escaped
     assert "| `model.draft_vocab_size` | `int` | `0` | Vd, predict over" in text
     assert "| `model.depth` | `int` | `5` | draft decoder layers (paper 5) |" in text
-    assert "markov \\| gated \\| rnn \\| none" in text
+    assert "markov \\| gated \\| rnn \\| gru \\| selector_conv \\| none" in text

@@ -198,11 +198,13 @@ def test_step_loop_reproduces_teacher_forced_outputs(head):
     drafter, inputs = make_drafter(head), make_inputs()
     base = run(drafter, inputs)
     prev = inputs["prev_tokens"]
-    bias = drafter.head.teacher_forced_bias(base.hidden, prev)
+    bias = drafter.head.teacher_forced_bias(base.hidden, prev, parallel_logits=base.parallel_logits)
     state = drafter.head.init_state(prev.shape[:-1])
     with torch.no_grad():
         for k in range(GAMMA):
-            step_bias, _ = drafter.head.step(base.hidden[..., k, :], prev[..., k], state)
+            step_bias, _ = drafter.head.step(
+                base.hidden[..., k, :], prev[..., k], state, parallel_logits=base.parallel_logits[..., k, :]
+            )
             logits, conf, state = drafter.sequential_step(
                 hidden_k=base.hidden[..., k, :],
                 parallel_logits_k=base.parallel_logits[..., k, :],
@@ -309,12 +311,13 @@ def test_decode_projection_cache_matches_the_layer_and_follows_weight_updates(he
     torch.manual_seed(0)
     module = build_sequential_head(head, hidden_size=8, vocab_size=50, rank=6)
     hidden, prev = torch.randn(3, 8), torch.tensor([1, 7, 49])
+    parallel = torch.randn(3, 50)  # U_k: the selector's candidates
     with torch.no_grad():
-        cached, _ = module.step(hidden, prev, None)
+        cached, _ = module.step(hidden, prev, None, parallel_logits=parallel)
     with torch.enable_grad():
-        plain, _ = module.step(hidden, prev, None)  # autograd on: the plain nn.Linear path
+        plain, _ = module.step(hidden, prev, None, parallel_logits=parallel)  # autograd on: the plain nn.Linear path
     torch.testing.assert_close(cached, plain.detach())
     with torch.no_grad():
         module.w2.weight.mul_(2.0)  # an in-place update (an optimizer step, load_state_dict) bumps the version
-        again, _ = module.step(hidden, prev, None)
+        again, _ = module.step(hidden, prev, None, parallel_logits=parallel)
     torch.testing.assert_close(again, 2.0 * plain.detach())

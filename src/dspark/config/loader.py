@@ -5,13 +5,20 @@ Values on the command line are parsed as YAML scalars/lists (`model.depth=3`, `m
 
 Numbers follow Python, not YAML 1.1: PyYAML's resolver reads `1e-4` (no dot) as a string and `010` as octal, so
 `safe_load` here resolves ints and floats with Python's literal grammar (`1e-4`, `3E-3`, `1_000`, `.5`, `5.`), and
-a float key also accepts any string `float()` accepts (`inf`, `nan`, ` 1e-4 `); NaN is then refused by validation.
+a float key also accepts any string `float()` accepts (`inf`, `nan`, ` 1e-4 `); NaN and ±inf are then refused by
+validation (`dspark.config.ranges`).
+
+A command-line value is at most `MAX_VALUE_CHARS` characters and may not use YAML aliases (`*name`): an alias repeats
+a node, aliases of aliases repeat it exponentially (a few hundred characters expand to 10⁹ entries), and nothing a
+key takes needs one. Every error quotes a value through `quote` (at most 80 characters).
 """
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import difflib
+import functools
 import re
 import types
 import typing
@@ -20,6 +27,7 @@ from typing import Any, Iterable
 
 import yaml
 
+from dspark.config.ranges import quote
 from dspark.config.schema import RunConfig
 
 
@@ -65,6 +73,26 @@ _Loader.add_constructor(_INT_TAG, _construct_int)
 _Loader.add_constructor(_FLOAT_TAG, _construct_float)
 
 
+#: the longest command-line value accepted (a path is at most 4096 bytes on Linux; a list of 100 ids is ~400)
+MAX_VALUE_CHARS = 8192
+#: the deepest `[`/`{` nesting accepted in a command-line value (no key takes more than a list of numbers; PyYAML
+#: recurses per level and takes seconds to hit Python's recursion limit at a few thousand)
+MAX_VALUE_NESTING = 16
+
+
+class _ArgumentLoader(_Loader):
+    """_Loader that refuses aliases (see the module docstring)."""
+
+    def compose_node(self, parent: Any, index: Any) -> Any:
+        if self.check_event(yaml.AliasEvent):
+            raise _AliasRefused
+        return super().compose_node(parent, index)
+
+
+class _AliasRefused(Exception):
+    pass
+
+
 def safe_load(text: str) -> Any:
     """`yaml.safe_load` with Python's number grammar (see the module docstring); used for every config file."""
     return yaml.load(text, Loader=_Loader)
@@ -75,22 +103,55 @@ def parse_overrides(argv: Iterable[str]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for arg in argv:
         if "=" not in arg or arg.startswith("="):
-            raise ConfigError(f"Cannot parse argument '{arg}': write overrides as key=value, e.g. model.depth=3.")
+            raise ConfigError(f"Cannot parse argument {quote(arg)}: write overrides as key=value, e.g. model.depth=3.")
         key, raw = arg.split("=", 1)
-        out[key.strip()] = _parse_value(raw)
+        out[key.strip()] = _parse_value(key.strip(), raw)
     return out
 
 
-def _parse_value(raw: str) -> Any:
+def _parse_value(key: str, raw: str) -> Any:
+    """`raw` read as YAML (text YAML cannot read stays text); refused when too long or when it uses an alias."""
+    if len(raw) > MAX_VALUE_CHARS:
+        raise ConfigError(
+            f"{quote(key)}: the value is {len(raw):,} characters long; a command-line value is at most "
+            f"{MAX_VALUE_CHARS:,} (got {quote(raw)})."
+        )
+    if _nesting(raw) > MAX_VALUE_NESTING:
+        raise ConfigError(
+            f"{quote(key)}: the value nests lists more than {MAX_VALUE_NESTING} levels deep; no key takes more than "
+            f"a flat list (got {quote(raw)})."
+        )
     try:
-        value = safe_load(raw) if raw != "" else ""
-    except yaml.YAMLError:
+        value = yaml.load(raw, Loader=_ArgumentLoader) if raw != "" else ""
+    except _AliasRefused:
+        raise ConfigError(
+            f"{quote(key)}: YAML aliases (*name) are not accepted in a command-line value; write the value out "
+            f"(got {quote(raw)})."
+        ) from None
+    except (yaml.YAMLError, ValueError, RecursionError):  # ValueError: an integer past Python's 4300 digits
         return raw
     return raw if isinstance(value, (dict, set)) else value
 
 
+def _nesting(raw: str) -> int:
+    """The deepest bracket nesting of `raw` (brackets inside quotes count too: a cheap upper bound)."""
+    depth = deepest = 0
+    for char in raw:
+        depth += (char in "[{") - (char in "]}")
+        deepest = max(deepest, depth)
+    return deepest
+
+
 def load_yaml(path: Path) -> dict[str, Any]:
     """Read a YAML mapping and flatten it to dotted keys."""
+    stat = Path(path).stat()
+    return copy.deepcopy(_load_yaml(str(path), stat.st_mtime_ns, stat.st_size))
+
+
+@functools.lru_cache(maxsize=64)
+def _load_yaml(path: str, mtime_ns: int, size: int) -> dict[str, Any]:
+    """`load_yaml` once per version of a file: PyYAML's pure-Python parser takes ~20 ms for default.yaml, and a
+    sweep resolves every cell over default.yaml and its budget file."""
     data = safe_load(Path(path).read_text()) or {}
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: expected a mapping of config keys at the top level.")
@@ -118,8 +179,15 @@ def valid_keys(cls: type = RunConfig, prefix: str = "") -> list[str]:
     return keys
 
 
+@functools.cache
+def _type_hints(cls: type) -> dict[str, Any]:
+    """A schema class's annotations, evaluated once: `typing.get_type_hints` compiles every string annotation
+    anew on each call, and every override used to pay that for the whole schema."""
+    return typing.get_type_hints(cls)
+
+
 def _dataclass_type(cls: type, name: str) -> type | None:
-    hint = typing.get_type_hints(cls)[name]
+    hint = _type_hints(cls)[name]
     return hint if dataclasses.is_dataclass(hint) else None
 
 
@@ -139,8 +207,6 @@ def apply_overrides(cfg: RunConfig, overrides: dict[str, Any], *, source: str) -
 
 
 def _deepcopy(cfg: RunConfig) -> RunConfig:
-    import copy
-
     return copy.deepcopy(cfg)
 
 
@@ -162,7 +228,7 @@ def _set(cfg: Any, key: str, value: Any, keys: list[str]) -> None:
         raise ConfigError(
             f"'{key}' is a group; set one of its keys, e.g. {key}.{dataclasses.fields(getattr(node, leaf))[0].name}=..."
         )
-    hint = typing.get_type_hints(type(node))[leaf]
+    hint = _type_hints(type(node))[leaf]
     setattr(node, leaf, coerce(value, hint, key=key))
 
 
@@ -172,7 +238,7 @@ def _unknown_key(key: str, keys: list[str]) -> str:
     close = close or [k for k in keys if k.split(".")[-1] == leaf or leaf in k][:3]
     groups = sorted({k.split(".")[0] for k in keys})
     hint = f" Closest valid keys: {', '.join(close)}." if close else f" Top-level keys and groups: {', '.join(groups)}."
-    return f"Unknown config key '{key}'.{hint} See experiments/default.yaml for all keys."
+    return f"Unknown config key {quote(key)}.{hint} See experiments/default.yaml for all keys."
 
 
 def coerce(value: Any, hint: Any, *, key: str) -> Any:
@@ -186,27 +252,27 @@ def coerce(value: Any, hint: Any, *, key: str) -> Any:
     if origin is list:
         (item,) = typing.get_args(hint) or (Any,)
         if not isinstance(value, (list, tuple)):
-            raise ConfigError(f"'{key}' expects a list, e.g. {key}=[1,2,3]; got {value!r}.")
+            raise ConfigError(f"'{key}' expects a list, e.g. {key}=[1,2,3]; got {quote(value)}.")
         return [coerce(v, item, key=key) for v in value]
     if hint is bool:
         if isinstance(value, bool):
             return value
-        raise ConfigError(f"'{key}' expects true/false; got {value!r}.")
+        raise ConfigError(f"'{key}' expects true/false; got {quote(value)}.")
     if hint is int:
         value = _number_from_text(value, int)
         if isinstance(value, int) and not isinstance(value, bool):
             return value
         if isinstance(value, float) and value.is_integer():
             return int(value)
-        raise ConfigError(f"'{key}' expects an integer; got {value!r}.")
+        raise ConfigError(f"'{key}' expects an integer; got {quote(value)}.")
     if hint is float:
         value = _number_from_text(value, float)
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             return float(value)
-        raise ConfigError(f"'{key}' expects a number, e.g. {key}=1e-4 or 0.5; got {value!r}.")
+        raise ConfigError(f"'{key}' expects a number, e.g. {key}=1e-4 or 0.5; got {quote(value)}.")
     if hint is str:
         if value is None or isinstance(value, (dict, list)):
-            raise ConfigError(f"'{key}' expects a string; got {value!r}.")
+            raise ConfigError(f"'{key}' expects a string; got {quote(value)}.")
         return str(value)
     return value
 

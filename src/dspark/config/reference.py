@@ -1,8 +1,8 @@
-"""docs/CONFIG.md, generated from the schema: one table per config group, key | type | default | meaning.
+"""docs/CONFIG.md, generated from the schema: one table per config group, key | type | default | meaning | range.
 
 The meaning of a key is its `#:` comment in `dspark/config/schema.py`: the `#:` lines right above the field and the
 `#:` comment after it on its own line(s), joined. The defaults are the dataclasses' own, written as YAML (what
-`key=value` takes). `python -m dspark.config.reference` rewrites docs/CONFIG.md; `--check` exits 1 when it is stale
+`key=value` takes); the range is the `Range` a numeric field declares (`dspark.config.ranges`). `python -m dspark.config.reference` rewrites docs/CONFIG.md; `--check` exits 1 when it is stale
 (tests/test_config_doc.py runs the same comparison).
 """
 
@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from dspark.config import schema
+from dspark.config.ranges import field_range, numeric_kind
 from dspark.config.resolve import repo_root
 
 STALE_MESSAGE = "docs/CONFIG.md is stale: run python -m dspark.config.reference"
@@ -31,8 +32,9 @@ _HEADER = """\
 Every key below is set as `key=value` on the command line (`python experiments/run.py model.depth=3`) or in a YAML
 file: `experiments/default.yaml`, then `experiments/budgets/<budget>.yaml`, then a sweep's cell, then the command line,
 each overriding the one before. Values are YAML (`model.feature_layers=[1,8,14]`, `data.local_dir=null`); numbers
-read as Python reads them (`optim.lr=1e-4`). An unknown key, a wrong type or an unknown name stops the run before any
-work, naming the key and the closest valid choices. The defaults here are the schema's; `experiments/default.yaml`
+read as Python reads them (`optim.lr=1e-4`). An unknown key, a wrong type, an unknown name or a number outside its
+key's range (the last column; NaN and ±inf are outside every range) stops the run before any work, naming the key
+and the closest valid choices or an example. The defaults here are the schema's; `experiments/default.yaml`
 and the budget files override some of them (`budget=cpu`, the default run, is `experiments/budgets/cpu.yaml`).
 """
 
@@ -45,6 +47,7 @@ class FieldDoc:
     type: str  # the annotation as written in the schema
     default: str  # YAML form
     meaning: str
+    range: str = ""  # what a numeric key accepts, e.g. "in (0, 1]"; "" for the others
 
 
 def config_reference(source: str | None = None) -> str:
@@ -116,11 +119,22 @@ def _walk(
                 type=str(f.type),
                 default=_yaml_value(value),
                 meaning=comments.get((cls.__name__, f.name), ""),
+                range=_range_text(cls, f),
             )
         )
     yield title, _intro(cls), rows
     for sub_cls, sub_value, name in nested:
         yield from _walk(sub_cls, sub_value, prefix=f"{name}.", title=f"`{name}`", comments=comments)
+
+
+def _range_text(cls: type, f: dataclasses.Field) -> str:
+    """The range column: the declared rule, per entry for a list, besides null for an Optional."""
+    rule = field_range(f)
+    if rule is None or numeric_kind(cls, f.name) is None:
+        return ""
+    if str(f.type).startswith("list"):
+        return f"each {rule}"
+    return f"null or {rule}" if str(f.type).startswith("Optional") else str(rule)
 
 
 def _intro(cls: type) -> str:
@@ -146,8 +160,8 @@ def _yaml_value(value: Any) -> str:
 
 def _table(title: str, intro: str, rows: list[FieldDoc]) -> str:
     head = [f"## {title}", ""] + ([intro, ""] if intro else [])
-    body = ["| key | type | default | meaning |", "|---|---|---|---|"]
-    body += [f"| `{r.key}` | `{r.type}` | `{r.default}` | {_cell(r.meaning)} |" for r in rows]
+    body = ["| key | type | default | meaning | range |", "|---|---|---|---|---|"]
+    body += [f"| `{r.key}` | `{r.type}` | `{r.default}` | {_cell(r.meaning)} | {_cell(r.range)} |" for r in rows]
     return "\n".join(head + body) + "\n"
 
 

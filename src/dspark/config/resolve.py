@@ -1,12 +1,12 @@
 """Resolve a run's configuration: defaults < default.yaml < budget overlay < sweep cell < command line.
 
-Semantic validation (ranges, names, drafter/head compatibility) runs after the final merge and reports every
-problem at once, before any work starts.
+Semantic validation runs after the final merge and reports every problem at once, before any work starts: each
+numeric key against the range its schema field declares (`dspark.config.ranges`), then names, and the rules that
+relate one key to another (drafter/head compatibility, list lengths, fractions that must leave a training split).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import os
 from dataclasses import dataclass, field
@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from dspark.config.loader import ConfigError, apply_overrides, load_yaml, parse_overrides
+from dspark.config.ranges import quote, range_errors, shorten
 from dspark.config.schema import (
     BUDGETS,
     CONFIDENCE_HEAD,
@@ -24,7 +25,9 @@ from dspark.config.schema import (
     FIXED_HEAD,
     HEADS,
     LOSS_KINDS,
+    MAX_TREE_NODES,
     POLICIES,
+    POSITION_WEIGHTS,
     PRECISIONS,
     RESPONSE_MODES,
     SCHEDULER_COSTS,
@@ -94,13 +97,14 @@ def resolve_config(argv: list[str], *, cell_overrides: dict[str, Any] | None = N
     overrides = parse_overrides(argv)
     sweep_args = {k: overrides.pop(k) for k in list(overrides) if k.startswith(SWEEP_ARG_PREFIX)}
     if sweep_args and not overrides.get("sweep"):
-        raise ConfigError(f"{', '.join(sweep_args)}: these change a sweep's axes; add sweep=NAME (sweeps/NAME.yaml).")
+        keys = shorten(", ".join(sweep_args))
+        raise ConfigError(f"{keys}: these change a sweep's axes; add sweep=NAME (sweeps/NAME.yaml).")
     cell = dict(cell_overrides or {})
     budget = overrides.get("budget", cell.get("budget"))
     cfg = apply_overrides(RunConfig(), load_yaml(experiments_dir() / "default.yaml"), source="experiments/default.yaml")
     budget = budget if budget is not None else cfg.budget
     if budget not in BUDGETS:
-        raise ConfigError(unknown_name_message("budget", str(budget), list(BUDGETS)))
+        raise ConfigError(unknown_name_message("budget", shorten(str(budget)), list(BUDGETS)))
     cfg = apply_overrides(cfg, load_yaml(experiments_dir() / "budgets" / f"{budget}.yaml"), source=f"budget {budget}")
     cfg = apply_overrides(cfg, cell, source="sweep cell")
     cfg = apply_overrides(cfg, overrides, source="command line")
@@ -135,12 +139,12 @@ def resolve_paths(cfg: RunConfig) -> None:
 
 
 def validate_config(cfg: RunConfig, *, explicit_keys: set[str] = frozenset()) -> None:
-    """Range and name checks on the merged config; all problems reported together."""
+    """Range, name and cross-key checks on the merged config; all problems reported together."""
     errors = [
         e
-        for e in _nan_errors(cfg)
+        for e in range_errors(cfg)
         + _name_errors(cfg)
-        + _range_errors(cfg)
+        + _cross_key_errors(cfg)
         + _drafter_errors(cfg, explicit_keys)
         + _policy_errors(cfg)
         + _tree_errors(cfg)
@@ -148,20 +152,6 @@ def validate_config(cfg: RunConfig, *, explicit_keys: set[str] = frozenset()) ->
     ]
     if errors:
         raise ConfigError("Invalid configuration:\n  - " + "\n  - ".join(errors))
-
-
-def _nan_errors(node: object, prefix: str = "") -> list[str]:
-    """NaN parses as a float (`float("nan")`) but no key means anything by it; range rules cannot see it."""
-    errors = []
-    for f in dataclasses.fields(node):
-        value = getattr(node, f.name)
-        if dataclasses.is_dataclass(value):
-            errors += _nan_errors(value, f"{prefix}{f.name}.")
-        elif any(isinstance(v, float) and math.isnan(v) for v in (value if isinstance(value, list) else [value])):
-            errors.append(
-                f"{prefix}{f.name} is NaN; give a number (e.g. {prefix}{f.name}=1e-4), or drop the key for its default."
-            )
-    return errors
 
 
 def _name_errors(cfg: RunConfig) -> list[str]:
@@ -176,6 +166,7 @@ def _name_errors(cfg: RunConfig) -> list[str]:
         ("data.feature_precision", cfg.data.feature_precision, ("auto", "bf16", "fp32")),
         ("data.regen_precision", cfg.data.regen_precision, ("auto", "bf16", "fp32")),
         ("loss.kind", cfg.loss.kind, LOSS_KINDS),
+        ("loss.position_weights", cfg.loss.position_weights, POSITION_WEIGHTS),
         ("export.layout", cfg.export.layout, EXPORT_LAYOUTS),
         ("export.dtype", cfg.export.dtype, EXPORT_DTYPES),
         ("target_options.dtype", cfg.target_options.dtype, TARGET_DTYPES),
@@ -188,36 +179,36 @@ def _name_errors(cfg: RunConfig) -> list[str]:
         ("decode.tree.shape", cfg.decode.tree.shape, TREE_SHAPES),
         ("decode.tree.scheme", cfg.decode.tree.scheme, TREE_SCHEMES),
     ]
-    errors = [unknown_name_message(key, value, list(valid)) for key, value, valid in checks if value not in valid]
+    errors = [
+        unknown_name_message(key, shorten(str(value)), list(valid))
+        for key, value, valid in checks
+        if value not in valid
+    ]
     if cfg.sweep and cfg.sweep not in available_sweeps():
-        errors.append(unknown_name_message("sweep", cfg.sweep, available_sweeps()))
+        errors.append(unknown_name_message("sweep", shorten(cfg.sweep), available_sweeps()))
     return errors
 
 
-def _range_errors(cfg: RunConfig) -> list[str]:
-    m, d, loss = cfg.model, cfg.decode, cfg.loss
+def _cross_key_errors(cfg: RunConfig) -> list[str]:
+    """The rules that relate keys to each other; each key's own range is its schema field's (`range_errors`), and
+    a rule here stays silent on values that break those (they are reported once, by the range check)."""
+    m, loss, data = cfg.model, cfg.loss, cfg.data
+    alphas, weights = (loss.alpha_ce, loss.alpha_tv, loss.alpha_conf), data.train_weights
+    split = data.val_fraction + data.calib_fraction
     rules = [
-        (m.block_size >= 1, f"model.block_size must be ≥ 1 (got {m.block_size}); the paper uses 7."),
-        (m.depth >= 1, f"model.depth must be ≥ 1 (got {m.depth}); the paper uses 5."),
-        (m.markov_rank >= 0, f"model.markov_rank must be ≥ 0 (got {m.markov_rank}); 0 disables the head."),
-        (m.num_feature_layers >= 1, f"model.num_feature_layers must be ≥ 1 (got {m.num_feature_layers})."),
-        (0.0 <= d.threshold <= 1.0, f"decode.threshold must lie in [0, 1] (got {d.threshold})."),
-        (d.temperature >= 0.0, f"decode.temperature must be ≥ 0 (got {d.temperature}); 0 = greedy."),
-        (loss.decay > 0, f"loss.decay must be > 0 (got {loss.decay}); the paper uses 4."),
-        (0 < loss.dpard_alpha <= 1, f"loss.dpard_alpha must lie in (0, 1] (got {loss.dpard_alpha}); D-PARD uses 0.5."),
-        (min(loss.alpha_ce, loss.alpha_tv, loss.alpha_conf) >= 0, "loss.alpha_* must be ≥ 0."),
         (
-            loss.kind != "paper" or loss.alpha_ce + loss.alpha_tv + loss.alpha_conf > 0,
+            loss.kind != "paper" or not _non_negative(*alphas) or sum(alphas) > 0,
             "at least one of loss.alpha_ce/alpha_tv/alpha_conf must be > 0.",
         ),
-        (0 < cfg.data.val_fraction < 1, f"data.val_fraction must lie in (0, 1) (got {cfg.data.val_fraction})."),
-        (cfg.data.max_anchors >= 1, f"data.max_anchors must be ≥ 1 (got {cfg.data.max_anchors})."),
-        (cfg.data.num_train_prompts >= 2, "data.num_train_prompts must be ≥ 2 (one for validation)."),
-        (cfg.optim.lr > 0, f"optim.lr must be > 0 (got {cfg.optim.lr})."),
         (
-            cfg.trainer.checkpoint_every_min >= 0,
-            f"trainer.checkpoint_every_min must be ≥ 0 (got {cfg.trainer.checkpoint_every_min}); 0 = checkpoints at "
-            "epoch ends only, e.g. trainer.checkpoint_every_min=10.",
+            not (0 < data.val_fraction < 1 and 0 <= data.calib_fraction < 1) or split < 1,
+            f"data.val_fraction + data.calib_fraction = {split:g} leaves no sequence to train on; keep the sum "
+            "below 1, e.g. data.val_fraction=0.05 data.calib_fraction=0.05.",
+        ),
+        (
+            len(set(m.feature_layers)) == len(m.feature_layers),
+            f"model.feature_layers={quote(m.feature_layers)} names a layer twice; give distinct target layer ids, "
+            "or [] for the default layers.",
         ),
         (
             not m.init_layers or len(m.init_layers) == m.depth,
@@ -230,22 +221,17 @@ def _range_errors(cfg: RunConfig) -> list[str]:
             "[embedding; hidden] (2d inputs) and cannot take them: leave model.init_layers=[] with drafter=eagle3.",
         ),
         (
-            m.draft_vocab_size >= 0,
-            f"model.draft_vocab_size must be ≥ 0 (got {m.draft_vocab_size}); 0 = full vocabulary.",
-        ),
-        (
-            not cfg.data.train_weights or len(cfg.data.train_weights) == len(cfg.data.train_sets),
-            f"data.train_weights has {len(cfg.data.train_weights)} weights for {len(cfg.data.train_sets)} "
+            not weights or len(weights) == len(data.train_sets),
+            f"data.train_weights has {len(weights)} weights for {len(data.train_sets)} "
             "data.train_sets; give one weight per set (in order) or [] for equal shares.",
         ),
         (
-            all(float(w) >= 0 for w in cfg.data.train_weights)
-            and (not cfg.data.train_weights or sum(cfg.data.train_weights) > 0),
-            f"data.train_weights must be ≥ 0 with a positive sum (got {cfg.data.train_weights}).",
+            not weights or not _non_negative(*weights) or sum(weights) > 0,
+            f"data.train_weights must have a positive sum (got {quote(weights)}); e.g. data.train_weights=[] for "
+            "equal shares.",
         ),
-        (cfg.data.num_regen_prompts >= 0, f"data.num_regen_prompts must be ≥ 0 (got {cfg.data.num_regen_prompts})."),
         (
-            cfg.data.responses != "mix" or cfg.data.num_regen_prompts >= 1,
+            data.responses != "mix" or data.num_regen_prompts >= 1,
             "data.responses=mix needs data.num_regen_prompts ≥ 1 (how many prompts the target regenerates).",
         ),
         *_serve_rules(cfg),
@@ -253,27 +239,15 @@ def _range_errors(cfg: RunConfig) -> list[str]:
     return [msg for ok, msg in rules if not ok]
 
 
+def _non_negative(*values: float) -> bool:
+    """Whether every value passes a `ge=0` range (so a sum over them means what the rule says)."""
+    return all(math.isfinite(v) and v >= 0 for v in values)
+
+
 def _serve_rules(cfg: RunConfig) -> list[tuple[bool, str]]:
-    s = cfg.serve
     return [
-        (s.concurrency >= 1, f"serve.concurrency must be ≥ 1 (got {s.concurrency})."),
-        (s.num_requests >= 1, f"serve.num_requests must be ≥ 1 (got {s.num_requests})."),
-        (s.max_new_tokens >= 1, f"serve.max_new_tokens must be ≥ 1 (got {s.max_new_tokens})."),
-        (s.static_k >= 0, f"serve.static_k must be ≥ 0 (got {s.static_k})."),
-        (cfg.decode.static_k >= 0, f"decode.static_k must be ≥ 0 (got {cfg.decode.static_k})."),
         (
-            cfg.decode.speed_prompts >= 0,
-            f"decode.speed_prompts must be ≥ 0 (got {cfg.decode.speed_prompts}): "
-            "the prompts the speed-up line times; 0 skips it.",
-        ),
-        (0.0 <= s.threshold <= 1.0, f"serve.threshold must lie in [0, 1] (got {s.threshold})."),
-        (s.trace_concurrency >= 1, f"serve.trace_concurrency must be ≥ 1 (got {s.trace_concurrency})."),
-        (
-            all(int(r) >= 1 for r in s.simulate_concurrency),
-            f"serve.simulate_concurrency must list levels ≥ 1 (got {s.simulate_concurrency}); [] simulates nothing.",
-        ),
-        (
-            bool(s.prompt_sets),
+            bool(cfg.serve.prompt_sets),
             "serve.prompt_sets must name at least one prompt set, e.g. [gsm8k, humaneval, mt-bench].",
         ),
         (
@@ -300,6 +274,12 @@ def _drafter_errors(cfg: RunConfig, explicit: set[str]) -> list[str]:
             f"loss.kind={cfg.loss.kind} is a block-drafter objective (drafter=dspark or dflash); EAGLE-3 trains "
             "with its TTT loss: drop loss.kind."
         ]
+    if cfg.loss.position_weights != "decay" and (cfg.drafter == "eagle3" or cfg.loss.kind != "paper"):
+        trainer = "EAGLE-3's TTT loss" if cfg.drafter == "eagle3" else f"loss.kind={cfg.loss.kind}"
+        return [
+            f"loss.position_weights={cfg.loss.position_weights} weighs the paper objective's slots; {trainer} has "
+            "its own weights: drop loss.position_weights, or use drafter=dspark/dflash with loss.kind=paper."
+        ]
     return []
 
 
@@ -309,22 +289,20 @@ def _tree_errors(cfg: RunConfig) -> list[str]:
     if tree.shape not in TREE_SHAPES or tree.scheme not in TREE_SCHEMES:
         return []  # reported by the name check
     errors = [
-        f"decode.tree.{key}={list(values)}: every entry must be an int ≥ 1, e.g. decode.tree.{key}={example}"
+        f"decode.tree.{key}=[] names no depth; give one count ≥ 1 per depth, e.g. decode.tree.{key}={example}"
         for key, values, example in (
             ("widths", tree.widths, "[4,2,2,1,1,1,1]"),
             ("branching", tree.branching, "[2,2,1,1]"),
         )
-        if not values or any(not isinstance(v, int) or v < 1 for v in values)
+        if not values
     ]
-    errors += [
-        message
-        for ok, message in (
-            (tree.nodes >= 1, f"decode.tree.nodes must be ≥ 1 (got {tree.nodes})."),
-            (tree.beam >= 1, f"decode.tree.beam must be ≥ 1 (got {tree.beam})."),
-            (tree.depth >= 0, f"decode.tree.depth must be ≥ 0 (got {tree.depth}); 0 = the drafter's γ."),
+    nodes = _tree_nodes(tree.shape, tree.widths if tree.shape == "widths" else tree.branching, cfg.model.block_size)
+    if nodes > MAX_TREE_NODES:
+        errors.append(
+            f"decode.tree.{tree.shape} grows more than {MAX_TREE_NODES} nodes per round over γ = "
+            f"{cfg.model.block_size} depths; one verify forward scores at most {MAX_TREE_NODES}: use smaller counts, "
+            "e.g. decode.tree.branching=[2,2,1,1] or decode.tree.widths=[4,2,2,1,1,1,1]."
         )
-        if not ok
-    ]
     if tree.shape == "chain":
         return errors
     if decode.policy != "fixed":
@@ -334,6 +312,20 @@ def _tree_errors(cfg: RunConfig) -> list[str]:
             "decode.tree.shape=chain."
         )
     return errors
+
+
+def _tree_nodes(shape: str, counts: list[int], block_size: int) -> int:
+    """Nodes a widths / branching tree drafts over its first γ depths (0 for the other shapes), counted only up to
+    MAX_TREE_NODES + 1: branching multiplies per depth, and [1000]*7 must not build a 10²¹ integer first."""
+    if shape not in ("widths", "branching"):
+        return 0
+    total, level = 0, 1
+    for count in counts[: max(0, block_size)]:
+        level = count if shape == "widths" else level * count
+        total += level
+        if total > MAX_TREE_NODES:
+            break
+    return total
 
 
 def _policy_errors(cfg: RunConfig) -> list[str]:

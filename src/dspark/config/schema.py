@@ -9,9 +9,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
+from dspark.config.ranges import quote, range_errors, ranged
+
 DRAFTERS = ("dspark", "dflash", "eagle3")
-HEADS = ("markov", "gated", "rnn", "none")
+HEADS = ("markov", "gated", "rnn", "gru", "selector_conv", "none")
 LOSS_KINDS = ("paper", "dpard")
+POSITION_WEIGHTS = ("decay", "dpace")  # loss.position_weights (dspark.losses.dspark.POSITION_WEIGHTS)
 # What a drafter kind fixes whatever model.head says (the one place that says it): DFlash is DSpark without the
 # sequential and the confidence head (METHOD §3); EAGLE-3 drafts autoregressively, with neither. None: model.head.
 FIXED_HEAD = {"dspark": None, "dflash": "none", "eagle3": "none"}
@@ -37,6 +40,14 @@ TREE_SHAPES = ("chain", "widths", "branching", "dynamic")  # decode.tree.shape (
 TREE_SCHEMES = ("descent", "rrsw")  # decode.tree.scheme (dspark.decoding.tree_verify.TREE_SCHEMES)
 CONFIDENCE_POLICIES = ("threshold", "calibrated_threshold", "scheduler", "async")
 SERVE_CONFIDENCE_POLICIES = CONFIDENCE_POLICIES
+# Upper bounds of the structural sizes: far past any published drafter, well short of what fills a machine's memory
+# (a typo such as model.depth=100000 is refused at once instead of while the drafter is being built)
+SEED_MAX = 2**32 - 1  # numpy's and Lightning's seed range (Lightning silently replaces a larger seed by 0)
+MAX_LAYERS = 256  # target decoder layers: the deepest released transformers have ~130
+MAX_BLOCK = 64  # γ: DFlash and the paper use at most 16
+MAX_RANK = 8192  # r of the V × r Markov table: the paper sweeps 16–512
+MAX_VOCAB = 2**20  # vocabulary sizes: the largest tokenizers have ~262k tokens
+MAX_TREE_NODES = 4096  # tree nodes one verify forward scores
 
 
 def drafter_head(drafter: str, head: str) -> str:
@@ -56,7 +67,8 @@ class PathsConfig:
 @dataclass
 class TargetConfig:
     trust_remote_code: bool = False  #: off unless you trust the model repository's code
-    mask_token_id: Optional[int] = None  #: override the reserved MASK row (METHOD §2.1); None = automatic
+    #: override the reserved MASK row (METHOD §2.1); None = automatic
+    mask_token_id: Optional[int] = ranged(None, ge=0, note="a token id; null = automatic", example="null")
     #: float32 | bfloat16 | float16; on AMX-BF16 CPUs bf16 verifies 2–8 tokens for ~one step's cost
     #: (benchmarks/results/decoding*.md); on CPUs without bf16 instructions bf16 is slower than fp32. Drafters serve any dtype
     dtype: str = "float32"
@@ -64,34 +76,47 @@ class TargetConfig:
 
 @dataclass
 class ModelConfig:
-    head: str = "markov"  #: sequential head: markov | gated | rnn | none (METHOD §2.2); drafter=dflash forces none
-    depth: int = 5  #: draft decoder layers (paper 5)
-    block_size: int = 7  #: γ, drafts per round (paper 7)
-    markov_rank: int = 256  #: r of the Markov/RNN head (paper 256); 0 = no head (DFlash logits exactly)
-    num_feature_layers: int = 5  #: m, used when feature_layers is empty
-    feature_layers: list[int] = field(default_factory=list)  #: target layer ids; [] = METHOD §2.1 default
+    #: sequential head: markov | gated | rnn | gru | selector_conv | none (METHOD §2.2); drafter=dflash forces none
+    head: str = "markov"
+    depth: int = ranged(5, ge=1, le=MAX_LAYERS)  #: draft decoder layers (paper 5)
+    block_size: int = ranged(7, ge=1, le=MAX_BLOCK)  #: γ, drafts per round (paper 7)
+    #: r of the Markov/RNN head (paper 256); 0 = no head (DFlash logits exactly)
+    markov_rank: int = ranged(256, ge=0, le=MAX_RANK, note="0 = no head")
+    num_feature_layers: int = ranged(5, ge=1, le=MAX_LAYERS)  #: m, used when feature_layers is empty
+    #: target layer ids; [] = METHOD §2.1 default
+    feature_layers: list[int] = ranged(factory=list, ge=0, lt=MAX_LAYERS, note="[] = the default layers")
     #: Vd, predict over the Vd most frequent training tokens only (EAGLE-3's draft_vocab_size); 0 = full vocabulary
-    draft_vocab_size: int = 0
+    draft_vocab_size: int = ranged(0, ge=0, le=MAX_VOCAB, note="0 = full vocabulary")
     #: the confidence head also reads the Markov previous-token embedding W_1[x_{k-1}] (DeepSpec's default)
     confidence_with_markov: bool = True
     #: target decoder layer ids whose weights initialise the draft layers, one per layer in order (negative ids count
     #: from the end; the fusion, mask embedding and heads stay randomly initialised); [] = random initialisation
-    init_layers: list[int] = field(default_factory=list)
+    init_layers: list[int] = ranged(
+        factory=list, ge=-MAX_LAYERS, lt=MAX_LAYERS, note="negative ids count from the end; [] = random weights"
+    )
     #: a drafter checkpoint directory (DeepSpec / vLLM / speculators layout, or stage=export's output) evaluated or
     #: served instead of training one; "" = train (docs/INTEROP.md)
     import_from: str = ""
+    #: size the head's rank so that it adds at most the Markov head's parameters at markov_rank (the parameter-matched
+    #: variant of a head; dspark.drafters.heads.matched_rank); false = every head at markov_rank
+    match_params: bool = False
 
 
 @dataclass
 class LossConfig:
-    alpha_ce: float = 0.1  #: α_ce, weight of the cross-entropy to the target's token (METHOD §3; paper 0.1)
-    alpha_tv: float = 0.9  #: α_tv, weight of the L1 distance ‖p_d − p_t‖₁ (paper 0.9)
-    alpha_conf: float = 1.0  #: α_conf, weight of the confidence head's BCE against c* (paper 1.0)
-    decay: float = 4.0  #: γ_w of the position weights exp(-(k-1)/γ_w); 4 produced Table 1
+    #: α_ce, weight of the cross-entropy to the target's token (METHOD §3; paper 0.1)
+    alpha_ce: float = ranged(0.1, ge=0)
+    alpha_tv: float = ranged(0.9, ge=0)  #: α_tv, weight of the L1 distance ‖p_d − p_t‖₁ (paper 0.9)
+    alpha_conf: float = ranged(1.0, ge=0)  #: α_conf, weight of the confidence head's BCE against c* (paper 1.0)
+    decay: float = ranged(4.0, gt=0)  #: γ_w of the position weights exp(-(k-1)/γ_w); 4 produced Table 1
     #: paper = α_ce·CE + α_tv·L1 + α_conf·BCE (METHOD §3); dpard = speculators' D-PARD (Rényi-½ actor with
     #: detached acceptance-derived position weights, reach-weighted confidence BCE; alpha_ce/alpha_tv/decay unused)
     kind: str = "paper"
-    dpard_alpha: float = 0.5  #: D-PARD's smoothing α ∈ (0, 1] of the position-credit recurrence
+    dpard_alpha: float = ranged(0.5, gt=0, le=1)  #: D-PARD's smoothing α ∈ (0, 1] of the position-credit recurrence
+    #: kind=paper's position weights: decay = exp(-(k-1)/decay) (the paper) | dpace = D-PACE's confidence-adaptive
+    #: weights from the drafter's own detached p_d(x*_k) (METHOD §3)
+    position_weights: str = "decay"
+    dpace_alpha: float = ranged(0.5, gt=0, le=1)  #: D-PACE's smoothing α ∈ (0, 1] of the confidences (paper 0.5)
 
 
 @dataclass
@@ -100,11 +125,11 @@ class SamplingConfig:
     min-p 0). The one sampling record: the config group `data.sampling` and what `dspark.data.regenerate` samples
     with. Temperature 0 means greedy decoding. A value out of range is refused on construction."""
 
-    temperature: float = 0.7  #: T of regeneration (0 = greedy)
-    top_p: float = 0.8  #: nucleus mass kept (1 = off)
-    top_k: int = 20  #: most likely tokens kept (0 = off)
-    max_new_tokens: int = 256  #: cap on each regenerated response
-    batch_size: int = 8  #: prompts regenerated together
+    temperature: float = ranged(0.7, ge=0, note="0 = greedy")  #: T of regeneration (0 = greedy)
+    top_p: float = ranged(0.8, gt=0, le=1, note="1 = off")  #: nucleus mass kept (1 = off)
+    top_k: int = ranged(20, ge=0, note="0 = off")  #: most likely tokens kept (0 = off)
+    max_new_tokens: int = ranged(256, ge=1)  #: cap on each regenerated response
+    batch_size: int = ranged(8, ge=1)  #: prompts regenerated together
     system_prompt: Optional[str] = None  #: None = whatever the target's chat template does by default
     #: generate = transformers' `generate`; lean = our own loop (`dspark.data.regenerate.sample_lean`): the same
     #: distribution (same processors, in the same order), drawn with one uniform per row by inverse CDF instead of
@@ -113,33 +138,28 @@ class SamplingConfig:
     sampler: str = "generate"
 
     def __post_init__(self) -> None:
-        checks = [
-            (self.sampler in SAMPLERS, "sampler", f"must be one of {', '.join(SAMPLERS)}"),
-            (self.temperature >= 0, "temperature", "must be >= 0 (0 = greedy)"),
-            (0 < self.top_p <= 1, "top_p", "must be in (0, 1]"),
-            (self.top_k >= 0, "top_k", "must be >= 0 (0 = off)"),
-            (self.max_new_tokens >= 1, "max_new_tokens", "must be >= 1"),
-            (self.batch_size >= 1, "batch_size", "must be >= 1"),
-        ]
-        for ok, key, fix in checks:
-            if not ok:
-                raise ValueError(f"data.sampling.{key}={getattr(self, key)!r} {fix}")
+        errors = range_errors(self, "data.sampling.")
+        if self.sampler not in SAMPLERS:
+            errors.append(f"data.sampling.sampler={quote(self.sampler)} must be one of {', '.join(SAMPLERS)}")
+        if errors:
+            raise ValueError("; ".join(errors))
 
 
 @dataclass
 class DataConfig:
     train_sets: list[str] = field(default_factory=lambda: ["synthetic"])  #: prompt sets to train on
     #: per-set sampling weights, in train_sets order ([] = round-robin, equal shares)
-    train_weights: list[float] = field(default_factory=list)
-    num_train_prompts: int = 240  #: prompts drawn (over train_sets, by train_weights)
+    train_weights: list[float] = ranged(factory=list, ge=0, note="[] = equal shares")
+    #: prompts drawn (over train_sets, by train_weights)
+    num_train_prompts: int = ranged(240, ge=2, note="one is held out for validation")
     #: regenerate (the target writes every response, the paper) | reference (the sets' own responses; fast)
     #: | mix (num_regen_prompts regenerated + the rest reference)
     responses: str = "regenerate"
-    num_regen_prompts: int = 0  #: responses=mix: how many of the prompts the target regenerates
+    num_regen_prompts: int = ranged(0, ge=0)  #: responses=mix: how many of the prompts the target regenerates
     #: the data's own seed (prompt sample, regenerated responses, train/val/calibration split); None = `seed`. Fixed,
     #: a sweep's seed replicates differ in initialisation, anchors and order only, and share one data cache and one
     #: held-out split (budget=cpu-ref)
-    seed: Optional[int] = None
+    seed: Optional[int] = ranged(None, ge=0, le=SEED_MAX, note="null = the run's seed", example="0")
     feature_precision: str = (
         "auto"  #: target prefill for the feature cache: auto (bf16 on AMX/AVX512-BF16 CPUs) | bf16 | fp32
     )
@@ -147,43 +167,45 @@ class DataConfig:
         "auto"  #: the target while it regenerates responses: auto (as feature_precision) | bf16 | fp32
     )
     local_dir: Optional[str] = None  #: directory of JSONL prompt files (schema of shared/data); wins over the hub
-    max_length: int = 1024  #: truncate regenerated sequences (tokens)
-    val_fraction: float = 0.05  #: sequences held out for validation (val/* metrics)
-    calib_fraction: float = 0.05  #: sequences held out for STS calibration
-    max_anchors: int = 64  #: K, anchors per sequence per epoch (DeepSpec 512)
-    batch_size: int = 4  #: sequences per micro-batch
+    #: truncate regenerated sequences (tokens)
+    max_length: int = ranged(1024, ge=2, note="a sequence holds a prompt and a response token")
+    val_fraction: float = ranged(0.05, gt=0, lt=1)  #: sequences held out for validation (val/* metrics)
+    #: sequences held out for STS calibration (0 = none: no threshold calibration)
+    calib_fraction: float = ranged(0.05, ge=0, lt=1, note="0 = no calibration split")
+    max_anchors: int = ranged(64, ge=1)  #: K, anchors per sequence per epoch (DeepSpec 512)
+    batch_size: int = ranged(4, ge=1)  #: sequences per micro-batch
     cache_features: bool = True  #: store target features once instead of recomputing them every epoch
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
 
 
 @dataclass
 class OptimConfig:
-    lr: float = 6e-4  #: AdamW peak learning rate (DeepSpec 6e-4)
-    weight_decay: float = 0.0  #: AdamW weight decay
-    beta1: float = 0.9  #: AdamW β1
-    beta2: float = 0.999  #: AdamW β2
-    warmup_fraction: float = 0.04  #: share of the steps in linear warm-up before the cosine decay
-    grad_clip: float = 1.0  #: gradient-norm clip
-    epochs: int = 10  #: passes over the training sequences (paper 10)
-    max_steps: int = -1  #: -1 = epochs decide
-    accumulate_grad_batches: int = 1  #: micro-batches per optimiser step
+    lr: float = ranged(6e-4, gt=0)  #: AdamW peak learning rate (DeepSpec 6e-4)
+    weight_decay: float = ranged(0.0, ge=0)  #: AdamW weight decay
+    beta1: float = ranged(0.9, ge=0, lt=1)  #: AdamW β1
+    beta2: float = ranged(0.999, ge=0, lt=1)  #: AdamW β2
+    warmup_fraction: float = ranged(0.04, ge=0, le=1)  #: share of the steps in linear warm-up before the cosine decay
+    grad_clip: float = ranged(1.0, ge=0, note="0 = no clipping")  #: gradient-norm clip (0 = none)
+    epochs: int = ranged(10, ge=1)  #: passes over the training sequences (paper 10)
+    max_steps: int = ranged(-1, ge=1, sentinels=(-1,), note="-1 = epochs decide")  #: -1 = epochs decide
+    accumulate_grad_batches: int = ranged(1, ge=1)  #: micro-batches per optimiser step
 
 
 @dataclass
 class TrainerConfig:
     accelerator: str = "auto"  #: auto | cpu | gpu (Lightning)
-    devices: int = 1  #: devices per node (data-parallel ranks with strategy=ddp)
+    devices: int = ranged(1, ge=1)  #: devices per node (data-parallel ranks with strategy=ddp)
     strategy: str = "auto"  #: ddp | fsdp | auto ...; see README "Scaling out"
-    num_nodes: int = 1  #: machines (multi-node under torchrun / SLURM)
+    num_nodes: int = ranged(1, ge=1)  #: machines (multi-node under torchrun / SLURM)
     precision: str = (
         "auto"  #: auto = bf16-mixed on AMX/AVX512-BF16 CPUs / bf16 GPUs, else 32-true; or any Lightning value
     )
-    log_every_n_steps: int = 10  #: train/* logging and progress-bar period
-    val_check_interval: float = 1.0  #: validate every this fraction of an epoch
+    log_every_n_steps: int = ranged(10, ge=1)  #: train/* logging and progress-bar period
+    val_check_interval: float = ranged(1.0, gt=0, le=1)  #: validate every this fraction of an epoch
     #: a checkpoint every this many minutes of training inside an epoch (besides every epoch end; 0 = epoch ends
     #: only): a killed run resumes from it, mid-epoch, with the same batches to come. How results are kept, not what
     #: they are: outside sweep hashes and training keys
-    checkpoint_every_min: float = 10.0
+    checkpoint_every_min: float = ranged(10.0, ge=0, note="0 = checkpoints at epoch ends only")
 
 
 @dataclass
@@ -194,11 +216,15 @@ class TreeConfig:
     #: depth's children) | branching (children per node at each depth; drawn without replacement at T > 0) | dynamic
     #: (the best decode.tree.nodes path scores of a beam, N sized per round on this machine's SPS(B) table)
     shape: str = "chain"
-    widths: list[int] = field(default_factory=lambda: [4, 2, 2, 1, 1, 1, 1])  #: shape=widths: nodes at depth 1, 2, ...
-    branching: list[int] = field(default_factory=lambda: [2, 2, 1, 1, 1, 1, 1])  #: shape=branching: children per node
-    nodes: int = 16  #: shape=dynamic: the most nodes a round verifies (N ≤ nodes, chosen per round)
-    beam: int = 4  #: shape=dynamic: nodes kept (and expanded) per depth
-    depth: int = 0  #: shape=dynamic: deepest level drafted (0 = the drafter's γ)
+    #: shape=widths: nodes at depth 1, 2, ...
+    widths: list[int] = ranged(factory=lambda: [4, 2, 2, 1, 1, 1, 1], ge=1)
+    #: shape=branching: children per node
+    branching: list[int] = ranged(factory=lambda: [2, 2, 1, 1, 1, 1, 1], ge=1)
+    #: shape=dynamic: the most nodes a round verifies (N ≤ nodes, chosen per round)
+    nodes: int = ranged(16, ge=1, le=MAX_TREE_NODES)
+    beam: int = ranged(4, ge=1, le=MAX_TREE_NODES)  #: shape=dynamic: nodes kept (and expanded) per depth
+    #: shape=dynamic: deepest level drafted (0 = the drafter's γ)
+    depth: int = ranged(0, ge=0, le=MAX_BLOCK, note="0 = the drafter's γ")
     #: descent (sample p_t at each node, descend when the token is a child: exact for any tree, deterministic top-k
     #: children) | rrsw (children drawn from the draft distribution at T > 0 — every child with branching, the first
     #: of each expanded node with widths / dynamic — accepted by rejection sampling without replacement, then descent
@@ -210,12 +236,12 @@ class TreeConfig:
 class DecodeConfig:
     #: fixed | mtp1 | static | threshold (raw c_k) | calibrated_threshold (c̃_k) | scheduler | async (METHOD §6)
     policy: str = "fixed"
-    threshold: float = 0.5  #: θ of threshold / calibrated_threshold
-    static_k: int = 2  #: drafts verified per round by decode.policy=static
+    threshold: float = ranged(0.5, ge=0, le=1)  #: θ of threshold / calibrated_threshold
+    static_k: int = ranged(2, ge=1)  #: drafts verified per round by decode.policy=static (mtp1 is 1)
     #: evaluation prompts (taken in turn from decode.eval_sets) on which decode.policy=scheduler is timed against
     #: target-only decoding for the run's speed-up line, when decode.baseline and decode.policy is not scheduler
     #: itself; 0 = skip (τ under decode.policy is measured on every prompt either way)
-    speed_prompts: int = 6
+    speed_prompts: int = ranged(6, ge=0, note="0 = skip the speed-up line")
     #: what scheduler / async price a round with: profile = the SPS(B) table profiled at the start (decisions
     #: reproduce from a seed) | measured = re-priced after every round from the rounds' own verify time per B and
     #: their drafting cost (dspark.scheduling.measured; follows the machine's real costs, timing-dependent ℓ)
@@ -223,10 +249,10 @@ class DecodeConfig:
     #: the drafter's parallel stage: auto (bf16 on AMX/AVX512-BF16 CPUs, else fp32) | fp32 | bf16 | int8 (dynamic
     #: int8 linear layers, CPU only: ~2-5x cheaper products where fp32 reads DRAM); decode.* and serve.* alike
     drafter_precision: str = "auto"
-    temperature: float = 1.0  #: 0 = greedy verification
-    max_new_tokens: int = 128  #: tokens decoded per evaluation prompt
+    temperature: float = ranged(1.0, ge=0, note="0 = greedy")  #: 0 = greedy verification
+    max_new_tokens: int = ranged(128, ge=1)  #: tokens decoded per evaluation prompt
     eval_sets: list[str] = field(default_factory=lambda: ["gsm8k", "humaneval", "mt-bench"])  #: one per domain
-    prompts_per_set: int = 4  #: evaluation prompts per set
+    prompts_per_set: int = ranged(4, ge=1)  #: evaluation prompts per set
     calibrate: bool = True  #: fit STS on the calibration split before threshold/scheduler decoding
     #: also decode every prompt target-only, for the speed-up; false = τ and acceptance only (the lossless output is
     #: the target's either way), which the reference sweeps use: it saves a third of their evaluation time
@@ -239,14 +265,16 @@ class ServeConfig:
     """Serving under load (`stage=serve`, `sweep=serving`; METHOD §6–§7, paper §5.2, §7)."""
 
     policy: str = "scheduler"  #: the decode.policy names (one family): mtp1 | static | fixed | threshold | ...
-    concurrency: int = 4  #: R, requests kept active at once (closed loop, continuous batching)
-    static_k: int = 2  #: drafts verified per request by serve.policy=static
-    threshold: float = 0.5  #: serve.policy=threshold: prefix before the first raw c_k < θ (calibrated_threshold: c̃_k)
-    num_requests: int = 16  #: requests served per run (round-robin over prompt_sets)
-    max_new_tokens: int = 64  #: tokens per request
+    concurrency: int = ranged(4, ge=1)  #: R, requests kept active at once (closed loop, continuous batching)
+    static_k: int = ranged(2, ge=1)  #: drafts verified per request by serve.policy=static (mtp1 is 1)
+    #: serve.policy=threshold: prefix before the first raw c_k < θ (calibrated_threshold: c̃_k)
+    threshold: float = ranged(0.5, ge=0, le=1)
+    num_requests: int = ranged(16, ge=1)  #: requests served per run (round-robin over prompt_sets)
+    max_new_tokens: int = ranged(64, ge=1)  #: tokens per request
     prompt_sets: list[str] = field(default_factory=lambda: ["gsm8k", "humaneval", "mt-bench"])  #: the prompt mix
-    trace_concurrency: int = 4  #: concurrency of the policy=fixed run whose rounds the simulator replays
-    simulate_concurrency: list[int] = field(default_factory=lambda: [8, 16, 32, 64])  #: simulated R levels
+    trace_concurrency: int = ranged(4, ge=1)  #: concurrency of the policy=fixed run whose rounds the simulator replays
+    #: simulated R levels
+    simulate_concurrency: list[int] = ranged(factory=lambda: [8, 16, 32, 64], ge=1, note="[] simulates nothing")
     sps_table: str = ""  #: SPS(B) JSON for the simulator (e.g. profiled on a GPU); "" = this machine's batched SPS
     #: the target's dtype while serving (float32 | bfloat16 | float16); "" = target_options.dtype. Serving only: the
     #: drafter, its data and its calibration keep target_options.dtype, so a bf16 serve reuses an fp32-trained drafter
@@ -283,11 +311,10 @@ class OptunaConfig:
     """Optuna searches (`sweep=loss_weights`, `sweep=rank`); see dspark.sweeps.optuna_search."""
 
     storage: str = ""  #: "" = sqlite under paths.root; a journal file path or postgresql:// URL to share a study
-    n_trials: int = 8  #: total trials of the study, counted across every worker sharing it
+    n_trials: int = ranged(8, ge=1)  #: total trials of the study, counted across every worker sharing it
     study: str = ""  #: "" = <sweep name>-<hash of the fixed config>
-    startup_trials: int = (
-        4  #: random trials before TPE models the history (TPE's own default, 10, exceeds small budgets)
-    )
+    #: random trials before TPE models the history (TPE's own default, 10, exceeds small budgets)
+    startup_trials: int = ranged(4, ge=0)
     prune: bool = True  #: stop unpromising trials early on the sweep's validation metric (median rule)
 
 
@@ -305,7 +332,8 @@ class ExportConfig:
 class RunConfig:
     target: str = "smollm2-135m"  #: built-in name (smollm2-135m, tiny), hub id or local path
     drafter: str = "dspark"  #: dspark | dflash | eagle3
-    seed: int = 0  #: drives initialisation, anchors, decoding and (unless data.seed) the data
+    #: drives initialisation, anchors, decoding and (unless data.seed) the data
+    seed: int = ranged(0, ge=0, le=SEED_MAX)
     budget: str = "cpu"  #: smoke | cpu | cpu-ref | cpu-long | paper (experiments/budgets/*.yaml)
     stage: str = "all"  #: prepare | train | eval | all | report | profile | serve | export
     sweep: str = ""  #: sweeps/<name>.yaml; set on the command line as sweep=NAME

@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import time
 from pathlib import Path
 from typing import Any
@@ -41,7 +40,8 @@ from safetensors.torch import save_file
 from torch import Tensor
 from tqdm.auto import tqdm
 
-from dspark.data.integrity import building, seal_cache
+from dspark.data.integrity import building, read_cache_manifest, resumable, seal_cache
+from dspark.files import atomic_path, atomic_write_text
 from dspark.hardware import autocast_linear_weights, uncast_weight
 from dspark.data.regenerate import COMPLETE, MANIFEST, load_regenerated, read_manifest
 
@@ -56,6 +56,7 @@ BF16_LOG_Z_VERSION = 2  # 2: the refinement's fp32 head taken outside the bf16 w
 #: 0.0008 std / 0.008 max against an fp32 product (0.037 / 0.165 unrefined) for ~40% of the bf16 product's time
 REFINE_NATS = 6.0
 STORE_DTYPE = torch.float16
+CACHE_KEY = "paths.root"  # the caches live under <paths.root>/cache: the key a write failure's fix names
 PREFILL_PRECISIONS = ("auto", "bf16", "fp32")
 
 
@@ -139,7 +140,7 @@ def cache_features(
             "precision": precision,
             "format": FEATURE_FORMAT_VERSION,
         }
-        _atomic_write(out_dir / MANIFEST, lambda tmp: tmp.write_text(json.dumps(info, indent=2)))
+        atomic_write_text(out_dir / MANIFEST, json.dumps(info, indent=2), key=CACHE_KEY)
         todo = [s for s in range(num_shards) if not _shard_path(out_dir, s).exists()]
         lengths = [len(ids) for ids in dataset["input_ids"]]
         total = sum(sum(lengths[s * shard_size : (s + 1) * shard_size]) for s in todo)
@@ -160,7 +161,7 @@ def cache_features(
                     precision=precision,
                     loss_masks=[item["loss_mask"].bool() for item in items],
                 )
-                _atomic_write(_shard_path(out_dir, shard), lambda tmp: save_file(tensors, str(tmp)))
+                write_shard(_shard_path(out_dir, shard), tensors)
                 tokens = sum(len(r) for r in rows)
                 done += tokens
                 bar.update(tokens)
@@ -317,10 +318,12 @@ def _shard_path(out_dir: Path, shard: int) -> Path:
     return out_dir / f"features-{shard:05d}.safetensors"
 
 
-def _atomic_write(path: Path, write) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    write(tmp)
-    os.replace(tmp, path)
+def write_shard(path: Path, tensors: dict[str, Tensor]) -> None:
+    """Write one shard all-or-nothing (`dspark.files.atomic_path`): a full disk or a read-only cache leaves no
+    shard (finished shards stay, so the same command resumes) and raises `OutputError` naming the file, the fix and
+    that a rerun resumes (`integrity.resumable`)."""
+    with resumable(), atomic_path(path, key=CACHE_KEY) as tmp:
+        save_file(tensors, str(tmp))
 
 
 class FeatureCache:
@@ -335,7 +338,7 @@ class FeatureCache:
             raise ValueError(
                 f"data.feature_cache: {self.dir} is not a complete feature cache; rerun cache_features to finish it"
             )
-        self.manifest = json.loads((self.dir / MANIFEST).read_text())
+        self.manifest = read_cache_manifest(self.dir)
         self._handles: dict[int, Any] = {}
 
     def __len__(self) -> int:

@@ -15,6 +15,7 @@ Verification reads every file once per process (sha256, ~0.4 GB/s on 2 busy core
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import logging
@@ -22,6 +23,8 @@ import os
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator
+
+from dspark.files import OutputError, atomic_write_bytes
 
 COMPLETE = "COMPLETE"
 MANIFEST = "manifest.json"
@@ -42,12 +45,27 @@ def file_digest(path: Path) -> dict[str, Any]:
 
 def seal_cache(out_dir: Path, manifest: dict[str, Any], files: list[str]) -> None:
     """Record the checksums of `files` (names inside out_dir) in the manifest, write it, then the COMPLETE marker."""
-    from dspark.files import atomic_write_bytes
-
     manifest[CHECKSUMS] = {name: file_digest(out_dir / name) for name in files}
     atomic_write_bytes(out_dir / MANIFEST, json.dumps(manifest, indent=2).encode(), key="paths.root")
     atomic_write_bytes(out_dir / COMPLETE, b"", key="paths.root")
     _verified[str(out_dir)] = _fingerprint(out_dir, files)
+
+
+def read_cache_manifest(out_dir: Path) -> dict[str, Any]:
+    """The manifest of a cache directory; a ValueError naming the file and the fix when it is missing or not a
+    JSON object (a finished cache with such a manifest is rebuilt by `building`)."""
+    path = Path(out_dir) / MANIFEST
+    try:
+        manifest = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError, RecursionError) as err:
+        reason = err.strerror if isinstance(err, OSError) else "not valid JSON"
+        raise ValueError(f"{path} cannot be read ({reason}); {_REBUILD.format(dir=out_dir)}") from None
+    if not isinstance(manifest, dict):
+        raise ValueError(f"{path} is not a JSON object; {_REBUILD.format(dir=out_dir)}")
+    return manifest
+
+
+_REBUILD = "delete {dir} and rerun the same command: it rebuilds the cache"
 
 
 def damaged_files(out_dir: Path) -> list[str] | None:
@@ -86,15 +104,44 @@ def building(out_dir: Path) -> Iterator[bool]:
     from filelock import FileLock
 
     out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    with FileLock(str(out_dir / LOCK)):
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        lock = FileLock(str(out_dir / LOCK))
+        lock.acquire()
+    except OSError as err:  # a full disk or a read-only cache root: name the directory, not a bare errno
+        raise OutputError(err.errno, _unwritable(out_dir, err)) from err
+    try:
         yield _whole_or_reset(out_dir)
+    finally:
+        lock.release()
+
+
+@contextmanager
+def resumable() -> Iterator[None]:
+    """Around a shard's write: its `OutputError` (a full disk mid-build) also says that the cache's finished shards
+    are kept and the same command resumes from them (builders skip the shards that exist)."""
+    try:
+        yield
+    except OutputError as err:
+        note = "The cache's finished shards are kept: rerun the same command to resume."
+        raise OutputError(err.errno, f"{err.strerror} {note}") from err
+
+
+def _unwritable(out_dir: Path, err: OSError) -> str:
+    full = err.errno in (errno.ENOSPC, errno.EDQUOT)
+    fix = "free disk space there" if full else "make it writable"
+    return (
+        f"could not create the cache directory {out_dir} ({err.strerror or err}); {fix}, or point paths.root at "
+        "another disk. Nothing was written."
+    )
 
 
 def _whole_or_reset(out_dir: Path) -> bool:
     if not (out_dir / COMPLETE).exists():
         return False
-    if not (out_dir / MANIFEST).is_file():
+    try:
+        read_cache_manifest(out_dir)
+    except ValueError:
         log.warning("cache %s has no readable manifest: rebuilding it", out_dir)
         _remove_all(out_dir)
         return False

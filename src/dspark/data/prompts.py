@@ -22,9 +22,9 @@ import random
 import re
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Iterator, Mapping
 
-from dspark.data.records import DOMAINS, PromptRecord
+from dspark.data.records import PromptRecord, quote, row_defect
 from dspark.data.synthetic import generate_synthetic_prompts
 from dspark.registry import Registry, unknown_name_message
 
@@ -39,6 +39,8 @@ LCB_HEADER = (
 )
 SELECTIONS = ("paper", "all")
 VENDORED_DIR = Path(__file__).resolve().parent / "prompt_sets"  # package data (pyproject: tool.setuptools.package-data)
+# No prompt is 4 MiB (~1M tokens); a longer line is a file that is not JSONL, refused before it is held in memory.
+MAX_LINE_BYTES = 4 << 20
 SCHEMA_HINT = (
     "one JSON object per line with a `prompt` string and optional `id`, `domain`, `turns`, `reference`, "
     "`paper_eval_rank` (see dspark/data/prompt_sets/SOURCES.md)"
@@ -183,7 +185,10 @@ def _gsm8k_reference(row: Mapping[str, Any]) -> str | None:
 
 def _not_mbpp_test_task(row: Mapping[str, Any]) -> bool:
     """MBPP's test split is task ids 11-510 (the eval set `mbpp` is its sanitized subset); keep every other task."""
-    return not 11 <= int(row["task_id"]) <= 510
+    task = row.get("task_id")
+    if isinstance(task, bool) or not isinstance(task, int):
+        raise ValueError(f"`task_id` must be MBPP's integer task number (the set keeps rows by it), not {quote(task)}")
+    return not 11 <= task <= 510
 
 
 _eval_set(
@@ -444,41 +449,84 @@ def hub_unreachable_reason(hub_id: str, *, cache_dir: str | Path | None, timeout
     return None
 
 
-def check_prompt_file(path: Path, *, keep_row: Callable[[Mapping[str, Any]], bool] | None = None) -> int:
-    """Validate a JSONL prompt file line by line and return its row count. Each non-blank line must be one JSON
-    object with a `prompt` string (or a `turns` list); blank lines are skipped, as `datasets` does. Rows that
-    `keep_row` drops are not checked for a prompt. The error names the file, the line and what to fix."""
-    path, rows = Path(path), 0
+def check_prompt_file(
+    path: Path, *, keep_row: Callable[[Mapping[str, Any]], bool] | None = None, domain_required: bool = False
+) -> int:
+    """Validate a JSONL prompt file line by line and return its row count (`read_prompt_rows`)."""
+    return len(read_prompt_rows(path, keep_row=keep_row, domain_required=domain_required))
+
+
+def read_prompt_rows(
+    path: Path, *, keep_row: Callable[[Mapping[str, Any]], bool] | None = None, domain_required: bool = False
+) -> list[dict[str, Any]]:
+    """Every row of a JSONL prompt file, in file order. Each non-blank line must be one UTF-8 JSON object of at most
+    MAX_LINE_BYTES with a `prompt` string (or a `turns` list) and typed optional fields (`records.row_defect`);
+    blank lines are skipped, as `datasets` does. Rows that `keep_row` drops are not checked for a prompt. An error
+    names the file, the line, the field and what to fix."""
+    path, rows = Path(path), []
     try:
-        lines = path.read_text(encoding="utf-8").split("\n")  # not splitlines(): U+2028 etc. may sit in strings
-    except UnicodeDecodeError as err:
-        raise ValueError(f"{path} is not UTF-8 text ({err}); prompt files are UTF-8 JSONL ({SCHEMA_HINT}).") from err
-    for number, line in enumerate(lines, start=1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as err:
-            raise ValueError(
-                f"{path} line {number}: not valid JSON ({err.msg}, column {err.colno}); each non-blank "
-                f"line must be {SCHEMA_HINT}."
-            ) from err
-        if not isinstance(row, dict):
-            raise ValueError(
-                f"{path} line {number}: a JSON {type(row).__name__}, not an object; each non-blank "
-                f"line must be {SCHEMA_HINT}."
-            )
-        rows += 1
-        if keep_row is not None and not keep_row(row):
-            continue
-        prompt, turns = row.get("prompt"), row.get("turns")
-        if not (isinstance(prompt, str) and prompt) and not (prompt is None and isinstance(turns, list) and turns):
-            raise ValueError(
-                f"{path} line {number}: no `prompt` string (nor a `turns` list); prompt files need {SCHEMA_HINT}."
-            )
-    if rows == 0:
+        with open(path, "rb") as handle:
+            for number, line in _numbered_lines(handle, path):
+                if not line.strip():
+                    continue
+                row = _parse_row(line, where=f"{path} line {number}")
+                rows.append(row)
+                if keep_row is not None and not _kept(keep_row, row, where=f"{path} line {number}"):
+                    continue
+                defect = row_defect(row, domain_required=domain_required)
+                if defect is not None:
+                    raise ValueError(f"{path} line {number}: {defect}; prompt files need {SCHEMA_HINT}.")
+    except OSError as err:
+        raise ValueError(f"{path} cannot be read ({err.strerror or err}); point data.local_dir elsewhere.") from None
+    if not rows:
         raise ValueError(f"{path} is empty (no non-blank lines); a prompt file needs {SCHEMA_HINT}.")
     return rows
+
+
+def _numbered_lines(handle: Any, path: Path) -> Iterator[tuple[int, str]]:
+    """(1-based number, text) of each line, split on "\n" only (U+2028 may sit inside a JSON string), each read
+    with a bound so a file of one huge line is refused instead of loaded."""
+    number = 0
+    while raw := handle.readline(MAX_LINE_BYTES + 1):
+        number += 1
+        raw = raw.rstrip(b"\n")
+        if len(raw) > MAX_LINE_BYTES:
+            raise ValueError(
+                f"{path} line {number}: longer than {MAX_LINE_BYTES:,} bytes, which no prompt is (a file "
+                f"that is not JSONL, or rows not split by newlines?); each non-blank line must be {SCHEMA_HINT}."
+            )
+        try:
+            yield number, raw.decode("utf-8-sig" if number == 1 else "utf-8")
+        except UnicodeDecodeError as err:
+            raise ValueError(
+                f"{path} line {number}: not UTF-8 text (byte {err.start + 1} of the line is "
+                f"0x{raw[err.start]:02x}); save the file as UTF-8 ({SCHEMA_HINT})."
+            ) from None
+
+
+def _parse_row(line: str, *, where: str) -> dict[str, Any]:
+    try:
+        row = json.loads(line)
+    except json.JSONDecodeError as err:
+        raise ValueError(
+            f"{where}: not valid JSON ({err.msg}, column {err.colno}); each non-blank line must be {SCHEMA_HINT}."
+        ) from None
+    except (ValueError, RecursionError) as err:  # an integer of > 4300 digits, nesting deeper than the stack
+        reason = "nested too deeply" if isinstance(err, RecursionError) else quote(str(err))
+        raise ValueError(f"{where}: not valid JSON ({reason}); each non-blank line must be {SCHEMA_HINT}.") from None
+    if not isinstance(row, dict):
+        raise ValueError(
+            f"{where}: a JSON {type(row).__name__}, not an object; each non-blank line must be {SCHEMA_HINT}."
+        )
+    return row
+
+
+def _kept(keep_row: Callable[[Mapping[str, Any]], bool], row: dict[str, Any], *, where: str) -> bool:
+    """`keep_row(row)`; its ValueError (a field it reads is missing or ill-typed) named with the line."""
+    try:
+        return keep_row(row)
+    except ValueError as err:
+        raise ValueError(f"{where}: {err}; prompt files need {SCHEMA_HINT}.") from None
 
 
 # ---- loading ----
@@ -538,7 +586,7 @@ def _load_records(spec: PromptSetSpec, *, local_dir, cache_dir) -> tuple[list[Pr
     """Records of the whole set in source order, plus the `paper_eval_rank` column for local files."""
     source = resolve_prompt_source(spec.name, local_dir=local_dir)
     if source.kind == "file":
-        return _read_local(spec, source.path, cache_dir=cache_dir)
+        return _read_local(spec, source.path)
     try:
         return _read_hub(spec, cache_dir=cache_dir), None
     except Exception as exc:  # datasets raises many types when offline (ConnectionError, httpx, not-found, ...)
@@ -565,42 +613,22 @@ def _not_found_message(spec: PromptSetSpec, searched: list[str], *, hub_error: E
     return f"Prompt set '{spec.name}': no {files} found in {where}, and {hub}. Fix: {fix} ({SCHEMA_HINT})."
 
 
-def _read_local(spec: PromptSetSpec, path: Path, *, cache_dir) -> tuple[list[PromptRecord], list]:
-    rows = _read_jsonl(path, cache_dir=cache_dir)
+def _read_local(spec: PromptSetSpec, path: Path) -> tuple[list[PromptRecord], list]:
+    rows = read_prompt_rows(path, keep_row=spec.keep_local_row, domain_required=spec.domain == "mixed")
     if spec.keep_local_row is not None:
         rows = [row for row in rows if spec.keep_local_row(row)]
     records = [_record_from_row(row, spec=spec, path=path, index=i) for i, row in enumerate(rows)]
     return records, [row.get("paper_eval_rank") for row in rows]
 
 
-def _read_jsonl(path: Path, *, cache_dir) -> list[dict]:
-    """Rows of a JSONL file through `datasets`' json builder (Arrow cache in cache_dir, never beside the data)."""
-    import datasets
-
-    check_prompt_file(path)  # line-numbered errors; what datasets would choke on is caught here
-    try:
-        ds = datasets.load_dataset(
-            "json", data_files=str(path), split="train", cache_dir=None if cache_dir is None else str(cache_dir)
-        )
-    except Exception as exc:  # pyarrow / ujson parse errors: report the file and the schema, not a stack of frames
-        raise ValueError(
-            f"Could not read {path} as JSONL ({type(exc).__name__}: {str(exc)[:300]}). Each non-blank line needs "
-            f"{SCHEMA_HINT}."
-        ) from exc
-    return ds.to_list()
-
-
 def _record_from_row(row: Mapping[str, Any], *, spec: PromptSetSpec, path: Path, index: int) -> PromptRecord:
-    prompt, turns = row.get("prompt"), [str(t) for t in (row.get("turns") or [])]
-    if prompt is None and turns:  # DeepSpec eval file: {"turns": [first, later...]}
+    """A checked row (`read_prompt_rows`) as a record; `index` counts the kept rows (the default id's suffix)."""
+    prompt, turns = row.get("prompt"), list(row.get("turns") or [])
+    if prompt is None:  # DeepSpec eval file: {"turns": [first, later...]}
         prompt, turns = turns[0], turns[1:]
-    if not isinstance(prompt, str) or not prompt:
-        raise ValueError(f"{path} row {index}: no `prompt` string; prompt files need {SCHEMA_HINT}.")
     reference = spec.reference_of(row) if spec.reference_of is not None else row.get("reference")
     # a set's own domain wins over the file's tag (the staged alpaca-5k rows say `chat`, the set is `instruction`)
     domain = str(row.get("domain") or "chat") if spec.domain == "mixed" else spec.domain
-    if domain not in DOMAINS:
-        raise ValueError(f"{path} row {index}: domain={domain!r} is not one of {', '.join(DOMAINS)}.")
     return PromptRecord(
         id=str(row["id"]) if row.get("id") is not None else f"{path.stem}-{index}",
         domain=domain,
@@ -651,7 +679,8 @@ def prompt_set_errors(
                 continue
             if source.kind == "file":  # read now (~0.1 s for the default sets): a malformed line fails here
                 try:
-                    check_prompt_file(source.path, keep_row=PROMPT_SETS.resolve(name).keep_local_row)
+                    spec = PROMPT_SETS.resolve(name)
+                    check_prompt_file(source.path, keep_row=spec.keep_local_row, domain_required=spec.domain == "mixed")
                 except ValueError as err:
                     errors.append(f"{key}: {err}")
             if source.kind != "hub":

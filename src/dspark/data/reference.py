@@ -30,6 +30,7 @@ from dspark.data.regenerate import (
     end_of_turn_id,
     shard_path,
 )
+from dspark.files import atomic_path
 
 RESPONSE_MODES = ("regenerate", "reference", "mix")
 REFERENCE_FORMAT = 1
@@ -161,9 +162,8 @@ def combine_datasets(parts: Sequence[Path], *, cache_dir: Path) -> Path:
         for part, manifest in zip(parts, manifests):
             for shard in range(manifest["num_shards"]):
                 table = pq.read_table(shard_path(part, shard))
-                tmp = shard_path(out_dir, index).with_suffix(".tmp")
-                pq.write_table(table, tmp)
-                tmp.replace(shard_path(out_dir, index))
+                with atomic_path(shard_path(out_dir, index)) as tmp:  # a full disk leaves no half shard
+                    pq.write_table(table, tmp)
                 index += 1
         stats: dict[str, float] = {}
         for manifest in manifests:

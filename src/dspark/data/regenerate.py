@@ -7,11 +7,11 @@ A response that hits `max_new_tokens` gets the end-of-turn id appended and is ma
 cut at `max_length` (marked `clipped`) and dropped when fewer than `min_loss_tokens` (14) loss tokens remain.
 
 On disk: `cache_dir/regen/<key>/` with `manifest.json` (recording every shard's sha256, `dspark.data.integrity`),
-one parquet shard per prompt batch (written to a temp file, then `os.replace`d, so a crash never leaves a corrupt
-shard), and a `COMPLETE` marker; a damaged shard is found on reuse and regenerated, and concurrent builders of one
-cache take turns (lock file). `key` is the sha256 of everything that determines the output; a rerun skips finished
-shards, and because batch `i` is sampled with a seed derived from `(seed, i)` alone, a resumed run produces the same
-data as an uninterrupted one.
+one parquet shard per prompt batch (written all-or-nothing by `dspark.files.atomic_output`, so a crash or a full
+disk never leaves a corrupt shard), and a `COMPLETE` marker; a damaged shard is found on reuse and regenerated, and
+concurrent builders of one cache take turns (lock file). `key` is the sha256 of everything that determines the
+output; a rerun skips finished shards, and because batch `i` is sampled with a seed derived from `(seed, i)` alone, a
+resumed run produces the same data as an uninterrupted one.
 
 `precision="bf16"` samples under bf16 autocast (an fp32 target on a CPU with bf16 instructions; measured on an EPYC
 Zen 4, one thread, 32 prompts × 64 new tokens at T = 1: 72 tok/s fp32, 99 tok/s bf16): the text is then the bf16
@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -38,7 +37,8 @@ from torch import Tensor
 from transformers import DynamicCache, GenerationConfig
 
 from dspark.config.schema import SamplingConfig
-from dspark.data.integrity import COMPLETE, MANIFEST, building, seal_cache
+from dspark.data.integrity import COMPLETE, MANIFEST, building, read_cache_manifest, resumable, seal_cache
+from dspark.files import atomic_output, atomic_write_bytes
 from dspark.hardware import autocast_linear_weights
 
 if TYPE_CHECKING:
@@ -188,7 +188,7 @@ def regenerate_responses(
             multi_turn=multi_turn,
             precision=precision,
         )
-        _atomic_write_bytes(out_dir / MANIFEST, json.dumps(manifest, indent=2).encode())
+        atomic_write_bytes(out_dir / MANIFEST, json.dumps(manifest, indent=2).encode(), key="paths.root")
         todo = [i for i in range(len(batches)) if not shard_path(out_dir, i).exists()]
         bar = tqdm(
             total=len(batches),
@@ -503,19 +503,13 @@ def _rng_devices(target: Target) -> list[int]:
 
 
 def _write_shard(path: Path, rows: list[RegeneratedSequence], stats: dict[str, Any]) -> None:
-    """Write one shard atomically, its counters in the parquet metadata (so shard and stats land together)."""
+    """Write one shard all-or-nothing, its counters in the parquet metadata (so shard and stats land together): a
+    full disk leaves no shard and raises `OutputError` naming it (`dspark.files.atomic_output`)."""
     columns = {name: [getattr(r, name) for r in rows] for name in FEATURES}
     table = datasets.Dataset.from_dict(columns, features=FEATURES).data.table
     table = table.replace_schema_metadata({**(table.schema.metadata or {}), STATS_KEY: json.dumps(stats).encode()})
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    pq.write_table(table, tmp)
-    os.replace(tmp, path)
-
-
-def _atomic_write_bytes(path: Path, data: bytes) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_bytes(data)
-    os.replace(tmp, path)
+    with resumable(), atomic_output(path, key="paths.root") as handle:
+        pq.write_table(table, handle)
 
 
 def _sum_shard_stats(out_dir: Path, num_shards: int) -> dict[str, float]:
@@ -535,12 +529,12 @@ def load_regenerated(regen_dir: Path) -> datasets.Dataset:
             f"data: {regen_dir} is not a complete regenerated dataset (no {COMPLETE} marker); rerun the prepare "
             "stage (regenerate_responses) to finish it"
         )
-    num_shards = json.loads((regen_dir / MANIFEST).read_text())["num_shards"]
+    num_shards = read_manifest(regen_dir)["num_shards"]
     tables = [pq.read_table(shard_path(regen_dir, i)) for i in range(num_shards)]
     table = pa.concat_tables(tables) if tables else FEATURES.arrow_schema.empty_table()
     return datasets.Dataset(table.replace_schema_metadata(None), info=datasets.DatasetInfo(features=FEATURES))
 
 
 def read_manifest(regen_dir: Path) -> dict[str, Any]:
-    """The manifest of a regenerated dataset directory."""
-    return json.loads((Path(regen_dir) / MANIFEST).read_text())
+    """The manifest of a regenerated dataset directory (a ValueError naming it when unreadable)."""
+    return read_cache_manifest(Path(regen_dir))

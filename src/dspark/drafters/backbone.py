@@ -6,7 +6,9 @@
     h_k = RMSNorm(h after `depth` layers)                        the final-norm backbone output
 
 The context is never run through the layers or their input norms: each layer only projects it to keys and
-values (k-norm and RoPE at the context's absolute positions 0..T-1). A block with anchor `a` has RoPE positions
+values (k-norm and RoPE at the context's absolute positions 0..T-1). With `block_conv` (the selector_conv head's
+parallel half) each sublayer is wrapped in a two-tap dynamic convolution along the block's slots
+(`dspark.drafters.block_conv`); it reads the block stream only and never crosses a block boundary. A block with anchor `a` has RoPE positions
 `a+0..a+γ-1`; a block token attends to its whole block (bidirectional) and to valid context positions `j < a`,
 never to another block, so all N blocks of a sequence run in one attention call.
 
@@ -17,11 +19,13 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 from torch import Tensor, nn
 from torch.nn import functional as F
 
+from dspark.drafters.block_conv import BlockConv
 from dspark.drafters.layers import (
     DraftLayerSpec,
     RMSNorm,
@@ -214,19 +218,40 @@ class KVInjectionAttention(nn.Module):
 
 
 class DraftDecoderLayer(nn.Module):
-    """Pre-norm decoder layer of the target's family with KV injection; the context skips its norms."""
+    """Pre-norm decoder layer of the target's family with KV injection; the context skips its norms.
 
-    def __init__(self, spec: DraftLayerSpec) -> None:
+    `block_conv` wraps both sublayers in a two-tap dynamic convolution along the block's slots
+    (`dspark.drafters.block_conv`, the parallel half of `model.head=selector_conv`); off, the layer is exactly a
+    decoder layer of the target's family (`model.init_layers` copies it)."""
+
+    def __init__(self, spec: DraftLayerSpec, *, block_conv: bool = False) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.self_attn = KVInjectionAttention(spec)
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.mlp = SwiGLU(spec.hidden_size, spec.intermediate_size)
+        self.attn_conv = BlockConv(spec.hidden_size) if block_conv else None
+        self.mlp_conv = BlockConv(spec.hidden_size) if block_conv else None
 
-    def forward(self, hidden: Tensor, context: Tensor, *, rope: tuple[Tensor, Tensor], mask: Tensor) -> Tensor:
-        """hidden [B, L, d] block stream, context [B, T, d] → new block stream [B, L, d]."""
-        hidden = hidden + self.self_attn(self.input_layernorm(hidden), context, rope=rope, mask=mask)
-        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+    def forward(
+        self,
+        hidden: Tensor,
+        context: Tensor,
+        *,
+        rope: tuple[Tensor, Tensor],
+        mask: Tensor,
+        block_size: int | None = None,
+    ) -> Tensor:
+        """hidden [B, L, d] block stream (blocks of `block_size` slots; None: one block), context [B, T, d] → new
+        block stream [B, L, d]."""
+        attend = partial(self.self_attn, context=context, rope=rope, mask=mask)
+        hidden = hidden + self._sublayer(self.attn_conv, attend, self.input_layernorm(hidden), block_size)
+        return hidden + self._sublayer(self.mlp_conv, self.mlp, self.post_attention_layernorm(hidden), block_size)
+
+    @staticmethod
+    def _sublayer(conv: BlockConv | None, sublayer, x: Tensor, block_size: int | None) -> Tensor:
+        """sublayer(x), wrapped in the block convolution when the layer has one."""
+        return sublayer(x) if conv is None else conv.wrap(sublayer, x, block_size=block_size)
 
     def fuse_projections(self) -> None:
         """Decode-time copies: fused q/k/v, k/v and gate/up products (`KVInjectionAttention.fuse_projections`,
@@ -242,11 +267,11 @@ class DraftDecoderLayer(nn.Module):
         self, hidden: Tensor, *, rope: tuple[Tensor, Tensor], extend_kv: ExtendKV, mask: Tensor | None = None
     ) -> Tensor:
         """`forward` for a block over cached context keys/values (`KVInjectionAttention.forward_cached`):
-        hidden [B, L, d] block stream → [B, L, d]; equal to `forward` with the context the cache was built from."""
-        hidden = hidden + self.self_attn.forward_cached(
-            self.input_layernorm(hidden), rope=rope, extend_kv=extend_kv, mask=mask
-        )
-        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+        hidden [B, L, d] block stream (one block per row) → [B, L, d]; equal to `forward` with the context the cache
+        was built from."""
+        attend = partial(self.self_attn.forward_cached, rope=rope, extend_kv=extend_kv, mask=mask)
+        hidden = hidden + self._sublayer(self.attn_conv, attend, self.input_layernorm(hidden), None)
+        return hidden + self._sublayer(self.mlp_conv, self.mlp, self.post_attention_layernorm(hidden), None)
 
 
 class DSparkBackbone(nn.Module):
@@ -258,7 +283,14 @@ class DSparkBackbone(nn.Module):
     """
 
     def __init__(
-        self, *, spec: DraftLayerSpec, num_feature_layers: int, depth: int, embed_tokens: nn.Module, mask_token_id: int
+        self,
+        *,
+        spec: DraftLayerSpec,
+        num_feature_layers: int,
+        depth: int,
+        embed_tokens: nn.Module,
+        mask_token_id: int,
+        block_conv: bool = False,
     ) -> None:
         super().__init__()
         d = spec.hidden_size
@@ -267,12 +299,15 @@ class DSparkBackbone(nn.Module):
         self._frozen = (embed_tokens,)  # a tuple: not a submodule, so not in parameters() or state_dict()
         self.fc = nn.Linear(num_feature_layers * d, d, bias=False)
         self.context_norm = RMSNorm(d, spec.rms_norm_eps)
-        self.layers = nn.ModuleList(DraftDecoderLayer(spec) for _ in range(depth))
+        self.layers = nn.ModuleList(DraftDecoderLayer(spec, block_conv=block_conv) for _ in range(depth))
         self.norm = RMSNorm(d, spec.rms_norm_eps)
         self.rotary = RotaryEmbedding(spec.head_dim, spec.rope_theta)
         self.mask_embedding = nn.Parameter(torch.empty(d))
         init_new_weights(self)
         nn.init.normal_(self.mask_embedding, mean=0.0, std=0.02)
+        for module in self.modules():  # init_new_weights drew the block convolutions' projections: back to identity
+            if isinstance(module, BlockConv):
+                module.reset_parameters()
 
     @property
     def embed_tokens(self) -> nn.Module:
@@ -323,7 +358,7 @@ class DSparkBackbone(nn.Module):
         rope = self._rope(anchor_positions, ctx_len=ctx_len, block_size=block_size)
         hidden = self.embed_block(block_input_ids).flatten(1, 2)  # [B, Nγ, d]
         for layer in self.layers:
-            hidden = layer(hidden, context_hidden, rope=rope, mask=mask)
+            hidden = layer(hidden, context_hidden, rope=rope, mask=mask, block_size=block_size)
         return self.norm(hidden).view(batch, num_blocks, block_size, -1)
 
     def _rope(self, anchor_positions: Tensor, *, ctx_len: int, block_size: int) -> tuple[Tensor, Tensor]:

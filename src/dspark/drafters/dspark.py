@@ -55,7 +55,8 @@ def validate_drafter_args(*, depth: int, block_size: int, head: str, markov_rank
 
 
 class DSparkDrafter(nn.Module):
-    """Backbone + head (`none` | `markov` | `rnn`) + optional confidence head; DFlash = head none, no confidence."""
+    """Backbone + sequential head (`model.head`, `heads.SEQUENTIAL_HEADS`) + optional confidence head; DFlash = head
+    none, no confidence. A head with `block_conv` (selector_conv) also puts its block convolution in the draft layers."""
 
     def __init__(
         self,
@@ -95,6 +96,8 @@ class DSparkDrafter(nn.Module):
             depth=depth,
             embed_tokens=embed_tokens,
             mask_token_id=mask_token_id,
+            # the head's parallel half (selector_conv) lives in the draft layers; rank 0 is DFlash, without it
+            block_conv=markov_rank > 0 and SEQUENTIAL_HEADS.resolve(head).block_conv,
         )
         self.draft_head = DraftVocabHead(lm_head, vocab_size=spec.vocab_size, draft_vocab_ids=draft_vocab_ids)
         self.confidence_with_markov = bool(confidence_with_markov)
@@ -157,7 +160,7 @@ class DSparkDrafter(nn.Module):
             context_valid=context_valid,
         )
         parallel_logits = self.project(hidden)
-        bias = self.head.teacher_forced_bias(hidden, prev_tokens)
+        bias = self.head.teacher_forced_bias(hidden, prev_tokens, parallel_logits=parallel_logits)
         logits = parallel_logits if bias is None else parallel_logits + bias.to(parallel_logits.dtype)
         return DSparkOutput(
             hidden=hidden,
@@ -187,7 +190,7 @@ class DSparkDrafter(nn.Module):
         k = 1), state from `self.head.init_state(...)` or the previous step. Teacher-forcing the tokens through
         this loop reproduces `forward`'s logits and confidence_logits.
         """
-        bias, state = self.head.step(hidden_k, prev_token, state)
+        bias, state = self.head.step(hidden_k, prev_token, state, parallel_logits=parallel_logits_k)
         logits = parallel_logits_k if bias is None else parallel_logits_k + bias.to(parallel_logits_k.dtype)
         return logits, self.confidence(hidden_k, prev_token), state
 

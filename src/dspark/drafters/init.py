@@ -16,6 +16,10 @@ import torch
 from torch import nn
 
 
+#: draft-layer parameters with no counterpart in a target decoder layer (drafters.block_conv, model.head=selector_conv)
+BLOCK_CONV_PREFIXES = ("attn_conv.", "mlp_conv.")
+
+
 def copy_target_layers(layers: nn.ModuleList, target: Any, layer_ids: list[int]) -> list[str]:
     """Copy target decoder layer `layer_ids[i]` into draft layer `i`, parameter by parameter, by name.
 
@@ -33,6 +37,10 @@ def copy_target_layers(layers: nn.ModuleList, target: Any, layer_ids: list[int])
     for draft_layer, layer_id in zip(layers, layer_ids):
         source = dict(target.decoder_layer(int(layer_id)).named_parameters())
         for name, param in draft_layer.named_parameters():
+            if name.startswith(
+                BLOCK_CONV_PREFIXES
+            ):  # selector_conv's block convolutions: no target twin, kept identity
+                continue
             if name not in source or source[name].shape != param.shape:
                 found = "missing" if name not in source else f"shape {tuple(source[name].shape)}"
                 raise ValueError(
@@ -44,4 +52,8 @@ def copy_target_layers(layers: nn.ModuleList, target: Any, layer_ids: list[int])
     with torch.no_grad():
         for param, weight in pairs:
             param.copy_(weight.to(dtype=param.dtype, device=param.device))
-    return [name for name, _ in layers[0].named_parameters()] if len(layers) else []
+    return (
+        [name for name, _ in layers[0].named_parameters() if not name.startswith(BLOCK_CONV_PREFIXES)]
+        if len(layers)
+        else []
+    )

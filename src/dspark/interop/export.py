@@ -6,6 +6,9 @@
 Every field written is documented in docs/INTEROP.md, with the reference file it comes from. What a layout cannot
 hold raises a ValueError naming it (e.g. a Llama-shaped DSpark drafter in the speculators layout, whose DFlash
 layers always carry Qwen3's q/k norms).
+
+`out_dir` must be new, empty or an earlier export of ours (`dspark.files.claim_output_dir`): pointed at someone's
+model directory, the export refuses before writing, so their config.json and weights stay as they are.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from dspark.files import ForeignOutputError, atomic_path, atomic_write_text, claim_output_dir, output_dir_error
 from dspark.interop.layouts import (
     FORMAT_VERSION,
     LAYOUTS,
@@ -30,6 +34,7 @@ from dspark.interop.layouts import (
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
+EXPORT_FILES = (CONFIG_FILE, WEIGHTS_FILE)  #: everything an export writes (besides the ownership marker)
 EXPORT_DTYPES = ("float32", "bfloat16", "float16")
 DEFAULT_NUM_ANCHORS = 512  # DeepSpec's config requires num_anchors (a training setting); its configs use 512
 # Keys of the target's HF config that describe the target checkpoint, not the drafter.
@@ -61,12 +66,17 @@ def export_drafter(
     dtype: str = "float32",
     num_anchors: int = DEFAULT_NUM_ANCHORS,
 ) -> Path:
-    """Write `out_dir/config.json` and `out_dir/model.safetensors`; returns `out_dir`.
+    """Write `out_dir/config.json` and `out_dir/model.safetensors` (`EXPORT_FILES`); returns `out_dir`.
 
     drafter: a DSparkDrafter (kind dspark | dflash) or Eagle3Drafter built for `target` (the `DrafterSpec` `spec`).
     dtype: of every floating tensor written (float32 keeps the round trip bit-exact). Raises ValueError naming
-    `export.layout` / `export.dtype` for an unknown value, and naming what cannot be represented otherwise.
+    `export.layout` / `export.dtype` for an unknown value, and naming what cannot be represented otherwise;
+    `ForeignOutputError` (a ValueError) before anything is computed when `out_dir` holds what we did not write.
     """
+    out_dir = Path(out_dir)
+    error = out_dir_error(out_dir)
+    if error is not None:
+        raise ForeignOutputError(error)
     if layout not in LAYOUTS:
         raise ValueError(f"export.layout={layout!r} is not one of {', '.join(LAYOUTS)}")
     if dtype not in EXPORT_DTYPES:
@@ -77,8 +87,7 @@ def export_drafter(
         drafter, spec, target, architecture=architecture, dtype=dtype, num_anchors=num_anchors
     )
     tensors = _drafter_tensors(drafter, target, name_map)
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
+    claim_output_dir(out_dir, key="export.out_dir", kind="export", ours=is_export_entry)
     config["dspark_lab"] = {
         "format_version": FORMAT_VERSION,
         "layout": layout,
@@ -88,8 +97,26 @@ def export_drafter(
         "target_fingerprint": spec.target_fingerprint,
     }
     _save(tensors, out_dir / WEIGHTS_FILE, dtype=getattr(torch, dtype))
-    (out_dir / CONFIG_FILE).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    atomic_write_text(out_dir / CONFIG_FILE, json.dumps(config, indent=2, sort_keys=True) + "\n", key="export.out_dir")
     return out_dir
+
+
+def out_dir_error(out_dir: str | Path) -> str | None:
+    """None when `out_dir` may take an export (new, empty, or an export of ours), else the refusal naming
+    `export.out_dir`, what is there and the fix."""
+    return output_dir_error(out_dir, key="export.out_dir", ours=is_export_entry)
+
+
+def is_export_entry(path: Path) -> bool:
+    """One of `EXPORT_FILES` beside a config.json we wrote (its `dspark_lab` block): an export from before the
+    ownership marker."""
+    if path.name not in EXPORT_FILES or not path.is_file():
+        return False
+    try:
+        config = json.loads((path.parent / CONFIG_FILE).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    return isinstance(config, dict) and isinstance(config.get("dspark_lab"), dict)
 
 
 # ---- tensors ----
@@ -144,9 +171,8 @@ def _save(tensors: dict[str, Tensor], path: Path, *, dtype: torch.dtype) -> None
     from safetensors.torch import save_file
 
     out = {k: (v.to(dtype) if v.is_floating_point() else v).contiguous() for k, v in tensors.items()}
-    tmp = path.with_suffix(".tmp")
-    save_file(out, str(tmp), metadata={"format": "pt"})
-    tmp.replace(path)
+    with atomic_path(path, key="export.out_dir") as tmp:
+        save_file(out, str(tmp), metadata={"format": "pt"})
 
 
 # ---- configs ----

@@ -30,7 +30,15 @@ NO_HEAD = "none"
 # our head names <-> DeepSpec / speculators `markov_head_type` (both layouts use the same field and values)
 HEAD_TO_MARKOV_TYPE = {"markov": "vanilla", "gated": "gated", "rnn": "rnn"}
 MARKOV_TYPE_TO_HEAD = {v: k for k, v in HEAD_TO_MARKOV_TYPE.items()}
-HEAD_REFUSALS: dict[str, str] = {}  # head -> why neither layout can represent it
+# head -> why neither layout can represent it: DeepSpec, speculators and vLLM know markov_head_type vanilla | gated |
+# rnn only, so a head of another form has no tensor names or forward there
+HEAD_REFUSALS: dict[str, str] = {
+    "gru": "DeepSpec / speculators / vLLM have no GRU head (their markov_head_type is vanilla, gated or rnn)",
+    "selector_conv": (
+        "DeepSpec / speculators / vLLM have no selector head and no block convolution in their draft layers "
+        "(their markov_head_type is vanilla, gated or rnn)"
+    ),
+}
 
 # Every registered drafter kind (`dspark.drafters.factory.DRAFTER_BUILDERS`) is written with one tensor-name map and,
 # per layout, one architecture, or is refused in DRAFTER_REFUSALS[(kind, layout)] with the reason.
@@ -40,6 +48,7 @@ DEEPSPEC_ARCHITECTURES = {"dspark": "DSparkModel", "dflash": "DSparkModel", "eag
 ARCHITECTURES = {"deepspec": DEEPSPEC_ARCHITECTURES, "speculators": SPECULATORS_ARCHITECTURES}
 DRAFTER_REFUSALS: dict[tuple[str, str], str] = {}  # (kind, layout) -> why that layout cannot hold the kind
 
+MARKOV_W1 = "markov_head.markov_w1.weight"  # their W_1 [V, r]: its width is the Markov rank r
 # DSpark / DFlash: ours -> theirs (deepspec and speculators use the same tensor names).
 # `{i}` is the draft-layer index. Tensors absent from our model (embed_tokens, lm_head, d2t, t2d) are written
 # from the target and the draft vocabulary by the exporter.
@@ -53,7 +62,7 @@ DSPARK_NAME_MAP = (
         r"layers.\1.self_attn.\2.weight",
     ),
     (r"backbone\.layers\.(\d+)\.mlp\.(gate_proj|up_proj|down_proj)\.weight", r"layers.\1.mlp.\2.weight"),
-    (r"head\.w1\.weight", "markov_head.markov_w1.weight"),
+    (r"head\.w1\.weight", MARKOV_W1),
     (r"head\.w2\.weight", "markov_head.markov_w2.weight"),
     (r"head\.cell\.(weight|bias)", r"markov_head.joint_proj.\1"),  # rnn: columns [s | W1[x] | h] in both
     (r"head\.gate\.(weight|bias)", r"markov_head.gate_proj.\1"),  # gated: input [h | W1[x]] in both

@@ -23,20 +23,16 @@ from torch import Tensor
 from torch.nn import functional as F
 
 from dspark.drafters.dspark import DSparkOutput
-from dspark.losses.dspark import DSparkLoss
+from dspark.losses.dspark import DSparkLoss, dpace_position_weights
 
 
 def dpard_position_weights(acceptance: Tensor, label_valid: Tensor, *, alpha: float) -> Tensor:
-    """w_k = Σ_{j ≥ k} Π_{i ≤ j} ((1 − α) a_i + α) over each block's supervised slots: [B, N, γ] (0 elsewhere).
+    """w_k = Σ_{j ≥ k} Π_{i ≤ j} ((1 − α) a_i + α) over each block's supervised slots: [B, N, γ] (0 elsewhere) —
+    D-PACE's recurrence (`losses.dspark.dpace_position_weights`) on the exact acceptance a_k.
 
     acceptance [B, N, γ] in [0, 1], label_valid [B, N, γ] bool (a contiguous prefix per block).
     """
-    if not 0 < alpha <= 1:
-        raise ValueError(f"loss.dpard_alpha must lie in (0, 1] (got {alpha}); D-PARD uses 0.5")
-    mask = label_valid.to(acceptance.dtype)
-    smooth = torch.where(label_valid, (1 - alpha) * acceptance + alpha, torch.ones_like(acceptance))
-    prefix = torch.cumprod(smooth, dim=-1) * mask
-    return torch.flip(torch.cumsum(torch.flip(prefix, dims=[-1]), dim=-1), dims=[-1]) * mask
+    return dpace_position_weights(acceptance, label_valid, alpha=alpha, key="loss.dpard_alpha")
 
 
 def reach_weights(acceptance: Tensor, label_valid: Tensor) -> Tensor:

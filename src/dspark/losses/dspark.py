@@ -15,6 +15,15 @@ training module passes the all-reduced Σ w over the world size, so DDP's gradie
 `p_d_k` is the sequentially corrected (teacher-forced) draft distribution softmax(U_k + B_k). Only c* is
 detached: the confidence loss also trains the backbone and W_1. Terms with α = 0 are not computed.
 
+`loss.position_weights=dpace` replaces w_k by D-PACE's confidence-adaptive weights (`dpace_position_weights`), per
+block and detached, from the drafter's own confidence in each label, q_k = p_d_k(x*_k) (0 for a label outside Vd):
+
+    q̃_k = (1 − α) q_k + α,     w_k = Σ_{j ≥ k} Π_{i ≤ j} q̃_i      (α = `loss.dpace_alpha`)
+
+w_k is the derivative of the smoothed expected accepted length Σ_j Π_{i ≤ j} q̃_i with respect to log q̃_k: the credit
+slot k controls (it needs every earlier slot accepted and unlocks every later one). The normalisation stays the pooled
+Σ w·ℓ / Σ w above, so only the batch-wide scale of the credit is divided out (METHOD §3 says why).
+
 Shape symbols: B sequences, N blocks, γ block size, V vocabulary.
 """
 
@@ -44,11 +53,54 @@ class DSparkLoss:
     nll: Tensor | None = None  # [B, N, γ] detached −log p_d(x*_k) on supervised slots (0 elsewhere), for the metrics
 
 
+#: `loss.position_weights`: the paper's fixed decay, or D-PACE's confidence-adaptive credit
+POSITION_WEIGHTS = ("decay", "dpace")
+
+
 def position_weights(block_size: int, decay: float) -> Tensor:
     """w_k = exp(-(k-1)/decay) for k = 1..block_size: [γ] fp32 (METHOD §3, default decay γ_w = 4)."""
     if not (decay > 0 and math.isfinite(decay)):
         raise ValueError(f"loss.decay must be a positive finite number (got {decay}); the paper's default is 4")
     return torch.exp(-torch.arange(block_size, dtype=torch.float32) / decay)
+
+
+def dpace_position_weights(confidence: Tensor, label_valid: Tensor, *, alpha: float, key: str = "loss.dpace_alpha"):
+    """w_k = Σ_{j ≥ k} Π_{i ≤ j} ((1 − α) q_i + α) over each block's supervised slots: [B, N, γ] (0 elsewhere).
+
+    confidence q [B, N, γ] in [0, 1] (D-PACE: p_d(x*_k); D-PARD: the exact acceptance a_k), label_valid [B, N, γ]
+    bool (a contiguous prefix per block). `key` names the config key of α in the error (D-PARD shares the recurrence).
+    """
+    if not 0 < alpha <= 1:
+        raise ValueError(f"{key} must lie in (0, 1] (got {alpha}); D-PACE and D-PARD use 0.5")
+    mask = label_valid.to(confidence.dtype)
+    smooth = torch.where(label_valid, (1 - alpha) * confidence + alpha, torch.ones_like(confidence))
+    prefix = torch.cumprod(smooth, dim=-1) * mask
+    return torch.flip(torch.cumsum(torch.flip(prefix, dims=[-1]), dim=-1), dims=[-1]) * mask
+
+
+def supervised_weights(
+    scheme: str,
+    *,
+    label_valid: Tensor,
+    nll: Tensor,
+    label_in_vocab: Tensor | None,
+    decay: float,
+    dpace_alpha: float,
+) -> Tensor:
+    """The position weight of every supervised slot, [M] in `[label_valid]` order (`loss.position_weights`).
+
+    label_valid [B, N, γ] bool; nll [M] −log p_d(x*) of the supervised slots (read detached, by dpace only);
+    label_in_vocab [B, N, γ] bool or None (a label outside the draft vocabulary has q = 0)."""
+    if scheme == "decay":
+        return position_weights(label_valid.shape[-1], decay).to(nll.device).expand(label_valid.shape)[label_valid]
+    if scheme != "dpace":
+        raise ValueError(f"loss.position_weights={scheme!r} is not one of {', '.join(POSITION_WEIGHTS)}")
+    with torch.no_grad():
+        q = torch.exp(-nll.detach().float())
+        if label_in_vocab is not None:
+            q = torch.where(label_in_vocab[label_valid], q, 0.0)
+        confidence = q.new_zeros(label_valid.shape).masked_scatter(label_valid, q)
+        return dpace_position_weights(confidence, label_valid, alpha=dpace_alpha)[label_valid]
 
 
 def compute_dspark_loss(
@@ -64,8 +116,11 @@ def compute_dspark_loss(
     alpha_tv: float,
     alpha_conf: float,
     decay: float,
+    position_weights: str = "decay",
+    dpace_alpha: float = 0.5,
 ) -> DSparkLoss:
-    """Weighted DSpark loss over the supervised slots.
+    """Weighted DSpark loss over the supervised slots; `position_weights` (decay | dpace) and `dpace_alpha` choose
+    the slot weights (module docstring).
 
     labels [B, N, γ] long (x*_k, as draft ids); label_valid [B, N, γ] bool (a contiguous prefix per block);
     label_in_vocab [B, N, γ] bool (default all True): False where x*_k lies outside the draft vocabulary (no CE
@@ -81,9 +136,6 @@ def compute_dspark_loss(
         target_logits=target_logits,
         alphas={"alpha_ce": alpha_ce, "alpha_tv": alpha_tv, "alpha_conf": alpha_conf},
     )
-    weights = position_weights(labels.shape[-1], decay).to(output.logits.device).expand(labels.shape)[label_valid]
-    weight_sum = weights.sum() if normalizer is None else normalizer(weights.sum())
-    weight_sum = weight_sum.clamp_min(torch.finfo(torch.float32).tiny)  # avoid 0/0 on an empty batch
     p_t = None
     if target_probs is not None or target_logits is not None:
         p_t = _selected_target_probs(target_probs, target_logits, label_valid)
@@ -91,6 +143,16 @@ def compute_dspark_loss(
     l1, nll = _DraftRowTerms.apply(
         output.logits.reshape(-1, output.logits.shape[-1]), rows, labels[label_valid], p_t
     )  # [M], [M]
+    weights = supervised_weights(
+        position_weights,
+        label_valid=label_valid,
+        nll=nll,
+        label_in_vocab=label_in_vocab,
+        decay=decay,
+        dpace_alpha=dpace_alpha,
+    )
+    weight_sum = weights.sum() if normalizer is None else normalizer(weights.sum())
+    weight_sum = weight_sum.clamp_min(torch.finfo(torch.float32).tiny)  # avoid 0/0 on an empty batch
     zero = weights.new_zeros(())
 
     ce = tv = conf = zero

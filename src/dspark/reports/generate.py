@@ -2,7 +2,8 @@
 alone, attach it to the sweep's parent run. The sweep driver says which parent and which of its runs are current
 (`dspark.sweeps.driver.report_sweep` is `python experiments/run.py sweep=NAME stage=report`): reports know the run
 tree, not how sweeps are planned. A sweep with no finished cell gets no report (`NoFinishedRuns`), so an existing
-report is never replaced by an empty page.
+report is never replaced by an empty page; nor is a file we did not write: paths.reports must be new, empty or ours,
+and `<sweep>.md` there one of our reports (`ForeignOutputError` otherwise, before any figure is drawn).
 """
 
 from __future__ import annotations
@@ -14,12 +15,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from dspark.config import ResolvedConfig
-from dspark.files import atomic_write_text
+from dspark.files import atomic_write_text, check_output_file, claim_output_dir, is_our_markdown, is_report_entry
 from dspark.reports import ablations, diagnostics, search, sequential, serving, trees  # noqa: F401  (register the builders)
 from dspark.reports.collect import SweepRuns, collect_sweep_runs, runs_frame
 from dspark.reports.context import REPORT_BUILDERS, ReportContext
 from dspark.reports.writer import Provenance, Section, render_report
 from dspark.tracking.runs import COMPLETE_TAG, children
+from dspark.tracking.ui import public_command
 
 if TYPE_CHECKING:
     from dspark.tracking import TrackingStore
@@ -49,7 +51,10 @@ def build_report(
     notes_dir: Path | None = None,
 ) -> tuple[str, list[Path], ReportContext]:
     """Render the markdown of a sweep's runs; returns it, the figures written (all under `out_dir`) and the context
-    (whose `claims` the builders filled). `drift`: cell → keys on which its run differs from today's recipe."""
+    (whose `claims` the builders filled). `drift`: cell → keys on which its run differs from today's recipe.
+
+    NoFinishedRuns before anything is written; then `out_dir` is claimed (`claim_output_dir`) and `<name>.md` there
+    must be missing or one of our reports, else ForeignOutputError before the first figure."""
     name = name or spec.name
     ctx = ReportContext(
         name=name,
@@ -63,6 +68,8 @@ def build_report(
     has_trials = spec.kind == "optuna" and runs.every_child is not None and runs.every_child.height > 0
     if runs.empty and not has_trials:
         raise NoFinishedRuns(no_runs_message(runs, name=name))
+    claim_output_dir(out_dir, key="paths.reports", kind="reports", ours=is_report_entry)
+    check_output_file(Path(out_dir) / f"{name}.md", key="paths.reports", ours=is_our_markdown)
     sections = REPORT_BUILDERS.resolve(builder_name(spec))(ctx)
     if drift:
         sections.append(Section("Recorded under an older recipe", drift_section(drift, name=name)))
@@ -143,7 +150,7 @@ def write_sweep_report(
     fallback = {
         "target": rc.cfg.target,
         "budget": rc.cfg.budget,
-        "command": " ".join(["python experiments/run.py", *rc.argv]),
+        "command": public_command(rc.argv),  # credentials masked, as in every run's command tag
     }
     provenance = Provenance.from_runs(
         runs,
@@ -153,7 +160,6 @@ def write_sweep_report(
         fallback=fallback,
         selection_keys=spec.axis_keys() if spec.kind == "grid" else (),
     )
-    out_dir.mkdir(parents=True, exist_ok=True)
     text, figures, ctx = build_report(
         runs, spec=spec, out_dir=out_dir, provenance=provenance, store=store, drift=drift, notes_dir=notes_dir
     )

@@ -6,6 +6,7 @@ import datetime
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Iterable
 
+from dspark.config.secrets import mask_url
 from dspark.reports.collect import counted
 
 if TYPE_CHECKING:
@@ -105,15 +106,7 @@ def shown_uri(uri: str) -> str:
     without credentials. The parent run's id is left out too: it differs in every store that imports the ledger."""
     if uri.startswith("sqlite:") or uri.startswith("file:") or "://" not in uri:
         return "the local store under paths.root (`mlflow.db`)"
-    return _safe_uri(uri)
-
-
-def _safe_uri(uri: str) -> str:
-    """Drop credentials from a URI before printing it."""
-    if "@" in uri and "://" in uri:
-        scheme, rest = uri.split("://", 1)
-        return f"{scheme}://***@{rest.split('@', 1)[1]}"
-    return uri
+    return mask_url(uri)
 
 
 def render_report(

@@ -9,6 +9,7 @@ import logging
 import sys
 from pathlib import Path
 
+from dspark.files import ForeignOutputError
 from dspark.results.build import build
 from dspark.results.regenerate import find_regenerate
 
@@ -39,7 +40,12 @@ def main(argv: list[str] | None = None) -> int:
             print(f"error: {err}", file=sys.stderr)
             return 2
     regenerate = None if args.keep_reports else find_regenerate()
-    for path in build(args.repo, regenerate=regenerate):
+    try:
+        written = build(args.repo, regenerate=regenerate)
+    except ForeignOutputError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    for path in written:
         print(f"wrote {path}")
     return 0
 

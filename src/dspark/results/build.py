@@ -1,5 +1,11 @@
 """`make results`: give every sweep a folder (a "not run yet" README where it has nothing), regenerate every sweep
-report from its committed ledger, then write results/INDEX.md."""
+report from its committed ledger, then write results/INDEX.md.
+
+It replaces only files it wrote before: INDEX.md (its `# Results — ` title; another file of that name is refused
+with `ForeignOutputError` before anything is written), a "not run yet" README (its front matter: a hand-written
+README of a sweep that has not run is kept, and gets no generated one beside it), and what each sweep's ledger
+reserves for its regeneration (`dspark.results.regenerate.is_regenerated`).
+"""
 
 from __future__ import annotations
 
@@ -9,15 +15,17 @@ from pathlib import Path
 
 import yaml
 
-from dspark.files import atomic_write_text
+from dspark.files import ForeignOutputError, atomic_write_text, head_text, output_file_error
 from dspark.results.discovery import discover, read_folder, sweep_names
-from dspark.results.frontmatter import with_front_matter
+from dspark.results.frontmatter import read_front_matter, with_front_matter
 from dspark.results.index import index_path, render_index
 from dspark.results.paper import QUESTIONS
 from dspark.results.regenerate import RegenerateFn, regenerate_folder
 
 log = logging.getLogger("dspark")
 README = "README.md"
+NOT_RUN = "not run yet"  # the front matter `kind` of a generated README
+INDEX_TITLE = "# Results — "
 
 
 def sweep_header(sweep_file: Path) -> dict[str, str]:
@@ -49,7 +57,7 @@ def not_run_readme(name: str, *, sweeps_dir: Path) -> str:
         "commit": "–",
         "date": "–",
         "command": head["run"],
-        "kind": "not run yet",
+        "kind": NOT_RUN,
     }
     body = (
         f"# `{name}` — not run yet\n\n"
@@ -64,16 +72,32 @@ def not_run_readme(name: str, *, sweeps_dir: Path) -> str:
     return with_front_matter(meta, body)
 
 
+def is_not_run_readme(path: Path) -> bool:
+    """A README this module generated (front matter `kind: not run yet`)."""
+    return (read_front_matter(path) or {}).get("kind") == NOT_RUN
+
+
+def is_index(path: Path) -> bool:
+    return head_text(path, 64).startswith(INDEX_TITLE)
+
+
 def ensure_sweep_folders(results_dir: Path, sweeps_dir: Path) -> list[Path]:
-    """Write the "not run yet" README of every sweep that has neither a ledger nor a report of its own."""
+    """Write the "not run yet" README of every sweep that has neither a ledger nor a report of its own (a README
+    someone wrote stays as it is)."""
     written = []
     for name in sweep_names(sweeps_dir):
         folder = read_folder(Path(results_dir) / name)
         others = [r for r in folder.reports if r.path.name != README]
-        if folder.ledger is None and not others:
-            path = atomic_write_text(folder.path / README, not_run_readme(name, sweeps_dir=sweeps_dir), key="results/")
-            written.append(path)
+        readme = folder.path / README
+        if folder.ledger is None and not others and (not readme.exists() or is_not_run_readme(readme)):
+            written.append(atomic_write_text(readme, not_run_readme(name, sweeps_dir=sweeps_dir), key="results/"))
     return written
+
+
+def index_error(results_dir: Path) -> str | None:
+    """A refusal when results/INDEX.md exists and is not an index this module wrote."""
+    fix = "Move that file away (or rename it), then run `make results` again."
+    return output_file_error(index_path(results_dir), key="results/", ours=is_index, fix=fix)
 
 
 def build(repo: Path, *, regenerate: RegenerateFn | None, now: datetime.datetime | None = None) -> list[Path]:
@@ -81,6 +105,9 @@ def build(repo: Path, *, regenerate: RegenerateFn | None, now: datetime.datetime
     repo = Path(repo)
     results_dir, sweeps_dir = repo / "results", repo / "sweeps"
     results_dir.mkdir(exist_ok=True)
+    error = index_error(results_dir)
+    if error:
+        raise ForeignOutputError(error)
     written = ensure_sweep_folders(results_dir, sweeps_dir)
     for folder in discover(results_dir):
         if folder.ledger is None:

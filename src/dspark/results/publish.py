@@ -4,7 +4,8 @@ person (`make results PUBLISH=<sweep>`), never by a run.
 The newest ledger of the sweep under `<paths.root>/ledgers/<experiment>/` (or the one named) becomes
 `results/<sweep>/ledger.json`. A committed ledger of another identity is not overwritten: it moves into the folder's
 `archive/` with one line in `archive/README.md` saying what superseded it. The same identity is replaced in place
-(it is the same sweep, grown or resumed: git history keeps the earlier file).
+(it is the same sweep, grown or resumed: git history keeps the earlier file). Only a sweep ledger is replaced or
+archived: another file named `ledger.json` (or the archived name) is refused before anything is written.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from dspark.files import atomic_write_text
+from dspark.files import atomic_write_text, check_output_file
 
 
 class PublishError(ValueError):
@@ -36,6 +37,15 @@ def find_ledger(root: Path, sweep: str, *, experiment: str = "dspark-lab", name:
     return found[-1]
 
 
+def is_ledger(path: Path) -> bool:
+    """A sweep ledger: a JSON object naming its sweep and identity hash."""
+    try:
+        data = json.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    return isinstance(data, dict) and "sweep" in data and "sweep_hash" in data
+
+
 def publish(ledger: Path, *, results_dir: Path) -> Path:
     """Copy `ledger` to `results/<sweep>/ledger.json`, archiving a committed ledger of another identity."""
     data = json.loads(Path(ledger).read_text(encoding="utf-8"))
@@ -46,10 +56,13 @@ def publish(ledger: Path, *, results_dir: Path) -> Path:
             "`python -m dspark.sweeps.migrate FILE`)"
         )
     target = Path(results_dir) / sweep / "ledger.json"
+    fix = "Move that file away, then publish again."
+    check_output_file(target, key="results/", ours=is_ledger, fix=fix)
     if target.is_file():
         old = json.loads(target.read_text(encoding="utf-8"))
         if old.get("sweep_hash") != digest:
             archived = target.parent / "archive" / f"ledger-{old.get('sweep_hash')}.json"
+            check_output_file(archived, key="results/", ours=is_ledger, fix=fix)
             archived.parent.mkdir(parents=True, exist_ok=True)
             atomic_write_text(archived, target.read_text(encoding="utf-8"), key="results/")
             readme = archived.parent / "README.md"

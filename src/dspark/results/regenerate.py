@@ -5,6 +5,11 @@ every machine apart from the report's `- generated:` line.
 
 The front matter comes from the ledger (machine, commit, date of the last cell, command) and the claims (headline):
 a commit field carries `(dirty)` when any cell ran from a tree with uncommitted changes (`dirty_cells` counts them).
+
+What a regeneration replaces is reserved by the folder's ledger, its sibling manifest (`is_regenerated`): the
+report, claims and figures named after the sweep the ledger records (`<sweep>.md`, `<sweep>.claims.json`,
+`<sweep>-*.png`). Any other file is never written over: `write_files` refuses (`ForeignOutputError`) before
+writing any file of the folder.
 """
 
 from __future__ import annotations
@@ -18,7 +23,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from dspark.files import atomic_output
+from dspark.files import atomic_output, check_output_file
 from dspark.results.claims import INTERVAL_VERDICTS, verdict_word
 from dspark.results.discovery import CLAIMS_SUFFIX, LEDGER
 from dspark.results.frontmatter import DIRTY, read_front_matter, with_front_matter
@@ -147,13 +152,32 @@ def _front_matter(path: Path) -> dict[str, str] | None:
     return read_front_matter(path) if path.is_file() else None
 
 
+def is_regenerated(path: Path) -> bool:
+    """A file the folder's ledger reserves for its sweep's regeneration: `<sweep>.md`, `<sweep>.claims.json` or
+    `<sweep>-*.png`, with `<sweep>` as the ledger beside it records it."""
+    try:
+        sweep = json.loads((path.parent / LEDGER).read_text(encoding="utf-8")).get("sweep")
+    except (OSError, ValueError, AttributeError):
+        return False
+    name = path.name
+    return bool(sweep) and (
+        name in (f"{sweep}.md", f"{sweep}{CLAIMS_SUFFIX}") or (name.startswith(f"{sweep}-") and name.endswith(".png"))
+    )
+
+
+REGENERATED_FIX = "Move it out of the way (the folder's archive/), or fix the sweep its ledger.json names."
+
+
 def write_files(folder: Path, files: dict[str, bytes], *, report: str) -> list[Path]:
     """Write the regenerated files into `folder`; the figures the previous `report` showed and the new one no longer
-    makes go (other reports' figures in the folder stay)."""
+    makes go (other reports' figures in the folder stay). ForeignOutputError before any write when one of the
+    files would replace one a regeneration did not write."""
+    for name in files:
+        check_output_file(folder / name, key="results/", ours=is_regenerated, fix=REGENERATED_FIX)
     previous = folder / report
     if previous.is_file():
         for target in re.findall(r"!\[[^\]]*\]\(([^)\s/]+\.png)\)", previous.read_text(encoding="utf-8")):
-            if target not in files and (folder / target).is_file():
+            if target not in files and (folder / target).is_file() and is_regenerated(folder / target):
                 (folder / target).unlink()
     written = []
     for name, content in files.items():

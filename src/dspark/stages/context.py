@@ -12,7 +12,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from dspark.config import ResolvedConfig, RunConfig, repo_root, to_dict
+from dspark.config.secrets import mask_tree
 from dspark.tracking import TrackingStore, git_provenance
+from dspark.tracking.processes import process_tags
 from dspark.tracking.ui import public_command
 
 if TYPE_CHECKING:
@@ -36,6 +38,9 @@ HASH_NEUTRAL_DEFAULTS = (
     ("data", "seed", None),
     ("data", "sampling.sampler", "generate"),
     ("model", "init_layers", []),
+    ("model", "match_params", False),
+    ("loss", "position_weights", "decay"),
+    ("loss", "dpace_alpha", 0.5),
 )
 
 
@@ -57,8 +62,10 @@ class RunPaths:
 
 
 def training_key(cfg: RunConfig) -> str:
-    """Hash of everything that determines a trained drafter: equal keys share one run directory and checkpoint."""
-    tree = to_dict(cfg)
+    """Hash of everything that determines a trained drafter: equal keys share one run directory and checkpoint.
+    Credentials in a value are masked first: they change where data comes from, not what it is, and no hash of
+    one is recorded."""
+    tree = mask_tree(to_dict(cfg))
     payload = {k: tree[k] for k in TRAINING_GROUPS}
     for group, key, default in HASH_NEUTRAL_DEFAULTS:  # keys added later: at their default, old run dirs stay valid
         *parents, leaf = key.split(".")  # a dotted key names a nested field (data.sampling.sampler)
@@ -145,6 +152,8 @@ class StageContext:
         )
 
     def run_tags(self) -> dict[str, str]:
+        """What a run is tagged with: what it trains, its command (`public_command`: credentials masked), its
+        provenance and its process (`dspark.tracking.processes`, so that a killed run is closed later)."""
         cfg = self.cfg
         tags = {
             "drafter": cfg.drafter,
@@ -156,7 +165,7 @@ class StageContext:
             "training.key": training_key(cfg),
             "command": public_command(self.rc.argv),
         }
-        return tags | git_provenance(repo_root())
+        return tags | git_provenance(repo_root()) | process_tags()
 
 
 def seed_everything(seed: int) -> None:

@@ -5,7 +5,8 @@ confidences) → (SPS table, for the scheduler) → speculative decoding and (de
 of the same prompts → per-dataset / per-domain / overall metrics (`dspark.evaluation.summary`) → MLflow (`eval/…`,
 `summary/…`), raw round records (`<run dir>/evals/<stamp>-<policy>-T<temperature>/rounds.jsonl` + `meta.json`)
 and a markdown report `<reports>/eval-<run dir>-<policy>-T<temperature>-<prompts digest>.md` with its figures next to
-it (attached to the MLflow run with an HTML rendering, `dspark.tracking.artifacts.log_report`).
+it (attached to the MLflow run with an HTML rendering, `dspark.tracking.artifacts.log_report`). paths.reports is
+claimed before decoding (`claimed_report_paths`): a directory or report file we did not write is refused, untouched.
 
 The speed measurement: decode.policy=fixed (every draft verified) gives the paper's τ but is not a speed policy, so
 when decode.baseline is on and the policy is not already the speed policy, `SPEED_POLICY` (the scheduler) and
@@ -29,6 +30,7 @@ from typing import TYPE_CHECKING, Any
 
 from dspark.config import to_dict
 from dspark.config.schema import CONFIDENCE_POLICIES  # the policies that read c_k: calibrate for them
+from dspark.config.secrets import mask_arg
 from dspark.decoding.drafting import precision_name
 from dspark.evaluation.calibrate import CalibrationReport
 from dspark.evaluation.diagnostics import load_or_profile_sps, sps_markdown
@@ -43,13 +45,12 @@ from dspark.evaluation.summary import (
     summarize,
     tau_phrase,
 )
-from dspark.files import atomic_write_text
+from dspark.files import atomic_write_text, check_output_file, claim_output_dir, is_our_markdown, is_report_entry
 from dspark.hardware import machine_summary
 from dspark.stages.context import StageContext, run_name
 from dspark.stages.drafter import TrainedDrafter, calibrate, open_trained_drafter
 from dspark.stages.prepare import PreparedData
 from dspark.tracking.artifacts import log_report
-from dspark.tracking.ui import public_uri
 
 if TYPE_CHECKING:
     from dspark.drafters.factory import DrafterSpec
@@ -133,6 +134,15 @@ def report_paths(ctx: StageContext) -> dict[str, Path]:
     }
 
 
+def claimed_report_paths(ctx: StageContext) -> dict[str, Path]:
+    """`report_paths`, once paths.reports is claimed (new, empty or ours) and the report is missing or ours;
+    ForeignOutputError otherwise, before anything is written."""
+    paths = report_paths(ctx)
+    claim_output_dir(paths["report"].parent, key="paths.reports", kind="reports", ours=is_report_entry)
+    check_output_file(paths["report"], key="paths.reports", ours=is_our_markdown)
+    return paths
+
+
 def load_eval_prompts(ctx: StageContext, target: Target) -> list:
     """decode.prompts_per_set prompts of each decode.eval_sets set, chat-templated, in the paper's order."""
     decode = ctx.cfg.decode
@@ -212,6 +222,7 @@ def run_eval(ctx: StageContext, drafter_path: str | Path, *, prepared: PreparedD
 
     cfg, decode = ctx.cfg, ctx.cfg.decode
     check_decode_config(decode)
+    claimed_report_paths(ctx)  # a report we may not write fails now, not after decoding
     trained = open_trained_drafter(ctx, drafter_path)
     target, spec = trained.target, trained.spec
     proposer = build_proposer(trained.drafter, precision=decode.drafter_precision)
@@ -368,8 +379,8 @@ def portable_command(argv: list[str], *, ctx: StageContext) -> str:
             continue
         if sep and value.startswith(("/", "~")):
             arg = f"{key}={portable_path(value, ctx=ctx)}"
-        elif sep and "://" in value:
-            arg = f"{key}={public_uri(value)}"
+        else:
+            arg = mask_arg(arg)  # a credential in any value, with or without a scheme
         kept.append(arg)
     return " ".join(["python experiments/run.py", *kept])
 
@@ -421,8 +432,7 @@ def eval_meta(
 def write_report(ctx: StageContext, meta: dict, summary: Any, *, speed: EvalSummary | None = None) -> Path:
     """Write the markdown report and the cond@k figure; attach them (an HTML rendering with the figures inlined, the
     reliability figure, the round records) to the MLflow run."""
-    paths = report_paths(ctx)
-    paths["report"].parent.mkdir(parents=True, exist_ok=True)
+    paths = claimed_report_paths(ctx)
     plot_conditional_acceptance(
         summary,
         paths["cond"],

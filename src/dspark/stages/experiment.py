@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from dspark.config import ConfigError, ResolvedConfig
+from dspark.config.secrets import mask_text, mask_url
 from dspark.hardware import release_freed_memory
 
 if TYPE_CHECKING:  # the CLI imports this module: torch and MLflow load only when a run starts
@@ -37,14 +38,15 @@ class RunInterrupted(KeyboardInterrupt):
 
 
 def preflight(rc: ResolvedConfig) -> None:
-    """Cheap checks of names and paths that would otherwise fail after minutes of work."""
-    from dspark.files import check_writable_dir
+    """Cheap checks of names and paths that would otherwise fail after minutes of work; once they pass, the tracking
+    store is opened once (`dspark.tracking.probe`: a store that cannot be used fails in seconds)."""
+    from dspark.stages.outputs import output_location_errors
 
     cfg = rc.cfg
-    outputs = ({} if cfg.stage == "report" else {"paths.root": cfg.paths.root}) | {"paths.reports": cfg.paths.reports}
-    errors = [e for key, path in outputs.items() if (e := check_writable_dir(path, key=key))]
+    errors = output_location_errors(cfg)  # new, empty or ours, and writable; claimed only once every check passed
     if cfg.stage == "report":  # reports read the tracking store only; skip imports of torch/transformers
         _raise(errors)
+        _check_store(rc)
         return
     from dspark.data.prompts import prompt_set_errors
     from dspark.targets.checks import check_target
@@ -77,6 +79,14 @@ def preflight(rc: ResolvedConfig) -> None:
             "dspark.serving.profile (e.g. profiled on a GPU), or drop the key to use this machine's table."
         )
     _raise(errors)
+    _check_store(rc)
+
+
+def _check_store(rc: ResolvedConfig) -> None:
+    """The store last: opening it imports MLflow (seconds), which a config with a typo need not wait for."""
+    from dspark.tracking.probe import check_store
+
+    check_store(rc.cfg)
 
 
 def _raise(errors: list[str]) -> None:
@@ -102,10 +112,12 @@ def run_experiment(
     try:
         ctx.store = open_store(rc.cfg)
     except ConfigError as err:
-        print(f"error: {err}", file=sys.stderr)
+        print(f"error: {mask_text(str(err))}", file=sys.stderr)
         return 2
     worker = is_ddp_worker()
     standalone = not worker and parent_run_id is None  # a sweep prints its own links and summary
+    if standalone:
+        _close_dead_runs(ctx.store)
     if worker:
         ctx.run_id = os.environ[RUN_ID_ENV]
     else:
@@ -125,14 +137,12 @@ def run_experiment(
         log.exception("run failed")
         if not worker:
             ctx.store.finish(ctx.run_id, status="FAILED")
-        print(f"error: {type(err).__name__}: {err}", file=sys.stderr)
+        print(f"error: {type(err).__name__}: {mask_text(str(err))}", file=sys.stderr)
         return 1
     if not worker:
         ctx.store.log_metrics(ctx.run_id, {"summary/wall_seconds": time.time() - started})
         ctx.store.finish(ctx.run_id)
-        from dspark.tracking.ui import public_uri
-
-        log.info("done: MLflow run %s in %s; run directory %s", ctx.run_id, public_uri(ctx.store.uri), ctx.run_dir)
+        log.info("done: MLflow run %s in %s; run directory %s", ctx.run_id, mask_url(ctx.store.uri), ctx.run_dir)
     if standalone:
         print("\n".join(links), flush=True)
         if headline:
@@ -140,6 +150,20 @@ def run_experiment(
     elif headline:
         log.info("%s", headline)
     return 0
+
+
+def _close_dead_runs(store) -> None:
+    """Close the plain runs that killed processes of this machine left RUNNING (`dspark.tracking.processes`); a
+    failure to do so is logged, never the run's failure."""
+    from dspark.tracking.processes import close_dead_runs as close
+
+    try:
+        closed = close(store)
+    except Exception as err:  # noqa: BLE001 — housekeeping of earlier runs
+        log.warning("could not close runs left RUNNING by killed processes: %s", mask_text(str(err)))
+        return
+    if closed:
+        log.info("marked %d run(s) KILLED that a killed process left RUNNING: %s", len(closed), ", ".join(closed))
 
 
 def mlflow_run_name(rc: ResolvedConfig, tags: dict) -> str:

@@ -5,9 +5,11 @@
     python experiments/run.py stage=eval model.import_from=DIR target=...     # evaluate an exported checkpoint
 
 `stage=export` writes `config.json` + `model.safetensors` in the layout of `export.layout` (deepspec | speculators)
-into `export.out_dir` (default `<run_dir>/export-<layout>`) and attaches the directory to the MLflow run as the
-artifact `export/<layout>`. `model.import_from` turns such a directory (or an official DeepSpec / speculators
-checkpoint) into this run's `drafter.pt` once, so evaluation, calibration caching and serving run unchanged.
+into `export.out_dir` (default `<run_dir>/export-<layout>`) and attaches exactly those two files to the MLflow run
+under the artifact path `export/<layout>`. An `export.out_dir` holding anything we did not write (someone's model,
+notes) is refused by preflight, before the target is loaded, and left as it is. `model.import_from` turns such a
+directory (or an official DeepSpec / speculators checkpoint) into this run's `drafter.pt` once, so evaluation,
+calibration caching and serving run unchanged.
 """
 
 from __future__ import annotations
@@ -18,15 +20,17 @@ from pathlib import Path
 from typing import Any
 
 from dspark.drafters.checkpoint import DRAFTER_FILE
-from dspark.stages.context import StageContext
+from dspark.files import ForeignOutputError
+from dspark.stages.context import RunPaths, StageContext, run_name, training_key
 
 log = logging.getLogger("dspark")
 
 
 def preflight_errors(cfg: Any) -> list[str]:
     """Cheap checks of export.* and model.import_from (no weights read), with the key and the fix."""
+    from dspark.interop.export import out_dir_error
     from dspark.interop.layouts import LAYOUTS
-    from dspark.interop.load import describe, read_export_config
+    from dspark.interop.load import check_import_dir
 
     errors: list[str] = []
     if cfg.stage == "export":
@@ -37,13 +41,40 @@ def preflight_errors(cfg: Any) -> list[str]:
                 f"export.run_dir={cfg.export.run_dir} holds no {DRAFTER_FILE}; point it at a trained run "
                 "directory (<paths.root>/runs/<run>) or drop it to export this config's own run"
             )
+        elif error := out_dir_error(export_dir(cfg, run_dir=export_run_dir(cfg))):
+            errors.append(error)  # someone's model or notes there: refused before the target is loaded
+        elif cfg.export.run_dir:
+            errors += _readable_drafter_errors(Path(cfg.export.run_dir).expanduser() / DRAFTER_FILE)
     if cfg.model.import_from:
-        try:
-            path = Path(cfg.model.import_from).expanduser()
-            describe(read_export_config(path), source=f"model.import_from={path}")
+        try:  # config against the safetensors header: absurd sizes and damaged weights refused before any build
+            check_import_dir(Path(cfg.model.import_from).expanduser())
         except (ValueError, OSError) as err:
-            errors.append(str(err))
+            errors.append(f"model.import_from: {err}")
     return errors
+
+
+def _readable_drafter_errors(path: Path) -> list[str]:
+    """A drafter.pt that is not a safe torch file of tensors (pickled objects, damaged), found in preflight: the
+    file is memory-mapped, so no weights are read."""
+    from dspark.drafters.checkpoint import REEXPORT_FIX, load_weights_only
+
+    try:
+        load_weights_only(path, fix=f"export.run_dir: {REEXPORT_FIX}", mmap=True)
+    except ValueError as err:
+        return [str(err)]
+    return []
+
+
+def export_run_dir(cfg: Any) -> Path:
+    """The run directory exported: `export.run_dir`, else this config's own (`StageContext.run_dir`)."""
+    if cfg.export.run_dir:
+        return Path(cfg.export.run_dir).expanduser()
+    return RunPaths.from_config(cfg).runs / f"{run_name(cfg)}-{training_key(cfg)}"
+
+
+def export_dir(cfg: Any, *, run_dir: Path) -> Path:
+    """Where the export of `run_dir` goes: `export.out_dir`, else `<run_dir>/export-<layout>`."""
+    return Path(cfg.export.out_dir).expanduser() if cfg.export.out_dir else run_dir / f"export-{cfg.export.layout}"
 
 
 def _run_context(ctx: StageContext, run_dir: Path) -> StageContext:
@@ -63,6 +94,8 @@ def run_export(ctx: StageContext) -> Path:
     """Export the trained drafter of `export.run_dir` (or of this config) and log it as an MLflow artifact."""
     from dspark.drafters.checkpoint import load_drafter
     from dspark.interop import export_drafter
+    from dspark.interop.export import EXPORT_FILES, out_dir_error
+    from dspark.tracking.artifacts import log_files
 
     cfg = ctx.cfg.export
     run_dir = Path(cfg.run_dir).expanduser() if cfg.run_dir else ctx.run_dir
@@ -72,16 +105,20 @@ def run_export(ctx: StageContext) -> Path:
             f"No trained drafter at {drafter_path}; run stage=train with the same overrides first, or "
             "set export.run_dir=<a run directory with drafter.pt>"
         )
+    out_dir = export_dir(ctx.cfg, run_dir=run_dir)
+    if error := out_dir_error(out_dir):  # preflight said so already; this guards a caller that skipped it
+        raise ForeignOutputError(error)
     run_ctx = _run_context(ctx, run_dir) if cfg.run_dir else ctx
     target = run_ctx.load_target()
     drafter, spec, _ = load_drafter(drafter_path, target)
-    out_dir = Path(cfg.out_dir).expanduser() if cfg.out_dir else run_dir / f"export-{cfg.layout}"
     export_drafter(
         drafter, spec, target, out_dir, layout=cfg.layout, dtype=cfg.dtype, num_anchors=run_ctx.cfg.data.max_anchors
     )
     log.info("exported %s (%s, %s) to %s", drafter_path, cfg.layout, cfg.dtype, out_dir)
-    if ctx.store is not None and ctx.run_id is not None:
-        ctx.store.client.log_artifacts(ctx.run_id, str(out_dir), artifact_path=f"export/{cfg.layout}")
+    if ctx.store is not None and ctx.run_id is not None:  # the files written, not whatever else the folder holds
+        log_files(
+            ctx.store, ctx.run_id, [out_dir / name for name in EXPORT_FILES], artifact_path=f"export/{cfg.layout}"
+        )
         ctx.store.client.set_tag(ctx.run_id, "export.dir", str(out_dir))
     return out_dir
 

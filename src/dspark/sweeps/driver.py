@@ -39,6 +39,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 from dspark.config import ConfigError, ResolvedConfig, parse_overrides, repo_root, resolve_config, to_dict
+from dspark.config.secrets import mask_text, mask_tree
 from dspark.hardware import release_freed_memory
 from dspark.sweeps import runs as sweep_runs
 from dspark.sweeps.identity import (
@@ -118,7 +119,7 @@ def run_sweep(rc: ResolvedConfig, *, max_cells: int | None = None) -> int:
 
         store = open_store(rc.cfg)
     except (ConfigError, cell_ledger.LedgerError) as err:
-        print(f"error: {err}", file=sys.stderr)
+        print(f"error: {mask_text(str(err))}", file=sys.stderr)
         return 2
     return execute_grid(plan, rc=rc, store=store, max_cells=limit)
 
@@ -325,7 +326,7 @@ def cell_record(pc: PlannedCell) -> dict[str, Any]:
         "axes": pc.cell.axes,
         "run_name": run_name(pc.rc.cfg),
         "training_key": training_key(pc.rc.cfg),
-        "config": to_dict(pc.rc.cfg),
+        "config": mask_tree(to_dict(pc.rc.cfg)),  # cells.yaml is recorded: no credential in it
     }
 
 
@@ -619,7 +620,7 @@ def run_cell(
         code = runner(pc.rc, parent_run_id=parent_id, extra_tags=tags)
     except Exception as err:  # the cell fails, the sweep goes on; the traceback goes to the log
         log.exception("sweep %s: cell %s raised", spec.name, cell.key)
-        print(f"error: cell {cell.key}: {type(err).__name__}: {err}", file=sys.stderr)
+        print(f"error: cell {cell.key}: {type(err).__name__}: {mask_text(str(err))}", file=sys.stderr)
         code = 1
     work = time.perf_counter() - work_start
     run_id = run_tree.settle_attempt(store, attempt, ok=code == 0, label=cell.key)
@@ -709,6 +710,7 @@ def finish_sweep(
     record_ledger(store, parent_id, ledger_of(rc, plan.spec, plan.sweep_hash), plan=plan)
     code = 1 if failed else 0
     try:
+        from dspark.files import ForeignOutputError
         from dspark.reports import NoFinishedRuns, write_sweep_report
 
         states = cell_states(plan, run_tree.children(store, parent_id))
@@ -716,12 +718,12 @@ def finish_sweep(
             rc, plan.spec, store=store, parent_id=parent_id, run_ids=states.run_ids, drift=states.drift
         )
         print(f"report: {path}")
-    except NoFinishedRuns as err:
-        print(f"sweep {plan.spec.name}: no report written: {err}", file=sys.stderr)
+    except (NoFinishedRuns, ForeignOutputError) as err:
+        print(f"sweep {plan.spec.name}: no report written: {mask_text(str(err))}", file=sys.stderr)
         code = 1
     except Exception as err:  # a broken report must not hide the cells' results, but it fails the command
         log.exception("sweep %s: report failed", plan.spec.name)
-        print(f"error: report for sweep {plan.spec.name}: {type(err).__name__}: {err}", file=sys.stderr)
+        print(f"error: report for sweep {plan.spec.name}: {type(err).__name__}: {mask_text(str(err))}", file=sys.stderr)
         code = 1
     store.finish(parent_id, status="FAILED" if failed else "FINISHED")
     if failed:
@@ -747,6 +749,7 @@ def report_sweep(rc: ResolvedConfig, spec: SweepSpec) -> int:
     A grid sweep's ledgers are read first: cells the store lacks are imported (under the parent of this identity,
     created FINISHED if the store has none), so a fresh checkout regenerates the report from the record. Exit 2 when
     no cell has finished (nothing is written: an existing report is never replaced by an empty one)."""
+    from dspark.files import ForeignOutputError
     from dspark.reports import NoFinishedRuns, write_sweep_report
     from dspark.tracking import open_store
 
@@ -760,7 +763,7 @@ def report_sweep(rc: ResolvedConfig, spec: SweepSpec) -> int:
             digest = plan.sweep_hash
             parent_id = _report_parent(rc, spec, plan, store=store)
     except (ConfigError, cell_ledger.LedgerError) as err:
-        print(f"error: {err}", file=sys.stderr)
+        print(f"error: {mask_text(str(err))}", file=sys.stderr)
         return 2
     try:
         if plan is None:
@@ -776,8 +779,8 @@ def report_sweep(rc: ResolvedConfig, spec: SweepSpec) -> int:
                 drift=states.drift,
                 sweep_hash=digest,
             )
-    except NoFinishedRuns as err:
-        print(f"error: {err}", file=sys.stderr)
+    except (NoFinishedRuns, ForeignOutputError) as err:  # nothing to report, or a report file we did not write
+        print(f"error: {mask_text(str(err))}", file=sys.stderr)
         return 2
     print(f"report: {path}")
     return 0

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any, Iterable
 
 from dspark.config import ResolvedConfig, parse_overrides, repo_root, to_dict
+from dspark.config.secrets import mask_tree
 from dspark.config.loader import flatten
 from dspark.sweeps.spec import SweepSpec
 
@@ -52,10 +53,11 @@ def arg_key(arg: str) -> str:
 
 def explicit_overrides(argv: Iterable[str], *, axis_keys: Iterable[str] = (), ignore: Iterable[str] = ()) -> list[str]:
     """The command line's `key=value` overrides that apply to every cell, normalised (`key=<JSON value>`, sorted):
-    without `sweep=`, `budget=`, `stage=`, axis selections, the `sweep.*` grow arguments and excluded groups."""
+    without `sweep=`, `budget=`, `stage=`, axis selections, the `sweep.*` grow arguments and excluded groups, and
+    with credentials masked (they say how to reach data, not what it is; the identity is recorded)."""
     skip = set(axis_keys) | set(ignore) | {"budget", "stage", "seed"}
     parsed = parse_overrides(a for a in argv if "=" in a)
-    kept = {k: v for k, v in parsed.items() if k not in skip and not excluded_from_hash(k)}
+    kept = {k: mask_tree(v) for k, v in parsed.items() if k not in skip and not excluded_from_hash(k)}
     return [f"{k}={json.dumps(v, sort_keys=True, default=str)}" for k, v in sorted(kept.items())]
 
 
@@ -92,8 +94,9 @@ def identity_hash(identity: dict[str, Any]) -> str:
 
 
 def hashable_config(rc: ResolvedConfig) -> dict[str, Any]:
-    """The resolved config without what says where results go and how they are kept (`HASH_EXCLUDED`)."""
-    return {k: v for k, v in flatten(to_dict(rc.cfg)).items() if not excluded_from_hash(k)}
+    """The resolved config without what says where results go and how they are kept (`HASH_EXCLUDED`), credentials
+    masked as the run's params record them."""
+    return {k: v for k, v in flatten(mask_tree(to_dict(rc.cfg))).items() if not excluded_from_hash(k)}
 
 
 def recorded_config(rc: ResolvedConfig) -> dict[str, str]:

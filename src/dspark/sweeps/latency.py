@@ -15,6 +15,7 @@ import time
 from typing import Any
 
 from dspark.config import ConfigError, ResolvedConfig
+from dspark.config.secrets import mask_text
 
 log = logging.getLogger("dspark")
 PHASES = ("verify_ms", "draft_parallel_ms", "draft_sequential_ms", "other_ms", "round_ms", "sequential_share")
@@ -48,7 +49,7 @@ def run_latency_cell(
     try:
         ctx.store = open_store(cfg)
     except ConfigError as err:
-        print(f"error: {err}", file=sys.stderr)
+        print(f"error: {mask_text(str(err))}", file=sys.stderr)
         return 2
     name = f"latency-{cfg.model.head}-d{cfg.model.depth}-g{cfg.model.block_size}-s{cfg.seed}"
     ctx.run_id = ctx.store.create_run(run_name=name, tags=ctx.run_tags() | extra_tags, parent_run_id=parent_run_id)
@@ -70,7 +71,7 @@ def run_latency_cell(
     except Exception as err:  # the cell is FAILED; the sweep goes on
         log.exception("latency cell failed")
         ctx.store.finish(ctx.run_id, status="FAILED")
-        print(f"error: {type(err).__name__}: {err}", file=sys.stderr)
+        print(f"error: {type(err).__name__}: {mask_text(str(err))}", file=sys.stderr)
         return 1
     ctx.store.finish(ctx.run_id)
     return 0

@@ -25,11 +25,12 @@ from typing import TYPE_CHECKING, Any
 import lightning as L
 
 from dspark.config import ConfigError, ResolvedConfig, resolve_config
+from dspark.config.secrets import mask_text, mask_url
 from dspark.files import atomic_write_text
 from dspark.stages.train import recorded_training_metrics
 from dspark.sweeps import runs as sweep_runs
 from dspark.sweeps.identity import arg_key, identity_hash, parent_tags, sweep_dir, sweep_identity
-from dspark.sweeps.optuna_study import StudyHandle, claim_trial, default_storage, mask, setup_study, trial_is_default
+from dspark.sweeps.optuna_study import StudyHandle, claim_trial, default_storage, setup_study, trial_is_default
 from dspark.sweeps.spec import SweepSpec
 from dspark.tracking import runs as run_tree
 
@@ -119,7 +120,7 @@ def run_search(rc: ResolvedConfig, spec: SweepSpec, *, max_trials: int | None = 
     with handle.locked():  # racing workers on one machine share one parent
         tags = parent_tags(rc, spec, total=rc.cfg.optuna.n_trials) | {
             "optuna.study": handle.study.study_name,
-            "optuna.storage": mask(handle.storage),
+            "optuna.storage": mask_url(handle.storage),
         }
         parent_id, _ = run_tree.open_parent(store, sweep=spec.name, sweep_hash=digest, tags=tags)
     sweep_runs.log_parent_record(
@@ -225,7 +226,7 @@ def evaluate_trial(
     try:
         cell = resolve_config(fixed_argv(rc, spec), cell_overrides=spec.base_overrides(rc.cfg.budget) | params)
     except ConfigError as err:
-        print(f"error: trial {trial.number} {params}: {err}", file=sys.stderr)
+        print(f"error: trial {trial.number} {params}: {mask_text(str(err))}", file=sys.stderr)
         return "FAIL", None
     callbacks = [PruningCallback(trial, spec.optuna.prune_on)] if rc.cfg.optuna.prune and spec.optuna.prune_on else []
     code = run_experiment(cell, parent_run_id=parent_id, extra_tags=tags, trainer_callbacks=callbacks)
@@ -270,7 +271,7 @@ def log_study_summary(store: TrackingStore, parent_id: str, handle: StudyHandle,
     complete = study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
     summary: dict[str, Any] = {
         "study": study.study_name,
-        "storage": mask(handle.storage),
+        "storage": mask_url(handle.storage),
         "trials": [
             {
                 "number": t.number,
@@ -317,7 +318,7 @@ def finish_search(
         print(f"report: {write_sweep_report(rc, spec, store=store, parent_id=parent_id)}")
     except Exception as err:  # the study is safe in its storage; the command still fails
         log.exception("search %s: report failed", spec.name)
-        print(f"error: report for sweep {spec.name}: {type(err).__name__}: {err}", file=sys.stderr)
+        print(f"error: report for sweep {spec.name}: {type(err).__name__}: {mask_text(str(err))}", file=sys.stderr)
         code = 1
     store.finish(parent_id, status="FAILED" if failed else "FINISHED")
     log.info(

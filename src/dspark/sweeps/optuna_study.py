@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from dspark.config import ConfigError
+from dspark.config.secrets import mask_text, mask_url, remember
 
 COUNTED_STATES = ("WAITING", "RUNNING", "COMPLETE", "PRUNED")
 
@@ -36,28 +37,22 @@ def is_url(storage: str) -> bool:
     return "://" in storage
 
 
-def mask(storage: str) -> str:
-    """The storage without a password, for tags and messages."""
-    if is_url(storage) and "@" in storage:
-        scheme, rest = storage.split("://", 1)
-        return f"{scheme}://***@{rest.split('@', 1)[1]}"
-    return storage
-
-
 def lock_path(storage: str, *, root: str | Path, study: str) -> Path:
     """A file lock beside a local storage file, else under paths.root (one machine)."""
     if storage.startswith("sqlite:///"):
         return Path(storage[len("sqlite:///") :] + ".lock")
     if not is_url(storage):
         return Path(storage).expanduser().resolve().with_suffix(".lock")
-    digest = hashlib.sha256(f"{mask(storage)}|{study}".encode()).hexdigest()[:12]
+    digest = hashlib.sha256(f"{mask_url(storage)}|{study}".encode()).hexdigest()[:12]
     return Path(root) / f"optuna-{digest}.lock"
 
 
 def open_storage(storage: str) -> Any:
-    """Open (creating if needed) the storage; any failure is a ConfigError naming optuna.storage."""
+    """Open (creating if needed) the storage; any failure is a ConfigError naming optuna.storage (credentials
+    masked: the storage's own are remembered first, whatever shape the driver's message gives them)."""
     import optuna
 
+    remember([storage])
     try:
         if not is_url(storage):
             from optuna.storages.journal import JournalFileBackend
@@ -68,12 +63,12 @@ def open_storage(storage: str) -> Any:
         kwargs = {}
         if storage.startswith("sqlite:///"):
             Path(storage[len("sqlite:///") :]).parent.mkdir(parents=True, exist_ok=True)
-        elif storage.startswith("postgresql"):
+        elif storage.startswith(("postgresql", "mysql")):  # a dead host fails in seconds, not minutes
             kwargs["engine_kwargs"] = {"connect_args": {"connect_timeout": 10}}
         return optuna.storages.RDBStorage(url=storage, **kwargs)
     except Exception as err:  # driver missing, host unreachable, bad path: all mean "fix optuna.storage"
         raise ConfigError(
-            f"optuna.storage={mask(storage)} cannot be opened ({type(err).__name__}: {err}). Use a "
+            f"optuna.storage={mask_url(storage)} cannot be opened ({type(err).__name__}: {mask_text(str(err))}). Use a "
             "sqlite:/// URL, a journal file path, or a reachable postgresql:// URL (with its driver "
             "installed); leave it empty for sqlite under paths.root."
         ) from err
@@ -98,7 +93,7 @@ class StudyHandle:
     """A loaded study plus what workers need to share it safely."""
 
     study: Any
-    storage: str  # as configured (may hold credentials: show `mask(storage)`)
+    storage: str  # as configured (may hold credentials: show `mask_url(storage)`)
     lock_file: Path
     seed: int
     startup_trials: int
@@ -146,15 +141,17 @@ def setup_study(
         seed=seed,
         startup_trials=startup_trials,
     )
+    # a database server is opened first: one that cannot be reached leaves no lock file behind
+    opened = open_storage(storage) if is_url(storage) and not storage.startswith("sqlite") else None
     try:
         handle.lock_file.parent.mkdir(parents=True, exist_ok=True)
     except OSError as err:
         raise ConfigError(
-            f"optuna.storage={mask(storage)}: cannot create {handle.lock_file.parent} ({err}); point "
-            "it at a writable location."
+            f"optuna.storage={mask_url(storage)}: cannot create {handle.lock_file.parent} ({mask_text(str(err))}); "
+            "point it at a writable location."
         ) from err
     with handle.locked():  # fresh sqlite files break when two processes run the migrations at once
-        opened = open_storage(storage)
+        opened = open_storage(storage) if opened is None else opened
         handle.study = optuna.create_study(
             storage=opened,
             study_name=name,

@@ -68,13 +68,19 @@ def log_report(
         title=markdown_path.stem,
         image_src=lambda src: images.get(Path(src).name, src),
     )
-    logged = []
     with tempfile.TemporaryDirectory(prefix="dspark-report-") as tmp:  # the HTML exists only as an artifact
         rendered = Path(tmp) / f"{markdown_path.stem}.html"
         rendered.write_text(page, encoding="utf-8")
-        for path in (markdown_path, rendered, *figures):
-            store.client.log_artifact(run_id, str(path), artifact_path=artifact_path)
-            logged.append(f"{artifact_path}/{path.name}")
+        return log_files(store, run_id, [markdown_path, rendered, *figures], artifact_path=artifact_path)
+
+
+def log_files(store: TrackingStore, run_id: str, files: Iterable[str | Path], *, artifact_path: str) -> list[str]:
+    """Log exactly `files` (each must exist) under `artifact_path` of the run, never the rest of their folder;
+    returns the artifact paths logged."""
+    logged = []
+    for path in map(Path, files):
+        store.client.log_artifact(run_id, str(path), artifact_path=artifact_path)
+        logged.append(f"{artifact_path}/{path.name}")
     return logged
 
 

@@ -17,7 +17,8 @@ Contract:
 - `import_cells` adds to a parent the ledger's cells that the store has not completed: FINISHED child runs tagged
   `sweep.complete=true`, `ledger.source` (the file's name) and `ledger.run_id` (the run they were recorded from),
   with the recorded tags, params and metrics. Artifacts (checkpoints, evaluation records) are not carried.
-- Nothing machine-specific or secret is recorded: params of `paths.*`, `tracking.*` and `optuna.*` are left out.
+- Nothing machine-specific or secret is recorded: params of `paths.*`, `tracking.*` and `optuna.*` and the `process.*`
+  tags are left out (and every recorded value had its credentials masked when its run logged it).
 - A file that is not a ledger, or a ledger of another sweep or hash where one is required, is refused with the file
   named and the fix.
 """
@@ -39,8 +40,9 @@ LEDGER_VERSION = 2
 #: params that say where a run wrote and how it was tracked (a machine's paths, a server's credentials): not recorded
 _LOCAL_PARAMS = ("paths.", "tracking.", "optuna.")
 SOURCE_TAG, RUN_ID_TAG = "ledger.source", "ledger.run_id"
-#: tags MLflow sets itself (the parent link is re-made on import)
-_STORE_TAGS = ("mlflow.",)
+#: tags MLflow sets itself (the parent link is re-made on import), and the process a run ran in (a pid and a boot
+#: mean something on one machine only: `dspark.tracking.processes`)
+_STORE_TAGS = ("mlflow.", "process.")
 #: tags that only mean something in one store: not recorded (`ledger.run_id` becomes the entry's run_id)
 _LOCAL_TAGS = ("sweep.attempt", SOURCE_TAG, RUN_ID_TAG)
 
@@ -52,8 +54,9 @@ class LedgerError(ValueError):
 def ledger_path(root: str | Path, *, experiment: str, sweep: str, sweep_hash: str) -> Path:
     """`<root>/ledgers/<experiment>/<sweep>-<sweep_hash>.json`: one file per MLflow experiment (the store's namespace:
     two experiments never share cells), sweep and hash; characters other than letters, digits, `._-` in the experiment
-    name become `_`."""
+    name become `_`, and so do the dots of a name made of dots only."""
     folder = re.sub(r"[^A-Za-z0-9._-]", "_", experiment) or "_"
+    folder = "_" * len(folder) if set(folder) == {"."} else folder  # `.` and `..` are not folders of their own
     return Path(root) / "ledgers" / folder / f"{sweep}-{sweep_hash}.json"
 
 

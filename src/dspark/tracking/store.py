@@ -5,17 +5,19 @@ artifact, `summary/*` metrics for reports.
 
 from __future__ import annotations
 
+import base64
 import os
 import platform
-import socket
 import subprocess
 import urllib.error
+import urllib.parse
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from dspark.config import ConfigError, RunConfig
+from dspark.config.secrets import mask_text, mask_tree, split_credentials
 from dspark.files import atomic_write_text
 from dspark.hardware import machine_summary
 from dspark.tracking.ui import public_uri
@@ -29,21 +31,33 @@ def tracking_uri_for(cfg: RunConfig) -> str:
 
 
 def check_reachable(uri: str, *, timeout: float = 5.0) -> None:
-    """Fail before any work when an http(s) tracking server does not answer /health."""
+    """Fail before any work when an http(s) tracking server does not answer /health. The probe sends the URI's
+    credentials as HTTP basic auth (urllib refuses a `user:password@` host); messages show them masked."""
     if not uri.startswith(("http://", "https://")):
         return
-    shown = public_uri(uri)  # an error message never shows the password
+    bare, user, password = split_credentials(uri)
+    parts = urllib.parse.urlsplit(bare)  # /health under the server's path prefix, its query kept
+    request = urllib.request.Request(urllib.parse.urlunsplit(parts._replace(path=parts.path.rstrip("/") + "/health")))
+    if user is not None:
+        token = base64.b64encode(f"{user}:{password or ''}".encode()).decode("ascii")
+        request.add_header("Authorization", f"Basic {token}")
     try:
-        with urllib.request.urlopen(uri.rstrip("/") + "/health", timeout=timeout) as resp:
+        with urllib.request.urlopen(request, timeout=timeout) as resp:
             if resp.status == 200:
                 return
-    except (urllib.error.URLError, socket.timeout, ConnectionError) as err:
+            status = f"answered {resp.status}"
+    except urllib.error.HTTPError as err:
+        status = f"answered {err.code} {err.reason}"
+    except (urllib.error.URLError, OSError, ValueError) as err:  # refused, timed out, no such host, a bad port
         raise ConfigError(
-            f"tracking.uri={shown} is unreachable ({err}). Start it with `mlflow server --host 127.0.0.1 "
-            "--port 5000 --backend-store-uri sqlite:///$PWD/outputs/mlflow.db`, or drop tracking.uri "
-            "to use the local sqlite store."
-        ) from err
-    raise ConfigError(f"tracking.uri={shown}: /health did not answer 200.")
+            f"tracking.uri={public_uri(uri)} is unreachable ({mask_text(str(err))}). Start it with `mlflow server "
+            "--host 127.0.0.1 --port 5000 --backend-store-uri sqlite:///$PWD/outputs/mlflow.db`, or drop "
+            "tracking.uri to use the local sqlite store."
+        ) from None
+    raise ConfigError(
+        f"tracking.uri={public_uri(uri)}: /health {status}, not 200. Check the URL (an MLflow server answers "
+        "/health), its credentials, and the server's log."
+    )
 
 
 @dataclass
@@ -66,7 +80,7 @@ class TrackingStore:
         """Write the resolved config next to the run's results and attach it as an artifact; flat params too.
 
         Both leave out `paths.*` (this machine's directories: the file sits in the run directory under paths.root)
-        and mask a URI's password, so nothing recorded names a machine's path or a secret."""
+        and mask every credential, so nothing recorded names a machine's path or a secret."""
         path = atomic_write_text(run_dir / "config.yaml", portable_config_yaml(cfg))
         self.client.log_artifact(run_id, str(path))
         params = _flat_params(cfg)
@@ -88,14 +102,11 @@ class TrackingStore:
 
 
 def _portable_tree(cfg: RunConfig) -> dict[str, Any]:
-    """The config as recorded: without the `paths` group, URI passwords masked."""
+    """The config as recorded: without the `paths` group, every value's credentials masked
+    (`dspark.config.secrets`: any key holding a URL, not only tracking.uri and optuna.storage)."""
     from dspark.config.loader import to_dict
 
-    tree = {k: v for k, v in to_dict(cfg).items() if k != "paths"}
-    for group, key in (("tracking", "uri"), ("optuna", "storage")):
-        if isinstance(tree.get(group, {}).get(key), str):
-            tree[group][key] = public_uri(tree[group][key])
-    return tree
+    return mask_tree({k: v for k, v in to_dict(cfg).items() if k != "paths"})
 
 
 def portable_config_yaml(cfg: RunConfig) -> str:
@@ -123,7 +134,7 @@ def open_store(cfg: RunConfig) -> TrackingStore:
 
     if not uri.startswith("sqlite:"):
         client = MlflowClient(tracking_uri=uri)
-        return TrackingStore(uri=uri, experiment_id=_experiment_id(client, cfg, artifacts=None), client=client)
+        return TrackingStore(uri=uri, experiment_id=experiment_id(client, cfg, artifacts=None), client=client)
     Path(cfg.paths.root).mkdir(parents=True, exist_ok=True)
     from filelock import FileLock
 
@@ -134,7 +145,7 @@ def open_store(cfg: RunConfig) -> TrackingStore:
     with FileLock(str(sqlite_lock_path(uri, root=Path(cfg.paths.root)))):
         client = MlflowClient(tracking_uri=uri)
         artifacts = (Path(cfg.paths.root).resolve() / "mlartifacts").as_uri()
-        return TrackingStore(uri=uri, experiment_id=_experiment_id(client, cfg, artifacts=artifacts), client=client)
+        return TrackingStore(uri=uri, experiment_id=experiment_id(client, cfg, artifacts=artifacts), client=client)
 
 
 def sqlite_lock_path(uri: str, *, root: Path) -> Path:
@@ -148,12 +159,25 @@ def sqlite_lock_path(uri: str, *, root: Path) -> Path:
     return path.parent / f".{path.name}.lock"
 
 
-def _experiment_id(client: Any, cfg: RunConfig, *, artifacts: str | None) -> str:
-    """The id of experiment `tracking.experiment`, created (with `artifacts` as its artifact root) if absent."""
-    exp = client.get_experiment_by_name(cfg.tracking.experiment)
-    if exp is not None:
+def experiment_id(client: Any, cfg: RunConfig, *, artifacts: str | None, create: bool = True) -> str | None:
+    """The id of experiment `tracking.experiment`, created (with `artifacts` as its artifact root) if absent and
+    `create` (else None); a ConfigError when it was deleted (MLflow keeps its name but refuses new runs in it)."""
+    name = cfg.tracking.experiment
+    exp = client.get_experiment_by_name(name)
+    if exp is not None and exp.lifecycle_stage == "deleted":
+        raise ConfigError(
+            f"tracking.experiment={name} was deleted in this store: restore it (`mlflow experiments restore "
+            f"--experiment-id {exp.experiment_id}`) or choose another tracking.experiment."
+        )
+    if exp is not None or not create:
+        return exp.experiment_id if exp is not None else None
+    try:
+        return client.create_experiment(name, artifact_location=artifacts)
+    except Exception:
+        exp = client.get_experiment_by_name(name)  # another process of a shared server created it meanwhile
+        if exp is None:
+            raise
         return exp.experiment_id
-    return client.create_experiment(cfg.tracking.experiment, artifact_location=artifacts)
 
 
 def git_provenance(repo: Path) -> dict[str, str]:

@@ -16,7 +16,8 @@ The URL format is MLflow 3's (checked against the UI bundle of the installed 3.1
   the view by name among the experiment's saved views. The page ignores it when the URL carries a search facet too,
   so a shared view keeps its filter inside.
 
-Credentials never leave here: an http(s) URI loses `user:password@`, a database URI's password becomes `***`.
+Credentials never leave here: a link to a server loses `user:password@`, any other URI shown has its credentials
+masked (`dspark.config.secrets`).
 """
 
 from __future__ import annotations
@@ -30,7 +31,9 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
-from urllib.parse import quote, urlencode, urlsplit, urlunsplit
+from urllib.parse import quote, urlencode
+
+from dspark.config.secrets import mask_arg, mask_url, split_credentials
 
 # `store` arguments are `dspark.tracking.store.TrackingStore`s (uri, experiment_id, client); store.py imports this
 # module, so the type stays a name here
@@ -42,34 +45,15 @@ SHARED_VIEW_TAG = "mlflow.sharedViewState."
 COLUMN_KINDS = ("attributes", "params", "metrics", "tags")
 
 
-def _without_credentials(uri: str, *, mask: str | None) -> str:
-    """`uri` with its user:password@ removed (mask None) or its password replaced by `mask`."""
-    parts = urlsplit(uri)
-    if not parts.password and not (mask is None and parts.username):
-        return uri
-    host = parts.hostname or ""
-    if ":" in host:  # an IPv6 literal
-        host = f"[{host}]"
-    netloc = host + (f":{parts.port}" if parts.port else "")
-    if mask is not None:
-        netloc = f"{parts.username}:{mask}@{netloc}" if parts.password else f"{parts.username}@{netloc}"
-    return urlunsplit(parts._replace(netloc=netloc))
-
-
 def public_uri(uri: str) -> str:
-    """`uri` as printed or written: its password, if any, shown as `***`."""
-    return _without_credentials(uri, mask="***") if "://" in uri else uri
+    """`uri` as printed or written: its credentials masked (`dspark.config.secrets.mask_url`)."""
+    return mask_url(uri)
 
 
 def public_command(argv: Sequence[str]) -> str:
     """A command line as runs, ledgers and reports record it: without `paths.*` (a machine's directories: what runs
-    write is relative to paths.root) and with any URI's password masked (`tracking.uri`, `optuna.storage`)."""
-    kept = []
-    for arg in argv:
-        key, sep, value = arg.partition("=")
-        if sep and key.strip().startswith("paths."):
-            continue
-        kept.append(f"{key}={public_uri(value)}" if sep and "://" in value else arg)
+    write is relative to paths.root) and with every argument's credentials masked (`mask_arg`)."""
+    kept = [mask_arg(arg) for arg in argv if not ("=" in arg and arg.partition("=")[0].strip().startswith("paths."))]
     return " ".join(["python experiments/run.py", *kept])
 
 
@@ -81,7 +65,7 @@ def ui_base(uri: str) -> str:
     """The UI's address: the tracking server itself for an http(s) URI (without credentials), else the local
     `mlflow ui` that `ui_command` starts."""
     if is_server_uri(uri):
-        return _without_credentials(uri, mask=None).rstrip("/")
+        return split_credentials(uri)[0].rstrip("/")
     return LOCAL_UI
 
 

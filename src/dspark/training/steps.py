@@ -155,11 +155,14 @@ def dspark_step(
     decay: float,
     kind: str = "paper",
     dpard_alpha: float = 0.5,
+    position_weights: str = "decay",
+    dpace_alpha: float = 0.5,
     normalizer: Callable[[Tensor], Tensor] | None = None,
 ) -> StepResult:
     """DSpark / DFlash (METHOD §2.1 table, §3): blocks from anchors, p_t from the target's final-norm hidden;
-    `kind` picks the objective (`loss.kind`: paper | dpard); `normalizer` (Σ w → denominator) pools the paper
-    objective's denominators across data-parallel ranks (D-PARD keeps its per-rank block count)."""
+    `kind` picks the objective (`loss.kind`: paper | dpard), `position_weights` the paper objective's slot weights
+    (`loss.position_weights`: decay | dpace); `normalizer` (Σ w → denominator) pools the paper objective's
+    denominators across data-parallel ranks (D-PARD keeps its per-rank block count)."""
     out, blocks, final_hidden = block_forward(drafter=drafter, target=target, batch=batch, block_size=block_size)
     with torch.no_grad():  # the paper objective reads p_t at its supervised slots only: gather just those
         p_t = target_distribution(
@@ -171,7 +174,11 @@ def dspark_step(
             select=blocks.label_valid if kind == "paper" else None,
         )
     labels, in_vocab = drafter.draft_head.to_draft_ids(blocks.labels)
-    extra = {"dpard_alpha": dpard_alpha} if kind == "dpard" else {"normalizer": normalizer}
+    extra = (
+        {"dpard_alpha": dpard_alpha}
+        if kind == "dpard"
+        else {"normalizer": normalizer, "position_weights": position_weights, "dpace_alpha": dpace_alpha}
+    )
     # the paper's objective through this module's name: tests (NaN loss, Ctrl-C) patch steps.compute_dspark_loss
     objective = compute_dspark_loss if kind == "paper" else BLOCK_OBJECTIVES.resolve(kind)
     loss = objective(
@@ -243,6 +250,8 @@ def eagle3_step(
     decay: float = 4.0,
     kind: str = "paper",
     dpard_alpha: float = 0.5,
+    position_weights: str = "decay",
+    dpace_alpha: float = 0.5,
     normalizer: Callable[[Tensor], Tensor] | None = None,
 ) -> StepResult:
     """EAGLE-3 training-time test (METHOD §4): soft CE against p_t with step weights 0.8^k.
