@@ -136,8 +136,13 @@ def _set(key: str, value):
         ("deepspec", "num_hidden_layers", 3, r"`num_hidden_layers` is 3 but .* holds 2 draft layer"),
         ("deepspec", "markov_rank", HUGE, r"`markov_rank` is 1000000000 but .*markov_w1.weight of shape"),
         ("deepspec", "draft_vocab_size", HUGE, r"draft_vocab_size=1000000000 is outside 1\.\."),
-        ("deepspec", "hidden_size", HUGE, r"hidden size is 1000000000 but target '.*' has 64"),
-        ("deepspec", "intermediate_size", HUGE, r"intermediate_size\) is 1000000000"),
+        ("deepspec", "hidden_size", HUGE, r"`hidden_size` is 1000000000 but .* holds layers.0.input_layernorm.weight"),
+        (
+            "deepspec",
+            "intermediate_size",
+            HUGE,
+            r"`intermediate_size` is 1000000000 but .* holds layers.0.mlp.gate_proj",
+        ),
         ("deepspec", "num_attention_heads", HUGE, r"attention heads is 1000000000"),
         ("deepspec", "vocab_size", HUGE, r"vocabulary size is 1000000000"),
         ("deepspec", "mask_token_id", HUGE, r"mask_token_id=1000000000 is outside the vocabulary"),
@@ -375,3 +380,24 @@ def test_a_drafter_pt_spec_beyond_its_weights_is_refused_before_the_build(
         load_drafter(path, tiny)
     assert re.search(needle, str(err.value)) and len(str(err.value)) < MESSAGE_LIMIT, str(err.value)
     assert all(t.device.type == "meta" for t in built)  # only meta builds (no weight allocated) happened
+
+
+def test_a_claimed_layer_width_the_header_does_not_hold_is_refused_from_the_header():
+    """A config whose hidden size is 2^24 while draft layer 0's norm is 64 wide: refused naming the key, no build."""
+    from dspark.interop.bounds import TensorInfo, check_header_sizes
+
+    header = {
+        "layers.0.input_layernorm.weight": TensorInfo(dtype="F32", shape=(64,), begin=0, end=256),
+        "layers.0.mlp.gate_proj.weight": TensorInfo(dtype="F32", shape=(128, 64), begin=256, end=33024),
+    }
+    fields = {
+        "keys": {"depth": "num_hidden_layers"},
+        "depth": 1,
+        "markov_rank": 0,
+        "draft_vocab_size": None,
+        "layer_config": {"hidden_size": 1 << 24, "intermediate_size": 128},
+    }
+    with pytest.raises(ValueError, match="`hidden_size` is 16777216"):
+        check_header_sizes(fields, header, config="config.json", weights="model.safetensors")
+    fields["layer_config"]["hidden_size"] = 64  # the control: the sizes the header holds pass
+    check_header_sizes(fields, header, config="config.json", weights="model.safetensors")

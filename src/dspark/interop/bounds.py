@@ -328,6 +328,7 @@ def check_header_sizes(fields: dict[str, Any], header: dict[str, TensorInfo], *,
             f"were not exported together: {REEXPORT}"
         )
     _check_rank(fields["markov_rank"], header.get(MARKOV_W1), config=config, weights=weights)
+    _check_layer_widths(fields["layer_config"], header, config=config, weights=weights)
     vd, d2t = fields["draft_vocab_size"], header.get("d2t")
     if d2t is not None and (vd is None or d2t.shape != (vd,)):
         claimed = "no `draft_vocab_size`" if vd is None else f"`draft_vocab_size` {clip(vd)}"
@@ -335,6 +336,28 @@ def check_header_sizes(fields: dict[str, Any], header: dict[str, TensorInfo], *,
             f"{config} has {claimed} but {weights} holds d2t of shape {clip(d2t.shape)} (one offset per draft id); "
             f"the config and the weights were not exported together: {REEXPORT}"
         )
+
+
+#: (layer-config key, header tensor suffix of draft layer 0, axis of that tensor holding the size)
+LAYER_WIDTHS = (
+    ("hidden_size", "layers.0.input_layernorm.weight", 0),
+    ("intermediate_size", "layers.0.mlp.gate_proj.weight", 0),
+)
+
+
+def _check_layer_widths(layer: dict[str, Any], header: dict[str, TensorInfo], *, config: str, weights: str) -> None:
+    """The layer widths the config claims (hidden, MLP) against draft layer 0's tensors in the header, so a
+    config claiming a 2^24-wide layer is refused from the header instead of being built."""
+    for key, suffix, axis in LAYER_WIDTHS:
+        claimed = layer.get(key)
+        tensor = next((info for name, info in header.items() if name.endswith(suffix)), None)
+        if claimed is None or tensor is None or len(tensor.shape) <= axis:
+            continue
+        if claimed != tensor.shape[axis]:
+            raise ValueError(
+                f"{config}: `{key}` is {clip(claimed)} but {weights} holds {suffix} of shape {clip(tensor.shape)}; "
+                f"the config and the weights were not exported together: {REEXPORT}"
+            )
 
 
 def _check_rank(rank: int, w1: TensorInfo | None, *, config: str, weights: str) -> None:

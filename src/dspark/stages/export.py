@@ -19,6 +19,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from dspark.config.ranges import quote
 from dspark.drafters.checkpoint import DRAFTER_FILE
 from dspark.files import ForeignOutputError
 from dspark.stages.context import RunPaths, StageContext, run_name, training_key
@@ -47,10 +48,24 @@ def preflight_errors(cfg: Any) -> list[str]:
             errors += _readable_drafter_errors(Path(cfg.export.run_dir).expanduser() / DRAFTER_FILE)
     if cfg.model.import_from:
         try:  # config against the safetensors header: absurd sizes and damaged weights refused before any build
-            check_import_dir(Path(cfg.model.import_from).expanduser())
+            fields, _ = check_import_dir(Path(cfg.model.import_from).expanduser())
         except (ValueError, OSError) as err:
             errors.append(f"model.import_from: {err}")
+        else:
+            errors += _block_size_errors(fields, cfg)
     return errors
+
+
+def _block_size_errors(fields: dict[str, Any], cfg: Any) -> list[str]:
+    """The imported drafter's block size against model.block_size, before the target is loaded."""
+    claimed = fields["block_size"]
+    if claimed == cfg.model.block_size:
+        return []
+    fix = f"set model.block_size={claimed}" if 1 <= claimed <= 64 else "use a drafter with a sensible block size"
+    return [
+        f"model.import_from={cfg.model.import_from}: the drafter drafts blocks of {quote(claimed)} but "
+        f"model.block_size={cfg.model.block_size}; {fix}"
+    ]
 
 
 def _readable_drafter_errors(path: Path) -> list[str]:
