@@ -160,9 +160,12 @@ def test_a_read_only_directory_is_named_and_its_files_survive(read_only_dir):
     assert check_writable_dir(read_only_dir / "new" / "deeper", key="paths.root") is not None
 
 
-def test_a_writable_directory_passes_and_is_created(tmp_path):
+def test_a_missing_directory_under_a_writable_parent_passes_and_nothing_is_created(tmp_path):
     assert check_writable_dir(tmp_path / "a" / "b", key="paths.root") is None
-    assert (tmp_path / "a" / "b").is_dir() and _leftovers(tmp_path / "a" / "b") == []
+    assert not (tmp_path / "a").exists() and _leftovers(tmp_path) == []  # probed in the parent, then removed
+    (tmp_path / "a" / "b").mkdir(parents=True)
+    assert check_writable_dir(tmp_path / "a" / "b", key="paths.root") is None
+    assert _leftovers(tmp_path / "a" / "b") == []
 
 
 # ---- Lightning's last.ckpt before resuming ----

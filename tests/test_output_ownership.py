@@ -41,7 +41,7 @@ from dspark.results.publish import publish
 from dspark.results.regenerate import write_files
 from dspark.stages.context import RunPaths, StageContext
 from dspark.stages.evaluate import claimed_report_paths, report_paths
-from dspark.stages.outputs import in_default_root, output_location_errors, store_file_errors
+from dspark.stages.outputs import claim_output_locations, in_default_root, output_location_errors, store_file_errors
 from dspark.sweeps import load_sweep
 
 BENCHMARKS = repo_root() / "benchmarks"
@@ -272,6 +272,8 @@ def test_root_from_before_markers_is_claimed_and_the_repository_outputs_never_ma
     (root / "mlflow.db").write_bytes(b"")
     cfg = resolve_config(["budget=smoke", f"paths.root={root}"]).cfg
     assert output_location_errors(cfg) == []
+    assert read_marker(root) is None and not (root / "reports").exists()  # checking creates nothing
+    claim_output_locations(cfg)  # preflight's last step, once every check passed
     assert read_marker(root)["kinds"] == ["root"] and read_marker(root / "reports")["kinds"] == ["reports"]
     (root / "todo.txt").write_text("added later")  # marked: still ours
     assert output_location_errors(cfg) == []

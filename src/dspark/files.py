@@ -139,12 +139,15 @@ def _remove(path: Path) -> None:
 
 
 def check_writable_dir(path: str | Path, *, key: str) -> str | None:
-    """None when `path` (created if missing) takes a new file, else a message naming `key`, the path and the fix.
-    Preflight calls it so a read-only or full output directory stops the run before any work."""
+    """None when `path` takes a new file (a missing `path`: when its nearest existing parent does, so it can be
+    made; nothing is created), else a message naming `key`, the path and the fix. Preflight calls it so a read-only
+    or full output directory stops the run before any work."""
     path = Path(path).expanduser()
-    probe = path / f".write-probe-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    existing = next((p for p in (path, *path.parents) if p.exists()), path)  # where creating `path` would start
+    probe = existing / f".write-probe-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     try:
-        path.mkdir(parents=True, exist_ok=True)
+        if not existing.is_dir():  # a file where a directory of the path must go: it can never be made
+            raise NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR), str(existing))
         with open(probe, "xb") as handle:
             handle.write(b"probe")
             handle.flush()

@@ -40,13 +40,14 @@ class RunInterrupted(KeyboardInterrupt):
 def preflight(rc: ResolvedConfig) -> None:
     """Cheap checks of names and paths that would otherwise fail after minutes of work; once they pass, the tracking
     store is opened once (`dspark.tracking.probe`: a store that cannot be used fails in seconds)."""
-    from dspark.stages.outputs import output_location_errors
+    from dspark.stages.outputs import claim_output_locations, output_location_errors
 
     cfg = rc.cfg
     errors = output_location_errors(cfg)  # new, empty or ours, and writable; claimed only once every check passed
     if cfg.stage == "report":  # reports read the tracking store only; skip imports of torch/transformers
         _raise(errors)
         _check_store(rc)
+        claim_output_locations(cfg)
         return
     from dspark.data.prompts import prompt_set_errors
     from dspark.targets.checks import check_target
@@ -80,6 +81,7 @@ def preflight(rc: ResolvedConfig) -> None:
         )
     _raise(errors)
     _check_store(rc)
+    claim_output_locations(cfg)  # every check passed: only now is anything created
 
 
 def _check_store(rc: ResolvedConfig) -> None:

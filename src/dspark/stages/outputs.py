@@ -19,7 +19,7 @@ import fnmatch
 import json
 import sqlite3
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from dspark.config import repo_root
 from dspark.files import check_writable_dir, claim_output_dir, head_text, is_report_entry, output_dir_error
@@ -67,30 +67,42 @@ def in_default_root(path: str | Path) -> bool:
 
 
 def output_location_errors(cfg: Any) -> list[str]:
-    """Preflight's checks of where the run writes; returns the refusals (empty: all is well).
+    """Preflight's checks of where the run writes; returns the refusals (empty: all is well). Creates nothing:
+    `claim_output_locations` marks the accepted locations once every preflight check has passed.
 
     First ownership, reading only: paths.root and paths.reports must be new, empty or ours, and a location inside a
-    refused one is not looked at, so a refused directory is left exactly as it was (nothing created in it). Then the
-    accepted ones must take a file (`check_writable_dir`, which creates them) and are claimed (marked). stage=report
-    only reads the store under paths.root: there, paths.reports alone is checked. Last, the stores named by path
-    (`store_file_errors`)."""
-    locations = [("paths.reports", Path(cfg.paths.reports), "reports", is_report_entry)]
-    if cfg.stage != "report":  # a report reads the store under paths.root and writes only into paths.reports
-        locations.insert(0, ("paths.root", Path(cfg.paths.root), "root", is_root_entry))
+    refused one is not looked at, so a refused directory is left exactly as it was. Then the accepted ones must take
+    a file (`check_writable_dir`). stage=report only reads the store under paths.root: there, paths.reports alone is
+    checked. Last, the stores named by path (`store_file_errors`)."""
     errors, refused = [], []
-    for key, path, kind, ours in locations:
+    for key, path, _, ours in _locations(cfg):
         if any(path == r or r in path.parents for r in refused):
             continue
-        ours_anyway = in_default_root(path)
-        error = None if ours_anyway else output_dir_error(path, key=key, ours=ours)
+        error = None if in_default_root(path) else output_dir_error(path, key=key, ours=ours)
         if error is not None:
             errors.append(error)
             refused.append(path)
         elif unwritable := check_writable_dir(path, key=key):
             errors.append(unwritable)
-        elif not ours_anyway:
-            claim_output_dir(path, key=key, kind=kind, ours=ours)
     return errors + store_file_errors(cfg)
+
+
+def claim_output_locations(cfg: Any) -> None:
+    """Create and mark (`claim_output_dir`) the locations `output_location_errors` accepted: the last step of a
+    preflight that passed, so a refused run leaves nothing behind. The repository's own outputs/ needs no mark."""
+    for key, path, kind, ours in _locations(cfg):
+        if in_default_root(path):
+            path.mkdir(parents=True, exist_ok=True)
+        else:
+            claim_output_dir(path, key=key, kind=kind, ours=ours)
+
+
+def _locations(cfg: Any) -> list[tuple[str, Path, str, Callable[[Path], bool]]]:
+    """(key, directory, kind, the predicate of entries we write there) of the run's output locations."""
+    locations = [("paths.reports", Path(cfg.paths.reports), "reports", is_report_entry)]
+    if cfg.stage != "report":  # a report reads the store under paths.root and writes only into paths.reports
+        locations.insert(0, ("paths.root", Path(cfg.paths.root), "root", is_root_entry))
+    return locations
 
 
 def store_file_errors(cfg: Any) -> list[str]:
