@@ -50,7 +50,7 @@ def _run(argv: list[str]) -> int:
 
     try:
         try:
-            preflight(rc)
+            preflight(rc, claim=not rc.cfg.sweep)  # a sweep claims its outputs after its own checks
         except ConfigError as err:
             print(f"error: {mask_text(str(err))}", file=sys.stderr)
             return 2

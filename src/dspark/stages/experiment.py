@@ -37,9 +37,10 @@ class RunInterrupted(KeyboardInterrupt):
         self.kept = kept
 
 
-def preflight(rc: ResolvedConfig) -> None:
+def preflight(rc: ResolvedConfig, *, claim: bool = True) -> None:
     """Cheap checks of names and paths that would otherwise fail after minutes of work; once they pass, the tracking
-    store is opened once (`dspark.tracking.probe`: a store that cannot be used fails in seconds)."""
+    store is opened once (`dspark.tracking.probe`: a store that cannot be used fails in seconds) and, with `claim`,
+    the output locations are created and marked. A sweep claims them itself, after its own checks."""
     from dspark.stages.outputs import claim_output_locations, output_location_errors
 
     cfg = rc.cfg
@@ -47,7 +48,8 @@ def preflight(rc: ResolvedConfig) -> None:
     if cfg.stage == "report":  # reports read the tracking store only; skip imports of torch/transformers
         _raise(errors)
         _check_store(rc)
-        claim_output_locations(cfg)
+        if claim:
+            claim_output_locations(cfg)
         return
     from dspark.data.prompts import prompt_set_errors
     from dspark.targets.checks import check_target
@@ -79,9 +81,17 @@ def preflight(rc: ResolvedConfig) -> None:
             f"serve.sps_table={cfg.serve.sps_table}: no such file; give an SPS(B) JSON written by "
             "dspark.serving.profile (e.g. profiled on a GPU), or drop the key to use this machine's table."
         )
+    elif cfg.serve.sps_table:  # parsed now (a small JSON), not after the drafter is trained
+        from dspark.scheduling.profile import load_sps_table
+
+        try:
+            load_sps_table(Path(cfg.serve.sps_table).expanduser())
+        except ValueError as err:
+            errors.append(str(err))
     _raise(errors)
     _check_store(rc)
-    claim_output_locations(cfg)  # every check passed: only now is anything created
+    if claim:
+        claim_output_locations(cfg)  # every check passed: only now is anything created
 
 
 def _check_store(rc: ResolvedConfig) -> None:

@@ -104,6 +104,8 @@ class CellStates:
 
 def run_sweep(rc: ResolvedConfig, *, max_cells: int | None = None) -> int:
     """Run (or resume, or report) the sweep named by `rc.cfg.sweep`; returns the exit code."""
+    from dspark.stages.outputs import claim_output_locations
+
     try:
         limit = _max_cells(max_cells)
         spec = load_sweep(rc.cfg.sweep)
@@ -115,6 +117,7 @@ def run_sweep(rc: ResolvedConfig, *, max_cells: int | None = None) -> int:
             return run_search(rc, spec, max_trials=limit)
         plan = plan_grid(rc, spec)
         ledger_of(rc, spec, plan.sweep_hash, check=True)  # a broken ledger is refused before any work
+        claim_output_locations(rc.cfg)  # every check passed: only now is anything created
         from dspark.tracking import open_store
 
         store = open_store(rc.cfg)
@@ -286,7 +289,7 @@ def _resolve_cell(spec: SweepSpec, cell: Cell, argv: list[str], *, check: bool) 
         if check:
             from dspark.stages.experiment import preflight
 
-            preflight(rc)
+            preflight(rc, claim=False)
         return rc
     except ConfigError as err:
         raise ConfigError(f"sweeps/{spec.name}.yaml cell '{cell.key}': {err}") from None

@@ -110,12 +110,14 @@ def open_search(rc: ResolvedConfig, spec: SweepSpec) -> tuple[StudyHandle, str]:
 
 def run_search(rc: ResolvedConfig, spec: SweepSpec, *, max_trials: int | None = None) -> int:
     """One worker of the search; returns 0 when every trial it ran completed or was pruned, 1 otherwise."""
+    from dspark.stages.outputs import claim_output_locations
     from dspark.tracking import open_store
 
     if rc.cfg.optuna.n_trials < 1:
         raise ConfigError(f"optuna.n_trials={rc.cfg.optuna.n_trials}: give the total number of trials (≥ 1).")
     spec.optuna.objective_metric(rc.cfg.stage)  # a stage without an objective fails here, before training
     handle, digest = open_search(rc, spec)  # the study storage first: a bad one fails before anything is created
+    claim_output_locations(rc.cfg)
     store = open_store(rc.cfg)
     with handle.locked():  # racing workers on one machine share one parent
         tags = parent_tags(rc, spec, total=rc.cfg.optuna.n_trials) | {
