@@ -49,33 +49,31 @@ def atomic_output(path: str | Path, *, mode: str = "wb", key: str = "paths.root"
 
     `mode` is "wb" or "w" (text, UTF-8). `key` is the config key the fix names.
     """
-    path = Path(path)
-    tmp = _temporary(path)
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
+    with _replacing(Path(path), key=key) as tmp:
         with open(tmp, mode.replace("w", "x"), **({} if "b" in mode else {"encoding": "utf-8"})) as handle:
             yield handle
             handle.flush()
             os.fsync(handle.fileno())
-        os.replace(tmp, path)
-    except BaseException as err:
-        failure = _failure(err, tmp=tmp, path=path, key=key)
-        if failure is None:
-            raise
-        raise failure from err
 
 
 @contextmanager
 def atomic_path(path: str | Path, *, key: str = "paths.root") -> Iterator[Path]:
     """`atomic_output` for a writer that takes a file name (safetensors' `save_file`): yields the temporary path
     beside `path`, which replaces `path` when the block succeeds and is removed when it fails."""
-    path = Path(path)
+    with _replacing(Path(path), key=key) as tmp:
+        yield tmp
+        with open(tmp, "rb") as handle:  # the writer closed it: sync what it wrote before the rename
+            os.fsync(handle.fileno())
+
+
+@contextmanager
+def _replacing(path: Path, *, key: str) -> Iterator[Path]:
+    """The all-or-nothing frame both writers share: a unique temporary path beside `path` that replaces it when the
+    block succeeds; on failure it is removed and an OSError cause becomes `OutputError` (`_failure`)."""
     tmp = _temporary(path)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         yield tmp
-        with open(tmp, "rb") as handle:
-            os.fsync(handle.fileno())
         os.replace(tmp, path)
     except BaseException as err:
         failure = _failure(err, tmp=tmp, path=path, key=key)
