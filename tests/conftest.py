@@ -40,3 +40,28 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3_dir(tmp_path_factory):
+    """A save_pretrained directory of the tiny target's shape as a random Qwen3 (q/k norms; seed 3): the layout
+    tests need a Qwen3 beside the built-in tiny Llama (the speculators layout holds Qwen3 layers only)."""
+    import torch
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    from dspark.targets.builtin import TINY_SHAPE
+    from dspark.targets.tiny_tokenizer import build_tiny_tokenizer
+
+    tokenizer, model_dir = build_tiny_tokenizer(), tmp_path_factory.mktemp("tiny-qwen3")
+    config = Qwen3Config(
+        vocab_size=len(tokenizer),
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        tie_word_embeddings=False,
+        **TINY_SHAPE,
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(3)
+        Qwen3ForCausalLM(config).save_pretrained(model_dir)
+    tokenizer.save_pretrained(model_dir)
+    return model_dir

@@ -43,27 +43,11 @@ def _spec(target, **changes) -> DrafterSpec:
 
 
 @pytest.fixture(scope="module")
-def qwen(tmp_path_factory):
+def qwen(tiny_qwen3_dir, tmp_path_factory):
     """The tiny target's shape as a random Qwen3 (q/k norms): the speculators layout holds Qwen3 layers only."""
-    from transformers import Qwen3Config, Qwen3ForCausalLM
-
     from dspark.targets import load_target
-    from dspark.targets.builtin import TINY_SHAPE
-    from dspark.targets.tiny_tokenizer import build_tiny_tokenizer
 
-    tokenizer, model_dir = build_tiny_tokenizer(), tmp_path_factory.mktemp("tiny-qwen3")
-    config = Qwen3Config(
-        vocab_size=len(tokenizer),
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-        tie_word_embeddings=False,
-        **TINY_SHAPE,
-    )
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(3)
-        Qwen3ForCausalLM(config).save_pretrained(model_dir)
-    tokenizer.save_pretrained(model_dir)
-    return load_target(str(model_dir), cache_dir=tmp_path_factory.mktemp("qwen3-cache"))
+    return load_target(str(tiny_qwen3_dir), cache_dir=tmp_path_factory.mktemp("qwen3-cache"))
 
 
 @pytest.fixture(scope="module")

@@ -27,29 +27,13 @@ from dspark.interop.layouts import (
     markov_head_type,
 )
 from dspark.targets import load_target
-from dspark.targets.builtin import TINY_SHAPE
-from dspark.targets.tiny_tokenizer import build_tiny_tokenizer
 
 
 @pytest.fixture(scope="module")
-def targets(tmp_path_factory):
+def targets(tiny_qwen3_dir, tmp_path_factory):
     """{"llama": the built-in tiny Llama, "qwen3": the same shape as a random Qwen3 (q/k norms)}."""
-    from transformers import Qwen3Config, Qwen3ForCausalLM
-
     cache = tmp_path_factory.mktemp("interop-cache")
-    tokenizer = build_tiny_tokenizer()
-    qwen_dir = tmp_path_factory.mktemp("tiny-qwen3")
-    config = Qwen3Config(
-        vocab_size=len(tokenizer),
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-        tie_word_embeddings=False,
-        **TINY_SHAPE,
-    )
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(3)
-        Qwen3ForCausalLM(config).save_pretrained(qwen_dir)
-    tokenizer.save_pretrained(qwen_dir)
+    qwen_dir = tiny_qwen3_dir
     return {"llama": load_target("tiny", cache_dir=cache), "qwen3": load_target(str(qwen_dir), cache_dir=cache)}
 
 
