@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-FOLDERS = ["src", "tests", "benchmarks", "experiments"]
+FOLDERS = ["src", "tests", "benchmarks", "experiments", "tools"]
 
 
 def _ruff() -> list[str]:

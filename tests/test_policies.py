@@ -252,3 +252,23 @@ def test_scheduler_single_request_fast_path_equals_algorithm_1_on_the_checked_ro
         policy.choose(confidences=conf(0.5, float("inf")).reshape(1, -1), num_drafts=2)
     with pytest.raises(ValueError, match="3 confidences for 4 drafts"):
         policy.choose(confidences=conf(0.5, 0.5, 0.5).reshape(1, -1), num_drafts=4)
+
+
+def test_every_policy_says_whether_it_is_lossless_and_only_the_look_ahead_stop_is_not():
+    """`lossless` (what the stages flag as "lossy"): True for every policy of the registry as built by default, False
+    for the scheduler with scheduler_stop=global_argmax — which also never stops drafting early (its decision on
+    slot k reads the slots after k), while Algorithm 1's stop does on the same prefix (the control)."""
+    assert all(build_policy(name, sps=SPS).lossless for name in POLICIES.ordered())
+    argmax = build_policy("scheduler", sps=SPS, scheduler_stop="global_argmax")
+    assert isinstance(argmax, SchedulerPolicy) and not argmax.lossless
+    low = conf(0.3, 0.9, 0.9)  # a_1 < 0.5: Algorithm 1 admits nothing and stops before slot 2
+    assert build_policy("scheduler", sps=SPS).stop_drafting(low[:2])
+    assert not any(argmax.stop_drafting(low[:k]) for k in range(1, 4))
+    assert choose1(build_policy("scheduler", sps=SPS), low, 3) == 0
+    from dspark.scheduling.scheduler import schedule_verification
+
+    for values in (low, conf(0.9, 0.2, 0.9), conf(0.95, 0.95, 0.1)):  # the one-request path = the tensor search
+        search = schedule_verification(
+            values.double().reshape(1, -1), sps=SPS, early_stop=False, allow_unsafe_full_search=True
+        )
+        assert choose1(argmax, values, 3) == int(search[0])

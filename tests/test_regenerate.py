@@ -20,6 +20,7 @@ from dspark.data.regenerate import (
     regenerate_responses,
     sample_lean,
     sample_responses,
+    with_followups,
 )
 
 SAMPLING = SamplingConfig(max_new_tokens=6, batch_size=2)
@@ -330,3 +331,59 @@ def test_lean_sampler_logits_equal_a_full_recomputation(tiny, monkeypatch) -> No
         for step in range(steps[row]):
             slot = sum(1 for other in range(row) if steps[other] > step)  # rows keep their order as others leave
             assert torch.allclose(seen[step][slot], full[step], atol=1e-4), (row, step)
+
+
+def test_followup_draw_is_seeded_same_domain_and_order_free() -> None:
+    """data.multi_turn=followup: a prompt without later turns gets the first turn of another prompt of its domain,
+    the same one for the same seed whatever the order of the list; another seed draws differently somewhere."""
+    prompts = [PromptRecord(f"m{i}", "math", f"math question {i}") for i in range(6)] + [
+        PromptRecord(f"c{i}", "code", f"code task {i}") for i in range(6)
+    ]
+    prompts.append(PromptRecord("own", "chat", "Hi.", turns=["And then?"]))
+    drawn = with_followups(prompts, seed=0)
+    for before, after in zip(prompts[:12], drawn):
+        (follow,) = after.turns
+        source = next(p for p in prompts if p.prompt == follow)
+        assert source.domain == before.domain and source.id != before.id and after.prompt == before.prompt
+    assert drawn[-1] == prompts[-1]  # its own later turn is kept, nothing drawn
+    assert {p.id: p.turns for p in with_followups(prompts[::-1], seed=0)} == {p.id: p.turns for p in drawn}
+    assert [p.turns for p in with_followups(prompts, seed=1)] != [p.turns for p in drawn]
+    assert with_followups(prompts[:1], seed=0) == prompts[:1]  # alone: nothing to draw from
+
+
+def test_multi_turn_modes_keys_and_every_assistant_span_trained(tiny, tmp_path) -> None:
+    """off / dataset keep the keys of the bool they replace, followup has its own; a followup conversation has two
+    assistant spans in its loss mask and training blocks are supervised inside both (never across the user turn)."""
+    from dspark.data.blocks import build_blocks, eligible_anchor_positions
+
+    base = dict(sampling=SAMPLING, seed=0, max_length=4096, min_loss_tokens=14)
+    assert regen_cache_key(tiny, PROMPTS, **base, multi_turn="dataset") == regen_cache_key(tiny, PROMPTS, **base)
+    off = regen_cache_key(tiny, PROMPTS, **base, multi_turn="off")
+    assert off == regen_cache_key(tiny, PROMPTS, **base, multi_turn=False) != regen_cache_key(tiny, PROMPTS, **base)
+    assert regen_cache_key(tiny, PROMPTS, **base, multi_turn="followup") not in (
+        off,
+        regen_cache_key(tiny, PROMPTS, **base),
+    )
+    with pytest.raises(ValueError, match="data.multi_turn"):
+        regen_cache_key(tiny, PROMPTS, **base, multi_turn="sometimes")
+    single = load_regenerated(run(tiny, tmp_path, multi_turn="off"))
+    data = load_regenerated(run(tiny, tmp_path, multi_turn="followup"))
+    assert read_manifest(run(tiny, tmp_path, multi_turn="followup"))["sampling"]["multi_turn"] == "followup"
+    assert all(len(_masked_spans(m)) == 1 for m in single["loss_mask"])  # the control: first turns only
+    for row in data:
+        spans = _masked_spans(row["loss_mask"])
+        assert len(spans) == 2
+        ids, mask = torch.tensor([row["input_ids"]]), torch.tensor([row["loss_mask"]])
+        anchors = eligible_anchor_positions(mask[0])[None]
+        blocks = build_blocks(
+            ids,
+            mask,
+            anchors,
+            torch.ones_like(anchors, dtype=torch.bool),
+            block_size=4,
+            mask_token_id=tiny.mask_token_id,
+        )
+        supervised = (blocks.positions + 1)[blocks.label_valid]  # the positions of the labels trained on
+        for start, end in spans:
+            assert ((supervised >= start) & (supervised < end)).any()
+        assert all(any(start <= int(p) < end for start, end in spans) for p in supervised)

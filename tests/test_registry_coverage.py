@@ -380,7 +380,14 @@ def test_latency_and_serving_report_claims(tmp_path):
     text, ctx = build("latency", cells, tmp_path)
     check_claims(ctx, text)
     claims = {c.id: c for c in ctx.claims}
-    assert set(claims) == {"latency.sequential_share.markov", "latency.sequential_share.rnn"}
+    assert set(claims) == {
+        "latency.sequential_share.markov",
+        "latency.sequential_share.rnn",
+        "latency.overhead_vs_dflash.markov.r1",
+        "latency.overhead_vs_dflash.rnn.r1",
+    }
+    # DSpark vs DFlash at γ = 7 (Fig. 4 right): (13 + 0.012·13) / 13 − 1 = +1.2% for rnn, a point claim
+    assert claims["latency.overhead_vs_dflash.rnn.r1"].mean == pytest.approx(0.012)
     assert (
         claims["latency.sequential_share.rnn"].verdict == "no interval"
         and "1.20%" in claims["latency.sequential_share.rnn"].ours
@@ -413,6 +420,7 @@ def test_latency_and_serving_report_claims(tmp_path):
         "serving.threshold_vs_mtp1.user_speed",
         "serving.scheduler_vs_mtp1.user_speed",
         "serving.scheduler_vs_best_static.throughput",
+        "serving.scheduler_budget_vs_load",
     } == set(claims)
     assert claims["serving.scheduler_vs_mtp1.user_speed"].paper.startswith("1.60–1.85×")
     assert all(c.verdict == "no interval" and c.runs == 2 and c.seeds == "0,1" for c in claims.values())

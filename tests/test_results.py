@@ -138,6 +138,34 @@ def test_a_verdict_against_its_interval_is_caught():
     assert [m.split(":")[0] for m in checks.verdict_mismatches(text)] == ["a", "b", "c", "d"]
 
 
+def test_every_claims_file_verdict_agrees_with_its_data():
+    """The committed claims files under the statistics rule (docs/STATISTICS.md): interval, paper effect, runs."""
+    assert checks.claim_disagreements(RESULTS) == []
+
+
+def test_a_claims_file_verdict_against_its_data_is_caught(tmp_path):
+    def entry(id: str, verdict: str, low: float, high: float, runs: int, **more: float) -> dict:
+        return {
+            "id": id,
+            "statement": "s",
+            "paper": "p",
+            "verdict": verdict,
+            "low": low,
+            "high": high,
+            "runs": runs,
+        } | more
+
+    entries = [
+        entry("toy.a", "holds", 0.1, 0.2, 2),
+        entry("toy.b", "holds", 0.1, 0.2, 1),  # one seed cannot hold
+        entry("toy.c", "not reproduced", -0.05, 0.12, 2, paper_effect=0.097),  # the paper's size is inside
+        entry("toy.d", "not reproduced", -0.05, 0.066, 2, paper_effect=0.097),
+    ]
+    write(tmp_path / "toy" / "toy.claims.json", json.dumps(entries))
+    report(tmp_path / "toy" / "toy.md")
+    assert [m.split(":")[0] for m in checks.claim_disagreements(tmp_path)] == ["toy.b", "toy.c"]
+
+
 def test_interval_parsing_and_agreement():
     assert interval_in("+11.3% [+6.8%, +15.8%]; runs 2 vs 2") == (6.8, 15.8)
     assert interval_in("−2.0% [−6.6%, +2.6%]") == (-6.6, 2.6)
@@ -145,6 +173,9 @@ def test_interval_parsing_and_agreement():
     assert agrees("holds", 0.1, 0.2) and agrees("reversed", -0.2, -0.1) and agrees("not resolved", 0.0, 0.1)
     assert not agrees("holds", 0.0, 0.1) and not agrees("not resolved", None, None)
     assert agrees("not run yet", None, None) and agrees("holds (test)", None, None)
+    # a magnitude verdict reads the paper's effect size when it has one, and passes (a curated point) without
+    assert agrees("not reproduced", -0.05, 0.066, 0.097) and not agrees("not reproduced", -0.05, 0.12, 0.097)
+    assert agrees("not reproduced", None, None)
 
 
 def test_the_index_is_regenerated_identically_from_the_files():

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import random
 
@@ -448,3 +449,89 @@ def test_column_plan_input_checks():
     with pytest.raises(ValueError, match="num_drafts"):
         plan_columns(torch.tensor([[0.5, 0.5]]), sps=APPENDIX_SPS, num_drafts=torch.tensor([1, 1]))
     assert plan_columns(torch.zeros(0, 3), sps=APPENDIX_SPS).lengths.tolist() == []
+
+
+# ---- stop rules (decode.scheduler_stop / serve.scheduler_stop) ----
+
+
+def _appendix_first_token_law(stop: str, verifier: str) -> tuple[float, dict[str, int]]:
+    """Exact P(first committed token = A) under `stop` and `verifier`, and ℓ per x_1: x_1, x_2 ~ p_d enumerated,
+    ℓ from the scheduler policy on c = (0.8, c_2(x_1)), the verifier's outcome law from its cells
+    (tests/test_block_verify.py `round_law`: the real batched verifier, every uniform cell enumerated)."""
+    from collections import defaultdict
+
+    from dspark.decoding.policies import build_policy
+    from dspark.decoding.verify import VERIFIERS
+    from test_block_verify import TinyModel, round_law
+
+    tokens = "AB"
+    p_t = torch.tensor([P_TARGET[v] for v in tokens], dtype=torch.float64)
+    p_d = torch.tensor([P_DRAFT[v] for v in tokens], dtype=torch.float64)
+    model = TinyModel(target=defaultdict(lambda: p_t), draft=defaultdict(lambda: p_d), confidence={})
+    policy = build_policy("scheduler", sps=APPENDIX_SPS, scheduler_stop=stop)
+    total, lengths = 0.0, {}
+    for x1, x2 in itertools.product(range(2), repeat=2):
+        length = int(policy.choose(confidences=_appendix_confidences(tokens[x1]), num_drafts=2)[0])
+        lengths[tokens[x1]] = length
+        law = round_law(model, (x1, x2), length, VERIFIERS.resolve(verifier).batched)
+        total += P_DRAFT[tokens[x1]] * P_DRAFT[tokens[x2]] * sum(p for k, p in law.items() if k[0] == 0)
+    return total, lengths
+
+
+@pytest.mark.parametrize("verifier", ["token", "block"])
+@pytest.mark.parametrize(
+    ("stop", "expected", "lengths"),
+    [("first_non_improvement", 0.7, {"A": 0, "B": 0}), ("global_argmax", 0.85, {"A": 2, "B": 0})],
+)
+def test_appendix_a_stop_rules_by_exact_enumeration(stop, expected, lengths, verifier):
+    """Paper Appendix A through the policies and the verifiers: Algorithm 1's stop commits A with p_t(A) = 0.7
+    (lossless); the global argmax (TensorRT-LLM's variant) verifies x_1 only when x_1 = A made c_2 high, and commits
+    A with 0.85 — biased, with token and block verification alike. The second case is the control: the same exact
+    test detects a biased stop rule."""
+    from dspark.decoding.policies import build_policy
+
+    got, chosen = _appendix_first_token_law(stop, verifier)
+    assert chosen == lengths
+    assert got == pytest.approx(expected, abs=1e-12)
+    assert build_policy("scheduler", sps=APPENDIX_SPS, scheduler_stop=stop).lossless == (expected == 0.7)
+
+
+def test_global_argmax_paths_agree_and_search_the_whole_staircase():
+    """R = 1 fast path, the tensor path (R > 1 through the policy) and whole columns at R = 1 take the same
+    global-argmax decision, Algorithm 1's written plainly without the early stop; it never stops drafting early."""
+    from dspark.decoding.policies import build_policy
+    from dspark.scheduling import plan_columns
+    from dspark.scheduling.scheduler import schedule_single
+
+    rng = random.Random(4)
+    differs = 0
+    for _ in range(300):
+        conf, sps = _random_case(rng)
+        reference = _reference_schedule(conf.tolist(), sps, early_stop=False)
+        policy = build_policy("scheduler", sps=sps, scheduler_stop="global_argmax")
+        got = policy.choose(confidences=conf, num_drafts=torch.full((conf.shape[0],), conf.shape[1])).tolist()
+        assert got == reference
+        row = conf[:1]
+        rates = [float(sps(b)) for b in range(1, conf.shape[1] + 2)]
+        single = schedule_single(row[0].tolist(), rates=rates, stop="global_argmax")
+        assert single == _reference_schedule(row.tolist(), sps, early_stop=False)[0]
+        assert plan_columns(row, sps=sps, stop="global_argmax").num_columns == single
+        differs += reference != _reference_schedule(conf.tolist(), sps, early_stop=True)
+        assert not policy.stop_drafting(row[0, :1])
+    assert differs > 0  # some cases do reach past a first non-improvement (5 of these 300)
+
+
+def test_stop_rule_names_are_checked_where_they_are_read():
+    from dspark.config import resolve_config
+    from dspark.config.loader import ConfigError
+    from dspark.config.schema import SCHEDULER_STOPS
+    from dspark.decoding.policies import build_policy
+    from dspark.scheduling.scheduler import FIRST_NON_IMPROVEMENT, GLOBAL_ARGMAX
+
+    assert (FIRST_NON_IMPROVEMENT, GLOBAL_ARGMAX) == SCHEDULER_STOPS
+    with pytest.raises(ValueError, match=r"serve\.scheduler_stop='argmax'.*first_non_improvement"):
+        build_policy("fixed", key="serve", scheduler_stop="argmax")
+    with pytest.raises(ConfigError, match=r"decode\.scheduler_stop"):
+        resolve_config(["decode.scheduler_stop=best"])
+    cfg = resolve_config(["decode.scheduler_stop=global_argmax", "serve.scheduler_stop=global_argmax"]).cfg
+    assert cfg.decode.scheduler_stop == cfg.serve.scheduler_stop == GLOBAL_ARGMAX  # allowed for study (flagged lossy)

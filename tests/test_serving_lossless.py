@@ -111,6 +111,10 @@ def vocab_drafter(target):
 def make_engine(target, drafter, policy, *, temperature=1.0, max_new_tokens=NEW_TOKENS, calibration=None):
     """policy: a serve.policy name, or "scheduler:<serve.scheduler_cost>"."""
     name, _, cost = policy.partition(":")
+    if calibration is None and name == "calibrated_threshold":
+        # the engines refuse calibrated_threshold without a calibration (no silent raw fallback); the identity
+        # STS (every T_k = 1) reads the same numbers as the raw c_k, which is what this test always exercised
+        calibration = STSCalibration(temperatures=[1.0] * GAMMA, grid=[1.0], n_bins=20, ece_before=[], ece_after=[])
     serve_policy = (
         None
         if drafter is None

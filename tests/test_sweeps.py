@@ -28,6 +28,9 @@ ALL_SWEEPS = [
     "serving",
     "objective",
     "tree",
+    "confidence",
+    "verifier",
+    "scheduler_arms",
 ]
 # optim.epochs=1: faster, and a training key of its own (drafters of other test files are never reused here)
 FAST = ["budget=smoke", "optim.epochs=1", "decode.prompts_per_set=1", "decode.max_new_tokens=8"]

@@ -28,7 +28,7 @@ import dataclasses
 import pytest
 
 from dspark.config import RunConfig, resolve_config
-from dspark.stages.context import HASH_NEUTRAL_DEFAULTS, training_key
+from dspark.stages.context import HASH_NEUTRAL_DEFAULTS, OPERATIONAL_DATA_KEYS, training_key
 
 
 OFF_DEFAULT = {
@@ -36,6 +36,12 @@ OFF_DEFAULT = {
     ("model", "import_from"): "/some/checkpoint",
     ("data", "seed"): 3,
     ("data", "sampling.sampler"): "lean",
+    ("data", "features_from"): "/some/features",
+    ("data", "multi_turn"): "followup",
+    ("data", "regen_backend"): "openai",
+    ("data", "regen_url"): "http://127.0.0.1:8000/v1",
+    ("data", "regen_api"): "completions",
+    ("data", "regen_model"): "some-model",
     ("model", "init_layers"): [0, 1],
 }
 
@@ -75,3 +81,14 @@ def test_neutral_fields_default_to_what_the_hash_leaves_out_and_count_off_it(gro
     )
     changed = dataclasses.replace(base.cfg, **{group: _replace_nested(getattr(base.cfg, group), name, other)})
     assert training_key(changed) != training_key(base.cfg)
+
+
+@pytest.mark.parametrize("name", OPERATIONAL_DATA_KEYS)
+def test_how_a_server_is_reached_never_changes_the_training_key(name):
+    base = resolve_config(["budget=smoke"]).cfg
+    value = getattr(base.data, name)
+    other = "DSPARK_KEY" if isinstance(value, str) else value + 1
+    changed = dataclasses.replace(base, data=dataclasses.replace(base.data, **{name: other}))
+    assert training_key(changed) == training_key(base)
+    control = dataclasses.replace(base, data=dataclasses.replace(base.data, regen_backend="openai"))
+    assert training_key(control) != training_key(base)  # a key that is part of the data does count

@@ -52,6 +52,9 @@ def speculative_generate(
     drafter_precision: str = "fp32",
     step_costs: str = "profile",
     chat_template: bool = True,
+    verifier: str = "token",
+    scheduler_stop: str = "first_non_improvement",
+    bypass: str = "off",
 ) -> GenerationResult:
     """Decode one prompt (text, chat-templated unless `chat_template=False`, or token ids) with `drafter`
     (None: target-only). The result holds per-round drafts, confidences, ℓ_eff, A and τ (`GenerationResult`).
@@ -59,7 +62,8 @@ def speculative_generate(
     The options are the `decode.*` keys of an evaluation, with the same names and checks: `policy` (fixed | mtp1 |
     static | threshold | calibrated_threshold | scheduler | async), `threshold` (θ), `static_k` (ℓ of static),
     `sps` (the SPS(B) table of scheduler / async), `step_costs` (profile | measured), `drafter_precision` (the
-    drafter's parallel stage: auto | fp32 | bf16 | int8; fp32 here unless asked), `temperature`, `max_new_tokens`;
+    drafter's parallel stage: auto | fp32 | bf16 | int8; fp32 here unless asked), `temperature`, `max_new_tokens`,
+    `verifier` (token | block), `scheduler_stop` (first_non_improvement | global_argmax: lossy), `bypass` (off | cost);
     `calibration` is the STS fit the engine applies before the policy (`dspark.calibration.STSCalibration`)."""
     if isinstance(prompt, str):
         prompt_ids = (
@@ -72,11 +76,13 @@ def speculative_generate(
     engine = SpeculativeEngine(
         target=target,
         proposer=build_proposer(drafter, precision=drafter_precision),
-        policy=build_policy(policy, threshold=threshold, static_k=static_k, sps=sps),
+        policy=build_policy(policy, threshold=threshold, static_k=static_k, sps=sps, scheduler_stop=scheduler_stop),
         temperature=temperature,
         max_new_tokens=max_new_tokens,
         calibration=calibration,
         step_costs=step_costs,
+        verifier=verifier,
+        bypass=bypass,
     )
     generator = torch.Generator(device=target.device).manual_seed(seed)
     return engine.generate(prompt_ids, generator=generator)

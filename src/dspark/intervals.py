@@ -4,7 +4,7 @@ replicate runs). Torch-free and scipy.special-only, so reports import it cheaply
 from __future__ import annotations
 
 import math
-from typing import Iterable
+from collections.abc import Iterable
 
 
 def t_quantile(n: int, confidence: float = 0.95) -> float:
@@ -12,6 +12,23 @@ def t_quantile(n: int, confidence: float = 0.95) -> float:
     from scipy.special import stdtrit
 
     return float(stdtrit(n - 1, 0.5 + confidence / 2.0))
+
+
+def t_quantile_df(df: float, confidence: float = 0.95) -> float:
+    """Two-sided Student-t quantile with `df` degrees of freedom (any positive real: a Welch–Satterthwaite df;
+    math.inf gives the normal quantile, 1.96 at 95%)."""
+    from scipy.special import stdtrit
+
+    if not df > 0:
+        raise ValueError(f"degrees of freedom must be positive, got {df}")
+    return float(stdtrit(df, 0.5 + confidence / 2.0))
+
+
+def t_two_sided_p(t: float, df: float) -> float:
+    """P(|T| ≥ |t|) for a Student-t T with `df` degrees of freedom (math.inf: normal)."""
+    from scipy.special import stdtr
+
+    return float(2.0 * stdtr(df, -abs(t)))
 
 
 def finite_values(values: Iterable[float | None]) -> list[float]:

@@ -117,6 +117,7 @@ class CalibrationMetrics:
     auroc: list[float]
     brier: list[float]
     count: list[int]  # valid rounds at position k
+    positives: list[int] | None = None  # of those, rounds with A ≥ k (None: an entry stored before this field)
 
 
 def calibration_metrics(
@@ -131,6 +132,7 @@ def calibration_metrics(
         auroc=[auroc(s, y) for s, y in columns],
         brier=[brier(s, y) for s, y in columns],
         count=[int(s.numel()) for s, _ in columns],
+        positives=[int(y.sum()) for _, y in columns],
     )
 
 

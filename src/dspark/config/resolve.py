@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -17,8 +18,10 @@ from dspark.config.loader import ConfigError, apply_overrides, load_yaml, parse_
 from dspark.config.ranges import quote, range_errors, shorten
 from dspark.config.schema import (
     BUDGETS,
+    BYPASS_MODES,
     CONFIDENCE_HEAD,
     CONFIDENCE_POLICIES,
+    CONFIDENCE_SOURCES,
     DRAFTERS,
     EXPORT_DTYPES,
     EXPORT_LAYOUTS,
@@ -31,6 +34,7 @@ from dspark.config.schema import (
     PRECISIONS,
     RESPONSE_MODES,
     SCHEDULER_COSTS,
+    SCHEDULER_STOPS,
     SERVE_CONFIDENCE_POLICIES,
     SERVE_POLICIES,
     SPS_FORWARDS,
@@ -40,6 +44,7 @@ from dspark.config.schema import (
     TARGET_DTYPES,
     TREE_SCHEMES,
     TREE_SHAPES,
+    VERIFIERS,
     RunConfig,
 )
 from dspark.registry import unknown_name_message
@@ -165,6 +170,9 @@ def _name_errors(cfg: RunConfig) -> list[str]:
         ("data.responses", cfg.data.responses, RESPONSE_MODES),
         ("data.feature_precision", cfg.data.feature_precision, ("auto", "bf16", "fp32")),
         ("data.regen_precision", cfg.data.regen_precision, ("auto", "bf16", "fp32")),
+        ("data.multi_turn", cfg.data.multi_turn, ("off", "dataset", "followup")),
+        ("data.regen_backend", cfg.data.regen_backend, ("hf", "openai")),
+        ("data.regen_api", cfg.data.regen_api, ("chat", "completions")),
         ("loss.kind", cfg.loss.kind, LOSS_KINDS),
         ("loss.position_weights", cfg.loss.position_weights, POSITION_WEIGHTS),
         ("export.layout", cfg.export.layout, EXPORT_LAYOUTS),
@@ -178,6 +186,13 @@ def _name_errors(cfg: RunConfig) -> list[str]:
         ("decode.drafter_precision", cfg.decode.drafter_precision, PRECISIONS),
         ("decode.tree.shape", cfg.decode.tree.shape, TREE_SHAPES),
         ("decode.tree.scheme", cfg.decode.tree.scheme, TREE_SCHEMES),
+        ("decode.verifier", cfg.decode.verifier, VERIFIERS),
+        ("serve.verifier", cfg.serve.verifier, VERIFIERS),
+        ("decode.scheduler_stop", cfg.decode.scheduler_stop, SCHEDULER_STOPS),
+        ("serve.scheduler_stop", cfg.serve.scheduler_stop, SCHEDULER_STOPS),
+        ("decode.bypass", cfg.decode.bypass, BYPASS_MODES),
+        ("decode.confidence", cfg.decode.confidence, CONFIDENCE_SOURCES),
+        ("serve.confidence", cfg.serve.confidence, CONFIDENCE_SOURCES),
     ]
     errors = [
         unknown_name_message(key, shorten(str(value)), list(valid))
@@ -233,6 +248,15 @@ def _cross_key_errors(cfg: RunConfig) -> list[str]:
         (
             data.responses != "mix" or data.num_regen_prompts >= 1,
             "data.responses=mix needs data.num_regen_prompts ≥ 1 (how many prompts the target regenerates).",
+        ),
+        (
+            data.regen_backend != "openai" or bool(data.regen_url),
+            "data.regen_backend=openai needs data.regen_url, the server's API base (e.g. http://127.0.0.1:8000/v1).",
+        ),
+        (  # the value is never quoted: a key pasted here by mistake must not reach the terminal or a log
+            not data.regen_api_key_env or re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", data.regen_api_key_env),
+            "data.regen_api_key_env must be the NAME of an environment variable holding the API key (letters, "
+            "digits, _), never the key itself; e.g. export REGEN_KEY=... and data.regen_api_key_env=REGEN_KEY.",
         ),
         *_serve_rules(cfg),
     ]
@@ -305,6 +329,16 @@ def _tree_errors(cfg: RunConfig) -> list[str]:
         )
     if tree.shape == "chain":
         return errors
+    if decode.verifier != VERIFIERS[0]:  # the tree engine accepts by decode.tree.scheme, never a chain verifier
+        errors.append(
+            f"decode.verifier={decode.verifier} verifies a chain; with decode.tree.shape={tree.shape} the tree is "
+            "accepted by decode.tree.scheme (descent | rrsw): use decode.verifier=token, or decode.tree.shape=chain."
+        )
+    if decode.bypass != BYPASS_MODES[0]:
+        errors.append(
+            f"decode.bypass={decode.bypass} is the chain engine's per-round plain step; with decode.tree.shape="
+            f"{tree.shape} the tree engine sizes its own rounds: use decode.bypass=off, or decode.tree.shape=chain."
+        )
     if decode.policy != "fixed":
         errors.append(
             f"decode.policy={decode.policy} chooses how much of a chain to verify; with decode.tree.shape="
@@ -331,17 +365,32 @@ def _tree_nodes(shape: str, counts: list[int], block_size: int) -> int:
 def _policy_errors(cfg: RunConfig) -> list[str]:
     """A policy that reads c_k needs a drafter with a confidence head; without this the run failed after
     prepare and training, when the evaluation built the policy."""
-    if CONFIDENCE_HEAD.get(cfg.drafter, True):  # an unknown drafter is reported by the name check
-        return []
     errors = []
-    if cfg.stage in ("eval", "all") and cfg.decode.policy in CONFIDENCE_POLICIES:
+    if cfg.stage in ("eval", "all") and cfg.decode.policy == "calibrated_threshold" and not cfg.decode.calibrate:
         errors.append(
-            f"decode.policy={cfg.decode.policy} reads the confidence head's c_k, but drafter={cfg.drafter} "
-            "has no confidence head; use decode.policy=fixed, or drafter=dspark."
+            "decode.policy=calibrated_threshold reads the STS-calibrated c̃_k, but decode.calibrate=false fits no "
+            "calibration; set decode.calibrate=true, or use decode.policy=threshold (raw c_k)."
         )
-    if cfg.stage == "serve" and cfg.serve.policy in SERVE_CONFIDENCE_POLICIES:
+    if CONFIDENCE_HEAD.get(cfg.drafter, True):  # an unknown drafter is reported by the name check
+        return errors
+    if (
+        cfg.stage in ("eval", "all")
+        and cfg.decode.policy in CONFIDENCE_POLICIES
+        and cfg.decode.confidence == CONFIDENCE_SOURCES[0]
+    ):
         errors.append(
-            f"serve.policy={cfg.serve.policy} reads the confidence head's c_k, but drafter={cfg.drafter} "
-            "has no confidence head; use serve.policy=mtp1, static or fixed, or drafter=dspark."
+            f"decode.policy={cfg.decode.policy} reads the confidence head's c_k (decode.confidence=head), but "
+            f"drafter={cfg.drafter} has no confidence head; use decode.confidence=draft_max_prob or online (no head "
+            "needed), decode.policy=fixed, or drafter=dspark."
+        )
+    if (
+        cfg.stage == "serve"
+        and cfg.serve.policy in SERVE_CONFIDENCE_POLICIES
+        and cfg.serve.confidence == CONFIDENCE_SOURCES[0]
+    ):
+        errors.append(
+            f"serve.policy={cfg.serve.policy} reads the confidence head's c_k (serve.confidence=head), but "
+            f"drafter={cfg.drafter} has no confidence head; use serve.confidence=draft_max_prob or online, "
+            "serve.policy=mtp1, static or fixed, or drafter=dspark."
         )
     return errors

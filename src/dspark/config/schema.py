@@ -33,13 +33,24 @@ SAMPLERS = ("generate", "lean")  # data.sampling.sampler (dspark.data.regenerate
 STEP_OVERHEADS = ("none", "measured")  # serve.step_overhead (dspark.serving.engine)
 STEP_COSTS = ("profile", "measured")  # decode.step_costs (dspark.decoding.engine)
 SCHEDULER_COSTS = ("tokens", "columns")  # serve.scheduler_cost (dspark.decoding.policies.SchedulerPolicy)
+# decode.scheduler_stop / serve.scheduler_stop (dspark.scheduling.scheduler): Algorithm 1's stop (lossless) or the
+# argmax of Θ over the whole staircase (TensorRT-LLM's; biased, paper Appendix A: runs say "lossy")
+SCHEDULER_STOPS = ("first_non_improvement", "global_argmax")
+VERIFIERS = ("token", "block")  # decode.verifier / serve.verifier (dspark.decoding.verify.VERIFIERS; a test pins them)
+BYPASS_MODES = ("off", "cost")  # decode.bypass (dspark.decoding.engine)
 SPS_FORWARDS = ("plain", "engine")  # serve.sps_forward (dspark.serving.profile)
 # the policies that read the confidence head's c_k (their classes say needs_confidences = True; a test pins this);
 # only drafters with CONFIDENCE_HEAD can run them, offline (decode.policy) or served (serve.policy)
 TREE_SHAPES = ("chain", "widths", "branching", "dynamic")  # decode.tree.shape (dspark.decoding.tree.TREE_SHAPES)
 TREE_SCHEMES = ("descent", "rrsw")  # decode.tree.scheme (dspark.decoding.tree_verify.TREE_SCHEMES)
 CONFIDENCE_POLICIES = ("threshold", "calibrated_threshold", "scheduler", "async")
+# of those, the ones that read calibrated c̃_k (policies' `reads`; a test pins the two equal): without a calibration
+# they run on raw c_k, which a run states loudly (calibrated_threshold without one is refused: its name says c̃_k)
+CALIBRATED_POLICIES = ("calibrated_threshold", "scheduler", "async")
 SERVE_CONFIDENCE_POLICIES = CONFIDENCE_POLICIES
+# decode.confidence / serve.confidence (dspark.decoding.confidence.CONFIDENCE_SOURCES; a test pins the two equal);
+# the sources after "head" need no confidence head, so every drafter can run the confidence policies with them
+CONFIDENCE_SOURCES = ("head", "draft_max_prob", "online")
 # Upper bounds of the structural sizes: far past any published drafter, well short of what fills a machine's memory
 # (a typo such as model.depth=100000 is refused at once instead of while the drafter is being built)
 SEED_MAX = 2**32 - 1  # numpy's and Lightning's seed range (Lightning silently replaces a larger seed by 0)
@@ -175,6 +186,32 @@ class DataConfig:
     max_anchors: int = ranged(64, ge=1)  #: K, anchors per sequence per epoch (DeepSpec 512)
     batch_size: int = ranged(4, ge=1)  #: sequences per micro-batch
     cache_features: bool = True  #: store target features once instead of recomputing them every epoch
+    #: train on features an external capture job wrote in the format of docs/FEATURES.md (a directory with
+    #: manifest.json and features-NNNNN.safetensors): no regeneration and no target prefill; checked against the target
+    #: before any work. null = prepare the data here (data.responses, data.cache_features)
+    features_from: Optional[str] = None
+    #: which user turns the target answers (dspark.data.regenerate): off = the first only | dataset = the prompt's own
+    #: later turns too (mt-bench's second turn) | followup = as dataset, and a prompt without later turns gets one
+    #: follow-up user turn: the first turn of another prompt of the same domain among those regenerated, drawn by
+    #: the data seed. Every assistant turn is trained on
+    multi_turn: str = "dataset"
+    #: who writes the regenerated responses: hf = the target in this process (transformers generate / data.sampling
+    #: .sampler) | openai = an OpenAI-compatible server at data.regen_url (vLLM, SGLang, llama.cpp's server,
+    #: transformers serve) serving the target's model; its text is re-tokenised by the target (dspark.data.regen_server)
+    regen_backend: str = "hf"
+    #: regen_backend=openai: the API base URL, e.g. http://127.0.0.1:8000/v1 (credentials in it are masked in records)
+    regen_url: str = ""
+    #: regen_backend=openai: chat = /chat/completions with the messages (the server's chat template) | completions =
+    #: /completions with the prompt templated by the target's tokenizer here
+    regen_api: str = "chat"
+    regen_model: Optional[str] = None  #: regen_backend=openai: the model to request; None = the server's first listed
+    #: regen_backend=openai: NAME of the environment variable holding the API key ("" = no key); never the key itself
+    regen_api_key_env: str = ""
+    regen_concurrency: int = ranged(4, ge=1, le=1024)  #: regen_backend=openai: requests in flight at once
+    regen_timeout_s: float = ranged(300.0, gt=0, le=86400)  #: regen_backend=openai: seconds one request may take
+    #: regen_backend=openai: retries of a request after a connection error, a timeout, HTTP 429 or 5xx (exponential
+    #: backoff from 0.5 s); then the run stops, its finished shards kept
+    regen_retries: int = ranged(4, ge=0, le=20)
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
 
 
@@ -254,9 +291,33 @@ class DecodeConfig:
     eval_sets: list[str] = field(default_factory=lambda: ["gsm8k", "humaneval", "mt-bench"])  #: one per domain
     prompts_per_set: int = ranged(4, ge=1)  #: evaluation prompts per set
     calibrate: bool = True  #: fit STS on the calibration split before threshold/scheduler decoding
+    #: where the confidence policies' c_k come from (dspark.decoding.confidence): head = the trained confidence head
+    #: (dspark only; the paper) | draft_max_prob = the drafter's own top probability per slot (any drafter) | online
+    #: = a logistic model on logit(max q_k) and the slot, fitted during decoding from accept/reject outcomes
+    confidence: str = "head"
+    online_lr: float = ranged(0.05, gt=0, le=10)  #: decode.confidence=online: the step size of its per-round update
+    online_l2: float = ranged(1e-3, ge=0, le=1)  #: decode.confidence=online: the per-step pull towards max q
+    #: the prompts STS is fitted and scored on: "" = the held-out calibration split of the regenerated training data
+    #: (topped up with unseen synthetic prompts) | a prompt set name, e.g. alpaca (the paper's Fig. 6 set); either
+    #: way decode.prompts_per_set × len(decode.eval_sets) prompts, half to fit and half to score
+    calibration_set: str = ""
     #: also decode every prompt target-only, for the speed-up; false = τ and acceptance only (the lossless output is
     #: the target's either way), which the reference sweeps use: it saves a third of their evaluation time
     baseline: bool = True
+    #: how drafts are accepted (dspark.decoding.verify): token = token-by-token rejection sampling (METHOD §5) | block
+    #: = block verification (Sun et al. 2024): the block jointly, lossless and never fewer accepted drafts in
+    #: expectation; every p_t row is formed. decode.tree.* keep their own schemes (block needs decode.tree.shape=chain)
+    verifier: str = "token"
+    #: where decode.policy=scheduler stops admitting slots: first_non_improvement = Algorithm 1 (lossless) |
+    #: global_argmax = the argmax of Θ over the whole staircase (TensorRT-LLM's variant): NOT lossless (paper
+    #: Appendix A: P(A) 0.85 instead of 0.7, tests/test_scheduler.py), allowed for study and flagged "lossy" in the
+    #: run's headline, report and metrics (eval/lossy = 1); it drafts every slot (no early drafting stop)
+    scheduler_stop: str = "first_non_improvement"
+    #: per round, "does drafting pay" (single-request engine): off | cost = before drafting, compare the expected
+    #: tokens per second of a drafting round (an EMA of observed τ over its measured seconds) with a plain target
+    #: step, and take the plain step (no drafting, ℓ = 0) when drafting does not pay. Lossless (a target step);
+    #: chains only (decode.tree.shape=chain)
+    bypass: str = "off"
     tree: TreeConfig = field(default_factory=TreeConfig)  #: draft trees instead of chains (decode.tree.shape)
 
 
@@ -294,6 +355,15 @@ class ServeConfig:
     #: columns, per-token positions). Equal within 7% on the Zen 3 (benchmarks/results/sps-forward-zen3.md). The
     #: planning policies and the simulator read it
     sps_forward: str = "plain"
+    #: where serve.policy's c_k come from: head | draft_max_prob | online (as decode.confidence; online uses
+    #: decode.online_lr / decode.online_l2 and learns across the served requests)
+    confidence: str = "head"
+    #: token | block: how the real engine accepts each row's drafts (as decode.verifier). The simulator replays a
+    #: token-verified trace (A at ℓ < γ is min(A_all, ℓ) only under token verification)
+    verifier: str = "token"
+    #: serve.policy=scheduler's stop in the real engine: first_non_improvement (lossless) | global_argmax (lossy; as
+    #: decode.scheduler_stop, flagged serve/lossy = 1). The simulated levels keep Algorithm 1's stop
+    scheduler_stop: str = "first_non_improvement"
 
 
 @dataclass
@@ -304,6 +374,8 @@ class TrackingConfig:
     #: those its store lacks from there and from the committed results/<sweep>/ledger.json of the same identity, so it
     #: resumes on another checkout or machine (dspark.tracking.ledger); false: neither
     sweep_ledger: bool = True
+    #: log CPU and memory use (MLflow system metrics, system/* every 10 s and at the run's end) with every run
+    system_metrics: bool = True
 
 
 @dataclass

@@ -5,12 +5,15 @@ the final-norm hidden state (`final_hidden` [T, d], whose LM-head image is `p_t`
 never change: computing them once and reading them back trades disk (2·(m+1)·d bytes per token in float16) for
 target forwards. `benchmarks/bench_data.py` measures which is faster on a given machine.
 
-Layout: `cache_dir/features/<key>/` with `manifest.json`, safetensors shards `features-NNNNN.safetensors` holding
-`features.<i>`, `final_hidden.<i>` and `log_normalizer.<i>` for global sequence index `i` (load order of
-`load_regenerated`), each written atomically, and a `COMPLETE` marker; the manifest records every shard's sha256, so
-a damaged shard is found on reuse and recomputed, and concurrent builders take turns (`dspark.data.integrity`).
-`key` hashes the regeneration key, the target fingerprint, the feature layer ids and the prefill precision; a rerun
-skips finished shards.
+Layout: `cache_dir/features/<key>/` in the feature format of `dspark.data.feature_format` (docs/FEATURES.md, version
+2, shared with external capture jobs): `manifest.json` (target and tokenizer identity, layer ids, dtype, counts, the
+shard table), safetensors shards `features-NNNNN.safetensors` holding `features.<i>`, `final_hidden.<i>`,
+`log_normalizer.<i>`, `input_ids.<i>` and `loss_mask.<i>` for global sequence index `i` (load order of
+`load_regenerated`; prompt ids and domains in the shard metadata), each written atomically, and a `COMPLETE` marker;
+the manifest records every shard's sha256, so a damaged shard is found on reuse and recomputed, and concurrent
+builders take turns (`dspark.data.integrity`). `key` hashes the regeneration key, the target fingerprint, the feature
+layer ids and the prefill precision (not the format version: version-1 caches, without token ids, keep their keys
+and are read as they are); a rerun skips finished shards.
 
 `log_normalizer` [T] fp32 is log Σ_V exp(z) of the target's full-vocabulary logits z = lm_head(final_hidden), computed
 from the *stored* (fp16-rounded) final hidden state, so a training step with a draft vocabulary gets exact p_t over
@@ -40,10 +43,11 @@ from safetensors.torch import save_file
 from torch import Tensor
 from tqdm.auto import tqdm
 
-from dspark.data.integrity import building, read_cache_manifest, resumable, seal_cache
+from dspark.data.feature_format import TargetIdentity, new_manifest, seal_feature_dir, shard_name
+from dspark.data.integrity import building, read_cache_manifest, resumable
+from dspark.data.regenerate import COMPLETE, MANIFEST, load_regenerated, read_manifest
 from dspark.files import atomic_path, atomic_write_text
 from dspark.hardware import autocast_linear_weights, uncast_weight
-from dspark.data.regenerate import COMPLETE, MANIFEST, load_regenerated, read_manifest
 
 FEATURE_FORMAT_VERSION = 3  # 2: log_normalizer per position, length-batched (optionally bf16) prefill; 3: target_mass
 # bf16 caches only (fp32 ones were exact and keep their keys): 1 = log Z and the mass from the logits of a bf16
@@ -124,20 +128,25 @@ def cache_features(
     with building(out_dir) as whole:  # one builder at a time; a damaged finished cache comes back unfinished
         if whole:
             return out_dir
-        dataset = load_regenerated(regen_dir).with_format("torch", columns=["input_ids", "loss_mask"])
+        sequences = load_regenerated(regen_dir)
+        names, domains = list(sequences["prompt_id"]), list(sequences["domain"])
+        dataset = sequences.with_format("torch", columns=["input_ids", "loss_mask"])
         num_shards = -(-len(dataset) // shard_size)
         out_dir.mkdir(parents=True, exist_ok=True)
-        info = {
+        info = new_manifest(
+            TargetIdentity.of_target(target),
+            tokenizer=target.tokenizer,
+            dtype=str(STORE_DTYPE).removeprefix("torch."),
+            precision=precision,
+            shard_size=shard_size,
+            num_sequences=len(dataset),
+            writer="dspark.data.features",
+            end_of_turn_id=manifest.get("end_of_turn_id"),
+        ) | {  # our cache's own fields: what its key hashes
             "key": key,
             "regen_key": manifest["key"],
             "target_fingerprint": target.fingerprint,
-            "feature_layer_ids": list(target.feature_layer_ids),
             "hidden_size": target.hidden_size,
-            "dtype": str(STORE_DTYPE),
-            "num_sequences": len(dataset),
-            "shard_size": shard_size,
-            "num_shards": num_shards,
-            "precision": precision,
             "format": FEATURE_FORMAT_VERSION,
         }
         atomic_write_text(out_dir / MANIFEST, json.dumps(info, indent=2), key=CACHE_KEY)
@@ -161,14 +170,16 @@ def cache_features(
                     precision=precision,
                     loss_masks=[item["loss_mask"].bool() for item in items],
                 )
-                write_shard(_shard_path(out_dir, shard), tensors)
+                part = slice(start, start + len(rows))
+                metadata = {"prompt_ids": json.dumps(names[part]), "domains": json.dumps(domains[part])}
+                write_shard(_shard_path(out_dir, shard), tensors, metadata=metadata)
                 tokens = sum(len(r) for r in rows)
                 done += tokens
                 bar.update(tokens)
                 bar.set_postfix(tok_s=f"{done / max(time.perf_counter() - started, 1e-9):.0f}")
         bar.close()
         info["tokens_per_second"] = done / max(time.perf_counter() - started, 1e-9) if done else None
-        seal_cache(out_dir, info, [_shard_path(out_dir, s).name for s in range(num_shards)])
+        seal_feature_dir(out_dir, info)
     return out_dir
 
 
@@ -219,9 +230,11 @@ def _shard_tensors(
             index = first_index + j
             tensors[f"features.{index}"] = features[b, : len(row)].to("cpu", STORE_DTYPE).contiguous()
             tensors[f"final_hidden.{index}"] = stored[b]
+            tensors[f"input_ids.{index}"] = row.to(torch.int32).contiguous()
             predicts_label = torch.zeros(len(row), dtype=torch.bool)
             if loss_masks is not None:  # position i predicts token i + 1: count where that token is supervised
                 predicts_label[:-1] = loss_masks[j][1:]
+                tensors[f"loss_mask.{index}"] = loss_masks[j].bool().contiguous()
             predicts.append(predicts_label)
         # one product for the whole batch: its rows are the real positions of every sequence, concatenated
         log_z, batch_mass = log_normalizer_and_mass(
@@ -315,15 +328,15 @@ def pad_right(rows: list[Tensor], *, pad_id: int) -> tuple[Tensor, Tensor]:
 
 
 def _shard_path(out_dir: Path, shard: int) -> Path:
-    return out_dir / f"features-{shard:05d}.safetensors"
+    return out_dir / shard_name(shard)
 
 
-def write_shard(path: Path, tensors: dict[str, Tensor]) -> None:
+def write_shard(path: Path, tensors: dict[str, Tensor], *, metadata: dict[str, str] | None = None) -> None:
     """Write one shard all-or-nothing (`dspark.files.atomic_path`): a full disk or a read-only cache leaves no
     shard (finished shards stay, so the same command resumes) and raises `OutputError` naming the file, the fix and
-    that a rerun resumes (`integrity.resumable`)."""
+    that a rerun resumes (`integrity.resumable`). `metadata`: the safetensors header's string map."""
     with resumable(), atomic_path(path, key=CACHE_KEY) as tmp:
-        save_file(tensors, str(tmp))
+        save_file(tensors, str(tmp), metadata=metadata)
 
 
 class FeatureCache:

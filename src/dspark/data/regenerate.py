@@ -2,7 +2,9 @@
 
 Each prompt becomes one sequence `input_ids = chat-template prompt ids + response ids through the end-of-turn
 token`, with `loss_mask = 1` on exactly the assistant's tokens through end-of-turn (never on the template's
-trailing newline), so the drafter learns to predict EOS. Multi-turn prompts are regenerated turn by turn.
+trailing newline), so the drafter learns to predict EOS. Multi-turn prompts are regenerated turn by turn, every
+assistant turn masked in (`multi_turn`: off = first turns only; dataset = a prompt's own later turns; followup = those,
+and one follow-up drawn from the other prompts of its domain for a prompt without any, `with_followups`).
 A response that hits `max_new_tokens` gets the end-of-turn id appended and is marked `truncated`. Sequences are
 cut at `max_length` (marked `clipped`) and dropped when fewer than `min_loss_tokens` (14) loss tokens remain.
 
@@ -17,6 +19,11 @@ resumed run produces the same data as an uninterrupted one.
 Zen 4, one thread, 32 prompts × 64 new tokens at T = 1: 72 tok/s fp32, 99 tok/s bf16): the text is then the bf16
 target's, as the feature cache's prefill is (mean TV of p_t against fp32 0.006, CPU_RECIPE.md), and the precision
 is part of the cache key.
+
+`backend` replaces the in-process sampling by another writer of the same sequences (data.regen_backend=openai:
+`dspark.data.regen_server.ServerRegenerator`, an OpenAI-compatible server); its `record` (what the server serves,
+how it is asked) enters the cache key in place of the in-process generation config and precision. The hf keys are
+what they were.
 """
 
 from __future__ import annotations
@@ -24,7 +31,7 @@ from __future__ import annotations
 import hashlib
 import json
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Sequence
 
@@ -78,11 +85,24 @@ def derive_seed(*parts: Any) -> int:
     return int.from_bytes(digest[:8], "little") & (2**63 - 1)
 
 
-def sampling_record(sampling: SamplingConfig, *, multi_turn: bool) -> dict[str, Any]:
+MULTI_TURN_MODES = ("off", "dataset", "followup")  # data.multi_turn
+
+
+def multi_turn_mode(multi_turn: bool | str) -> str:
+    """`data.multi_turn` from its value or the older bool (False = off, True = dataset)."""
+    mode = ("dataset" if multi_turn else "off") if isinstance(multi_turn, bool) else multi_turn
+    if mode not in MULTI_TURN_MODES:
+        raise ValueError(f"data.multi_turn={mode!r} must be one of {', '.join(MULTI_TURN_MODES)}")
+    return mode
+
+
+def sampling_record(sampling: SamplingConfig, *, multi_turn: bool | str) -> dict[str, Any]:
     """The sampling settings as the cache key and the manifest record them (`multi_turn` among them, as before the
     config and the regeneration shared one SamplingConfig: existing caches keep their keys; `sampler` only when it is
-    not `generate`, for the same reason)."""
-    record = asdict(sampling) | {"multi_turn": multi_turn}
+    not `generate`, for the same reason). `multi_turn` is recorded as the bool it was for off / dataset (so those
+    keys are unchanged) and as "followup" for followup."""
+    mode = multi_turn_mode(multi_turn)
+    record = asdict(sampling) | {"multi_turn": mode if mode == "followup" else mode == "dataset"}
     if record["sampler"] == "generate":
         del record["sampler"]
     return record
@@ -94,10 +114,37 @@ def end_of_turn_id(target: Target) -> int:
     return int(eos) if eos in target.stop_token_ids else int(target.stop_token_ids[0])
 
 
-def user_turns(prompt: Any, *, multi_turn: bool) -> list[str]:
-    """The user turns to regenerate: `[prompt, *turns]` (PromptRecord.turns holds the later user turns)."""
-    later = list(getattr(prompt, "turns", None) or []) if multi_turn else []
+def user_turns(prompt: Any, *, multi_turn: bool | str) -> list[str]:
+    """The user turns to regenerate: `[prompt, *turns]` (PromptRecord.turns holds the later user turns); the first
+    alone with multi_turn off. Follow-ups are in `turns` already (`with_followups`)."""
+    later = list(getattr(prompt, "turns", None) or []) if multi_turn_mode(multi_turn) != "off" else []
     return [prompt.prompt, *later]
+
+
+def with_followups(prompts: Sequence[PromptRecord], *, seed: int) -> list[PromptRecord]:
+    """data.multi_turn=followup: each prompt without later turns of its own gets one follow-up user turn, the first
+    turn of another prompt of the same domain among `prompts` (of any other prompt when its domain has no other).
+
+    The draw is deterministic: candidates sorted by (id, text), index `derive_seed(seed, "followup", id) mod count`,
+    so it does not depend on the order of `prompts` (prepare sorts them by length) and a resumed run draws the same.
+    The follow-up is usually unrelated to the first exchange (a user moving on to a new question in one chat): what
+    it trains is answering a later turn with the conversation so far in context. A prompt alone in the list stays
+    single-turn. Prompts with their own later turns (mt-bench) keep them.
+    """
+    by_domain: dict[str, list[PromptRecord]] = {}
+    for p in prompts:
+        by_domain.setdefault(getattr(p, "domain", ""), []).append(p)
+    everyone = sorted(prompts, key=lambda p: (p.id, p.prompt))
+    out = []
+    for p in prompts:
+        same = sorted(by_domain[getattr(p, "domain", "")], key=lambda q: (q.id, q.prompt))
+        pool = [q for q in (same if len(same) > 1 else everyone) if q is not p]
+        if getattr(p, "turns", None) or not pool:
+            out.append(p)
+            continue
+        drawn = pool[derive_seed(seed, "followup", p.id) % len(pool)]
+        out.append(replace(p, turns=[drawn.prompt]))
+    return out
 
 
 def regen_cache_key(
@@ -108,25 +155,31 @@ def regen_cache_key(
     seed: int,
     max_length: int,
     min_loss_tokens: int,
-    multi_turn: bool = True,
+    multi_turn: bool | str = True,
     precision: str = "fp32",
+    server: dict[str, Any] | None = None,
 ) -> str:
     """sha256 over everything that determines the regenerated data (`precision` only when it is not fp32, so the
-    keys of fp32 caches stay what they were)."""
-    payload = {
-        "format": FORMAT_VERSION,
-        "target": target.fingerprint,
+    keys of fp32 caches stay what they were). `server`: a backend's record (`ServerRegenerator.record`: backend,
+    API, the served model's id and what else the server reports of it, how sampling is asked); it replaces the
+    in-process generation config and precision, which the server's text does not depend on. The target stays in
+    the key: its tokenizer and chat template make the sequences."""
+    payload: dict[str, Any] = {"format": FORMAT_VERSION, "target": target.fingerprint}
+    if server is None:
         # knobs we do not set explicitly could still come from the model's generation config
-        "generation_config": {
+        payload["generation_config"] = {
             k: v for k, v in target.model.generation_config.to_diff_dict().items() if k != "transformers_version"
-        },
+        }
+    else:
+        payload["server"] = server
+    payload |= {
         "prompts": [[p.id, getattr(p, "domain", ""), p.prompt, list(getattr(p, "turns", None) or [])] for p in prompts],
         "sampling": sampling_record(sampling, multi_turn=multi_turn),
         "seed": seed,
         "max_length": max_length,
         "min_loss_tokens": min_loss_tokens,
     }
-    if precision != "fp32":
+    if precision != "fp32" and server is None:
         payload["precision"] = precision
     return hashlib.sha256(json.dumps(payload, sort_keys=True, default=str).encode()).hexdigest()
 
@@ -141,17 +194,22 @@ def regenerate_responses(
     max_length: int = 4096,
     min_loss_tokens: int = 14,
     show_progress: bool = True,
-    multi_turn: bool = True,
+    multi_turn: bool | str = True,
     precision: str = "fp32",
+    backend: Any = None,
 ) -> Path:
     """Regenerate every prompt's response(s) with the target; return the cached dataset directory (resumable).
 
     prompts: objects with `.id`, `.prompt`, optional `.turns` and `.domain` (PromptRecord); later turns are
-    regenerated one at a time unless `multi_turn=False`. `sampling.system_prompt` None keeps the chat template's own
+    regenerated one at a time unless `multi_turn` is off (False); "followup" first adds a drawn follow-up turn to the
+    prompts without one (`with_followups`). `sampling.system_prompt` None keeps the chat template's own
     default (SmolLM2 inserts a system turn; the manifest records `template_default_system_prompt`). Finished shards of
     an earlier run with the same key are kept; a finished directory is returned without generating anything.
     precision: "fp32" (the target's own dtype) or "bf16" (autocast; module docstring), as
-    `dspark.data.features.resolve_prefill_precision` resolves `data.regen_precision`.
+    `dspark.data.features.resolve_prefill_precision` resolves `data.regen_precision`; in-process only.
+    backend: None = the target samples in this process; else an object with `record` (a JSON-able dict for the
+    cache key), `manifest_record` (the same for the manifest, credentials masked) and `regenerate_shards` (the
+    `ServerRegenerator` of dspark.data.regen_server), which writes the same sequences through `on_shard`.
     """
     if precision not in ("fp32", "bf16"):
         raise ValueError(
@@ -160,6 +218,8 @@ def regenerate_responses(
         )
     if max_length < 2:
         raise ValueError(f"data.max_length={max_length} must be >= 2; set the sequence length cap")
+    if multi_turn_mode(multi_turn) == "followup":
+        prompts = with_followups(prompts, seed=seed)
     key = regen_cache_key(
         target,
         prompts,
@@ -169,6 +229,7 @@ def regenerate_responses(
         min_loss_tokens=min_loss_tokens,
         multi_turn=multi_turn,
         precision=precision,
+        server=None if backend is None else backend.record,
     )
     out_dir = Path(cache_dir) / "regen" / key
     with building(out_dir) as whole:  # one builder at a time; a damaged finished cache comes back unfinished
@@ -188,6 +249,8 @@ def regenerate_responses(
             multi_turn=multi_turn,
             precision=precision,
         )
+        if backend is not None:
+            manifest |= {"backend": backend.manifest_record, "precision": None}
         atomic_write_bytes(out_dir / MANIFEST, json.dumps(manifest, indent=2).encode(), key="paths.root")
         todo = [i for i in range(len(batches)) if not shard_path(out_dir, i).exists()]
         bar = tqdm(
@@ -197,9 +260,30 @@ def regenerate_responses(
             desc="regenerate",
             disable=not show_progress,
         )
-        tokens, seconds = 0, 0.0
+        tokens, started_run = 0, time.perf_counter()
+
+        def on_shard(index: int, rows: list[RegeneratedSequence], stats: dict[str, Any]) -> None:
+            nonlocal tokens
+            _write_shard(shard_path(out_dir, index), rows, stats)
+            tokens += stats["generated_tokens"]
+            bar.update(1)
+            bar.set_postfix(tok_s=f"{tokens / max(time.perf_counter() - started_run, 1e-9):.1f}")
+
+        if backend is not None:
+            backend.regenerate_shards(
+                target,
+                {index: batches[index] for index in todo},
+                sampling=sampling,
+                seed=seed,
+                max_length=max_length,
+                min_loss_tokens=min_loss_tokens,
+                multi_turn=multi_turn,
+                on_shard=on_shard,
+                out_dir=out_dir,
+                num_shards=len(batches),
+            )
         bf16 = precision == "bf16"
-        for index in todo:
+        for index in todo if backend is None else []:
             started = time.perf_counter()
             with (
                 torch.autocast(device_type=target.device.type, dtype=torch.bfloat16, enabled=bf16),
@@ -215,10 +299,7 @@ def regenerate_responses(
                     multi_turn=multi_turn,
                 )
             stats["seconds"] = time.perf_counter() - started
-            _write_shard(shard_path(out_dir, index), rows, stats)
-            tokens, seconds = tokens + stats["generated_tokens"], seconds + stats["seconds"]
-            bar.update(1)
-            bar.set_postfix(tok_s=f"{tokens / max(seconds, 1e-9):.1f}")
+            on_shard(index, rows, stats)
         bar.close()
         manifest["stats"] = _sum_shard_stats(out_dir, len(batches))
         seal_cache(out_dir, manifest, [shard_path(out_dir, i).name for i in range(len(batches))])
@@ -269,7 +350,7 @@ def regenerate_batch(
     seed: int,
     max_length: int,
     min_loss_tokens: int,
-    multi_turn: bool = True,
+    multi_turn: bool | str = True,
 ) -> tuple[list[RegeneratedSequence], dict[str, int]]:
     """Sample one batch of prompts turn by turn (first turns only without `multi_turn`); returns the kept sequences
     and counters for the manifest."""
@@ -285,7 +366,7 @@ def regenerate_batch(
             if not active:
                 break
             for i in active:
-                ids = _next_prompt_ids(target, histories[i], turns[i][turn], sampling=sampling, eot=eot)
+                ids = next_prompt_ids(target, histories[i], turns[i][turn], sampling=sampling, eot=eot)
                 seqs[i].input_ids += ids
                 seqs[i].loss_mask += [0] * len(ids)
             responses = sample_responses(target, [seqs[i].input_ids for i in active], sampling=sampling, eot=eot)
@@ -296,6 +377,14 @@ def regenerate_batch(
                 seqs[i].truncated |= not hit_stop
                 content = target.tokenizer.decode(response[:-1], skip_special_tokens=True)
                 histories[i] += [{"role": "user", "content": turns[i][turn]}, {"role": "assistant", "content": content}]
+    return finish_sequences(seqs, max_length=max_length, min_loss_tokens=min_loss_tokens, generated=generated)
+
+
+def finish_sequences(
+    seqs: Sequence[RegeneratedSequence], *, max_length: int, min_loss_tokens: int, generated: int
+) -> tuple[list[RegeneratedSequence], dict[str, int]]:
+    """One shard's sequences cut at `max_length` and without those under `min_loss_tokens` loss tokens, with the
+    shard's counters (`generated`: tokens the target sampled, stop tokens included)."""
     kept = [s for s in map(lambda s: _clip(s, max_length), seqs) if sum(s.loss_mask) >= min_loss_tokens]
     stats = {
         "sequences": len(kept),
@@ -314,7 +403,7 @@ def _clip(seq: RegeneratedSequence, max_length: int) -> RegeneratedSequence:
     return seq
 
 
-def _next_prompt_ids(
+def next_prompt_ids(
     target: Target, history: list[dict[str, str]], user_text: str, *, sampling: SamplingConfig, eot: int
 ) -> list[int]:
     """Ids to append before the next response: the whole prompt for turn 1, else the text between the previous

@@ -25,6 +25,11 @@ with; "measured" re-prices them after every round from what the rounds paid — 
 and the round's cost outside the verify forward (`scheduling.measured.MeasuredRoundCosts`), kept across `generate`
 calls of one engine.
 
+Verifier (`verifier`, decode.verifier): "token" (token-by-token rejection sampling) or "block" (block verification),
+both lossless for every policy's ℓ (`decoding.verify`). Bypass (`bypass`, decode.bypass): "cost" asks a
+`scheduling.bypass.DraftingGate` before step 2 whether drafting pays; when it does not, the round skips steps 2–3
+(nothing drafted, ℓ = 0) and is a plain target step through steps 4–8 — the target-only round, one uniform.
+
 Generation stops at a stop id or once `max_new_tokens` are committed (the last round counts whole in the records;
 `new_tokens` is truncated). Without a proposer every round is one target forward over the anchor (ℓ = 0, τ = 1):
 the target-only baseline, through the same code path and the same verifier.
@@ -40,7 +45,8 @@ import torch
 from torch import Tensor
 
 from dspark.calibration.sts import STSCalibration
-from dspark.config.schema import STEP_COSTS
+from dspark.config.schema import BYPASS_MODES, STEP_COSTS
+from dspark.decoding.confidence import observe_round
 from dspark.decoding.policies import VerificationPolicy, build_policy
 from dspark.decoding.proposers import Proposal, Proposer
 from dspark.decoding.records import GenerationResult, RoundRecord
@@ -49,6 +55,7 @@ from dspark.decoding.shared import (
     STOP_MAX_NEW_TOKENS,
     check_calibration,
     check_max_new_tokens,
+    check_calibrated_input,
     check_policy_drafter,
     check_temperature,
     commit_verified,
@@ -60,7 +67,8 @@ from dspark.decoding.shared import (
     step_confidences,
     stop_reason,
 )
-from dspark.decoding.verify import probs_from_logits, verify_drafts_from_logits
+from dspark.decoding.verify import probs_from_logits, resolve_verifier, verify_drafts_from_logits
+from dspark.scheduling.bypass import BypassCosts, DraftingGate
 from dspark.scheduling.measured import MeasuredRoundCosts
 from dspark.timing import synchronize
 
@@ -87,6 +95,8 @@ class SpeculativeEngine:
     policy None = `fixed`; `calibration` (STS) is applied to the confidences before policies that read calibrated
     ones (`scheduler`, `async`, `calibrated_threshold`) and recorded in every round either way. `step_costs`
     (`decode.step_costs`): "profile" | "measured" (module docstring; policies without an SPS table ignore it).
+    `verifier` (decode.verifier): "token" | "block". `bypass` (decode.bypass): "off" | "cost", priced on the measured
+    round seconds, or on `bypass_costs` when given (a fixed table: decisions that do not follow the clock).
     """
 
     def __init__(
@@ -99,8 +109,17 @@ class SpeculativeEngine:
         max_new_tokens: int,
         calibration: STSCalibration | None = None,
         step_costs: str = "profile",
+        verifier: str = "token",
+        bypass: str = "off",
+        bypass_costs: BypassCosts | None = None,
     ) -> None:
         self.temperature = check_temperature(temperature, KEY)
+        self.verifier = resolve_verifier(verifier, key=KEY)
+        if bypass not in BYPASS_MODES:
+            raise ValueError(
+                f"{KEY}.bypass={bypass!r}: choose one of {', '.join(BYPASS_MODES)} (off: draft every round; cost: a "
+                "plain target step whenever drafting does not pay on the measured round costs)"
+            )
         self.max_new_tokens = check_max_new_tokens(max_new_tokens, KEY)
         if step_costs not in STEP_COSTS:
             raise ValueError(
@@ -111,12 +130,20 @@ class SpeculativeEngine:
         policy = policy if policy is not None else build_policy("fixed")
         if proposer is not None:
             check_policy_drafter(policy, has_confidence=proposer.has_confidence, key=KEY)
+            check_calibrated_input(policy, calibration, key=KEY)
             check_calibration(calibration, block_size=proposer.block_size)
         self.target, self.proposer, self.policy, self.calibration = target, proposer, policy, calibration
         self.stop_ids = frozenset(int(t) for t in target.stop_token_ids)
         self.max_positions = getattr(target.hf_config, "max_position_embeddings", None)
         self._policy_hook = drafting_hook(policy, calibration)
         self._max_drafts = draft_limit(policy)
+        self.gate = (
+            DraftingGate(
+                max_tokens=min(proposer.block_size, self._max_drafts or proposer.block_size) + 1, costs=bypass_costs
+            )
+            if bypass == "cost" and proposer is not None
+            else None
+        )
         profile = getattr(policy, "sps", None)
         self.round_costs = (
             MeasuredRoundCosts(profile)
@@ -175,8 +202,10 @@ class SpeculativeEngine:
     @torch.no_grad()
     def _round(self, state: _Decoding, generator: torch.Generator | None) -> RoundRecord:
         start, position, anchor = time.perf_counter(), state.position, state.anchor
-        # 2. Propose from the context of positions 0..p-1.
-        proposal = self._propose(state, generator)
+        # 2. Propose from the context of positions 0..p-1 — unless decode.bypass finds that drafting does not pay:
+        #    then nothing is drafted and the round is a plain target step (ℓ = 0).
+        drafting = self.gate is None or self.gate.draft()
+        proposal = self._propose(state, generator) if drafting else self._no_proposal()
         drafts = proposal.tokens.tolist()
         # 3. Calibrate, choose ℓ; cut at the first drafted stop id and at the end of the target's context.
         calibrated, policy_input = step_confidences(self.policy, proposal.confidences, self.calibration)
@@ -186,9 +215,11 @@ class SpeculativeEngine:
         block = torch.tensor([[anchor, *drafts[:num_verified]]], dtype=torch.long, device=self.target.device)
         forward = self.target.forward(block, cache=state.cache)
         target_logits = self.target.logits_from_hidden(forward.final_hidden[0])
-        # 5. The one verifier (p_t = softmax(logits / T) row by row, only as far as it reads: the same result as on
-        #    every row's p_t, `verify_drafts_from_logits`).
-        result = verify_drafts_from_logits(
+        # 5. The verifier (token: p_t = softmax(logits / T) row by row, only as far as it reads, the same result as
+        #    on every row's p_t, `verify_drafts_from_logits`; block: every row). The token verifier is called by its
+        #    module name here: tests/test_lossless.py swaps that name for a biased one to show its test can fail.
+        verify = verify_drafts_from_logits if self.verifier.name == "token" else self.verifier.from_logits
+        result = verify(
             draft_tokens=proposal.tokens[:num_verified],
             draft_probs=proposal.draft_probs[:num_verified],
             target_logits=target_logits,
@@ -199,6 +230,7 @@ class SpeculativeEngine:
         verify_seconds = time.perf_counter() - verify_start
         # 6. Commit the accepted drafts and the extra token (an accepted stop id ends the round without one).
         accepted, committed, extra = commit_verified(result, self.stop_ids)
+        observe_round(self.proposer, verified=[num_verified], accepted=[result.num_accepted])
         state.new_tokens.extend(committed)
         state.done = is_done(extra, stop_ids=self.stop_ids, committed=len(state.new_tokens), limit=state.limit)
         extend_seconds = 0.0
@@ -214,8 +246,18 @@ class SpeculativeEngine:
                 extend_seconds = time.perf_counter() - extend_start
             state.anchor, state.position = extra, keep
         total = time.perf_counter() - start
+        if self.gate is not None:
+            self.gate.observe(
+                drafted=drafting,
+                committed=len(committed),
+                verified=num_verified,
+                seconds=total,
+                verify_seconds=verify_seconds,
+            )
         if self.round_costs is not None:  # decode.step_costs=measured: price the next round by what this one paid
-            self.round_costs.observe(num_verified + 1, verify_seconds, total - verify_seconds)
+            # a plain step (decode.bypass) prices B = 1 but not the drafting rounds' overhead (NaN: not observed)
+            overhead = total - verify_seconds if drafting else float("nan")
+            self.round_costs.observe(num_verified + 1, verify_seconds, overhead)
             self.policy.reprice(self.round_costs.table())
             total = time.perf_counter() - start  # the re-pricing counts as this round's "other"
         return self._record(
@@ -230,14 +272,18 @@ class SpeculativeEngine:
             seconds=(total, verify_seconds, extend_seconds),
         )
 
+    def _no_proposal(self) -> Proposal:
+        """No drafts (target-only decoding, a bypassed round): ℓ = 0, the target's own step."""
+        device, vocab = self.target.device, self.target.vocab_size
+        return Proposal(
+            torch.zeros(0, dtype=torch.long, device=device),
+            torch.zeros(0, vocab, dtype=torch.float32, device=device),
+            None,
+        )
+
     def _propose(self, state: _Decoding, generator: torch.Generator | None) -> Proposal:
         if self.proposer is None:
-            device, vocab = self.target.device, self.target.vocab_size
-            return Proposal(
-                torch.zeros(0, dtype=torch.long, device=device),
-                torch.zeros(0, vocab, dtype=torch.float32, device=device),
-                None,
-            )
+            return self._no_proposal()
         return self.proposer.propose(
             anchor_token=state.anchor,
             anchor_position=state.position,

@@ -25,7 +25,10 @@ calibration reads the raw c_k. So `threshold` compares the same numbers in `deco
 the same thing in the Fig. 5 sweep, in evaluation and under load.
 
 All are prefix rules whose decision on slot k depends on c_{≤k} only (or on stale confidences), so verification
-stays lossless (METHOD §5, Appendix A). Drafts that will never be verified are not drafted (the lean round, issue 11):
+stays lossless (METHOD §5, Appendix A) — with the token verifier and with block verification (`decoding.verify`).
+The one exception is opt-in: `scheduler` with `scheduler_stop=global_argmax` (decode.scheduler_stop /
+serve.scheduler_stop) searches the whole staircase, so slot k's fate reads c_{k+1..}, which depend on x_k: biased
+(paper Appendix A; `scheduling.scheduler`). Every policy says which it is (`lossless`), and runs flag the lossy one. Drafts that will never be verified are not drafted (the lean round, issue 11):
 - `max_drafts` (static k, mtp1 1; None otherwise): the proposers sample at most that many slots;
 - `stop_drafting(c [R, k] or [k])` (threshold, calibrated_threshold, scheduler): True when no request's slot k or
   later will be verified whatever is drafted next, so the proposers stop before sampling x_{·,k}. The ℓ chosen on
@@ -43,10 +46,12 @@ import torch
 from torch import Tensor
 
 from dspark.calibration.sts import STSCalibration
-from dspark.config.schema import SCHEDULER_COSTS
+from dspark.config.schema import SCHEDULER_COSTS, SCHEDULER_STOPS
 from dspark.registry import Registry, unknown_name_message
 from dspark.scheduling.scheduler import (
+    GLOBAL_ARGMAX,
     async_capacity_schedule,
+    check_stop,
     columns_drafting_done,
     drafting_done,
     plan_columns,
@@ -58,6 +63,7 @@ from dspark.scheduling.sps import SPSTable
 
 RAW, CALIBRATED = "raw", "calibrated"
 TOKENS, COLUMNS = SCHEDULER_COSTS  # the scheduler's cost models (serve.scheduler_cost)
+FIRST_NON_IMPROVEMENT = SCHEDULER_STOPS[0]  # the scheduler's default stop rule (decode.scheduler_stop)
 
 
 class VerificationPolicy(Protocol):
@@ -66,6 +72,7 @@ class VerificationPolicy(Protocol):
     name: str
     needs_confidences: bool
     reads: str  # "raw" | "calibrated"
+    lossless: bool  # False only for the scheduler's opt-in global_argmax stop (module docstring)
 
     def choose(self, *, confidences: Tensor | None, num_drafts: Tensor) -> Tensor: ...
 
@@ -135,6 +142,7 @@ class StaticPolicy:
     key: str = "decode"
     needs_confidences = False
     reads = RAW
+    lossless = True
 
     def __post_init__(self) -> None:
         if self.k is not None and int(self.k) < 0:
@@ -163,6 +171,7 @@ class ThresholdPolicy:
     reads: str = RAW
     key: str = "decode"
     needs_confidences = True
+    lossless = True
 
     def __post_init__(self) -> None:
         if not 0.0 <= float(self.threshold) <= 1.0:
@@ -212,11 +221,13 @@ class SchedulerPolicy:
     columns priced as the padded batched engine pays for them (cost "columns", `scheduler.plan_columns`).
 
     With one request a column is a candidate and both costs make Algorithm 1's decision (tested), so R = 1 takes the
-    float fast path whatever the cost."""
+    float fast path whatever the cost. `stop` (decode.scheduler_stop / serve.scheduler_stop): first_non_improvement
+    (Algorithm 1) | global_argmax (the whole staircase's argmax: lossy, `lossless` is False; drafts every slot)."""
 
     sps: SPSTable | None
     key: str = "decode"
     cost: str = TOKENS
+    stop: str = FIRST_NON_IMPROVEMENT
     name = "scheduler"
     needs_confidences = True
     reads = CALIBRATED
@@ -225,18 +236,25 @@ class SchedulerPolicy:
     def __post_init__(self) -> None:
         _require_sps(self.name, self.sps, self.key)
         _check_scheduler_cost(self.cost, self.key)
+        check_stop(self.stop, key=self.key)
+
+    @property
+    def lossless(self) -> bool:
+        """Whether slot k's fate depends on c_{≤k} only (Algorithm 1's stop), so the output is the target's."""
+        return self.stop != GLOBAL_ARGMAX
 
     def choose(self, *, confidences: Tensor | None, num_drafts: Tensor | int) -> Tensor:
         row = _single_request_row(confidences, num_drafts)
         if row is not None:  # the single-request engine, every round: the same decision from plain floats
-            return torch.tensor([schedule_single(row, rates=self._rates(len(row) + 1))])
+            return torch.tensor([schedule_single(row, rates=self._rates(len(row) + 1), stop=self.stop)])
         num_drafts = as_counts(num_drafts)
         values = _check(self.name, confidences, num_drafts, key=self.key)
         if values.numel() == 0:
             return torch.zeros(values.shape[0], dtype=torch.long)
         if self.cost == COLUMNS:
-            return plan_columns(values, sps=self.sps, num_drafts=num_drafts).lengths
-        return _cap(schedule_verification(values, sps=self.sps), num_drafts)
+            return plan_columns(values, sps=self.sps, num_drafts=num_drafts, stop=self.stop).lengths
+        search = {"early_stop": False, "allow_unsafe_full_search": True} if not self.lossless else {}
+        return _cap(schedule_verification(values, sps=self.sps, **search), num_drafts)
 
     max_drafts = None
 
@@ -244,7 +262,9 @@ class SchedulerPolicy:
         """confidences [k] (one request) or [R, k]: c̃ of slots 1..k, known before x_{·,k} is sampled → True when
         the early-stop plan can admit no slot ≥ k whatever is drafted next (`scheduling.scheduler.drafting_done`,
         or `columns_drafting_done` for cost "columns"; for one request, `schedule_single` on c̃_1..c̃_k stops
-        before k)."""
+        before k). Never with global_argmax: its decision on slot k reads the slots after it."""
+        if not self.lossless:
+            return False
         row = _single_request_row(confidences, confidences.shape[-1])
         if row is not None:
             return single_drafting_done(row, rates=self._rates(len(row) + 1))
@@ -278,6 +298,7 @@ class AsyncPolicy:
     name = "async"
     needs_confidences = True
     reads = CALIBRATED
+    lossless = True  # the full search runs on confidences two steps old, fixed before these drafts
     max_drafts = None
     _history: deque = field(default_factory=lambda: deque(maxlen=2), repr=False)
 
@@ -305,20 +326,25 @@ class AsyncPolicy:
         self._history.clear()
 
 
-# Every builder takes the same keywords (static_k, threshold, sps, key, cost) and uses those it needs.
+# Every builder takes the same keywords (static_k, threshold, sps, key, cost, stop) and uses those it needs.
 POLICIES: Registry = Registry("decode.policy / serve.policy")
-POLICIES.add("fixed", lambda *, static_k, threshold, sps, key, cost: StaticPolicy(None, name="fixed", key=key))
-POLICIES.add("mtp1", lambda *, static_k, threshold, sps, key, cost: StaticPolicy(1, name="mtp1", key=key))
-POLICIES.add("static", lambda *, static_k, threshold, sps, key, cost: StaticPolicy(static_k, name="static", key=key))
-POLICIES.add("threshold", lambda *, static_k, threshold, sps, key, cost: ThresholdPolicy(threshold, key=key))
+POLICIES.add("fixed", lambda *, static_k, threshold, sps, key, cost, stop: StaticPolicy(None, name="fixed", key=key))
+POLICIES.add("mtp1", lambda *, static_k, threshold, sps, key, cost, stop: StaticPolicy(1, name="mtp1", key=key))
+POLICIES.add(
+    "static", lambda *, static_k, threshold, sps, key, cost, stop: StaticPolicy(static_k, name="static", key=key)
+)
+POLICIES.add("threshold", lambda *, static_k, threshold, sps, key, cost, stop: ThresholdPolicy(threshold, key=key))
 POLICIES.add(
     "calibrated_threshold",
-    lambda *, static_k, threshold, sps, key, cost: ThresholdPolicy(
+    lambda *, static_k, threshold, sps, key, cost, stop: ThresholdPolicy(
         threshold, name="calibrated_threshold", reads=CALIBRATED, key=key
     ),
 )
-POLICIES.add("scheduler", lambda *, static_k, threshold, sps, key, cost: SchedulerPolicy(sps, key=key, cost=cost))
-POLICIES.add("async", lambda *, static_k, threshold, sps, key, cost: AsyncPolicy(sps, key=key))
+POLICIES.add(
+    "scheduler",
+    lambda *, static_k, threshold, sps, key, cost, stop: SchedulerPolicy(sps, key=key, cost=cost, stop=stop),
+)
+POLICIES.add("async", lambda *, static_k, threshold, sps, key, cost, stop: AsyncPolicy(sps, key=key))
 
 
 def build_policy(
@@ -330,11 +356,13 @@ def build_policy(
     key: str = "decode",
     calibration: None = None,
     scheduler_cost: str = TOKENS,
+    scheduler_stop: str = FIRST_NON_IMPROVEMENT,
 ) -> VerificationPolicy:
     """The policy named by `decode.policy` (key "decode") or `serve.policy` (key "serve"); errors name that key.
 
     scheduler_cost: the `scheduler`'s cost model, "tokens" (Algorithm 1) or "columns" (`serve.scheduler_cost`);
-    checked for every name, used by the scheduler only.
+    checked for every name, used by the scheduler only. scheduler_stop: the scheduler's stop rule, first_non_improvement
+    (Algorithm 1) or global_argmax (lossy; `decode.scheduler_stop`), likewise checked for every name.
     Policies never calibrate: pass the STS calibration to the engine (`SpeculativeEngine(calibration=...)`,
     `BatchedEngine(calibration=...)`), which applies it before the policy. `calibration` is accepted only as None
     (older callers passed it here).
@@ -347,7 +375,10 @@ def build_policy(
     if name not in POLICIES:
         raise ValueError(unknown_name_message(f"{key}.policy", name, POLICIES.names()))
     _check_scheduler_cost(scheduler_cost, key)
-    return POLICIES.resolve(name)(static_k=static_k, threshold=threshold, sps=sps, key=key, cost=scheduler_cost)
+    check_stop(scheduler_stop, key=key)
+    return POLICIES.resolve(name)(
+        static_k=static_k, threshold=threshold, sps=sps, key=key, cost=scheduler_cost, stop=scheduler_stop
+    )
 
 
 def calibrate_confidences(calibration: STSCalibration, confidences: Tensor) -> Tensor:

@@ -30,6 +30,7 @@ from typing import Protocol
 import torch
 from torch import Tensor, nn
 
+from dspark.decoding.confidence import ConfidenceSource, source_has_confidence, top_probability
 from dspark.decoding.drafting import (
     ParallelStage,
     draft_to_target,
@@ -139,10 +140,14 @@ class DSparkProposer:
     stage's dtype. fp32 by default so that library callers get the drafter's own numbers unless they ask.
     """
 
-    def __init__(self, drafter: DSparkDrafter, *, precision: str = "fp32") -> None:
+    def __init__(
+        self, drafter: DSparkDrafter, *, precision: str = "fp32", confidence: ConfidenceSource | None = None
+    ) -> None:
         self.drafter = drafter.eval()
         self.block_size = drafter.block_size
-        self.has_confidence = drafter.confidence_head is not None
+        # `confidence` (decode.confidence): where c_k comes from; None = the head, as before sources existed
+        self.confidence = confidence
+        self.has_confidence = source_has_confidence(confidence, has_head=drafter.confidence_head is not None)
         self.vocab_size = drafter.spec.vocab_size
         self.stage = ParallelStage(drafter, resolve_precision(precision, drafter.backbone.mask_embedding.device))
         prepare_sequential_head(drafter, self.stage.ids)
@@ -262,6 +267,9 @@ class DSparkProposer:
         to_target = self._draft_id_list
         prev = torch.tensor([anchor_token], device=hidden.device)
         state, tokens, probs, confidences = None, [], [], []
+        source = self.confidence
+        if source is not None:
+            source.reset(1)
         for k in range(draft_count(self.block_size, max_drafts)):
             logits, conf_logit, state = self.drafter.sequential_step(
                 hidden_k=hidden[k : k + 1], parallel_logits_k=parallel_logits[k : k + 1], prev_token=prev, state=state
@@ -272,8 +280,11 @@ class DSparkProposer:
                     break
             elif not bool(usable_logits(logits)):
                 break
-            if conf_logit is not None:
-                confidence = float(torch.sigmoid(conf_logit.float()))
+            head = None if conf_logit is None else torch.sigmoid(conf_logit.float()).reshape(1)
+            if source is not None and self.has_confidence:  # c_k from q_k (never from x_k: `confidence` module)
+                head = source.slot(k, head=head, top_prob=top_probability(logits, temperature))
+            if head is not None:
+                confidence = float(head)
                 confidences.append(confidence if confidence == confidence else 0.0)  # NaN reads as 0
                 if policy_hook is not None and policy_hook(torch.tensor(confidences)):
                     break
@@ -332,9 +343,12 @@ class Eagle3Proposer:
     (`Eagle3Drafter.extend_context`, timed as the parallel stage), then the chain (`draft_from`, sequential).
     """
 
-    has_confidence = False
-
-    def __init__(self, drafter: Eagle3Drafter, *, precision: str = "fp32") -> None:
+    def __init__(
+        self, drafter: Eagle3Drafter, *, precision: str = "fp32", confidence: ConfidenceSource | None = None
+    ) -> None:
+        # no head: confidences only from a head-less source (decode.confidence=draft_max_prob | online)
+        self.confidence = confidence
+        self.has_confidence = source_has_confidence(confidence, has_head=False)
         self.drafter = drafter.eval()
         self.block_size = drafter.block_size
         self.vocab_size = drafter.spec.vocab_size
@@ -398,18 +412,27 @@ class Eagle3Proposer:
         policy_hook: PolicyHook | None = None,
         max_drafts: int | None = None,
     ) -> Proposal:
-        """`policy_hook` is unused: EAGLE-3 has no confidences; the chain runs at most `max_drafts` steps. Sampling is over the draft vocabulary; a step with
-        unusable logits ends the chain before it (`drafting` module)."""
+        """The chain runs at most `max_drafts` steps, over the draft vocabulary; a step with unusable logits ends it
+        before it (`drafting` module). EAGLE-3 has no head: with a head-less `confidence` source each step's c_k is
+        read from q_k before x_k is drawn, and `policy_hook` may stop the chain there, as in DSpark's loop."""
         start = time.perf_counter()
         last = self.step0(anchor_token, anchor_position)
         device = last.device
         chain_start = time.perf_counter()
-        tokens, probs = [], []
+        tokens, probs, confidences = [], [], []
         count = draft_count(self.block_size, max_drafts)
+        source = self.confidence if self.has_confidence else None
+        if source is not None:
+            source.reset(1)
 
         def sample(logits: Tensor) -> tuple[Tensor, Tensor]:
             if not bool(usable_logits(logits).all()):
-                raise _UnusableSlot
+                raise _StopChain
+            if source is not None:
+                top = top_probability(logits.reshape(1, -1), temperature)
+                confidences.append(float(source.slot(len(tokens), head=None, top_prob=top)))
+                if policy_hook is not None and policy_hook(torch.tensor(confidences)):
+                    raise _StopChain  # the policy verifies no later slot: the chain stops before drawing x_k
             index, p = _sample(logits, temperature, generator)  # a draft id; the chain maps it to a target id
             tokens.append((index if self._ids is None else self._ids[index]).reshape(1))
             probs.append(p.reshape(1, -1))
@@ -418,31 +441,37 @@ class Eagle3Proposer:
         try:
             if count > 0:
                 self.drafter.draft_from(self._context, last, num_tokens=count, sample_fn=sample, stop_ids=stop_ids)
-        except _UnusableSlot:
+        except _StopChain:
             pass  # the drafts before the faulty step stand (each was sampled from its own, usable p_d)
         synchronize(device)
         tokens_, probs_ = _stack_proposal(tokens, probs, self._draft_vocab, device)
+        conf = (
+            torch.tensor(confidences[: len(tokens)], dtype=torch.float32, device=device) if source is not None else None
+        )
         return Proposal(
             tokens_,
             to_target_probs(probs_.float(), self._ids, self.vocab_size),
-            None,
+            conf,
             seconds_parallel=chain_start - start,
             seconds_sequential=time.perf_counter() - chain_start,
         )
 
 
-class _UnusableSlot(Exception):
-    """Raised inside EAGLE-3's chain to stop it at a step whose logits define no distribution."""
+class _StopChain(Exception):
+    """Raised inside EAGLE-3's chain to stop it before a step: its logits define no distribution, or the policy verifies no later slot."""
 
 
-def build_proposer(drafter: nn.Module | None, *, precision: str = "fp32") -> DSparkProposer | Eagle3Proposer | None:
-    """The proposer of a drafter module (None → None: target-only decoding); `precision` = decode.drafter_precision."""
+def build_proposer(
+    drafter: nn.Module | None, *, precision: str = "fp32", confidence: ConfidenceSource | None = None
+) -> DSparkProposer | Eagle3Proposer | None:
+    """The proposer of a drafter module (None → None: target-only decoding); `precision` = decode.drafter_precision,
+    `confidence` = the decode.confidence source (None: the head's c_k, when the drafter has one)."""
     if drafter is None:
         return None
     if isinstance(drafter, DSparkDrafter):
-        return DSparkProposer(drafter, precision=precision)
+        return DSparkProposer(drafter, precision=precision, confidence=confidence)
     if isinstance(drafter, Eagle3Drafter):
-        return Eagle3Proposer(drafter, precision=precision)
+        return Eagle3Proposer(drafter, precision=precision, confidence=confidence)
     raise ValueError(
         f"no proposer for a {type(drafter).__name__}; expected a DSparkDrafter (dspark, dflash) or an "
         "Eagle3Drafter (eagle3), e.g. from dspark.api.load_trained_drafter"

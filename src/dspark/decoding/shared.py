@@ -52,8 +52,19 @@ def check_policy_drafter(policy: VerificationPolicy | None, *, has_confidence: b
     """A policy that reads confidences needs a drafter with a confidence head (refused before any work)."""
     if policy is not None and getattr(policy, "needs_confidences", False) and not has_confidence:
         raise ValueError(
-            f"{key}.policy={getattr(policy, 'name', policy)} needs a drafter with a confidence head "
-            f"(drafter=dspark); dflash and eagle3 have none: use {key}.policy=fixed, mtp1 or static"
+            f"{key}.policy={getattr(policy, 'name', policy)} needs c_k: a drafter with a confidence head "
+            f"(drafter=dspark) or a head-less confidence source ({key}.confidence=draft_max_prob or online); "
+            f"otherwise use {key}.policy=fixed, mtp1 or static"
+        )
+
+
+def check_calibrated_input(policy: VerificationPolicy | None, calibration: STSCalibration | None, *, key: str) -> None:
+    """`calibrated_threshold` without a calibration would silently compare raw c_k with θ: refused. The planning
+    policies (scheduler, async) also read c̃_k but may run on raw c_k as an ablation; the stages state it loudly."""
+    if calibration is None and getattr(policy, "name", None) == "calibrated_threshold":
+        raise ValueError(
+            f"{key}.policy=calibrated_threshold reads STS-calibrated c̃_k but no calibration was given; fit one "
+            f"(decode.calibrate=true) or use {key}.policy=threshold for raw c_k"
         )
 
 

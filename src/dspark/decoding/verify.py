@@ -18,14 +18,49 @@ r of `verify_drafts_batched(..., uniforms=U)` exactly.
 
 Stop handling is not done here: if an accepted draft is a stop id, the engine truncates the round at it and
 discards `next_token` (METHOD §5, "End of sequence").
+
+Block verification (`decode.verifier=block`, `serve.verifier=block`; Sun et al. 2024, arXiv 2403.10444, their
+Algorithm 2, written from the paper's equations). The block is verified jointly instead of slot by slot. With
+q_i = p_d_i(x_i) and p_i = p_t_i(x_i), the weights
+
+    w_0 = 1,    w_i = min(1, w_{i-1} · p_i / q_i)                                          i = 1..ℓ
+    r_i = Σ_v max(0, w_i · p_t_{i+1}(v) − p_d_{i+1}(v))                                    i = 0..ℓ-1
+    h_i = r_i / (r_i + 1 − w_i)   (1 when w_i = 1),    h_ℓ = w_ℓ
+
+give τ = the largest i ∈ 1..ℓ with u[i-1] < h_i (0 when there is none): x_1..x_τ are accepted, and the extra token is
+a bonus y ~ p_t_{ℓ+1} when τ = ℓ, else y ~ norm(max(0, w_τ · p_t_{τ+1} − p_d_{τ+1})) (p_t_{τ+1} when that mass
+< 1e-12). At τ = 0 (w_0 = 1) the correction is token verification's residual, and at ℓ = 1 the two verifiers
+coincide. Unlike the token verifier, x_1's fate depends on the drafts after it, so every p_t row 1..ℓ+1 is formed.
+What it buys: given the accepted-so-far prefix x_1..x_i, the block verifier keeps it with probability exactly w_i
+(`block_survival`; tests/test_block_verify.py checks this by exact enumeration), and w_i ≥ Π_{k≤i} min(1, p_k/q_k),
+token verification's keep probability — so E[τ] is never smaller than token verification's, in expectation over the
+drafts, for every length rule below (the paper proves the fixed-ℓ case). For one particular draft block it can be
+smaller: the gain is not per block. Uniforms: the same layout as the token verifier (u[i-1] decides η_i, u[ℓ] the
+extra token), so the same draws feed either verifier and `verify_block_batched` row r equals `verify_block` on row r.
+
+Why block verification stays exact when ℓ depends on the drafts. A policy chooses ℓ after drafting, from confidences
+c_k that depend on x_<k (METHOD §6): "ℓ ≥ k" is decided from x_<k alone — a stopping time of the draft sequence. The
+paper's theorem is for a fixed length γ and any autoregressive drafter. Run that fixed-γ verifier on a modified
+drafter that, once the rule has stopped at ℓ, drafts slots ℓ+1..γ from p_t itself (still autoregressive: the switch
+is decided by x_<ℓ+1). On those slots p_i/q_i = 1, so w_i = w_ℓ, r_i = 0 and h_i = 0 for ℓ ≤ i < γ (w_ℓ < 1;
+at w_ℓ = 1 both rounds accept every slot), and h_γ = w_ℓ:
+the fixed-γ round accepts past ℓ exactly when the length-ℓ round has τ = ℓ (probability w_ℓ), and then commits
+x_1..x_ℓ followed by target samples — what the length-ℓ round's bonus and the next rounds produce. Below ℓ both
+rounds use the same h_i and residuals. So the length-ℓ verifier's output, continued by the target, has the law of
+the fixed-γ verifier's on a valid drafter: the target's. The same argument fails when "ℓ ≥ k" reads x_k itself (the
+scheduler's global argmax, paper Appendix A): the modified drafter would have to know x_k before deciding how to
+sample it. Greedy mode (T = 0) is token verification's greedy matching for both verifiers.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
+
+from dspark.registry import Registry, unknown_name_message
 
 RESIDUAL_MIN_MASS = 1e-12  # below this the residual is numerically empty: fall back to p_t (p_d ≈ p_t there)
 
@@ -115,13 +150,16 @@ def sample_from_probs(
     return index
 
 
-def _extra_token_weights(target_row: Tensor, draft_row: Tensor | None) -> Tensor:
+def _extra_token_weights(target_row: Tensor, draft_row: Tensor | None, scale: Tensor | None = None) -> Tensor:
     """Weights of the extra token: residual max(0, p_t − p_d) after a rejection, else p_t (rows [..., V]), float64.
     The residual is formed in place in one float64 copy of p_t (float32 p_d widens exactly, so the values are those
-    of p_t64 − p_d64); p_t is re-read only for rows whose residual is empty."""
+    of p_t64 − p_d64); p_t is re-read only for rows whose residual is empty. `scale` [..., 1] float64: the block
+    verifier's residual max(0, w·p_t − p_d) (module docstring); None leaves p_t as it is (token verification)."""
     weights = target_row.to(torch.float64, copy=True)
     if draft_row is None:
         return weights
+    if scale is not None:
+        weights.mul_(scale)
     weights.sub_(draft_row).clamp_min_(0.0)
     empty = weights.sum(-1, keepdim=True) < RESIDUAL_MIN_MASS
     return torch.where(empty, target_row.to(torch.float64), weights) if bool(empty.any()) else weights
@@ -242,26 +280,51 @@ def verify_drafts_from_logits(
     raise AssertionError("unreachable")
 
 
-def _check_batched(draft_tokens: Tensor, draft_probs: Tensor, target_probs: Tensor, lengths: Tensor) -> None:
+def _check_batched(
+    draft_tokens: Tensor,
+    draft_probs: Tensor,
+    target_probs: Tensor,
+    lengths: Tensor,
+    *,
+    caller: str = "verify_drafts_batched",
+) -> None:
     if draft_tokens.dim() != 2 or target_probs.dim() != 3:
         raise ValueError(
-            "verify_drafts_batched: expected draft_tokens [R, L] and target_probs [R, L+1, V], got "
+            f"{caller}: expected draft_tokens [R, L] and target_probs [R, L+1, V], got "
             f"{tuple(draft_tokens.shape)} and {tuple(target_probs.shape)}"
         )
     num_requests, width = draft_tokens.shape
     vocab = target_probs.shape[-1]
     if tuple(target_probs.shape) != (num_requests, width + 1, vocab):
         raise ValueError(
-            f"verify_drafts_batched: target_probs must be [R, L+1, V] = {(num_requests, width + 1, vocab)}"
+            f"{caller}: target_probs must be [R, L+1, V] = {(num_requests, width + 1, vocab)}"
             f", got {tuple(target_probs.shape)}"
         )
     if tuple(draft_probs.shape) != (num_requests, width, vocab):
         raise ValueError(
-            f"verify_drafts_batched: draft_probs must be [R, L, V] = {(num_requests, width, vocab)}, "
-            f"got {tuple(draft_probs.shape)}"
+            f"{caller}: draft_probs must be [R, L, V] = {(num_requests, width, vocab)}, got {tuple(draft_probs.shape)}"
         )
     if tuple(lengths.shape) != (num_requests,) or bool((lengths < 0).any()) or bool((lengths > width).any()):
-        raise ValueError(f"verify_drafts_batched: lengths must be [R] with 0 <= ℓ_r <= L = {width}, got {lengths}")
+        raise ValueError(f"{caller}: lengths must be [R] with 0 <= ℓ_r <= L = {width}, got {lengths}")
+
+
+def _batched_uniforms(
+    uniforms: Tensor | None,
+    generator: torch.Generator | None,
+    *,
+    shape: tuple[int, int],
+    device: torch.device,
+    caller: str,
+) -> Tensor:
+    """The step's [R, L+1] float64 uniforms (module docstring layout): the given ones, checked, or one draw."""
+    if uniforms is None:
+        if generator is None:
+            raise ValueError(f"{caller}: sampling mode needs a torch.Generator or pre-drawn uniforms")
+        uniforms = draw_uniforms(shape, generator, device)
+    uniforms = uniforms.to(device=device, dtype=torch.float64)
+    if tuple(uniforms.shape) != shape:
+        raise ValueError(f"{caller}: uniforms must be [R, L+1] = {shape}, got {tuple(uniforms.shape)}")
+    return uniforms
 
 
 def _rejection_tests(draft_tokens: Tensor, draft_probs: Tensor, target_probs: Tensor, uniforms: Tensor) -> Tensor:
@@ -297,16 +360,13 @@ def verify_drafts_batched(
     if greedy:
         passed = draft_tokens == target_probs[:, :width].argmax(-1)
     else:
-        if uniforms is None:
-            if generator is None:
-                raise ValueError("verify_drafts_batched: sampling mode needs a torch.Generator or pre-drawn uniforms")
-            uniforms = draw_uniforms((num_requests, width + 1), generator, target_probs.device)
-        uniforms = uniforms.to(device=target_probs.device, dtype=torch.float64)
-        if tuple(uniforms.shape) != (num_requests, width + 1):
-            raise ValueError(
-                f"verify_drafts_batched: uniforms must be [R, L+1] = {(num_requests, width + 1)}, "
-                f"got {tuple(uniforms.shape)}"
-            )
+        uniforms = _batched_uniforms(
+            uniforms,
+            generator,
+            shape=(num_requests, width + 1),
+            device=target_probs.device,
+            caller="verify_drafts_batched",
+        )
         passed = _rejection_tests(draft_tokens, draft_probs, target_probs[:, :width], uniforms[:, :width])
     # A_r = length of the leading run of accepted slots.
     accepted = (passed & in_range).to(torch.long).cumprod(dim=1).sum(dim=1)
@@ -318,3 +378,181 @@ def verify_drafts_batched(
     weights = torch.where(rejected, _extra_token_weights(target_rows, draft_rows), target_rows.to(torch.float64))
     next_tokens = sample_from_probs(weights, uniforms=uniforms[rows, lengths], trusted=True)
     return BatchVerifyResult(accepted, next_tokens, draft_tokens)
+
+
+# ---- block verification (module docstring) ----
+
+
+def _block_weights(draft_tokens: Tensor, draft_probs: Tensor, target_probs: Tensor) -> Tensor:
+    """w [R, L+1] float64: w_0 = 1, w_i = min(1, w_{i-1}·p_i/q_i) for every padded slot (rows read past ℓ_r are
+    ignored by the callers). A draft the target forbids (p_i = 0) gives w_i = 0 even where q_i = 0, as the token
+    verifier rejects it; q_i = 0 < p_i gives 1 (an infinite ratio)."""
+    index = draft_tokens.unsqueeze(-1)
+    q = draft_probs.gather(-1, index).squeeze(-1).to(torch.float64)  # [R, L]
+    p = target_probs[:, : draft_tokens.shape[1]].gather(-1, index).squeeze(-1).to(torch.float64)
+    columns = [torch.ones(draft_tokens.shape[0], dtype=torch.float64, device=draft_tokens.device)]
+    for i in range(draft_tokens.shape[1]):  # a running min(1, ·): L ≤ γ small steps over [R]
+        kept = columns[-1] * p[:, i]
+        ratio = kept / q[:, i].clamp_min(torch.finfo(torch.float64).tiny)
+        columns.append(torch.where(kept >= q[:, i], (kept > 0).to(torch.float64), ratio))
+    return torch.stack(columns, dim=1)
+
+
+def _block_tau(weights: Tensor, draft_probs: Tensor, target_probs: Tensor, lengths: Tensor, uniforms: Tensor) -> Tensor:
+    """τ [R] long: the largest i ∈ 1..ℓ_r with u[i-1] < h_i, else 0 (module docstring), from w [R, L+1].
+
+    Why this shape: the test of i = ℓ (h_ℓ = w_ℓ) needs no sum over V, and when it passes τ = ℓ whatever the others
+    say, so the residual masses r_1..r_{ℓ-1} — a float64 pass over ℓ-1 rows of V each, the block verifier's main
+    cost — are formed only for the rows whose last test failed (none, in a round that keeps the whole block).
+    """
+    num_requests, width = draft_probs.shape[:2]
+    rows = torch.arange(num_requests, device=lengths.device)
+    last = (lengths - 1).clamp(min=0)
+    kept_all = (lengths > 0) & (uniforms[rows, last] < weights[rows, lengths])  # η_ℓ = 1
+    tau = torch.where(kept_all, lengths, torch.zeros_like(lengths))
+    need = ~kept_all & (lengths > 1)
+    if not bool(need.any()):
+        return tau
+    sel = need.nonzero().squeeze(-1)
+    everyone = sel.shape[0] == num_requests  # slices (views) instead of gathered copies of [·, L-1, V]
+    targets, drafts = (target_probs, draft_probs) if everyone else (target_probs[sel], draft_probs[sel])
+    scale = weights[sel, 1:width]  # w_1..w_{L-1}
+    # r_i = Σ_v max(0, w_i·p_t_{i+1} − p_d_{i+1}), i = 1..L-1: the product lands in one float64 buffer (float32 rows
+    # widen exactly), then in place
+    residual = torch.mul(targets[:, 1:width], scale.unsqueeze(-1))
+    residual.sub_(drafts[:, 1:width]).clamp_min_(0.0)
+    mass = residual.sum(-1)
+    # h_i = r_i / (r_i + 1 − w_i), and 1 where w_i = 1 (the prefix is kept for sure)
+    h = torch.where(scale >= 1.0, 1.0, mass / (mass + 1.0 - scale).clamp_min(1e-300))
+    slots = torch.arange(1, width, device=lengths.device).unsqueeze(0)  # i = 1..L-1
+    passed = (uniforms[sel, : width - 1] < h) & (slots < lengths[sel].unsqueeze(1))
+    tau[sel] = (passed.to(torch.long) * slots).amax(dim=1)
+    return tau
+
+
+def _verify_block_rows(
+    draft_tokens: Tensor, draft_probs: Tensor, target_probs: Tensor, lengths: Tensor, uniforms: Tensor
+) -> tuple[Tensor, Tensor]:
+    """(τ [R], y [R]) of block verification on checked, padded inputs and [R, L+1] float64 uniforms."""
+    num_requests, width = draft_tokens.shape
+    rows = torch.arange(num_requests, device=draft_tokens.device)
+    weights = _block_weights(draft_tokens, draft_probs, target_probs)
+    accepted = _block_tau(weights, draft_probs, target_probs, lengths, uniforms)
+    target_rows = target_probs[rows, accepted]
+    draft_rows = draft_probs[rows, accepted.clamp(max=max(width - 1, 0))] if width > 0 else target_rows
+    residual = _extra_token_weights(target_rows, draft_rows, weights[rows, accepted].unsqueeze(-1))
+    bonus = (accepted == lengths).unsqueeze(-1)
+    weights_y = torch.where(bonus, target_rows.to(torch.float64), residual)
+    return accepted, sample_from_probs(weights_y, uniforms=uniforms[rows, lengths], trusted=True)
+
+
+def block_survival(*, draft_tokens: Tensor, draft_probs: Tensor, target_probs: Tensor) -> Tensor:
+    """[ℓ+1] float64 w_0..w_ℓ of one block (draft_tokens [ℓ], draft_probs [ℓ, V], target_probs [ℓ+1, V]): under block
+    verification P(τ ≥ i | x_1..x_i) = w_i, whatever is drafted after x_i (token verification: Π_{k≤i} min(1, p/q))."""
+    _check_single(draft_tokens, draft_probs, target_probs, caller="block_survival")
+    return _block_weights(draft_tokens.unsqueeze(0), draft_probs.unsqueeze(0), target_probs.unsqueeze(0))[0]
+
+
+def verify_block(
+    *,
+    draft_tokens: Tensor,
+    draft_probs: Tensor,
+    target_probs: Tensor,
+    generator: torch.Generator | None = None,
+    greedy: bool = False,
+    uniforms: Tensor | None = None,
+) -> VerifyResult:
+    """Block verification of one request's drafts (module docstring); the arguments are `verify_drafts`'.
+
+    draft_tokens [ℓ] long, draft_probs [ℓ, V], target_probs [ℓ+1, V] at the sampling temperature; `uniforms` [ℓ+1]
+    (the token verifier's layout) replaces draws from `generator`. Greedy mode is `verify_drafts`' greedy matching.
+    """
+    length = _check_single(draft_tokens, draft_probs, target_probs, caller="verify_block")
+    if greedy:
+        return _greedy_result(target_probs.argmax(-1).tolist(), draft_tokens)
+    uniforms = _single_uniforms(uniforms, generator, length=length, device=target_probs.device, caller="verify_block")
+    accepted, next_token = _verify_block_rows(
+        draft_tokens.unsqueeze(0),
+        draft_probs.unsqueeze(0),
+        target_probs.unsqueeze(0),
+        torch.tensor([length], device=draft_tokens.device),
+        uniforms.unsqueeze(0),
+    )
+    count = int(accepted[0])
+    return VerifyResult(count, int(next_token[0]), draft_tokens[:count])
+
+
+def verify_block_from_logits(
+    *,
+    draft_tokens: Tensor,
+    draft_probs: Tensor,
+    target_logits: Tensor,
+    temperature: float,
+    generator: torch.Generator | None = None,
+    uniforms: Tensor | None = None,
+) -> VerifyResult:
+    """`verify_block(target_probs=probs_from_logits(target_logits, temperature), ...)`: the engines' entry point,
+    with `verify_drafts_from_logits`' arguments. Every p_t row is formed (x_1's fate depends on the later rows);
+    temperature 0 is greedy matching on the logits; the ℓ+1 uniforms are drawn up front, as the token verifier's."""
+    caller = "verify_block_from_logits"
+    length = _check_single(draft_tokens, draft_probs, target_logits, caller=caller, rows_name="target_logits")
+    if temperature == 0:
+        return _greedy_result(target_logits.argmax(-1).tolist(), draft_tokens)
+    uniforms = _single_uniforms(uniforms, generator, length=length, device=target_logits.device, caller=caller)
+    return verify_block(
+        draft_tokens=draft_tokens,
+        draft_probs=draft_probs,
+        target_probs=probs_from_logits(target_logits, temperature),
+        uniforms=uniforms,
+    )
+
+
+def verify_block_batched(
+    *,
+    draft_tokens: Tensor,
+    draft_probs: Tensor,
+    target_probs: Tensor,
+    lengths: Tensor,
+    generator: torch.Generator | None = None,
+    greedy: bool = False,
+    uniforms: Tensor | None = None,
+) -> BatchVerifyResult:
+    """Block verification of R requests at once; the arguments and shapes are `verify_drafts_batched`'. Row r with
+    `uniforms` [R, L+1] equals `verify_block(..., uniforms=uniforms[r, :ℓ_r+1])` (padding is never read: slots past
+    ℓ_r get h = 0 and their weights are not used). Greedy mode is the token verifier's greedy matching."""
+    caller = "verify_block_batched"
+    _check_batched(draft_tokens, draft_probs, target_probs, lengths, caller=caller)
+    if greedy:
+        return verify_drafts_batched(
+            draft_tokens=draft_tokens, draft_probs=draft_probs, target_probs=target_probs, lengths=lengths, greedy=True
+        )
+    num_requests, width = draft_tokens.shape
+    lengths = lengths.to(draft_tokens.device)
+    uniforms = _batched_uniforms(
+        uniforms, generator, shape=(num_requests, width + 1), device=target_probs.device, caller=caller
+    )
+    accepted, next_tokens = _verify_block_rows(draft_tokens, draft_probs, target_probs, lengths, uniforms)
+    return BatchVerifyResult(accepted, next_tokens, draft_tokens)
+
+
+@dataclass(frozen=True)
+class Verifier:
+    """One lossless verifier under its `decode.verifier` / `serve.verifier` name: the same three entry points, the
+    same arguments and the same uniforms layout for each."""
+
+    name: str
+    verify: Callable[..., VerifyResult]  # `verify_drafts`' arguments (target probabilities)
+    from_logits: Callable[..., VerifyResult]  # `verify_drafts_from_logits`' arguments (the engines')
+    batched: Callable[..., BatchVerifyResult]  # `verify_drafts_batched`' arguments
+
+
+VERIFIERS: Registry[Verifier] = Registry("decode.verifier / serve.verifier")
+VERIFIERS.add("token", Verifier("token", verify_drafts, verify_drafts_from_logits, verify_drafts_batched))
+VERIFIERS.add("block", Verifier("block", verify_block, verify_block_from_logits, verify_block_batched))
+
+
+def resolve_verifier(name: str, *, key: str = "decode") -> Verifier:
+    """The verifier named by `<key>.verifier`; the error lists the names."""
+    if name not in VERIFIERS:
+        raise ValueError(unknown_name_message(f"{key}.verifier", name, VERIFIERS.names()))
+    return VERIFIERS.resolve(name)

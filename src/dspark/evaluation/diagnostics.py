@@ -122,6 +122,38 @@ def time_rounds(*, target: Any, drafter: Any, context: list[int], rounds: int, s
     return out
 
 
+def time_steps(
+    *, target: Any, drafter: Any, context: list[int], rounds: int, seed: int, concurrency: int
+) -> dict[str, float]:
+    """`time_rounds` for R = `concurrency` requests served together by the BatchedEngine (paper Fig. 4 right at a
+    batch): R copies of the context, the fixed policy (ℓ_r = γ), median ms per step of each phase over the steps
+    after the first (which carries the R prefills) while all R requests are active."""
+    from dspark.decoding.policies import build_policy
+    from dspark.serving.engine import BatchedEngine, ServeRequest
+
+    # room for `rounds` steps even if every draft were accepted (γ + 1 tokens a step), plus the first step
+    limit = (rounds + 2) * (drafter.block_size + 1)
+    engine = BatchedEngine(
+        target=target, drafter=drafter, policy=build_policy("fixed"), temperature=1.0, max_new_tokens=limit
+    )
+    requests = [ServeRequest(request_id=r, prompt_ids=list(context)) for r in range(concurrency)]
+    engine.serve(requests[:1], concurrency=1, seed=seed, progress=False)  # warm-up
+    served = engine.serve(requests, concurrency=concurrency, seed=seed + 1, progress=False).steps
+    # every request joins before step 0 (concurrency = R = the requests), so later steps carry no prefill
+    steps = [s for s in served[1:] if s.num_active == concurrency][:rounds]
+    phases = {
+        "verify_ms": [s.seconds_verify for s in steps],
+        "draft_parallel_ms": [s.seconds_draft - s.seconds_draft_sequential for s in steps],
+        "draft_sequential_ms": [s.seconds_draft_sequential for s in steps],
+        "other_ms": [s.seconds_other for s in steps],
+    }
+    out = {name: 1000.0 * statistics.median(v) if v else float("nan") for name, v in phases.items()}
+    out["round_ms"] = sum(out[name] for name in phases)
+    out["rounds"] = len(steps)
+    out["sequential_share"] = out["draft_sequential_ms"] / out["round_ms"] if out["round_ms"] else float("nan")
+    return out
+
+
 def latency_breakdown(
     *,
     target: Any,
@@ -132,18 +164,24 @@ def latency_breakdown(
     depth: int = 5,
     markov_rank: int = 256,
     seed: int = 0,
+    concurrency: Sequence[int] = (1,),
     show_progress: bool = True,
 ) -> list[dict]:
-    """One row per (context length, head, block size) with the mean ms per round of each phase."""
-    cells = [(c, h, b) for c in context_lengths for b in block_sizes for h in heads]
+    """One row per (concurrency R, context length, head, block size) with the median ms per round (R = 1, the
+    single-request engine) or per step (R > 1, the BatchedEngine) of each phase."""
+    cells = [(r, c, h, b) for r in concurrency for c in context_lengths for b in block_sizes for h in heads]
     rows = []
-    for context_length, head, block_size in tqdm(
+    for requests, context_length, head, block_size in tqdm(
         cells, desc="latency breakdown", unit="cell", disable=not show_progress
     ):
         drafter = untrained_dspark(
             target, head=head, block_size=block_size, depth=depth, markov_rank=markov_rank, seed=seed
         )
         context = random_context(target, length=context_length, seed=seed)
-        timing = time_rounds(target=target, drafter=drafter, context=context, rounds=rounds, seed=seed)
-        rows.append({"context_length": context_length, "head": head, "block_size": block_size, **timing})
+        common = {"target": target, "drafter": drafter, "context": context, "rounds": rounds, "seed": seed}
+        timing = time_rounds(**common) if requests == 1 else time_steps(**common, concurrency=int(requests))
+        rows.append(
+            {"concurrency": int(requests), "context_length": context_length, "head": head, "block_size": block_size}
+            | timing
+        )
     return rows

@@ -150,21 +150,3 @@ def variant_slug(group: dict[str, Any]) -> str:
 def axis_text(group: dict[str, Any], *, skip: tuple[str, ...] = ()) -> str:
     parts = [f"{k[5:]}={v}" for k, v in group.items() if k.startswith("axis.") and k not in skip]
     return ", ".join(parts) or "(single configuration)"
-
-
-def tau_note(ctx: ReportContext) -> str:
-    """Which τ the figures show: the rollout τ when any run evaluated, else the teacher-forced proxy."""
-    if ctx.has(TAU):
-        return (
-            "τ = tokens committed per round from lossless speculative decoding, pooled over rounds per prompt "
-            "set (METHOD §1); domain values are 3-set means, `all` the mean over sets."
-        )
-    return (
-        "No run of this sweep evaluated (stage=train?): figures show the teacher-forced proxy τ_prob = 1 + "
-        "Σ_k Π_{i≤k} c*_i on the validation split (METHOD §8), not rollout τ."
-    )
-
-
-def headline_metric(ctx: ReportContext) -> tuple[str, str]:
-    """(column, label) of the τ the plots use."""
-    return (TAU, "τ (rollout)") if ctx.has(TAU) else (TAU_PROB, "τ_prob (val, teacher-forced)")

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 from dspark.config import ResolvedConfig
 from dspark.files import atomic_write_text, check_output_file, claim_output_dir, is_our_markdown, is_report_entry
-from dspark.reports import ablations, diagnostics, search, sequential, serving, trees  # noqa: F401  (register the builders)
+from dspark.reports import ablations, arms, confidence, diagnostics, search, sequential, serving, trees  # noqa: F401  (register the builders)
 from dspark.reports.collect import SweepRuns, collect_sweep_runs, runs_frame
 from dspark.reports.context import REPORT_BUILDERS, ReportContext
 from dspark.reports.writer import Provenance, Section, render_report

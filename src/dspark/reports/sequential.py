@@ -6,31 +6,40 @@ paper's default head). Shared helpers live in `dspark.reports.ablations`; every 
 
 from __future__ import annotations
 
+import math
+from pathlib import Path
 
 from dspark.markdown import markdown_table, pct
 from dspark.reports import paper
 from dspark.reports.ablations import (
     Group,
     challengers,
-    compared_heads,
-    drafter_of,
     claim_section,
+    compared_heads,
     config_table,
     domain_panels,
+    drafter_of,
     est,
+    how_to_read,
     judge,
+    plotted,
+    plotted_label,
     point_claim,
     sort_key,
     tau_difference,
 )
 from dspark.reports.claims import (
     MIN_ROUNDS,
+    ONE_SEED,
     Difference,
     GainChange,
+    every_scope,
     gain_change,
+    holm,
     interval_claim,
     pooled_cond,
     pooled_plain,
+    stat_note,
 )
 from dspark.reports.context import (
     REPORT_BUILDERS,
@@ -40,12 +49,10 @@ from dspark.reports.context import (
     drafter_label,
     eval_domains,
     head_of,
-    headline_metric,
-    tau_note,
     variant_label,
     variant_slug,
 )
-from dspark.reports.plots import plot_bars, plot_lines
+from dspark.reports.plots import Band, plot_bars, plot_lines
 from dspark.reports.stats import ratio_gain
 from dspark.reports.writer import Section
 
@@ -55,11 +62,10 @@ def build_block_size(ctx: ReportContext) -> list[Section]:
     """Fig. 4 left: τ against γ+1 per variant and each variant's gain over DFlash per γ."""
     groups = sorted(ctx.group_dicts(), key=sort_key(ctx.group_dicts(), "axis.model.block_size"))
     label = lambda g: f"{variant_label(g)} γ={g.get('axis.model.block_size')}"  # noqa: E731
-    column, ylabel = headline_metric(ctx)
     variants = list(dict.fromkeys(variant_label(g) for g in groups))
     panels = {
         title: {
-            v: [(g["axis.model.block_size"] + 1, est(ctx, g, col)) for g in groups if variant_label(g) == v]
+            v: [(g["axis.model.block_size"] + 1, plotted(ctx, g, col)) for g in groups if variant_label(g) == v]
             for v in variants
         }
         for title, col in domain_panels(ctx)
@@ -69,20 +75,54 @@ def build_block_size(ctx: ReportContext) -> list[Section]:
         panels,
         ctx.png("block_size"),
         xlabel="proposal length γ+1",
-        ylabel=ylabel,
+        ylabel=plotted_label(ctx),
         xticks=[s + 1 for s in sizes],
         title="τ against block size (paper Fig. 4 left)",
     )
     sections = [
-        Section("How to read", tau_note(ctx)),
+        Section("How to read", how_to_read(ctx)),
         Section("τ by block size", config_table(ctx, groups, label=label) + f"\n\n![block size]({path.name})"),
     ]
     domains = eval_domains(ctx.frame)
     gains = block_gains(ctx, groups, sizes, domains) if domains else None
     if gains:
-        sections.append(Section(f"Gain over {drafter_label(paper.BASELINE_DRAFTER)} by block size", gains))
+        figure = gain_figure(ctx, groups, sizes)
+        shown = f"\n\n![gain by block size]({figure.name})" if figure is not None else ""
+        sections.append(Section(f"Gain over {drafter_label(paper.BASELINE_DRAFTER)} by block size", gains + shown))
     sections.append(claim_section("block_size", block_claim(ctx, groups, sizes)))
     return sections
+
+
+def gain_figure(ctx: ReportContext, groups: list[Group], sizes: list[int]) -> Path | None:
+    """Per domain, each variant's per-prompt τ gain over DFlash against γ+1 with the 95% interval the domain table
+    prints, and the paper's Fig. 4 (left) gains marked for DSpark with the Markov head; None without per-prompt τ."""
+    domains = [d for d in eval_domains(ctx.frame) if ctx.has(f"eval/domain/{d}/tau_prompt_mean")]
+    if not domains:
+        return None
+    panels: dict[str, dict[str, list]] = {d: {} for d in domains}
+    references: dict[str, dict[str, list[tuple[float, float]]]] = {d: {} for d in domains}
+    for variant, first in block_variants(groups).items():
+        for d in domains:
+            points = []
+            for size in sizes:
+                mine, base = block_pair(groups, variant, size)
+                if mine is not None and base is not None:
+                    points.append((size + 1, Band(*tau_difference(ctx, mine, base, d).relative())))
+            panels[d][variant] = points
+            if drafter_of(first) == "dspark" and head_of(first) == paper.REFERENCE_HEAD:
+                references[d][f"paper {variant} (Qwen3-4B)"] = [
+                    (g + 1, gains[d]) for g, gains in sorted(paper.BLOCK_SIZE_GAIN.items())
+                ]
+    return plot_lines(
+        panels,
+        ctx.png("gain"),
+        xlabel="proposal length γ+1",
+        ylabel=f"per-prompt τ gain over {drafter_label(paper.BASELINE_DRAFTER)} (95% CI)",
+        xticks=[s + 1 for s in sizes],
+        title="Gain over DFlash against block size, ours and the paper's (Fig. 4 left)",
+        references=references,
+        hlines={d: {"no gain": 0.0} for d in domains},
+    )
 
 
 def block_pair(groups: list[Group], variant: str, size: int) -> tuple[Group | None, Group | None]:
@@ -133,8 +173,10 @@ def block_claim(ctx: ReportContext, groups: list[Group], sizes: list[int]) -> li
             if len(gains) >= 2:
                 grows = all(b[1] > a[1] for a, b in zip(gains, gains[1:]))
                 points = ", ".join(f"γ={s} {pct(g)}" for s, g in gains)
+                # the rollout line reads the table's pooled τ, so it is named as such: verdicts read per-prompt τ
+                what = col if col == TAU_PROB else f"{col}, pooled τ, point estimates"
                 lines += [
-                    f"Ours, {variant} vs {base_label} ({col}): {points}"
+                    f"Ours, {variant} vs {base_label} ({what}): {points}"
                     + f" → the point estimates {'grow' if grows else 'do not grow monotonically'} with γ.",
                     "",
                 ]
@@ -186,15 +228,17 @@ def head_pairs_by_size(ctx: ReportContext, pairs: dict[int, tuple[Group, Group]]
     mine, ref = next(iter(pairs.values()))
     head = str(head_of(mine))
     note = "paper: the RNN head only marginally above Markov, at long blocks" if head == "rnn" else "not a paper claim"
-    lines = ["", f"{variant_label(mine)} vs {variant_label(ref)} at the same γ ({note}):"]
+    rollouts = ctx.has("eval/all/tau_prompt_mean")
+    family = holm({size: tau_difference(ctx, *arms, "all") for size, arms in pairs.items()}) if rollouts else {}
+    lines = ["", f"{variant_label(mine)} vs {variant_label(ref)} at the same γ ({note}; the γs one Holm family):"]
     for size, arms in pairs.items():
         parts = []
-        if ctx.has("eval/all/tau_prompt_mean"):
+        if rollouts:
             parts.append(
                 judge(
                     ctx,
                     "per-prompt τ (all)",
-                    tau_difference(ctx, *arms, "all"),
+                    family[size],
                     id=f"block_size.{variant_slug(mine)}_vs_{variant_slug(ref)}.g{size}",
                     statement=head_statement(head),
                     paper_text=head_paper(head),
@@ -205,13 +249,20 @@ def head_pairs_by_size(ctx: ReportContext, pairs: dict[int, tuple[Group, Group]]
         if ctx.has(TAU_PROB):
             parts.append(f"held-out τ_prob {pct(ratio_gain(est(ctx, arms[0], TAU_PROB), est(ctx, arms[1], TAU_PROB)))}")
         lines.append(f"- γ={size}: " + "; ".join(parts))
+    if family:
+        lines.append(
+            f'- → "{variant_label(mine)} above {variant_label(ref)} at the longest γ={max(family)}": '
+            + f"**{family[max(family)].verdict}**"
+        )
     return lines
 
 
 def block_judgements(ctx: ReportContext, groups: list[Group], sizes: list[int], variant: str) -> list[str]:
-    """Per γ the variant's τ gain over DFlash with its 95% CI, and the change of the gain from the smallest to
-    the largest γ (the paper: the gain grows with γ) with the CI of that change; then the same per domain as a
-    table (the paper reports the growth per domain)."""
+    """Per γ the variant's τ gain over DFlash with its CI (the γs one Holm family, and the "at every γ" summary),
+    the change of the gain from the smallest to the largest γ (the paper: the gain grows with γ) with the CI of that
+    change, and — for the variant the paper quotes, where its γ range ran — the change over the paper's range
+    against the paper's size (a magnitude claim, `claims.verdict_of`); then the same per domain as a table, the
+    domains of each change one Holm family (the paper reports the growth per domain)."""
     if not ctx.has("eval/all/tau_prompt_mean"):
         return []
     pairs = {}
@@ -227,10 +278,10 @@ def block_judgements(ctx: ReportContext, groups: list[Group], sizes: list[int], 
         f"block_size.{variant_slug(mine)}_vs_{paper.BASELINE_DRAFTER}",
         drafter_label(paper.BASELINE_DRAFTER),
     )
-    diffs = {size: tau_difference(ctx, *arms, "all") for size, arms in pairs.items()}
+    diffs = holm({size: tau_difference(ctx, *arms, "all") for size, arms in pairs.items()})
     lines = [
         "",
-        f"{variant} vs {base_label}, per-prompt τ (all), 95% CIs:",
+        f"{variant} vs {base_label}, per-prompt τ (all); the γs one Holm family:",
         *[
             f"- γ={s}: "
             + judge(
@@ -245,49 +296,104 @@ def block_judgements(ctx: ReportContext, groups: list[Group], sizes: list[int], 
             )
             for s, d in diffs.items()
         ],
+        f'- → "{variant} > {base_label} at every γ": ' + every_scope({f"γ={s}": d.verdict for s, d in diffs.items()}),
     ]
-    every = tuple(g for arms in (pairs[first], pairs[last]) for g in arms)
-    change = gain_change(diffs[first], diffs[last])
-    if change is not None:
-        lines.append(f"- → gain at γ={last} minus gain at γ={first}: {change.text()} → **{change.verdict}**")
-        growth_claim(
-            ctx,
-            change,
-            id=f"{comparison}_growth.all",
-            variant=variant,
-            group=mine,
-            arms=every,
-            diffs=(diffs[first], diffs[last]),
-            scope=f"per-prompt τ gain at γ={last} minus at γ={first}, all prompts",
-        )
+    ranges = [(first, last, False)]
+    quoted = drafter_of(mine) == "dspark" and head_of(mine) == paper.REFERENCE_HEAD
+    low, high = min(paper.BLOCK_SIZE_GAIN), max(paper.BLOCK_SIZE_GAIN)
+    if quoted and low in pairs and high in pairs:
+        ranges = [(first, last, False)] if (low, high) != (first, last) else []
+        ranges.append((low, high, True))
     domains = [d for d in eval_domains(ctx.frame) if ctx.has(f"eval/domain/{d}/tau_prompt_mean")]
+    changes = {}
+    for start, end, magnitude in ranges:
+        family = growth_family(ctx, pairs, start=start, end=end, domains=domains, magnitude=magnitude)
+        changes[(start, end, magnitude)] = family
+        suffix = "_growth_vs_paper" if magnitude and (start, end) != (first, last) else "_growth"
+        every = tuple(g for arms in (pairs[start], pairs[end]) for g in arms)
+        for scope, change in family.items():
+            growth_claim(
+                ctx,
+                change,
+                id=f"{comparison}{suffix}.{scope}",
+                variant=variant,
+                group=mine,
+                arms=every,
+                domain=None if scope == "all" else scope,
+                scope=f"per-prompt τ gain at γ={end} minus at γ={start}, "
+                + ("all prompts" if scope == "all" else f"the {scope} prompts (Holm over the domains)"),
+            )
+        if "all" in family:
+            lines.append(change_line(family["all"], start=start, end=end))
     if domains:
         by_domain = {d: {s: tau_difference(ctx, *arms, d) for s, arms in pairs.items()} for d in domains}
-        rows = [[f"γ={s}", *[by_domain[d][s].text() for d in domains]] for s in pairs]
-        changes = [gain_change(by_domain[d][first], by_domain[d][last]) for d in domains]
-        for d, c in zip(domains, changes):
-            if c is not None:
-                growth_claim(
-                    ctx,
-                    c,
-                    id=f"{comparison}_growth.{d}",
-                    variant=variant,
-                    group=mine,
-                    arms=every,
-                    diffs=(by_domain[d][first], by_domain[d][last]),
-                    domain=d,
-                    scope=f"per-prompt τ gain at γ={last} minus at γ={first}, the {d} prompts",
-                )
-        rows.append(
-            [f"γ={last} − γ={first}", *[f"{c.text()} → {c.verdict}" if c is not None else "–" for c in changes]]
-        )
+        rows = [[f"γ={s} gain (95%)", *[by_domain[d][s].text() for d in domains]] for s in pairs]
+        for (start, end, magnitude), family in changes.items():
+            name = f"γ={end} − γ={start}" + (" vs the paper's" if magnitude else "") + " (Holm)"
+            rows.append([name, *[change_cell(family.get(d)) for d in domains]])
         lines += [
             "",
-            f"{variant} vs {base_label} by domain, per-prompt τ gain, 95% CIs:",
+            f"{variant} vs {base_label} by domain, per-prompt τ gain: the γ rows are 95% intervals (not verdicts); "
+            "each change row is one Holm family over the domains, judged:",
             "",
-            markdown_table(["γ", *domains], rows),
+            markdown_table(["", *domains], rows),
         ]
     return lines
+
+
+def growth_family(
+    ctx: ReportContext,
+    pairs: dict[int, tuple[Group, Group]],
+    *,
+    start: int,
+    end: int,
+    domains: list[str],
+    magnitude: bool,
+) -> dict[str, GainChange]:
+    """The change of the per-prompt τ gain from γ=start to γ=end: `all` (a single test) and per domain (one Holm
+    family); `magnitude`: each carries the paper's change of the same scope (`paper.block_gain_growth`)."""
+    effect = (lambda d: paper.block_gain_growth(d)) if magnitude else (lambda d: math.nan)  # noqa: E731
+    out = {}
+    whole = gain_change(
+        tau_difference(ctx, *pairs[start], "all"), tau_difference(ctx, *pairs[end], "all"), paper_effect=effect(None)
+    )
+    if whole is not None:
+        out["all"] = whole
+    family = {}
+    for d in domains:
+        change = gain_change(
+            tau_difference(ctx, *pairs[start], d), tau_difference(ctx, *pairs[end], d), paper_effect=effect(d)
+        )
+        if change is not None:
+            family[d] = change
+    return out | holm(family, magnitude=magnitude)
+
+
+def change_line(change: GainChange, *, start: int, end: int) -> str:
+    """The judged line of a gain change (all prompts), against the paper's size when it carries one."""
+    against = (
+        f" against the paper's {change.paper_effect * 100:+.1f} points (γ={start} → {end}, mean of its domains)"
+        if math.isfinite(change.paper_effect)
+        else ""
+    )
+    note = ""
+    if change.claim_verdict == ONE_SEED:
+        note = (
+            " — the within-run interval excludes the paper's size, but no second seed measured the seed variance"
+            if against and not (change.low <= change.paper_effect <= change.high)
+            else " — the within-run interval excludes 0, but no second seed measured the seed variance"
+        )
+    return (
+        f"- → gain at γ={end} minus gain at γ={start}{against}: {change.text()} "
+        f"({stat_note(change, runs=change.runs)}) → **{change.verdict}**{note}"
+    )
+
+
+def change_cell(change: GainChange | None) -> str:
+    if change is None:
+        return "–"
+    paper_part = f" (paper {change.paper_effect * 100:+.0f} pts)" if math.isfinite(change.paper_effect) else ""
+    return f"{change.text()}{paper_part} → {change.verdict}"
 
 
 def growth_claim(
@@ -298,20 +404,24 @@ def growth_claim(
     variant: str,
     group: Group,
     arms: tuple[Group, ...],
-    diffs: tuple[Difference, Difference],
     scope: str,
     domain: str | None = None,
 ) -> None:
-    """Record a judged change of the gain between the smallest and the largest γ (a `GainChange`)."""
-    runs = min(n for d in diffs for n in (d.a.runs, d.b.runs))
+    """Record a judged change of the gain between two block sizes (a `GainChange`; a magnitude claim when it
+    carries the paper's change)."""
+    magnitude = math.isfinite(change.paper_effect)
+    quoted = f"; the paper's change {change.paper_effect * 100:+.1f} points" if magnitude else ""
+    statement = growth_statement(variant)
+    if magnitude:
+        statement = statement.removesuffix(".") + " as much as in the paper (Fig. 4 left, γ = 7 → 15)."
     ctx.claims.append(
         interval_claim(
             change,
             id=id,
-            statement=growth_statement(variant),
+            statement=statement,
             ours=change.text(),
-            paper=block_paper(group, domain=domain),
-            runs=runs,
+            paper=block_paper(group, domain=domain) + quoted,
+            runs=change.runs,
             seeds=ctx.seeds(*arms),
             scope=scope,
         )
@@ -319,7 +429,8 @@ def growth_claim(
 
 
 def block_gains(ctx: ReportContext, groups: list[Group], sizes: list[int], domains: list[str]) -> str | None:
-    """Per γ and domain: each variant's gain over DFlash at the same γ, with the paper's."""
+    """Per γ and domain: each variant's gain over DFlash at the same γ (pooled τ, point estimates: a caption says
+    so), with the paper's."""
     header = ["γ", "variant", *[f"{d} ours" for d in domains], *[f"{d} paper" for d in domains]]
     rows = []
     for size in sizes:
@@ -338,7 +449,11 @@ def block_gains(ctx: ReportContext, groups: list[Group], sizes: list[int], domai
                     *[pct(ref.get(d)) for d in domains],
                 ]
             )
-    return markdown_table(header, rows) if rows else None
+    caption = (
+        "Pooled τ: ratio of the domain's pooled τ means minus 1, point estimates (no interval); the figure and the "
+        "verdicts below read per-prompt τ with intervals."
+    )
+    return caption + "\n\n" + markdown_table(header, rows) if rows else None
 
 
 # ---- head ----
@@ -349,11 +464,12 @@ def build_head(ctx: ReportContext) -> list[Section]:
     """Every registered head at fixed depth and γ (`SEQUENTIAL_HEADS`), gains over no head."""
     groups = sorted(ctx.group_dicts(), key=sort_key(ctx.group_dicts()))
     reference = next((g for g in groups if head_of(g) == paper.NO_HEAD), None)
-    column, ylabel = headline_metric(ctx)
-    panels = {title: {variant_label(g): est(ctx, g, col) for g in groups} for title, col in domain_panels(ctx)}
-    path = plot_bars(panels, ctx.png("head"), ylabel=ylabel, title="Sequential head at fixed depth and block size")
+    panels = {title: {variant_label(g): plotted(ctx, g, col) for g in groups} for title, col in domain_panels(ctx)}
+    path = plot_bars(
+        panels, ctx.png("head"), ylabel=plotted_label(ctx), title="Sequential head at fixed depth and block size"
+    )
     return [
-        Section("How to read", tau_note(ctx)),
+        Section("How to read", how_to_read(ctx)),
         Section(
             "τ by sequential head",
             config_table(ctx, groups, label=variant_label, reference=reference) + f"\n\n![heads]({path.name})",
@@ -467,7 +583,7 @@ def one_head_judgements(
         )
     cond = {k: Difference(pooled_cond(rows, k), pooled_cond(none_rows, k)) for k in positions if k >= 2}
     unmeasured = [k for k, d in cond.items() if not d.ok]
-    cond = {k: d for k, d in cond.items() if d.ok}
+    cond = holm({k: d for k, d in cond.items() if d.ok})  # the slots of one claim: one Holm family
     cond_record = record | dict(
         statement=f"The {head} head raises cond@k for k ≥ 2 over no head (restored intra-block dependencies, §3).",
         paper_text="cond@k ≥ 2 rises with a sequential head (Fig. 2, §3)" if head in paper.PAPER_HEADS else "–",
@@ -490,10 +606,12 @@ def one_head_judgements(
             f"- rollout cond@k for k ∈ {unmeasured}: fewer than {MIN_ROUNDS} rounds reached the slot in "
             "some run — no estimate"
         )
-    tf = {
-        k: Difference(pooled_plain(rows, f"val/accept/pos{k}"), pooled_plain(none_rows, f"val/accept/pos{k}"))
-        for k in tf_positions
-    }
+    tf = holm(
+        {
+            k: Difference(pooled_plain(rows, f"val/accept/pos{k}"), pooled_plain(none_rows, f"val/accept/pos{k}"))
+            for k in tf_positions
+        }
+    )
     tf_record = cond_record | dict(
         statement=f"The {head} head raises the held-out teacher-forced acceptance over no head."
     )
@@ -525,7 +643,7 @@ def one_head_judgements(
     lowered = [k for k, d in cond.items() if d.verdict == "reversed"]
     if cond:
         lines.append(
-            f'- → "{head} raises cond@k for k ≥ 2" (rollouts): significantly raised at '
+            f'- → "{head} raises cond@k for k ≥ 2" (rollouts, Holm over the slots): significantly raised at '
             f"k ∈ {raised or '∅'}, lowered at k ∈ {lowered or '∅'}, of the measured k ∈ {list(cond)}"
         )
     return lines

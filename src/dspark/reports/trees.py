@@ -4,7 +4,8 @@ drafter, at equal node budgets?
 Per drafter and tree shape (the chain included):
 
 - τ: the per-prompt τ over all prompts, pooled over prompts and seeds (`claims.pooled_tau`: each run's within-run
-  se from its logged prompt interval plus the between-seed spread), with its normal 95% interval;
+  se from its logged prompt interval plus the between-seed spread), with its 95% Student-t interval (the
+  Welch–Satterthwaite df of those terms, `claims` module docstring);
 - nodes per round: the nodes the target verified per round, a tree's N (`RoundRecord.tree_nodes`) and the chain's
   ℓ_eff, as the mean over the rounds of each run's records (`eval/rounds.jsonl`, where the store holds them), else
   what the shape fixes: a static tree its size (rounds cut at the context's end verify fewer), a dynamic tree its cap
@@ -14,11 +15,12 @@ Per drafter and tree shape (the chain included):
 
 One claim per drafter, `tree.<drafter>_best_tree_vs_chain.all`: the τ of its best tree shape over its chain's. The
 best of K shapes is chosen by its point estimate, and judging the winner at 95% would overstate it (the winner's
-curse), so that interval is Bonferroni-widened to 95% over all K comparisons (z = Φ⁻¹(1 − 0.025 / K)). A ratio's
-interval is the delta method on log τ, SE² = (se_tree / τ_tree)² + (se_chain / τ_chain)², the arms taken as
+curse), so that interval is Bonferroni-widened to 95% over all K comparisons (the t quantile at 1 − 0.025 / K on
+the log ratio's Satterthwaite df; a selection, not a family of separate claims, hence Bonferroni, not Holm). A
+ratio's interval is the delta method on log τ, SE² = (se_tree / τ_tree)² + (se_chain / τ_chain)², the arms taken as
 independent: they share the drafter and the prompts, a positive correlation, so the interval errs wide. The claim's
-effect is the ratio − 1 (0 = no gain) and its verdict `claims.verdict_of` of that interval; an arm with no spread
-at all (one run of one prompt) gives no interval.
+effect is the ratio − 1 (0 = no gain) and its verdict `claims.verdict_of` of that interval (one seed: seed variance
+not measured); an arm with no spread at all (one run of one prompt) gives no interval.
 """
 
 from __future__ import annotations
@@ -30,17 +32,16 @@ import os
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from statistics import NormalDist
 from typing import Any
 
 from dspark.decoding.tree import TREE_SHAPES, TreeShape
-from dspark.intervals import t_quantile
+from dspark.intervals import t_quantile_df
 from dspark.markdown import MISSING, markdown_table
 from dspark.reports.ablations import Group, drafter_of, drafter_order
-from dspark.reports.claims import Z95, Claim, Pooled, pool, pooled_tau
+from dspark.reports.claims import ALPHA, Claim, Pooled, pooled_prompt_metric, pooled_tau, satterthwaite, scaled
 from dspark.reports.context import REPORT_BUILDERS, ReportContext, drafter_label
 from dspark.reports.plots import plot_bars
-from dspark.reports.stats import Estimate, estimate
+from dspark.reports.stats import estimate
 from dspark.reports.writer import Section
 
 CHAIN = "chain"
@@ -64,20 +65,27 @@ class Ratio:
         return f"×{self.mean:.3f} [{self.low:.3f}, {self.high:.3f}]"
 
 
-def ratio_interval(a: Pooled, b: Pooled, *, z: float = Z95) -> Ratio | None:
-    """a / b with the interval exp(log a − log b ± z·SE); None when either arm lacks a positive mean or a spread."""
+def log_ratio_df(a: Pooled, b: Pooled) -> float:
+    """The Welch–Satterthwaite df of log a − log b (the arms' terms over their means², `claims.scaled`)."""
+    return satterthwaite(scaled(a.parts, 1 / a.mean**2) + scaled(b.parts, 1 / b.mean**2))
+
+
+def ratio_interval(a: Pooled, b: Pooled, *, z: float | None = None, comparisons: int = 1) -> Ratio | None:
+    """a / b with the interval exp(log a − log b ± z·SE), z the Bonferroni t quantile over `comparisons` on
+    `log_ratio_df` unless given; None when either arm lacks a positive mean or a spread."""
     if not (a.ok and b.ok) or a.mean <= 0 or b.mean <= 0:
         return None
     if not all(math.isfinite(p.se) and p.se > 0 for p in (a, b)):
         return None
+    z = familywise_z(comparisons, df=log_ratio_df(a, b)) if z is None else z
     log_ratio = math.log(a.mean / b.mean)
     se = math.hypot(a.se / a.mean, b.se / b.mean)
     return Ratio(math.exp(log_ratio), math.exp(log_ratio - z * se), math.exp(log_ratio + z * se))
 
 
-def familywise_z(comparisons: int) -> float:
-    """The normal quantile of a Bonferroni 95% interval over `comparisons` two-sided comparisons."""
-    return NormalDist().inv_cdf(1 - 0.025 / max(1, comparisons))
+def familywise_z(comparisons: int, *, df: float = math.inf) -> float:
+    """The t quantile (df ∞: normal) of a Bonferroni 95% interval over `comparisons` two-sided comparisons."""
+    return t_quantile_df(df, 1 - ALPHA / max(1, comparisons))
 
 
 # ---- the arms ----
@@ -139,26 +147,13 @@ def arms_by_drafter(ctx: ReportContext) -> dict[str, list[Group]]:
 # ---- per-arm numbers ----
 
 
-def pooled_prompt_metric(ctx: ReportContext, group: Group, name: str) -> Pooled:
-    """A per-prompt metric of all prompts (`eval/all/<name>_prompt_mean` ± `_prompt_ci95` over `prompts`), pooled
-    over runs as `claims.pooled_tau` pools τ."""
-    rows = ctx.rows_of(group)
-    column = lambda c: rows[c].to_list() if c in rows.columns else [None] * rows.height  # noqa: E731
-    ses = []
-    for half, prompts in zip(column(f"eval/all/{name}_prompt_ci95"), column("eval/all/prompts")):
-        n = int(prompts) if prompts is not None and math.isfinite(float(prompts)) else 0
-        finite = half is not None and math.isfinite(float(half))
-        ses.append(float(half) / t_quantile(n) if finite and n >= 2 else None)
-    return pool(column(f"eval/all/{name}_prompt_mean"), ses)
-
-
 def interval_text(p: Pooled, digits: int = 2) -> str:
-    """'2.31 [2.20, 2.42]', '2.31 (no interval)' or '–'."""
+    """'2.31 [2.20, 2.42]' (its 95% t interval), '2.31 (no interval)' or '–'."""
     if not p.ok:
         return MISSING
     if not (math.isfinite(p.se) and p.se > 0):
         return f"{p.mean:.{digits}f} (no interval)"
-    return f"{p.mean:.{digits}f} [{p.mean - Z95 * p.se:.{digits}f}, {p.mean + Z95 * p.se:.{digits}f}]"
+    return f"{p.mean:.{digits}f} [{p.low:.{digits}f}, {p.high:.{digits}f}]"
 
 
 def nodes_of_rollouts(rollouts: list[Any]) -> float:
@@ -231,7 +226,7 @@ def nodes_text(ctx: ReportContext, group: Group) -> str:
 
 def tree_table(ctx: ReportContext, by_drafter: dict[str, list[Group]]) -> str:
     """Per drafter and shape: nodes per round, τ [95%], τ over the chain's [95%], speed-up [95%] when measured."""
-    speed = any(pooled_prompt_metric(ctx, g, "speedup").ok for arms in by_drafter.values() for g in arms)
+    speed = any(pooled_prompt_metric(ctx.rows_of(g), "speedup").ok for arms in by_drafter.values() for g in arms)
     header = ["drafter", "tree", "nodes / round", "τ [95% CI]", "τ / chain [95% CI]"]
     header += ["speed-up vs target-only [95% CI]"] if speed else []
     rows = []
@@ -243,22 +238,15 @@ def tree_table(ctx: ReportContext, by_drafter: dict[str, list[Group]]) -> str:
             ratio = ratio_interval(tau, base) if base is not None and group is not chain else None
             vs = "1 (the reference)" if group is chain else (ratio.text() if ratio else MISSING)
             row = [drafter_label(drafter), tree_label(group), nodes_text(ctx, group), interval_text(tau), vs]
-            row += [interval_text(pooled_prompt_metric(ctx, group, "speedup"))] if speed else []
+            row += [interval_text(pooled_prompt_metric(ctx.rows_of(group), "speedup"))] if speed else []
             rows.append(row)
     return markdown_table(header, rows)
 
 
-def bar(p: Pooled) -> Estimate:
-    """A pooled estimate as a plotted bar with its 95% interval (n ≥ 2 only lets `plot_bars` draw the bar's
-    interval: one run's interval over prompts is still an interval)."""
-    spread = math.isfinite(p.se) and p.se > 0
-    return Estimate(p.mean, Z95 * p.se if spread else math.nan, max(p.runs, 2) if spread else p.runs)
-
-
 def tree_figure(ctx: ReportContext, by_drafter: dict[str, list[Group]]) -> Path:
+    """τ per shape with the 95% t interval the table prints (`claims.pooled_tau`)."""
     panels = {
-        drafter_label(d): {tree_label(g): bar(pooled_tau(ctx.rows_of(g))) for g in arms}
-        for d, arms in by_drafter.items()
+        drafter_label(d): {tree_label(g): pooled_tau(ctx.rows_of(g)) for g in arms} for d, arms in by_drafter.items()
     }
     return plot_bars(panels, ctx.png("tau"), ylabel="τ per prompt (95% CI)", title="τ per draft-tree shape")
 
@@ -279,7 +267,7 @@ def judge_drafter(ctx: ReportContext, drafter: str, arms: list[Group]) -> str:
         return f"- {label}: not run yet (no finished run of {missing})."
     best, tau = max(measured, key=lambda item: item[1].mean)
     family = len(measured)
-    ratio = ratio_interval(tau, base, z=familywise_z(family))
+    ratio = ratio_interval(tau, base, comparisons=family)
     runs, seeds = min(tau.runs, base.runs), ctx.seeds(best, chain)
     scope = (
         f"per-prompt τ ratio − 1, all prompts, best of {family} tree shape(s) ({tree_label(best)}) over the chain; "

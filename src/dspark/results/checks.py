@@ -5,7 +5,8 @@ run each on the real tree and on a made-up one that must fail:
 - every sweep file has a folder;
 - no file holds an absolute path (they differ per machine and leak the author's layout);
 - no front matter names a dirty commit unless it says a rerun from a committed tree is pending (`rerun_pending: <why>`): the record shows it instead of hiding it;
-- every verdict of the index agrees with the interval in its row;
+- every verdict of the index agrees with the interval in its row, and every judged claim of a claims file with its
+  own data (interval, the paper's effect size, runs per arm: `claims.claim_disagreement`);
 - every question folder has a current report whose front matter fills every field.
 """
 
@@ -15,7 +16,7 @@ import re
 from pathlib import Path
 from urllib.parse import unquote
 
-from dspark.results.claims import agrees, interval_in, verdict_word
+from dspark.results.claims import agrees, claim_disagreement, interval_in, load_claims, verdict_word
 from dspark.results.discovery import discover, sweep_names
 from dspark.results.frontmatter import DIRTY, FIELDS, split_front_matter
 
@@ -95,6 +96,17 @@ def verdict_mismatches(index_text: str, *, heading: str = "The paper's claims") 
         if not agrees(verdict, low, high):
             wrong.append(f"{claim}: {verdict_word(verdict)} vs {interval}")
     return wrong
+
+
+def claim_disagreements(results_dir: Path) -> list[str]:
+    """'id: why' for every claim of every claims file under `results_dir` whose verdict its own data contradicts."""
+    found = []
+    for folder in discover(results_dir):
+        for claim in load_claims(folder, results_dir=Path(results_dir)):
+            why = claim_disagreement(claim)
+            if why:
+                found.append(why)
+    return found
 
 
 def incomplete_front_matter(results_dir: Path) -> list[str]:

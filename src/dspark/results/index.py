@@ -42,11 +42,15 @@ INTRO = (
     "ledger, then this index. Runs write under `outputs/` only; nothing here is written by a run."
 )
 READING = (
-    "Ours: SmolLM2-135M as the target on 2-core CPUs, rollouts at T = 1, per-prompt τ with 95% intervals over "
+    "Ours: SmolLM2-135M as the target on 2-core CPUs, rollouts at T = 1, per-prompt τ with intervals over "
     "prompts and seeds (each report names its budget); the paper's numbers are Qwen3 "
-    "targets on GPUs (METHOD §9). Verdicts read the 95% interval of a difference: **holds** (above 0), "
-    "**reversed** (below 0), **not resolved** (spans 0); *no interval* and *not reproduced* compare point "
-    "estimates only; *not run yet*: no ledger judges it; *holds (test)*: a test of the suite proves it. "
+    "targets on GPUs (METHOD §9). Intervals are Student-t on the Welch–Satterthwaite df of their prompt and seed "
+    "terms, and the domains (γs, slots) of one claim are Holm-adjusted together (docs/STATISTICS.md). Verdicts "
+    "read the interval of a difference: **holds** (above 0), **reversed** (below 0), **not resolved** (spans 0); "
+    "*not reproduced*: the interval excludes the paper's effect size on 0's side of it (a magnitude claim; a "
+    "curated row without an interval: its point estimate does); *seed variance not measured*: an arm ran one seed, "
+    "so an interval that would decide holds the prompt spread only and decides nothing; *no interval*: a point "
+    "estimate only; *not run yet*: no ledger judges it; *holds (test)*: a test of the suite proves it. "
     "Rows come from each sweep's `<sweep>.claims.json` (regenerated from its ledger), else from the curated "
     "list of `dspark.results.paper` (transcribed from a report without a ledger)."
 )
@@ -73,6 +77,8 @@ def ours_text(claim: Claim) -> str:
     if claim.low is not None and claim.high is not None and interval_in(ours) is None:
         ours = f"{ours} [{claim.low:+.3g}, {claim.high:+.3g}]".strip()
     parts = [ours or "–"]
+    if claim.paper_effect is not None:
+        parts.append(f"the paper's effect {claim.paper_effect:+.3g} on this scale")
     if claim.runs not in (None, ""):
         parts.append(f"runs {claim.runs}")
     if claim.seeds not in (None, "", []):

@@ -3,15 +3,20 @@ where a committed report made one and no ledger can regenerate it.
 
 Each claim names the results/ folder that judges it. Once that folder's ledger writes `<sweep>.claims.json`, the
 ledger's claims replace these entries (`dspark.results.claims.merged_claims`); until then the numbers here are
-transcribed from the folder's committed report (main and head have no ledger: their stores were lost). A sweep
-never run says "not run yet"; the losslessness statements of Appendix A are tests, not measurements.
+transcribed from the folder's committed report (main and head have no ledger: their stores were lost). Those
+transcribed verdicts were judged under the earlier rule (± 1.96·SE on the pooled prompt and seed terms, no
+degrees of freedom, no Holm correction: `EARLIER_RULE`) and cannot be re-judged under today's
+(`dspark.reports.claims`, docs/STATISTICS.md) without their ledgers; each says so in its scope. A sweep never run
+says "not run yet"; the losslessness statements of Appendix A are tests, not measurements.
 """
 
 from __future__ import annotations
 
-from dspark.results.claims import NOT_RUN, Claim
+from dspark.results.claims import NOT_RUN, ONE_SEED, Claim
 
 TEST = "holds (test)"
+#: appended to the scope of a verdict transcribed from a report judged before the t / Holm rule
+EARLIER_RULE = "; judged under the earlier rule (normal 95% on the pooled SE, no Holm), not re-judged: no ledger"
 
 #: The question each results/ folder answers (a sweep without an entry asks its sweep file's description).
 QUESTIONS = {
@@ -88,7 +93,7 @@ PAPER_CLAIMS: tuple[Claim, ...] = (
         interval=(0.008, -0.031, 0.046),
         runs="2 vs 2",
         seeds="0, 1",
-        scope="all nine sets: here a tie, in every domain",
+        scope="all nine sets: here a tie, in every domain" + EARLIER_RULE,
     ),
     _claim(
         "main/dspark-vs-dflash",
@@ -101,7 +106,8 @@ PAPER_CLAIMS: tuple[Claim, ...] = (
         interval=(0.113, 0.068, 0.158),
         runs="2 vs 2",
         seeds="0, 1",
-        scope="all nine sets (math +14.7%, code +9.7%, chat +9.4%, each above 0): about two thirds of the paper's size",
+        scope="all nine sets (math +14.7%, code +9.7%, chat +9.4%, each above 0): about two thirds of the paper's size"
+        + EARLIER_RULE,
     ),
     _claim(
         "main/dflash-vs-eagle3",
@@ -114,7 +120,7 @@ PAPER_CLAIMS: tuple[Claim, ...] = (
         interval=(-0.094, -0.132, -0.057),
         runs="2 vs 2",
         seeds="0, 1",
-        scope="all nine sets: DFlash's held-out slot 2 is 0.13 against 0.31",
+        scope="all nine sets: DFlash's held-out slot 2 is 0.13 against 0.31" + EARLIER_RULE,
     ),
     _claim(
         "main/ordering",
@@ -140,7 +146,7 @@ PAPER_CLAIMS: tuple[Claim, ...] = (
         interval=(0.176, 0.132, 0.221),
         runs="2 vs 2",
         seeds="0, 1",
-        scope="rollout cond@2, Markov vs no head (cond@3 +0.233 [+0.162, +0.303]; slot 1 unchanged)",
+        scope="rollout cond@2, Markov vs no head (cond@3 +0.233 [+0.162, +0.303]; slot 1 unchanged)" + EARLIER_RULE,
     ),
     _claim(
         "head/markov-tau",
@@ -153,7 +159,7 @@ PAPER_CLAIMS: tuple[Claim, ...] = (
         interval=(0.079, 0.039, 0.119),
         runs="2 vs 2",
         seeds="0, 1",
-        scope="all",
+        scope="all" + EARLIER_RULE,
     ),
     _claim(
         "head/rnn-tau",
@@ -166,7 +172,7 @@ PAPER_CLAIMS: tuple[Claim, ...] = (
         interval=(0.076, 0.039, 0.113),
         runs="2 vs 2",
         seeds="0, 1",
-        scope="all (gated +7.0% [+2.9%, +11.2%])",
+        scope="all (gated +7.0% [+2.9%, +11.2%])" + EARLIER_RULE,
     ),
     # Fig. 3 depth (sweep=depth: its ledger's claims replace these once regenerated)
     _claim(
@@ -213,7 +219,7 @@ PAPER_CLAIMS: tuple[Claim, ...] = (
         "block_size/dspark-vs-dflash-every-gamma",
         "Fig. 4 left: DSpark beats DFlash at every γ (shown: γ = 15)",
         "at every proposal length",
-        "holds",
+        ONE_SEED,
         folder="block_size",
         link="block_size/block_size.md",
         ours="+9.7% [+6.1%, +13.4%]",

@@ -32,7 +32,7 @@ RegenerateFn = Callable[..., Path]
 #: The claim a sweep's headline quotes (ids of the driver's claims files); other sweeps quote their first judged one.
 HEADLINE_CLAIMS = {
     "depth": "depth.dspark2_vs_dflash5.all",
-    "block_size": "block_size.dspark_markov_vs_dflash_growth.all",
+    "block_size": "block_size.dspark_markov_vs_dflash_growth_vs_paper.all",
     "serving": "serving.scheduler_vs_mtp1.user_speed",
 }
 

@@ -15,6 +15,17 @@ to verify `x_{r,k}` is made from information available before it was sampled, an
 The full search (argmax of Θ over all prefixes) lets `x_{r,k}` influence its own verification and biases the
 output; it exists only behind an explicit flag for reproducing that appendix.
 
+Stop rules (`decode.scheduler_stop`, `serve.scheduler_stop`; `SCHEDULER_STOPS`):
+- `first_non_improvement` — Algorithm 1 above: lossless.
+- `global_argmax` — the argmax of Θ over the whole staircase, the shortest plan among equal maxima (TensorRT-LLM's
+  DSpark PR). NOT lossless. What the exact test shows (tests/test_scheduler.py, paper Appendix A: one request, γ = 2,
+  SPS(1..3) = 1.0, 0.5, 0.45, p_t = (0.7, 0.3), p_d = (0.5, 0.5), c_1 = 0.8, c_2 = 0.9 after A and 0 after B):
+  enumerating x_1, x_2 and the verifier's outcomes exactly, the first committed token is A with probability 0.7 =
+  p_t(A) under `first_non_improvement` (ℓ = 0 whatever is drafted) and 0.85 under `global_argmax` (ℓ = 2 after A,
+  0 after B) — with the token verifier and with block verification alike (after x_1 = A both keep x_1 for sure).
+  The platform allows it for study; runs flag it "lossy" (stages: headline, report, `eval/lossy`, `serve/lossy`).
+  It also cannot stop drafting early: whether slot k is verified reads slots after k.
+
 `async_capacity_schedule` is the paper's production variant (§5.2): a token budget from stale confidences, filled
 with the best current candidates.
 
@@ -38,8 +49,10 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from dspark.config.schema import SCHEDULER_STOPS
 from dspark.scheduling.sps import SPSTable
 
+FIRST_NON_IMPROVEMENT, GLOBAL_ARGMAX = SCHEDULER_STOPS
 CONFIDENCE_RANGE_MESSAGE = (
     "scheduler: confidences must be calibrated per-slot probabilities in [0, 1]; apply the drafter's STS calibration "
     "(dspark.calibration.sts) to the confidence head's sigmoid output"
@@ -142,7 +155,17 @@ def schedule_verification(
     ).lengths
 
 
-def schedule_single(confidences: list[float], *, rates: list[float]) -> int:
+def check_stop(stop: str, *, key: str = "decode") -> str:
+    """`stop` when it names a stop rule, else a ValueError naming `<key>.scheduler_stop` and the choices."""
+    if stop not in SCHEDULER_STOPS:
+        raise ValueError(
+            f"{key}.scheduler_stop={stop!r}: choose one of {', '.join(SCHEDULER_STOPS)} (first_non_improvement: "
+            "Algorithm 1, lossless; global_argmax: the argmax of Θ over the staircase, biased — paper Appendix A)"
+        )
+    return stop
+
+
+def schedule_single(confidences: list[float], *, rates: list[float], stop: str = FIRST_NON_IMPROVEMENT) -> int:
     """ℓ for one request (R = 1) from plain floats: the decision `schedule_verification` takes on a [1, γ] row, in
     the same float64 arithmetic and order, without tensors (the single-request engine asks every round, and the
     tensor path cost ~1 ms a round there, against a ≤ 1 ms budget for all of a round's Python).
@@ -150,10 +173,12 @@ def schedule_single(confidences: list[float], *, rates: list[float]) -> int:
     confidences: c̃_1..c̃_γ in [0, 1]; rates: SPS(1), SPS(2), …, at least γ + 1 of them (the table at
     B = 1..γ+1).
     With one request the survival a_j is non-increasing in j, so the admission order is j = 1, 2, … up to the
-    first a_j = 0, and the early stop admits slots while Θ_j = (1 + Σ_{m≤j} a_m)·SPS(1 + j) strictly improves.
+    first a_j = 0, and the early stop admits slots while Θ_j = (1 + Σ_{m≤j} a_m)·SPS(1 + j) strictly improves;
+    `stop=global_argmax` (lossy, module docstring) takes the first maximum of Θ_j over every j with a_j > 0 instead.
     """
     if any(not 0.0 <= c <= 1.0 for c in confidences):  # NaN fails too
         raise ValueError(CONFIDENCE_RANGE_MESSAGE)
+    search = check_stop(stop) == GLOBAL_ARGMAX
     survival, total, admitted = 1.0, 0.0, 0
     best = 1.0 * rates[0]
     for slot, confidence in enumerate(confidences, start=1):
@@ -162,9 +187,10 @@ def schedule_single(confidences: list[float], *, rates: list[float]) -> int:
             break
         total += survival
         value = (1.0 + total) * rates[slot]
-        if not value > best:
+        if value > best:
+            best, admitted = value, slot
+        elif not search:
             break
-        best, admitted = value, slot
     return admitted
 
 
@@ -216,7 +242,9 @@ def _draft_counts(num_drafts: Tensor | None, num_requests: int, block: int) -> T
     return counts
 
 
-def plan_columns(confidences: Tensor, *, sps: SPSTable, num_drafts: Tensor | None = None) -> ColumnPlan:
+def plan_columns(
+    confidences: Tensor, *, sps: SPSTable, num_drafts: Tensor | None = None, stop: str = FIRST_NON_IMPROVEMENT
+) -> ColumnPlan:
     """Column plan for an engine that pads every row to max ℓ + 1 (module docstring): ℓ_r = min(k*, n_r).
 
     confidences [R, γ]: calibrated c̃_{r,j} in [0, 1] (slot j → column j-1). num_drafts [R] long: n_r ≤ γ drafted
@@ -224,7 +252,8 @@ def plan_columns(confidences: Tensor, *, sps: SPSTable, num_drafts: Tensor | Non
     Early stop: column k is admitted iff Θ(j) > Θ(j-1) and column j has positive mass for every j ≤ k, so the plan
     is a function of the columns up to the first refused one and never of a column past it (lossless, as
     Algorithm 1). A column with no mass is refused even on a table where SPS grows: it adds no expected token,
-    Algorithm 1 admits no a = 0 candidate either, and so at R = 1 both decide alike.
+    Algorithm 1 admits no a = 0 candidate either, and so at R = 1 both decide alike. `stop=global_argmax` (lossy,
+    module docstring): the first maximum of Θ(k) over the leading run of columns with positive mass.
     """
     values = _check_confidences(confidences)
     num_requests, block = values.shape
@@ -236,8 +265,12 @@ def plan_columns(confidences: Tensor, *, sps: SPSTable, num_drafts: Tensor | Non
     # Every row is padded to k + 1 tokens, so the forward has R·(k+1) tokens whatever the rows' ℓ_r.
     columns = torch.arange(block + 1, dtype=torch.float64)
     throughput = expected * sps(num_requests * (columns + 1))
-    improved = (throughput[1:] > throughput[:-1]) & (mass > 0)
-    num_columns = int(improved.to(torch.long).cumprod(0).sum())  # the leading run of admitted columns
+    if check_stop(stop) == GLOBAL_ARGMAX:
+        reachable = int((mass > 0).to(torch.long).cumprod(0).sum())  # columns up to the first one with no mass
+        num_columns = int(torch.argmax(throughput[: reachable + 1]))  # the first maximum: a tie keeps fewer columns
+    else:
+        improved = (throughput[1:] > throughput[:-1]) & (mass > 0)
+        num_columns = int(improved.to(torch.long).cumprod(0).sum())  # the leading run of admitted columns
     return ColumnPlan(counts.clamp(max=num_columns), mass, expected, throughput, num_columns)
 
 

@@ -41,6 +41,7 @@ from dspark.decoding.shared import (
     STOP_REJECTED,
     check_calibration,
     check_max_new_tokens,
+    check_calibrated_input,
     check_policy_drafter,
     check_temperature,
     commit_verified,
@@ -52,7 +53,8 @@ from dspark.decoding.shared import (
     step_confidences,
     stop_reason,
 )
-from dspark.decoding.verify import probs_from_logits, verify_drafts_from_logits
+from dspark.decoding.confidence import ConfidenceSource, observe_round, source_has_confidence
+from dspark.decoding.verify import probs_from_logits, resolve_verifier, verify_drafts_from_logits
 from dspark.scheduling.measured import ema
 from dspark.timing import synchronize
 from dspark.serving.kv import BatchedKVCache, check_concurrency, kv_budget, prefill
@@ -141,7 +143,8 @@ class BatchedEngine:
 
     drafter None serves target-only (ℓ = 0 for every row, policy unused). policy None with a drafter = `fixed`.
     `calibration` (STS) is applied before policies that read calibrated confidences (`decoding.policies`) and
-    recorded either way; `precision` is decode.drafter_precision (`decoding.drafting`).
+    recorded either way; `precision` is decode.drafter_precision (`decoding.drafting`); `verifier` is serve.verifier
+    ("token" | "block", `decoding.verify`), applied row by row with each row's own generator.
     """
 
     def __init__(
@@ -155,16 +158,22 @@ class BatchedEngine:
         calibration: STSCalibration | None = None,
         precision: str = "fp32",
         step_overhead: str = "none",
+        verifier: str = "token",
+        confidence: ConfidenceSource | None = None,
     ) -> None:
         temperature = check_temperature(temperature, KEY)
         max_new_tokens = check_max_new_tokens(max_new_tokens, KEY)
+        self.verifier = resolve_verifier(verifier, key=KEY)
         drafter = check_serving_drafter(drafter)
         policy = policy if policy is not None or drafter is None else build_policy("fixed", key=KEY)
         if drafter is not None:
-            check_policy_drafter(policy, has_confidence=drafter.confidence_head is not None, key=KEY)
+            has_head = drafter.confidence_head is not None
+            check_policy_drafter(policy, has_confidence=source_has_confidence(confidence, has_head=has_head), key=KEY)
+            check_calibrated_input(policy, calibration, key=KEY)
             check_calibration(calibration, block_size=drafter.block_size)
         self.target, self.drafter, self.policy, self.calibration = target, drafter, policy, calibration
         self.temperature, self.max_new_tokens, self.precision = temperature, max_new_tokens, precision
+        self.confidence = confidence  # serve.confidence (None: the head); one source across serve() calls
         self.stop_ids = frozenset(int(t) for t in target.stop_token_ids)
         self.max_positions = getattr(target.hf_config, "max_position_embeddings", None)
         self.kv: BatchedKVCache | None = None
@@ -195,7 +204,9 @@ class BatchedEngine:
             self.policy.reprice(self._verify_sps)
         self.kv = BatchedKVCache(self.target)
         self.proposer = (
-            BatchedDSparkProposer(self.drafter, precision=self.precision) if self.drafter is not None else None
+            BatchedDSparkProposer(self.drafter, precision=self.precision, confidence=self.confidence)
+            if self.drafter is not None
+            else None
         )
         steps: list[ServeStep] = []
         bar = tqdm(total=len(requests), desc="serving", unit="request", disable=not progress)
@@ -332,6 +343,9 @@ class BatchedEngine:
             )
             rounds.append(round_)
             keep.append(kept)
+        observe_round(
+            self.proposer, verified=[x.num_verified for x in rounds], accepted=[x.num_accepted for x in rounds]
+        )
         rows_verified = time.perf_counter()
         keep_tensor = torch.tensor(keep, dtype=torch.long, device=device)
         self.kv.keep_new(keep_tensor)
@@ -403,7 +417,9 @@ class BatchedEngine:
     ) -> tuple[ServeRound, int]:
         """Verify, commit and record one row; returns its round and how many block columns stay valid."""
         anchor_position = state.position
-        result = verify_drafts_from_logits(
+        # the token verifier by its module name: tests/test_serving_lossless.py swaps it to show its test can fail
+        verify = verify_drafts_from_logits if self.verifier.name == "token" else self.verifier.from_logits
+        result = verify(
             draft_tokens=proposal.tokens[row, :length],
             draft_probs=proposal.draft_probs[row, :length],
             target_logits=target_logits[: length + 1],

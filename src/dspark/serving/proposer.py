@@ -27,6 +27,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
+from dspark.decoding.confidence import ConfidenceSource, source_has_confidence, top_probability
 from dspark.decoding.drafting import (
     ParallelStage,
     clean_confidences,
@@ -70,10 +71,13 @@ def check_serving_drafter(drafter: nn.Module | None) -> DSparkDrafter | None:
 class BatchedDSparkProposer:
     """Cached context keys/values of R requests and batched drafting (see the module docstring)."""
 
-    def __init__(self, drafter: DSparkDrafter, *, precision: str = "fp32") -> None:
+    def __init__(
+        self, drafter: DSparkDrafter, *, precision: str = "fp32", confidence: ConfidenceSource | None = None
+    ) -> None:
         self.drafter = check_serving_drafter(drafter).eval()
         self.block_size = drafter.block_size
-        self.has_confidence = drafter.confidence_head is not None
+        self.confidence = confidence  # serve.confidence: where c_k comes from (None = the head)
+        self.has_confidence = source_has_confidence(confidence, has_head=drafter.confidence_head is not None)
         self.vocab_size = drafter.spec.vocab_size
         attn = drafter.backbone.layers[0].self_attn
         self._kv_shape = (attn.num_kv_heads, attn.head_dim)
@@ -235,13 +239,19 @@ class BatchedDSparkProposer:
         prev, state = anchor_tokens, None
         count = draft_count(gamma, max_drafts)
         cut = torch.zeros(rows, dtype=torch.bool, device=self.device)
+        source = self.confidence if self.has_confidence else None
+        if source is not None:
+            source.reset(rows)
         for k in range(count):
             logits, conf_logit, state = self.drafter.sequential_step(
                 hidden_k=hidden[:, k], parallel_logits_k=parallel_logits[:, k], prev_token=prev, state=state
             )
             drafting &= usable_logits(logits)
             if confidences is not None:
-                confidences[:, k] = torch.where(drafting, clean_confidences(torch.sigmoid(conf_logit.float())), 0.0)
+                head = None if conf_logit is None else torch.sigmoid(conf_logit.float()).reshape(rows)
+                if source is not None:  # c_k from q_k, before x_k is drawn (`decoding.confidence`)
+                    head = source.slot(k, head=head, top_prob=top_probability(logits, temperature))
+                confidences[:, k] = torch.where(drafting, clean_confidences(head), 0.0)
                 if policy_hook is not None and policy_hook(confidences[:, : k + 1]):
                     confidences[:, k] = 0.0  # slot k is not drafted: γ'_r stays k
                     cut = drafting.clone()

@@ -41,7 +41,15 @@ HASH_NEUTRAL_DEFAULTS = (
     ("model", "match_params", False),
     ("loss", "position_weights", "decay"),
     ("loss", "dpace_alpha", 0.5),
+    ("data", "features_from", None),
+    ("data", "multi_turn", "dataset"),
+    ("data", "regen_backend", "hf"),
+    ("data", "regen_url", ""),
+    ("data", "regen_api", "chat"),
+    ("data", "regen_model", None),
 )
+# data.* keys that say how to reach a regeneration server, not what it writes: never part of the training key
+OPERATIONAL_DATA_KEYS = ("regen_api_key_env", "regen_concurrency", "regen_timeout_s", "regen_retries")
 
 
 @dataclass
@@ -74,6 +82,8 @@ def training_key(cfg: RunConfig) -> str:
             node = node.get(parent, {})
         if node.get(leaf) == default:
             node.pop(leaf)
+    for key in OPERATIONAL_DATA_KEYS:
+        payload["data"].pop(key, None)
     payload["trainer"] = {k: tree["trainer"][k] for k in ("precision",)}
     payload["supervision"] = SUPERVISION_VERSION
     return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:12]

@@ -34,7 +34,26 @@ class TrainedDrafter:
 
     @property
     def has_confidence(self) -> bool:
+        """Whether the drafter has a trained confidence head."""
         return getattr(self.drafter, "confidence_head", None) is not None
+
+    def has_confidences(self, source: str) -> bool:
+        """Whether rounds carry c_k under the confidence source `source` (the head needs a head; the others don't)."""
+        return self.has_confidence or source != "head"
+
+
+def confidence_source(ctx: StageContext, trained: TrainedDrafter, *, key: str = "decode") -> Any:
+    """The `<key>.confidence` source for this drafter's proposer (`dspark.decoding.confidence`); None for `head`
+    (the proposers' own default: the head's c_k)."""
+    from dspark.decoding.confidence import HEAD, build_confidence_source
+
+    name = ctx.cfg.decode.confidence if key == "decode" else ctx.cfg.serve.confidence
+    if name == HEAD:
+        return None
+    decode = ctx.cfg.decode
+    return build_confidence_source(
+        name, block_size=trained.spec.block_size, lr=decode.online_lr, l2=decode.online_l2, key=key
+    )
 
 
 def open_trained_drafter(ctx: StageContext, drafter_path: str | Path) -> TrainedDrafter:
@@ -52,23 +71,36 @@ def calibrate(
     prepared: PreparedData | None,
     proposer: Any = None,
     plot_path: Path | None = None,
+    key: str = "decode",
 ) -> tuple[CalibrationReport, str]:
-    """STS at decode.temperature on decode.prompts_per_set × len(decode.eval_sets) held-out prompts (the calibration
-    split of `prepared`, topped up with unseen synthetic ones); returns the fit and where its prompts came from."""
+    """STS at decode.temperature of the `<key>.confidence` source's c_k on decode.prompts_per_set ×
+    len(decode.eval_sets) held-out prompts (the calibration split of `prepared`, topped up with unseen synthetic
+    ones; fitted on one half of them, scored on the other); returns the fit and where its prompts came from.
+    `proposer` (built with that source) is reused when given: an online source starts learning on these rounds."""
     from dspark.decoding.proposers import build_proposer
     from dspark.evaluation.calibrate import calibrate_drafter, calibration_prompt_ids
 
     decode = ctx.cfg.decode
-    prompt_ids, source = calibration_prompt_ids(
-        trained.target,
-        held_out=held_out_prompts(ctx, prepared),
-        limit=decode.prompts_per_set * len(decode.eval_sets),
-        seed=ctx.cfg.data_seed,
-        data=ctx.cfg.data,
-    )
+    limit = decode.prompts_per_set * len(decode.eval_sets)
+    if decode.calibration_set:  # a named prompt set (the paper calibrates on Alpaca)
+        records = ctx.load_prompts(decode.calibration_set, limit=limit)
+        prompt_ids = [trained.target.chat_prompt_ids(r.prompt) for r in records]
+        where = f"{len(records)} prompts of {decode.calibration_set} (decode.calibration_set)"
+    else:
+        prompt_ids, where = calibration_prompt_ids(
+            trained.target,
+            held_out=held_out_prompts(ctx, prepared),
+            limit=limit,
+            seed=ctx.cfg.data_seed,
+            data=ctx.cfg.data,
+        )
+    source = ctx.cfg.decode.confidence if key == "decode" else ctx.cfg.serve.confidence
+    if proposer is None:
+        proposer = build_proposer(trained.drafter, confidence=confidence_source(ctx, trained, key=key))
     report = calibrate_drafter(
         target=trained.target,
-        proposer=proposer or build_proposer(trained.drafter),
+        proposer=proposer,
+        source=source,
         drafter_path=trained.path,
         payload=trained.payload,
         prompt_ids=prompt_ids,
@@ -77,5 +109,6 @@ def calibrate(
         seed=ctx.cfg.seed,
         block_size=trained.spec.block_size,
         plot_path=plot_path,
+        prompt_set=decode.calibration_set,
     )
-    return report, source
+    return report, where

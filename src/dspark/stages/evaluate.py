@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from dspark.config import to_dict
+from dspark.config.schema import CALIBRATED_POLICIES as CALIBRATED_READERS
 from dspark.config.schema import CONFIDENCE_POLICIES  # the policies that read c_k: calibrate for them
 from dspark.config.secrets import mask_arg
 from dspark.decoding.drafting import precision_name
@@ -48,9 +49,10 @@ from dspark.evaluation.summary import (
 from dspark.files import atomic_write_text, check_output_file, claim_output_dir, is_our_markdown, is_report_entry
 from dspark.hardware import machine_summary
 from dspark.stages.context import StageContext, run_name
-from dspark.stages.drafter import TrainedDrafter, calibrate, open_trained_drafter
+from dspark.stages.drafter import TrainedDrafter, calibrate, confidence_source, open_trained_drafter
 from dspark.stages.prepare import PreparedData
 from dspark.tracking.artifacts import log_report
+from dspark.tracking.lineage import log_eval_data
 
 if TYPE_CHECKING:
     from dspark.drafters.factory import DrafterSpec
@@ -110,7 +112,47 @@ def report_stem(ctx: StageContext) -> str:
     )
     digest = hashlib.sha1(prompts.encode()).hexdigest()[:6]
     policy = decode.policy if decode.tree.shape == "chain" else f"tree-{tree_name(decode)}"
-    return f"eval-{ctx.run_dir.name}-{policy}{threshold}-T{decode.temperature:g}-{digest}"
+    # another confidence source or calibration set is another evaluation of the same drafter (the head's and the
+    # held-out split's names stay as they were)
+    confidence = "" if decode.confidence == "head" else f"-{decode.confidence}"
+    calibration = f"-cal-{decode.calibration_set}" if decode.calibration_set else ""
+    arms = f"{arm_stem(decode)}{confidence}{calibration}"
+    return f"eval-{ctx.run_dir.name}-{policy}{threshold}{arms}-T{decode.temperature:g}-{digest}"
+
+
+def arm_stem(decode: Any) -> str:
+    """The verification arms off their defaults as a file-name part (`-block`, `-argmax`, `-bypass`), so that the
+    cells of sweep=verifier / sweep=scheduler_arms, which share one drafter, do not overwrite each other's report."""
+    parts = [
+        "-block" if decode.verifier == "block" else "",
+        "-argmax" if decode.scheduler_stop == "global_argmax" else "",
+        "-bypass" if decode.bypass == "cost" else "",
+    ]
+    return "".join(parts)
+
+
+def scheduler_lossy(decode: Any, *, speed: bool = False) -> bool:
+    """Whether a scheduler of this evaluation ran with decode.scheduler_stop=global_argmax (biased: Appendix A)."""
+    scheduled = decode.policy == "scheduler" or (speed and SPEED_POLICY == "scheduler")
+    return decode.scheduler_stop == "global_argmax" and scheduled and decode.tree.shape == "chain"
+
+
+LOSSY_NOTE = "LOSSY: decode.scheduler_stop=global_argmax, the output is not the target's (paper Appendix A)"
+
+
+def arm_metrics(decode: Any, engine: Any, *, speed: bool) -> dict[str, float]:
+    """`eval/lossy` = 1 when a global-argmax scheduler ran; `eval/bypass_rate`: the share of rounds decode.bypass made
+    plain target steps (over decode.policy's pass)."""
+    metrics = {"eval/lossy": 1.0} if scheduler_lossy(decode, speed=speed) else {}
+    gate = getattr(engine, "gate", None)
+    if gate is not None and gate.drafted + gate.bypassed:
+        metrics["eval/bypass_rate"] = gate.bypassed / (gate.drafted + gate.bypassed)
+        log.info(
+            "decode.bypass=cost: %d of %d rounds were plain target steps", gate.bypassed, gate.drafted + gate.bypassed
+        )
+    if metrics.get("eval/lossy"):
+        log.warning("%s", LOSSY_NOTE)
+    return metrics
 
 
 def tree_name(decode: Any) -> str:
@@ -160,8 +202,13 @@ def plan_speed(decode: Any, trained: TrainedDrafter) -> SpeedPlan:
         return SpeedPlan(False, 0, "")
     if count < 1:
         return SpeedPlan(False, 0, "not measured (decode.speed_prompts=0)")
-    if not trained.has_confidence:
-        return SpeedPlan(False, 0, f"{trained.spec.kind} has no confidence head for decode.policy={SPEED_POLICY}")
+    if not trained.has_confidences(decode.confidence):
+        return SpeedPlan(
+            False,
+            0,
+            f"{trained.spec.kind} has no confidence head for decode.policy={SPEED_POLICY} "
+            "(decode.confidence=draft_max_prob or online needs none)",
+        )
     return SpeedPlan(True, count, "")
 
 
@@ -177,14 +224,32 @@ def maybe_calibrate(
     pass's scheduler) reads confidences the drafter has."""
     decode = ctx.cfg.decode
     speed_reads = speed is not None and speed.separate
-    if not decode.calibrate or (decode.policy not in CONFIDENCE_POLICIES and not speed_reads):
-        return None, "not used (decode.policy reads no confidences or decode.calibrate=false)"
-    if not trained.has_confidence:
+    if decode.policy not in CONFIDENCE_POLICIES and not speed_reads:
+        return None, "not used (decode.policy reads no confidences)"
+    if not decode.calibrate:
+        reads_calibrated = [
+            p for p in (decode.policy, SPEED_POLICY if speed_reads else None) if p in CALIBRATED_READERS
+        ]
+        if reads_calibrated:  # said loudly, in the log, the report and the run's tags: never a silent fallback
+            note = raw_confidence_note(reads_calibrated)
+            log.warning(note)
+            return None, note
+        return None, "not used (decode.calibrate=false)"
+    if not trained.has_confidences(decode.confidence):
         raise ValueError(
-            f"decode.policy={decode.policy} needs a drafter with a confidence head (drafter=dspark); "
-            "use decode.policy=fixed for dflash / eagle3"
+            f"decode.policy={decode.policy} needs c_k: a drafter with a confidence head (drafter=dspark), or a "
+            "head-less decode.confidence=draft_max_prob / online; or use decode.policy=fixed for dflash / eagle3"
         )
     return calibrate(ctx, trained, prepared=prepared, proposer=proposer, plot_path=report_paths(ctx)["reliability"])
+
+
+def raw_confidence_note(policies: list[str]) -> str:
+    """The line a run states when a policy that reads calibrated c̃_k ran on raw c_k (decode.calibrate=false)."""
+    names = ", ".join(f"decode.policy={p}" if i == 0 else p for i, p in enumerate(policies))
+    return (
+        f"**raw c_k**: {names} reads calibrated c̃_k, but decode.calibrate=false, so it ran on the raw c_k "
+        "(no STS); set decode.calibrate=true for the paper's setting"
+    )
 
 
 def new_eval_dir(ctx: StageContext) -> Path:
@@ -225,7 +290,9 @@ def run_eval(ctx: StageContext, drafter_path: str | Path, *, prepared: PreparedD
     claimed_report_paths(ctx)  # a report we may not write fails now, not after decoding
     trained = open_trained_drafter(ctx, drafter_path)
     target, spec = trained.target, trained.spec
-    proposer = build_proposer(trained.drafter, precision=decode.drafter_precision)
+    proposer = build_proposer(
+        trained.drafter, precision=decode.drafter_precision, confidence=confidence_source(ctx, trained)
+    )
     speed = plan_speed(decode, trained)
     calibration, calibration_source = maybe_calibrate(ctx, trained, proposer=proposer, prepared=prepared, speed=speed)
     sts = calibration.sts if calibration else None
@@ -247,13 +314,22 @@ def run_eval(ctx: StageContext, drafter_path: str | Path, *, prepared: PreparedD
             return TreeEngine(proposer=proposer, shape=tree, scheme=decode.tree.scheme, sps=sps, **common)
         return SpeculativeEngine(
             proposer=proposer,
-            policy=build_policy(policy, threshold=decode.threshold, static_k=decode.static_k, sps=sps),
+            policy=build_policy(
+                policy,
+                threshold=decode.threshold,
+                static_k=decode.static_k,
+                sps=sps,
+                scheduler_stop=decode.scheduler_stop,
+            ),
             calibration=sts if policy in CONFIDENCE_POLICIES else None,
             step_costs=decode.step_costs,
+            verifier=decode.verifier,
+            bypass=decode.bypass,
             **common,
         )
 
     prompts = load_eval_prompts(ctx, target)
+    log_eval_data(ctx, prompts)  # each evaluation set as a dataset input of the run (digest and source)
     log.info(
         "evaluating %s on %d prompts (%s), policy %s, temperature %g",
         portable_path(trained.path, ctx=ctx),
@@ -302,11 +378,25 @@ def run_eval(ctx: StageContext, drafter_path: str | Path, *, prepared: PreparedD
     metrics = flatten_metrics(summary) | (calibration.metrics() if calibration else {})
     metrics |= speed_metrics(speed_summary) if speed_summary else {}
     metrics |= coverage_metrics(target=target, trained=trained, prompts=prompts, rollouts=rollouts, decode=decode)
+    metrics |= confidence_metrics(decode, proposer=proposer, calibrated=sts is not None)
+    metrics |= arm_metrics(decode, engines["speculative"], speed=speed_rollouts is not None)
     if ctx.store is not None:
         ctx.store.log_metrics(ctx.run_id, metrics)
     report = write_report(ctx, meta, summary, speed=speed_summary)
     log.info("eval: report %s", report)
     return EvalResult(report=report, headline=meta["headline"])
+
+
+def confidence_metrics(decode: Any, *, proposer: Any, calibrated: bool) -> dict[str, float]:
+    """`eval/calibrated_input` (1: the calibrated-reading policy read c̃_k; 0: it ran on raw c_k — the report says so)
+    and, for decode.confidence=online, what the estimator learned (`confidence/online/<weight>`)."""
+    out: dict[str, float] = {}
+    if decode.policy in CALIBRATED_READERS:
+        out["eval/calibrated_input"] = float(calibrated)
+    state = getattr(getattr(proposer, "confidence", None), "state", None)
+    if callable(state):
+        out |= {f"confidence/online/{name}": value for name, value in state().items()}
+    return out
 
 
 def coverage_metrics(
@@ -334,15 +424,26 @@ def tau_setting(decode: Any, *, block_size: int) -> str:
     temperature = f"T={decode.temperature:g}" + (" (greedy)" if decode.temperature == 0 else "")
     if decode.tree.shape != "chain":
         return f"tree {tree_name(decode)}, {temperature}"
+    arms = "".join(
+        f", decode.{key}={value}"
+        for key, value, default in (
+            ("verifier", decode.verifier, "token"),
+            ("bypass", decode.bypass, "off"),
+            ("scheduler_stop", decode.scheduler_stop, "first_non_improvement"),
+        )
+        if value != default
+    )
     if decode.policy == "fixed":
-        return f"fixed ℓ=γ={block_size}, {temperature}"
-    return f"decode.policy={decode.policy}, {temperature}"
+        return f"fixed ℓ=γ={block_size}, {temperature}{arms}"
+    return f"decode.policy={decode.policy}, {temperature}{arms}"
 
 
 def headline(decode: Any, summary: EvalSummary, speed: EvalSummary | None, *, note: str, block_size: int) -> str:
     """The run's last line: τ in the evaluated setting (the paper's with decode.policy=fixed, T=1) and the speed-up
     of SPEED_POLICY over target-only decoding, each with its 95% interval over prompts where there is one."""
     tau = tau_phrase(summary, setting=tau_setting(decode, block_size=block_size))
+    if scheduler_lossy(decode, speed=speed is not None):  # first, where no reader of the line can miss it
+        tau = f"{LOSSY_NOTE} · {tau}"
     against = "vs target-only on this machine"
     if speed is not None:
         return f"{tau} · {speedup_phrase(speed, setting=f'with decode.policy={SPEED_POLICY} {against}')}"
@@ -442,6 +543,8 @@ def write_report(ctx: StageContext, meta: dict, summary: Any, *, speed: EvalSumm
     calibration_md = meta.get("calibration_md")
     if calibration_md:
         calibration_md = f"Held-out prompts: {meta['calibration_source']}.\n\n{calibration_md}"
+    elif str(meta.get("calibration_source", "")).startswith("**raw c_k**"):  # stated where the numbers are read
+        calibration_md = str(meta["calibration_source"])
     atomic_write_text(
         paths["report"],
         report_markdown(

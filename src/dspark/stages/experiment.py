@@ -65,6 +65,7 @@ def preflight(rc: ResolvedConfig, *, claim: bool = True) -> None:
                 "data.train_sets": cfg.data.train_sets,
                 "decode.eval_sets": cfg.decode.eval_sets,
                 "serve.prompt_sets": cfg.serve.prompt_sets,
+                "decode.calibration_set": [cfg.decode.calibration_set] if cfg.decode.calibration_set else [],
             },
             local_dir=cfg.data.local_dir,
             cache_dir=Path(cfg.paths.root) / "cache" / "datasets",
@@ -72,6 +73,13 @@ def preflight(rc: ResolvedConfig, *, claim: bool = True) -> None:
     from dspark.stages.export import preflight_errors as interop_errors
 
     errors += interop_errors(cfg)  # export.* and model.import_from
+    from dspark.data.feature_format import preflight_errors as feature_errors
+
+    errors += feature_errors(cfg)  # data.features_from: manifest, target identity, shard headers, checksums
+    if cfg.data.regen_backend == "openai":  # key variable set, server up with a model (≤ 5 s); imported only then
+        from dspark.data.regen_server import preflight_errors as regen_server_errors
+
+        errors += regen_server_errors(cfg)
     try:  # file headers only: a directory that is not a model or a cut-off .gguf fails here, not after loading
         check_target(cfg.target, cache_dir=Path(cfg.paths.root) / "cache")
     except ValueError as err:
@@ -140,7 +148,10 @@ def run_experiment(
     links = print_ui_links(ctx) if standalone else []
     started = time.time()
     try:
-        headline = run_stages(ctx)
+        from dspark.tracking.system_metrics import system_metrics  # CPU / memory as system/* (tracking.system_metrics)
+
+        with system_metrics(ctx.store, ctx.run_id, enabled=rc.cfg.tracking.system_metrics and not worker):
+            headline = run_stages(ctx)
     except KeyboardInterrupt:  # Ctrl-C: KILLED, not FAILED; the next run of the same command resumes
         if not worker:
             ctx.store.finish(ctx.run_id, status="KILLED")
@@ -245,6 +256,10 @@ def run_stages(ctx: StageContext) -> str | None:
 
         return _evaluate_or_serve(ctx, import_to_run_dir(ctx), prepared=None)
     data = run_prepare(ctx)
+    if not is_ddp_worker():  # the training data as the run's dataset inputs: digest and source (MLflow lineage)
+        from dspark.tracking.lineage import log_training_data
+
+        log_training_data(ctx, data)
     ctx.store.log_metrics(
         ctx.run_id,
         {"data/sequences": data.num_sequences}

@@ -89,13 +89,21 @@ def run_prepare(ctx: StageContext) -> PreparedData:
 
     regenerate: the target writes every response (the paper); reference: the sets' own responses (prefill only);
     mix: the first `data.num_regen_prompts` prompts (round-robin over the sets: `collect_train_prompts`)
-    regenerated, the rest reference.
+    regenerated, the rest reference. Regeneration answers the turns `data.multi_turn` says, in this process
+    (`data.regen_backend=hf`) or through the server at `data.regen_url` (openai: `dspark.data.regen_server`).
     """
     from dspark.data.features import resolve_prefill_precision
     from dspark.data.reference import build_reference_dataset, combine_datasets, has_reference
 
     target = ctx.load_target()
     data = ctx.cfg.data
+    if data.features_from:  # an external capture job's shards (docs/FEATURES.md): no regeneration, no prefill here
+        from dspark.data.feature_format import load_external_features
+
+        regen_dir, feature_dir = load_external_features(target, Path(data.features_from), cache_dir=ctx.paths.cache)
+        num_sequences = len(load_regenerated(regen_dir))
+        log.info("training on %d sequences of captured features from %s", num_sequences, data.features_from)
+        return PreparedData(regen_dir, feature_dir, num_sequences, read_manifest(regen_dir).get("stats", {}))
     prompts = collect_train_prompts(ctx)
     regen_prompts, reference_prompts = _split_by_mode(
         prompts, mode=data.responses, num_regen=data.num_regen_prompts, has_reference=has_reference
@@ -120,15 +128,24 @@ def run_prepare(ctx: StageContext) -> PreparedData:
         log.info("regenerating responses to %d prompts from %s", len(regen_prompts), ", ".join(data.train_sets))
         # batched by prompt length: left padding to a batch's longest prompt is wasted work
         regen_prompts = sorted(regen_prompts, key=lambda p: (len(p.prompt), p.id))
+        sampling, backend, precision = sampling_config(ctx), None, "fp32"
+        if data.regen_backend == "openai":  # the server's model writes; the tokenizer check runs before any work
+            from dspark.data.regen_server import open_server
+
+            backend = open_server(data, target=target, sampling=sampling)
+        else:
+            precision = resolve_prefill_precision(data.regen_precision, target, key="data.regen_precision")
         parts.append(
             regenerate_responses(
                 target,
                 regen_prompts,
-                sampling=sampling_config(ctx),
+                sampling=sampling,
                 cache_dir=ctx.paths.cache,
                 seed=ctx.cfg.data_seed,
                 max_length=data.max_length,
-                precision=resolve_prefill_precision(data.regen_precision, target, key="data.regen_precision"),
+                precision=precision,
+                multi_turn=data.multi_turn,
+                backend=backend,
             )
         )
     regen_dir = combine_datasets(parts, cache_dir=ctx.paths.cache)

@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 
 from dspark.files import atomic_output, atomic_write_text
 from dspark.stages.context import StageContext
-from dspark.stages.drafter import TrainedDrafter, calibrate, open_trained_drafter
+from dspark.stages.drafter import TrainedDrafter, calibrate, confidence_source, open_trained_drafter
 from dspark.stages.prepare import PreparedData
 
 if TYPE_CHECKING:
@@ -75,9 +75,9 @@ def serve_calibration(ctx: StageContext, trained: TrainedDrafter, *, prepared: P
     Whatever this cell's policy: the policy=fixed trace the simulator replays is recorded once and shared by every
     cell, and the confidence policies replay its calibrated confidences, so it must carry them even when the cell
     that records it (say mtp1) reads none. The fit is cached in drafter.pt, so it runs once per drafter."""
-    if not trained.has_confidence:
+    if not trained.has_confidences(ctx.cfg.serve.confidence):
         return None
-    report, _ = calibrate(ctx, trained, prepared=prepared)
+    report, _ = calibrate(ctx, trained, prepared=prepared, key="serve")
     return report.sts
 
 
@@ -142,7 +142,8 @@ def read_steps(path: Path) -> list:
 def run_serve(ctx: StageContext, drafter_path: str | Path, *, prepared: PreparedData | None = None) -> dict[str, float]:
     """Serve with the real engine, then simulate; logs and returns the metrics (module docstring). `prepared`
     (the data this invocation regenerated) supplies the held-out calibration prompts."""
-    from dspark.serving import BatchedEngine, build_serve_policy
+    from dspark.decoding.policies import build_policy
+    from dspark.serving import BatchedEngine
 
     cfg, serve = ctx.cfg, ctx.cfg.serve
     trained = open_trained_drafter(ctx, drafter_path)
@@ -151,8 +152,14 @@ def run_serve(ctx: StageContext, drafter_path: str | Path, *, prepared: Prepared
     target = serving_target(ctx, trained.target)
     sps = serving_sps(ctx, target, block_size=spec.block_size)
     requests = serve_requests(ctx, target)
-    policy = build_serve_policy(
-        serve.policy, static_k=serve.static_k, threshold=serve.threshold, sps=sps, scheduler_cost=serve.scheduler_cost
+    policy = build_policy(  # build_serve_policy's call, with the stop rule (serve.scheduler_stop)
+        serve.policy,
+        key="serve",
+        static_k=serve.static_k,
+        threshold=serve.threshold,
+        sps=sps,
+        scheduler_cost=serve.scheduler_cost,
+        scheduler_stop=serve.scheduler_stop,
     )
     engine = BatchedEngine(
         target=target,
@@ -163,6 +170,8 @@ def run_serve(ctx: StageContext, drafter_path: str | Path, *, prepared: Prepared
         calibration=calibration,
         precision=cfg.decode.drafter_precision,
         step_overhead=serve.step_overhead,
+        confidence=confidence_source(ctx, trained, key="serve"),
+        verifier=serve.verifier,
     )
     log.info(
         "serving %d requests (%s) with serve.policy=%s at concurrency %d",
@@ -182,6 +191,9 @@ def run_serve(ctx: StageContext, drafter_path: str | Path, *, prepared: Prepared
         "serve/steps": float(summary.num_steps),
         "serve/wall_seconds": float(summary.wall_seconds),
     }
+    if not policy.lossless:  # serve.scheduler_stop=global_argmax: allowed for study, never silently
+        log.warning("LOSSY: serve.scheduler_stop=global_argmax, the output is not the target's (paper Appendix A)")
+        metrics["serve/lossy"] = 1.0
     metrics |= simulate_levels(
         ctx,
         engine_args={
@@ -189,6 +201,7 @@ def run_serve(ctx: StageContext, drafter_path: str | Path, *, prepared: Prepared
             "drafter": drafter,
             "calibration": calibration,
             "precision": cfg.decode.drafter_precision,
+            "confidence": confidence_source(ctx, trained, key="serve"),  # a fresh source for the trace
         },
         requests=requests,
         real=result,
@@ -224,6 +237,8 @@ def trace_key(ctx: StageContext) -> str:
         "precision": cfg.decode.drafter_precision,  # older traces lacked c̃
         "target_dtype": cfg.serve.target_dtype or cfg.target_options.dtype,
     }
+    if cfg.serve.confidence != "head":  # the head's traces keep their key
+        payload["confidence"] = [cfg.serve.confidence, cfg.decode.online_lr, cfg.decode.online_l2]
     return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:12]
 
 

@@ -4,7 +4,9 @@ Timing does not depend on the weights, so each cell builds an untrained DSpark d
 around the target and lets `dspark.evaluation.diagnostics.latency_breakdown` run the speculative engine with
 ℓ = γ on random contexts of each length in the sweep's `latency.context_lengths`. Logged per context length L:
 `latency/ctx{L}/{verify_ms,draft_parallel_ms,draft_sequential_ms,other_ms,round_ms,sequential_share}`, and the means
-over context lengths as `summary/round_ms`, `summary/sequential_share`.
+over context lengths as `summary/round_ms`, `summary/sequential_share` — for one request (the single-request engine);
+for each R > 1 in the sweep's `latency.concurrency`, the same per BatchedEngine step as `latency/r{R}/ctx{L}/…` and
+`summary/r{R}/…` (R requests decoded together: the paper measures its +0.2–1.3% at a batch).
 """
 
 from __future__ import annotations
@@ -19,18 +21,28 @@ from dspark.config.secrets import mask_text
 
 log = logging.getLogger("dspark")
 PHASES = ("verify_ms", "draft_parallel_ms", "draft_sequential_ms", "other_ms", "round_ms", "sequential_share")
-DEFAULT_OPTIONS = {"context_lengths": [512, 1024], "rounds": 8}
+DEFAULT_OPTIONS = {"context_lengths": [512, 1024], "rounds": 8, "concurrency": [1]}
+
+
+def latency_prefix(concurrency: int) -> str:
+    """'' for one request (the metric names before R existed), 'r4/' for R = 4."""
+    return "" if int(concurrency) == 1 else f"r{int(concurrency)}/"
 
 
 def latency_metrics(rows: list[dict[str, Any]]) -> dict[str, float]:
-    """Rows of `latency_breakdown` (one head and γ) → flat MLflow metrics."""
+    """Rows of `latency_breakdown` (one head and γ, any R) → flat MLflow metrics."""
     out: dict[str, float] = {}
+    by_r: dict[int, list[dict[str, Any]]] = {}
     for row in rows:
-        out.update({f"latency/ctx{row['context_length']}/{p}": float(row[p]) for p in PHASES})
-        out[f"latency/ctx{row['context_length']}/rounds"] = float(row["rounds"])
-    for name in ("round_ms", "sequential_share"):
-        values = [float(r[name]) for r in rows]
-        out[f"summary/{name}"] = sum(values) / len(values) if values else float("nan")
+        r = int(row.get("concurrency", 1))
+        by_r.setdefault(r, []).append(row)
+        prefix = f"latency/{latency_prefix(r)}ctx{row['context_length']}"
+        out.update({f"{prefix}/{p}": float(row[p]) for p in PHASES})
+        out[f"{prefix}/rounds"] = float(row["rounds"])
+    for r, group in by_r.items():
+        for name in ("round_ms", "sequential_share"):
+            values = [float(x[name]) for x in group]
+            out[f"summary/{latency_prefix(r)}{name}"] = sum(values) / len(values) if values else float("nan")
     return out
 
 
@@ -62,6 +74,7 @@ def run_latency_cell(
             block_sizes=[cfg.model.block_size],
             context_lengths=[int(c) for c in opts["context_lengths"]],
             rounds=int(opts["rounds"]),
+            concurrency=[int(r) for r in opts.get("concurrency", [1])],
             depth=cfg.model.depth,
             markov_rank=cfg.model.markov_rank,
             seed=cfg.seed,
