@@ -166,6 +166,7 @@ PREPARER = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 def test_two_processes_preparing_one_cache_build_it_once(tmp_path):
     cache, barrier = tmp_path / "cache", tmp_path / "barrier"
     barrier.mkdir()

@@ -148,10 +148,11 @@ def _engine(target, drafter_name, policy, source, *, temperature=1.0):
 @pytest.mark.parametrize(
     ("drafter_name", "source_name", "policy"),
     [
-        ("dflash", "draft_max_prob", "threshold"),
         ("dflash", "online", "scheduler"),
-        ("eagle3", "draft_max_prob", "scheduler"),
-        ("dspark-markov", "online", "threshold"),
+        # the slow tier (make test-all): the other sources and drafters
+        pytest.param("dflash", "draft_max_prob", "threshold", marks=pytest.mark.slow),
+        pytest.param("eagle3", "draft_max_prob", "scheduler", marks=pytest.mark.slow),
+        pytest.param("dspark-markov", "online", "threshold", marks=pytest.mark.slow),
     ],
 )
 def test_head_less_sources_decode_losslessly(target, prompt, drafter_name, source_name, policy):

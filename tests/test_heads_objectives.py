@@ -195,6 +195,7 @@ def tiny(tmp_path_factory):
     return load_target("tiny", cache_dir=tmp_path_factory.mktemp("targets"), seed=1)
 
 
+@pytest.mark.slow
 def test_dpard_trained_gated_drafter_decodes_losslessly(tiny, one_thread):
     from test_training_module import _batch
 

@@ -49,6 +49,7 @@ def _one_line(err: str, needle: str) -> str:
     return lines[0]
 
 
+@pytest.mark.slow
 def test_ctrl_c_during_training_kills_the_run_and_the_rerun_resumes(tmp_path, monkeypatch, capsys, one_thread):
     argv = ["stage=train", *FAST, f"paths.root={tmp_path}", "optim.epochs=3"]
     handler = signal.getsignal(signal.SIGINT)
@@ -69,6 +70,7 @@ def test_ctrl_c_during_training_kills_the_run_and_the_rerun_resumes(tmp_path, mo
     assert torch.load(last, map_location="cpu", weights_only=False)["global_step"] > resumed_from
 
 
+@pytest.mark.slow
 def test_ctrl_c_during_a_sweep_cell_kills_the_cell_not_fails_it(tmp_path, monkeypatch, capsys, one_thread):
     experiment = "interrupted"
     argv = [

@@ -27,7 +27,7 @@ from dspark.drafters.factory import build_drafter, drafter_spec_for
 from dspark.targets import load_target
 from dspark.training.module import DrafterModule
 
-pytestmark = pytest.mark.ddp
+pytestmark = [pytest.mark.ddp, pytest.mark.slow]  # two gloo processes: the slow tier (make test-all)
 TARGET_SEED = 2
 WORLD = 2
 SHARDS = (slice(0, 1), slice(1, 4))  # rank 0 holds one short sequence, rank 1 three long ones

@@ -77,6 +77,18 @@ CASES = (
 )
 
 
+# The fast tier (`make test`) keeps a draft-dependent ℓ (threshold) for every registered drafter and head, the fixed,
+# threshold and both planning policies on the draft-vocabulary DSpark (mtp1, static and calibrated_threshold are
+# fixed-length or threshold rules covered there), and the fixed policy on the draft-vocabulary DFlash and EAGLE-3;
+# every case runs in the slow tier (`make test-all`).
+FAST_CASES = (
+    {(d, "threshold") for d in lossless_drafters()}
+    | {("dspark-markov-vd", p) for p in ("fixed", "threshold", "scheduler", "async")}
+    | {("dflash-vd", "fixed"), ("eagle3-vd", "fixed")}
+)
+TIERED_CASES = [pytest.param(*case, marks=() if case in FAST_CASES else pytest.mark.slow) for case in CASES]
+
+
 def needs_confidence_head(drafter_name: str, policy: str) -> bool:
     """A policy that reads c_k with a drafter that has no confidence head (DFlash, EAGLE-3): refused."""
     return not CONFIDENCE_HEAD[DRAFTERS[drafter_name][0]] and policy in CONFIDENCE_POLICIES
@@ -177,7 +189,7 @@ def chi_square_p_values(target, prompt, results) -> dict[str, float]:
     return uniformity_p_values(groups)
 
 
-@pytest.mark.parametrize(("drafter_name", "policy"), CASES)
+@pytest.mark.parametrize(("drafter_name", "policy"), TIERED_CASES)
 def test_sampling_matches_the_target_distribution(target, prompt, drafter_name, policy):
     if needs_confidence_head(drafter_name, policy):  # DFlash and EAGLE-3 have no confidence head
         with pytest.raises(ValueError, match="confidence head"):
@@ -238,7 +250,10 @@ def usable_prefix(anchor, drafts) -> bool:
     return all(token % 2 == 1 for token in [anchor, *drafts][: len(drafts)])
 
 
-@pytest.mark.parametrize(("drafter_name", "policy"), [("dspark-markov-vd", "fixed"), ("dspark-rnn", "scheduler")])
+@pytest.mark.parametrize(
+    ("drafter_name", "policy"),
+    [("dspark-markov-vd", "fixed"), pytest.param("dspark-rnn", "scheduler", marks=pytest.mark.slow)],
+)
 def test_faulty_drafter_slots_are_never_proposed_and_the_output_is_still_the_targets(
     target, prompt, drafter_name, policy
 ):

@@ -13,7 +13,7 @@ from process_group import free_port, run_ranks
 
 from dspark.metrics import CumulativeCalibration, PositionCrossEntropy, RolloutAcceptance, TeacherForcedAcceptance
 
-pytestmark = pytest.mark.ddp
+pytestmark = [pytest.mark.ddp, pytest.mark.slow]  # two gloo processes: the slow tier (make test-all)
 
 GAMMA = 4
 WORLD = 2

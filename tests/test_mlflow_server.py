@@ -61,6 +61,7 @@ def _rest(url: str, path: str, payload: dict | None = None) -> dict:
 
 
 @pytest.mark.skipif(not MLFLOW.exists(), reason="the venv has no mlflow executable")
+@pytest.mark.slow
 def test_two_cell_sweep_against_a_real_server(tmp_path, shared_root, monkeypatch, one_thread):
     monkeypatch.setenv("MLFLOW_TRACKING_URI", os.environ.get("MLFLOW_TRACKING_URI", ""))  # restored afterwards
     port = free_port()

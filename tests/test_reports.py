@@ -575,3 +575,39 @@ def test_scheduler_arms_report_marks_the_lossy_arm_and_judges_the_bypass_apart(s
     # the bypass is judged only among first_non_improvement cells: the lossy arm never enters its comparison
     bypass = [c for c in claims if c.id.startswith("scheduler_arms.cost_vs_off.tau")]
     assert bypass and all(c.verdict == "not resolved" for c in bypass)
+
+
+def test_confidence_report_reads_only_informative_calibration_cells(store_root, tmp_path):
+    """sweep=confidence: held-out AUROC per source and position pooled over informative runs only (an
+    uninformative cell prints so, whatever value it logged), and each source judged against the head."""
+    store = _store(store_root, "confidence")
+
+    def metrics(source: str, seed: int) -> dict[str, float]:
+        auroc = {"head": 0.80, "draft_max_prob": 0.70, "online": 0.75}[source]
+        out = _arm_metrics({"head": 2.0, "draft_max_prob": 1.8, "online": 2.1}[source], 1.1, seed)
+        for k, informative in ((1, 1.0), (2, 0.0)):
+            out |= {
+                f"calibration/count/pos{k}": 200.0,
+                f"calibration/positives/pos{k}": 80.0 if informative else 3.0,
+                f"calibration/informative/pos{k}": informative,
+                f"calibration/auroc_before/pos{k}": auroc + 0.01 * seed if informative else 0.99,
+                f"calibration/auroc_before_se/pos{k}": 0.03,
+                f"calibration/auroc_after/pos{k}": auroc + 0.01 * seed,
+                f"calibration/ece_before/pos{k}": 0.05,
+                f"calibration/ece_after/pos{k}": 0.02,
+            }
+        return out
+
+    cells = [
+        ({"drafter": "dspark", "decode.confidence": source, "seed": s}, metrics(source, s))
+        for s in (0, 1)
+        for source in ("head", "draft_max_prob", "online")
+    ]
+    _seed_sweep(store, sweep="confidence", cells=cells)
+    runs = collect_sweep_runs(store, sweep="confidence")
+    text, _, ctx = build_report(runs, spec=load_sweep("confidence"), out_dir=tmp_path, provenance=PROVENANCE)
+    rows = [line for line in text.splitlines() if line.startswith("| drafter=dspark, decode.confidence=head |")]
+    assert "0.805 [" in rows[0] and "uninformative" in rows[1] and "0.99" not in rows[1]
+    ids = {c.id for c in ctx.claims}
+    assert "confidence.online_vs_head.tau.drafter_dspark" in ids
+    assert "confidence.draft_max_prob_vs_head.speedup.drafter_dspark" in ids

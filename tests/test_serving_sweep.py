@@ -16,7 +16,8 @@ from dspark.serving.policies import SERVE_POLICIES
 from dspark.sweeps.driver import run_sweep
 from dspark.tracking import open_store
 
-pytestmark = pytest.mark.usefixtures("one_thread")
+# one served sweep end to end (every policy, simulated levels, a bf16 serve): the slow tier (make test-all)
+pytestmark = [pytest.mark.usefixtures("one_thread"), pytest.mark.slow]
 FAST = ["budget=smoke", "optim.epochs=1", "serve.num_requests=3", "serve.max_new_tokens=6"]
 
 

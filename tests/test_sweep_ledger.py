@@ -135,6 +135,7 @@ def test_a_file_that_is_not_this_sweeps_ledger_is_refused_with_the_fix(tmp_path,
     assert str(path) in str(err.value)
 
 
+@pytest.mark.slow
 def test_a_sweep_goes_on_from_another_checkout_and_its_report_regenerates(tmp_path, monkeypatch, one_thread):
     """Checkout A runs the first cell; checkout B (an empty store, A's ledger committed as results/depth/ledger.json)
     imports it, runs only the second and reports both; the report regenerates from B's ledger alone, the same twice

@@ -360,6 +360,7 @@ def test_processes_of_one_sweep_split_the_cells_by_claims(other_finishes, tmp_pa
     assert len(_finished(cells)) == 3 == len(cells)
 
 
+@pytest.mark.slow
 def test_two_processes_of_one_sweep_command_run_each_cell_once(tmp_path):
     """Two real processes started with the same sweep command on one store split its cells: every cell finishes once,
     no cell is run by both."""
@@ -392,6 +393,7 @@ def test_two_processes_of_one_sweep_command_run_each_cell_once(tmp_path):
     assert len(cells) == 3  # no cell was attempted twice
 
 
+@pytest.mark.slow
 def test_workers_on_two_machines_sharing_one_store_run_each_cell_once(tmp_path):
     """Two workers with their own paths.root (two machines: no shared file locks, caches or ledgers) and one shared
     tracking store: the store claims split the cells, one parent run, every cell finished once."""

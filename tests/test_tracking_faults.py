@@ -107,6 +107,7 @@ def _train_steps(root: Path) -> int:
     return max(len(client.get_metric_history(r.info.run_id, "train/loss")) for r in finished)
 
 
+@pytest.mark.slow
 def test_processes_opening_a_new_sqlite_store_at_once_all_succeed(tmp_path):
     """Without the lock in open_store, MLflow's schema migration raced: "Online migration expected to match one
     row when updating ... in 'alembic_version'; 0 found", or a duplicate create_experiment."""

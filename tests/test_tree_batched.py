@@ -126,7 +126,10 @@ def chi_square(target, prompt, results):
 
 @pytest.mark.parametrize(
     ("drafter_name", "shape_name", "kind"),
-    [("dspark-markov-vd", "branching-rrsw", BatchedTreeEngine), ("eagle3", "widths", TargetBranches)],
+    [
+        ("dspark-markov-vd", "branching-rrsw", BatchedTreeEngine),
+        pytest.param("eagle3", "widths", TargetBranches, marks=pytest.mark.slow),  # the slow tier (make test-all)
+    ],
 )
 def test_sampling_matches_the_target_distribution(target, prompts, drafter_name, shape_name, kind):
     results = sample(target, prompts[0], drafter_name, shape_name, kind=kind)

@@ -221,7 +221,11 @@ SAMPLING_CASES = [
 ]
 
 
-@pytest.mark.parametrize(("drafter_name", "shape_name", "with_target_branch"), SAMPLING_CASES)
+@pytest.mark.parametrize(
+    ("drafter_name", "shape_name", "with_target_branch"),
+    # the fast tier keeps the first case; every case runs in the slow tier (make test-all)
+    [pytest.param(*case, marks=() if i == 0 else pytest.mark.slow) for i, case in enumerate(SAMPLING_CASES)],
+)
 def test_sampling_matches_the_target_distribution(target, prompt, drafter_name, shape_name, with_target_branch):
     results = sample(target, prompt, drafter_name, shape_name, with_target_branch=with_target_branch)
     rounds = [r for result in results for r in result.rounds]
