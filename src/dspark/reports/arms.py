@@ -17,25 +17,28 @@ from dataclasses import dataclass
 
 import polars as pl
 
-from dspark.intervals import t_quantile
 from dspark.markdown import markdown_table
-from dspark.reports.claims import MULTIPLICITY, Difference, Pooled, difference_claim, judged, pool, pooled_tau
+from dspark.reports.claims import (
+    MULTIPLICITY,
+    Difference,
+    Pooled,
+    difference_claim,
+    judged,
+    pooled_prompt_metric,
+    pooled_tau,
+)
 from dspark.reports.context import REPORT_BUILDERS, ReportContext
 from dspark.reports.writer import Section
 
 
-def _column(rows: pl.DataFrame, name: str) -> list[float | None]:
+def metric_values(rows: pl.DataFrame, name: str) -> list[float | None]:
+    """A metric column as a list (Nones when no run logged it)."""
     return rows[name].to_list() if name in rows.columns else [None] * rows.height
 
 
 def pooled_speedup(rows: pl.DataFrame) -> Pooled:
-    """Per-prompt mean speed-up over target-only decoding, with its within-run se from the logged prompt interval."""
-    ses = []
-    for half, prompts in zip(_column(rows, "eval/all/speedup_prompt_ci95"), _column(rows, "eval/all/prompts")):
-        n = int(prompts) if prompts is not None and math.isfinite(float(prompts)) else 0
-        finite = half is not None and math.isfinite(float(half))
-        ses.append(float(half) / t_quantile(n) if finite and n >= 2 else None)
-    return pool(_column(rows, "eval/all/speedup_prompt_mean"), ses)
+    """Per-prompt mean speed-up over target-only decoding, pooled by the claims module's one rule (as τ is)."""
+    return pooled_prompt_metric(rows, "speedup")
 
 
 def interval_text(p: Pooled, digits: int = 3) -> str:
@@ -76,7 +79,7 @@ def _arms(ctx: ReportContext, spec: ArmSpec) -> dict[tuple, dict[str, dict]]:
 
 
 def _mean(rows: pl.DataFrame, column: str) -> float:
-    values = [float(v) for v in _column(rows, column) if v is not None and math.isfinite(float(v))]
+    values = [float(v) for v in metric_values(rows, column) if v is not None and math.isfinite(float(v))]
     return sum(values) / len(values) if values else math.nan
 
 
@@ -114,7 +117,7 @@ def arms_sections(ctx: ReportContext, spec: ArmSpec) -> list[Section]:
                 continue
             rows = ctx.rows_of(group)
             lossy = " — lossy arm: not the target's distribution" if _mean(rows, "eval/lossy") == 1.0 else ""
-            seeds = ",".join(str(s) for s in sorted({s for s in _column(rows, "axis.seed") if s is not None}))
+            seeds = ",".join(str(s) for s in sorted({s for s in metric_values(rows, "axis.seed") if s is not None}))
             for metric, pooled, label in (("tau", pooled_tau, "τ"), ("speedup", pooled_speedup, "speed-up")):
                 diff = Difference(pooled(rows), pooled(base_rows))
                 lines.append("- " + judged(f"{spec.axis}={arm} vs {spec.baseline}, {label} ({where}){lossy}", diff))

@@ -21,7 +21,7 @@ import re
 import polars as pl
 
 from dspark.markdown import markdown_table
-from dspark.reports.arms import ArmSpec, arms_sections
+from dspark.reports.arms import ArmSpec, arms_sections, metric_values
 from dspark.reports.claims import Pooled, pool
 from dspark.reports.context import REPORT_BUILDERS, ReportContext, axis_text
 from dspark.reports.writer import Section
@@ -30,17 +30,13 @@ SOURCE_AXIS = "axis.decode.confidence"
 HEAD = "head"
 
 
-def _column(rows: pl.DataFrame, name: str) -> list[float | None]:
-    return rows[name].to_list() if name in rows.columns else [None] * rows.height
-
-
 def _positions(ctx: ReportContext) -> list[int]:
     found = {int(m.group(1)) for c in ctx.frame.columns if (m := re.match(r"calibration/count/pos(\d+)$", c))}
     return sorted(found)
 
 
 def _informative(rows: pl.DataFrame, k: int) -> list[bool]:
-    flags = _column(rows, f"calibration/informative/pos{k}")
+    flags = metric_values(rows, f"calibration/informative/pos{k}")
     return [flag is None or float(flag) == 1.0 for flag in flags]  # None: logged before the flag existed
 
 
@@ -48,8 +44,8 @@ def pooled_auroc(rows: pl.DataFrame, k: int, *, when: str = "before") -> Pooled:
     """AUROC of a_k at position k (raw source: `before`; after STS: `after`) over the runs whose cell is
     informative, with its within-run Hanley–McNeil se."""
     keep = _informative(rows, k)
-    values = [v if ok else None for v, ok in zip(_column(rows, f"calibration/auroc_{when}/pos{k}"), keep)]
-    return pool(values, _column(rows, f"calibration/auroc_{when}_se/pos{k}"))
+    values = [v if ok else None for v, ok in zip(metric_values(rows, f"calibration/auroc_{when}/pos{k}"), keep)]
+    return pool(values, metric_values(rows, f"calibration/auroc_{when}_se/pos{k}"))
 
 
 def _interval(p: Pooled, digits: int = 3) -> str:
@@ -61,7 +57,7 @@ def _interval(p: Pooled, digits: int = 3) -> str:
 
 
 def _ece(rows: pl.DataFrame, k: int, when: str) -> str:
-    column = zip(_column(rows, f"calibration/ece_{when}/pos{k}"), _informative(rows, k))
+    column = zip(metric_values(rows, f"calibration/ece_{when}/pos{k}"), _informative(rows, k))
     values = [v for v, ok in column if ok and v is not None and math.isfinite(v)]
     return f"{100 * sum(values) / len(values):.1f}" if values else "uninformative"
 
@@ -84,8 +80,8 @@ def quality_section(ctx: ReportContext, positions: list[int]) -> Section:
     for group in ctx.group_dicts():
         frame = ctx.rows_of(group)
         for k in positions:
-            counts = [v for v in _column(frame, f"calibration/count/pos{k}") if v is not None]
-            accepts = [v for v in _column(frame, f"calibration/positives/pos{k}") if v is not None]
+            counts = [v for v in metric_values(frame, f"calibration/count/pos{k}") if v is not None]
+            accepts = [v for v in metric_values(frame, f"calibration/positives/pos{k}") if v is not None]
             rows.append(
                 [
                     _group_label(group),

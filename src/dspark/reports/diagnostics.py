@@ -225,20 +225,16 @@ def build_calibration(ctx: ReportContext) -> list[Section]:
         for k in positions:
             ref = paper.CALIBRATION.get(k)
             scale = lambda e: Estimate(100 * e.mean, 100 * e.half_width, e.n)  # noqa: E731
-            shown = lambda e, text: (
-                text
-                if e.ok
-                else "uninformative"  # noqa: E731
-                if f"calibration/informative/pos{k}" in frame.columns
-                else text
-            )
+            flagged = f"calibration/informative/pos{k}" in frame.columns
+            est = {name: metric(name, k) for name in ("ece_before", "ece_after", "auroc_before", "auroc_after")}
+            shown = lambda name, text: text if est[name].ok or not flagged else "uninformative"  # noqa: E731
             rows.append(
                 [
                     str(k),
-                    shown(metric("ece_before", k), scale(metric("ece_before", k)).text(1)),
-                    shown(metric("ece_after", k), scale(metric("ece_after", k)).text(1)),
-                    shown(metric("auroc_before", k), metric("auroc_before", k).text(3)),
-                    shown(metric("auroc_after", k), metric("auroc_after", k).text(3)),
+                    shown("ece_before", scale(est["ece_before"]).text(1)),
+                    shown("ece_after", scale(est["ece_after"]).text(1)),
+                    shown("auroc_before", est["auroc_before"].text(3)),
+                    shown("auroc_after", est["auroc_after"].text(3)),
                     f"{100 * ref['ece_before']:.1f} → {100 * ref['ece_after']:.1f}" if ref else "–",
                     num(ref["auroc"], 3) if ref else "–",
                 ]
